@@ -1,0 +1,110 @@
+"""graphsan: catch stale memory in any CUDA graph before it replays.
+
+A captured CUDA graph bakes raw device addresses into its kernels. When eager code later frees,
+resizes or replaces memory a live graph still uses, the next replay silently corrupts data or
+dies with "an illegal memory access". graphsan watches every graph captured in the process and,
+before a replay that would touch such memory, names the graph, kernel node, argument, buffer,
+where it was allocated and where (in which phase and step) it was freed.
+
+Turn it on for a whole program with ``graphsan run script.py`` (or ``-m module``), or in code::
+
+    import graphsan
+    san = graphsan.enable(policy="raise")     # "raise" | "warn" | "record" | "pin"
+    ...
+    with graphsan.watch(policy="warn") as san:
+        ...
+    with graphsan.phase("eval", step=100):    # optional; train/eval is tracked automatically
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from graphsan.context import Context
+from graphsan.report import Finding, StaleMemoryError
+from graphsan.sanitizer import POLICIES, Sanitizer, check_policy
+
+__all__ = [
+    "POLICIES",
+    "Finding",
+    "Sanitizer",
+    "StaleMemoryError",
+    "current",
+    "disable",
+    "enable",
+    "label",
+    "phase",
+    "watch",
+]
+__version__ = "0.1.0"
+
+_context = Context()
+_current: Sanitizer | None = None
+
+
+def enable(policy: str = "raise", *, alloc_stacks: bool = True) -> Sanitizer:
+    """Start watching every CUDA graph captured from now on. Idempotent: a second call returns
+    the running sanitizer with the new policy. Without CUDA it says so and stays idle."""
+    global _current
+    check_policy(policy)
+    if _current is not None and _current.active:
+        _current.policy = policy
+        _apply_pin(_current)
+        return _current
+    _current = Sanitizer(policy, _context, alloc_stacks)
+    _apply_pin(_current)
+    return _current.start()
+
+
+def _apply_pin(san: Sanitizer) -> None:
+    if san.policy == "pin" and san.pinner is None:
+        from graphsan.pin import Pinner
+
+        san.pinner = Pinner(san)
+
+
+def disable() -> None:
+    """Stop watching. Findings stay available on the Sanitizer that `enable` returned."""
+    if _current is not None:
+        _current.stop()
+
+
+def current() -> Sanitizer | None:
+    """The sanitizer of this process, if one was enabled."""
+    return _current
+
+
+@contextlib.contextmanager
+def watch(policy: str = "warn", **kwargs) -> Iterator[Sanitizer]:
+    """Watch graphs inside the block; the previous state (on or off, policy) is restored after."""
+    was = _current if (_current is not None and _current.active) else None
+    old_policy = was.policy if was is not None else None
+    san = enable(policy, **kwargs)
+    try:
+        yield san
+    finally:
+        if was is None:
+            disable()
+        else:
+            was.policy = old_policy
+
+
+def phase(name: str, step: int | None = None):
+    """Tag frees inside the block with a phase name (and a step, else the optimizer step count)."""
+    return _context.phase(name, step)
+
+
+@contextlib.contextmanager
+def label(name: str) -> Iterator[None]:
+    """Name the graphs captured inside the block (reports show the label)."""
+    san = _current
+    if san is None:
+        yield
+        return
+    san.push_label(name)
+    try:
+        yield
+    finally:
+        san.pop_label()

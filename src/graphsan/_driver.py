@@ -1,0 +1,235 @@
+"""CUDA driver access through NVIDIA's cuda-bindings: the graph being captured, its nodes, kernel
+names and the raw bytes of every kernel's arguments.
+
+Imported only when a graph is captured, so CPU machines never load libcuda. Every call that can
+fail raises `DriverError` with the driver's error name; callers decide what is fatal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Iterator
+
+from cuda.bindings import driver as drv
+
+from graphsan.analysis import CopyArgs, KernelArgs, WalkStats
+
+CU_LAUNCH_PARAM_END = 0
+CU_LAUNCH_PARAM_BUFFER_POINTER = 1
+CU_LAUNCH_PARAM_BUFFER_SIZE = 2
+MAX_PARAMS = 4096  # no kernel takes more; a guard against runaway loops
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+def _check(result, what: str):
+    err, *rest = result
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise DriverError(f"{what} failed: {err.name}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+# ----------------------------------------------------------------------------- the capture
+def capturing_graph(stream_handle: int):
+    """The CUgraph that `stream_handle` is capturing into right now (before capture end)."""
+    res = _check(drv.cuStreamGetCaptureInfo(drv.CUstream(stream_handle)), "cuStreamGetCaptureInfo")
+    status, graph = res[0], res[2]
+    if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        raise DriverError(f"stream {stream_handle:#x} is not capturing (status {status.name})")
+    return graph
+
+
+def walk(graph) -> tuple[list[KernelArgs | CopyArgs], WalkStats]:
+    """Every kernel, memcpy and memset node of `graph`, child and conditional bodies included."""
+    stats = WalkStats()
+    out: list[KernelArgs | CopyArgs] = []
+    for node in _nodes(graph, stats):
+        rec = _read_node(node, len(out), stats)
+        if rec is not None:
+            out.append(rec)
+    return out, stats
+
+
+def _nodes(graph, stats: WalkStats) -> Iterator:
+    _, count = _check_pair(drv.cuGraphGetNodes(graph), "cuGraphGetNodes")
+    nodes, _ = _check_pair(drv.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
+    T = drv.CUgraphNodeType
+    for node in nodes[:count]:
+        stats.nodes += 1
+        kind = _check(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
+        if kind == T.CU_GRAPH_NODE_TYPE_GRAPH:
+            stats.child_graphs += 1
+            yield from _nodes(
+                _check(drv.cuGraphChildGraphNodeGetGraph(node), "cuGraphChildGraphNodeGetGraph"),
+                stats,
+            )
+        elif kind == T.CU_GRAPH_NODE_TYPE_CONDITIONAL:
+            try:
+                params = _check(drv.cuGraphNodeGetParams(node), "cuGraphNodeGetParams")
+                cond = params.conditional
+                for body in list(cond.phGraph_out)[: cond.size]:
+                    stats.child_graphs += 1
+                    yield from _nodes(body, stats)
+            except (DriverError, AttributeError, TypeError):
+                stats.unreadable += 1
+        else:
+            yield node
+
+
+def _check_pair(result, what):
+    err, nodes, count = result
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise DriverError(f"{what} failed: {err.name}")
+    return nodes, count
+
+
+def _read_node(node, index: int, stats: WalkStats) -> KernelArgs | CopyArgs | None:
+    T = drv.CUgraphNodeType
+    kind = _check(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
+    try:
+        if kind == T.CU_GRAPH_NODE_TYPE_KERNEL:
+            stats.kernels += 1
+            return _read_kernel(node, index)
+        if kind == T.CU_GRAPH_NODE_TYPE_MEMCPY:
+            stats.copies += 1
+            p = _check(drv.cuGraphMemcpyNodeGetParams(node), "cuGraphMemcpyNodeGetParams")
+            addrs = []
+            for side in ("src", "dst"):
+                mtype = getattr(p, f"{side}MemoryType")
+                if mtype in (
+                    drv.CUmemorytype.CU_MEMORYTYPE_DEVICE,
+                    drv.CUmemorytype.CU_MEMORYTYPE_UNIFIED,
+                ):
+                    base = int(getattr(p, f"{side}Device"))
+                    addrs.append((side, base + int(getattr(p, f"{side}XInBytes"))))
+            return CopyArgs(index, "memcpy", addrs)
+        if kind == T.CU_GRAPH_NODE_TYPE_MEMSET:
+            stats.copies += 1
+            p = _check(drv.cuGraphMemsetNodeGetParams(node), "cuGraphMemsetNodeGetParams")
+            return CopyArgs(index, "memset", [("dst", int(p.dst))])
+    except DriverError:
+        stats.unreadable += 1
+    return None
+
+
+def _read_kernel(node, index: int) -> KernelArgs:
+    p = _check(drv.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
+    func, kern = int(p.func), int(p.kern)
+    if func:
+        name, layout = _function_info(func, False)
+    elif kern:
+        name, layout = _function_info(kern, True)
+    else:
+        name, layout = "<unknown kernel>", ()
+    kp, extra = int(p.kernelParams), int(p.extra)
+    if kp:
+        if not layout:
+            raise DriverError(f"no parameter layout for {name}")
+        size = max(off + sz for off, sz in layout)
+        buf = bytearray(size)
+        ptrs = (ctypes.c_void_p * len(layout)).from_address(kp)
+        for (off, sz), ptr in zip(layout, ptrs, strict=True):
+            if ptr:
+                buf[off : off + sz] = ctypes.string_at(ptr, sz)
+        return KernelArgs(index, name, bytes(buf), [off for off, _ in layout])
+    if extra:
+        return KernelArgs(index, name, _packed_buffer(extra), [off for off, _ in layout])
+    return KernelArgs(index, name, b"", [])
+
+
+def _packed_buffer(extra: int) -> bytes:
+    """Read a `CU_LAUNCH_PARAM_BUFFER_POINTER`/`_SIZE` launch buffer (as cuBLASLt passes it)."""
+    words = (ctypes.c_void_p * 16).from_address(extra)
+    ptr = size = None
+    for i in range(0, 16, 2):
+        key = words[i] or 0
+        if key == CU_LAUNCH_PARAM_END:
+            break
+        if key == CU_LAUNCH_PARAM_BUFFER_POINTER:
+            ptr = words[i + 1]
+        elif key == CU_LAUNCH_PARAM_BUFFER_SIZE:
+            size = ctypes.c_size_t.from_address(words[i + 1]).value
+    if not ptr or not size:
+        raise DriverError("kernel node has an `extra` array without a parameter buffer")
+    return ctypes.string_at(ptr, size)
+
+
+@functools.lru_cache(maxsize=65536)
+def _function_info(handle: int, is_kernel: bool) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """Demangled name and (offset, size) of each parameter of a CUfunction or CUkernel."""
+    if is_kernel:
+        h, get_name, get_param = drv.CUkernel(handle), drv.cuKernelGetName, drv.cuKernelGetParamInfo
+    else:
+        h, get_name, get_param = drv.CUfunction(handle), drv.cuFuncGetName, drv.cuFuncGetParamInfo
+    try:
+        raw = _check(get_name(h), "cuFuncGetName")
+        name = demangle(raw.decode() if isinstance(raw, bytes) else str(raw))
+    except DriverError:
+        name = f"<kernel {handle:#x}>"
+    layout = []
+    for i in range(MAX_PARAMS):
+        err, off, size = get_param(h, i)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            break
+        layout.append((int(off), int(size)))
+    return name, tuple(layout)
+
+
+# ----------------------------------------------------------------------------- addresses
+def address_range(ptr: int) -> tuple[int, int] | None:
+    """(base, size) of the driver allocation holding `ptr`, or None (not device memory)."""
+    err, base, size = drv.cuMemGetAddressRange(drv.CUdeviceptr(ptr))
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return None
+    return int(base), int(size)
+
+
+def is_mapped(ptr: int) -> bool:
+    """Whether physical memory is mapped at `ptr` (for expandable segments, where the virtual
+    range outlives the pages: cuMemGetAddressRange still answers after an unmap)."""
+    err, handle = drv.cuMemRetainAllocationHandle(ptr)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return False
+    drv.cuMemRelease(handle)
+    return True
+
+
+# ----------------------------------------------------------------------------- names
+@functools.lru_cache(maxsize=1)
+def _cxa_demangle():
+    lib = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
+    fn = lib.__cxa_demangle
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_int),
+    ]
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.free.argtypes = [ctypes.c_void_p]
+    return fn, libc.free
+
+
+def demangle(name: str) -> str:
+    """Itanium C++ demangling through libstdc++'s `__cxa_demangle`; names it cannot read pass."""
+    if not name.startswith("_Z"):
+        return name
+    try:
+        fn, free = _cxa_demangle()
+    except (OSError, AttributeError):
+        return name
+    status = ctypes.c_int(0)
+    out = fn(name.encode(), None, None, ctypes.byref(status))
+    if status.value != 0 or not out:
+        return name
+    try:
+        return ctypes.string_at(out).decode(errors="replace")
+    finally:
+        free(out)

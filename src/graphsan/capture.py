@@ -1,0 +1,93 @@
+"""Hooks on `torch.cuda.CUDAGraph`: every capture, replay, reset and deletion in the process.
+
+`torch.cuda.graph(...)`, `torch.cuda.make_graphed_callables`, torch.compile's CUDA graph trees,
+Transformer Engine and Megatron all capture through this class, so wrapping its methods sees
+graphs captured by code we do not control. The wrappers only route calls to a `Listener`; they
+never change what the original methods do, and the replay wrapper costs one attribute check
+when nothing is pending.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+
+_ATTR = "_graphsan_state"
+
+
+class Listener(Protocol):
+    def capture_begin(self, graph: torch.cuda.CUDAGraph) -> None: ...
+    def before_capture_end(self, graph: torch.cuda.CUDAGraph) -> object: ...
+    def after_capture_end(self, graph: torch.cuda.CUDAGraph, walked: object) -> None: ...
+    def before_replay(self, graph: torch.cuda.CUDAGraph, state: object) -> None: ...
+    def reset(self, graph: torch.cuda.CUDAGraph) -> None: ...
+
+
+def graph_state(graph: torch.cuda.CUDAGraph):
+    return graph.__dict__.get(_ATTR)
+
+
+def set_graph_state(graph: torch.cuda.CUDAGraph, state) -> None:
+    graph.__dict__[_ATTR] = state
+
+
+class GraphHooks:
+    """Installs and removes the wrappers on `torch.cuda.CUDAGraph`."""
+
+    def __init__(self, listener: Listener) -> None:
+        self.listener = listener
+        self._originals: dict[str, object] = {}
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._originals)
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        cls = torch.cuda.CUDAGraph
+        listener = self.listener
+        names = ("capture_begin", "capture_end", "replay", "reset")
+        orig = {name: cls.__dict__[name] for name in names}
+
+        @functools.wraps(orig["capture_begin"])
+        def capture_begin(self, *args, **kwargs):
+            result = orig["capture_begin"](self, *args, **kwargs)
+            listener.capture_begin(self)
+            return result
+
+        @functools.wraps(orig["capture_end"])
+        def capture_end(self, *args, **kwargs):
+            walked = listener.before_capture_end(self)
+            result = orig["capture_end"](self, *args, **kwargs)
+            listener.after_capture_end(self, walked)
+            return result
+
+        @functools.wraps(orig["replay"])
+        def replay(self, *args, **kwargs):
+            state = self.__dict__.get(_ATTR)
+            if state is not None and state.dirty:
+                listener.before_replay(self, state)
+            return orig["replay"](self, *args, **kwargs)
+
+        @functools.wraps(orig["reset"])
+        def reset(self, *args, **kwargs):
+            listener.reset(self)
+            return orig["reset"](self, *args, **kwargs)
+
+        for name, fn in (
+            ("capture_begin", capture_begin),
+            ("capture_end", capture_end),
+            ("replay", replay),
+            ("reset", reset),
+        ):
+            setattr(cls, name, fn)
+        self._originals = orig
+
+    def uninstall(self) -> None:
+        cls = torch.cuda.CUDAGraph
+        for name, fn in self._originals.items():
+            setattr(cls, name, fn)
+        self._originals = {}

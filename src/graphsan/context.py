@@ -1,0 +1,106 @@
+"""Phase and step tracking: which part of training a free happened in.
+
+The phase is, in order of precedence: the innermost `graphsan.phase(...)` block; otherwise the
+mode of the last `nn.Module.train()` / `.eval()` call ("train" or "eval"), with "no_grad" added
+when gradients are off. The step counts optimizer steps (a global optimizer post-hook) unless a
+`phase(..., step=N)` block gives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections.abc import Iterator
+
+import torch
+
+from graphsan.report import Frame
+
+_GRAPHSAN_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SKIP_DIRS = (_GRAPHSAN_DIR + os.sep, _TORCH_DIR + os.sep)
+_LAB_DIR = os.path.join(_GRAPHSAN_DIR, "lab") + os.sep
+MAX_FRAMES = 12
+
+
+def is_user_frame(filename: str) -> bool:
+    """Frames of graphsan's sanitizer and of torch itself say nothing about the user's code
+    (the lab is user code as far as the sanitizer is concerned)."""
+    if filename.startswith(_LAB_DIR):
+        return True
+    return not filename.startswith(_SKIP_DIRS) and not filename.startswith("<frozen")
+
+
+def user_frames(frames: list[Frame], limit: int = MAX_FRAMES) -> list[Frame]:
+    """Outermost-first frames with sanitizer and torch internals removed, the last `limit` kept."""
+    kept = [f for f in frames if is_user_frame(f[0])]
+    return kept[-limit:]
+
+
+def python_stack(limit: int = MAX_FRAMES) -> list[Frame]:
+    """The current Python stack, outermost first, user frames only. Cheap: no source lines read."""
+    summary = traceback.StackSummary.extract(traceback.walk_stack(None), lookup_lines=False)
+    frames = [(fs.filename, fs.lineno or 0, fs.name) for fs in reversed(summary)]
+    return user_frames(frames, limit)
+
+
+class Context:
+    """Process-wide phase and step (frees can happen on autograd's threads, so not thread-local)."""
+
+    def __init__(self) -> None:
+        self.module_training: bool | None = None
+        self.steps = 0
+        self._explicit: list[tuple[str, int | None]] = []
+        self._handles: list = []
+        self._orig_train = None
+
+    def current(self) -> tuple[str, int]:
+        if self._explicit:
+            phase, step = self._explicit[-1]
+            return phase, self.steps if step is None else step
+        grad = torch.is_grad_enabled()
+        if self.module_training is None:
+            phase = "train" if grad else "no_grad"
+        else:
+            phase = "train" if self.module_training else "eval"
+            if not grad:
+                phase += " (no_grad)"
+        return phase, self.steps
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"graphsan.phase: expected a non-empty phase name, got {name!r}")
+        self._explicit.append((name, step))
+        try:
+            yield
+        finally:
+            self._explicit.pop()
+
+    def start(self) -> None:
+        if self._orig_train is not None:
+            return
+        orig = torch.nn.Module.train
+        ctx = self
+
+        def train(module, mode: bool = True):
+            ctx.module_training = bool(mode)
+            return orig(module, mode)
+
+        train.__wrapped__ = orig
+        self._orig_train = orig
+        torch.nn.Module.train = train
+
+        def count_step(_optimizer, _args, _kwargs):
+            ctx.steps += 1
+
+        self._handles.append(torch.optim.optimizer.register_optimizer_step_post_hook(count_step))
+
+    def stop(self) -> None:
+        if self._orig_train is not None:
+            torch.nn.Module.train = self._orig_train
+            self._orig_train = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,58 @@
+"""Lab numerics: MXFP8, NVFP4, FP8 and BF16 recipes, the quantized Linear, per-module precision.
+
+Formats (plain torch, bit-exact to docs/numerics.md on CPU and CUDA; Triton kernels on CUDA):
+
+    from graphsan.lab.quant import mxfp8, nvfp4
+    q = mxfp8.quantize(x, axis=-1, fmt="e4m3", rule="te");  mxfp8.dequantize(q)
+    q = nvfp4.quantize(x, axis=0, block_2d=False, order="current", rht=True, generator=g)
+    fp8.quantize(x, axis=-1)          # per-tensor current scaling, E4M3 (control recipe)
+
+Recipes and the quantized Linear:
+
+    r = get_recipe("nvfp4", order="legacy", rht=True, sr=True, weight_2d=True)  # Recipe, r.kind
+    lin = QuantLinear(1024, 1024, device="cuda"); lin.set_recipe(r); y = lin(x)
+    lin.weight.main_grad            # float32 weight gradient, accumulated in place
+    lin.workspace                   # WeightWorkspace(kind, rowwise, columnwise) or None
+    lin.state_policy = "te218"      # TE 2.18's workspace behaviour (the #3316 bug) | "fixed"
+
+Per-module precision:
+
+    cfg = PrecisionConfig.from_yaml("super-mixed")        # built-in name or a path
+    table = apply_precision(model, cfg, layer_pattern="M*M-ME", first_bf16=0, last_bf16=2)
+    print(format_precision_table(table))                  # [(module path, "recipe [why]")]
+
+Built-in precision files: `super-mixed` (base NVFP4; MTP, `*.linear_qkv`, `*.linear_proj`,
+`*.fc1_latent`, `*.fc2_latent` -> BF16; `*mixer.out_proj` -> MXFP8), `mxfp8-all`,
+`mxfp8-base-nvfp4-outproj` (base MXFP8, `*mixer.out_proj` -> NVFP4). Module names the rules expect
+from the model: attention `linear_qkv` / `linear_proj`, Mamba `mixer.in_proj` / `mixer.out_proj`,
+latent MoE `fc1_latent` / `fc2_latent`, MTP under `mtp.`, layers at `layers.{i}.`.
+"""
+
+from . import fp8, mxfp8, nvfp4, rht
+from .linear import QuantLinear, WeightWorkspace
+from .precision import (
+    PrecisionConfig,
+    PrecisionConfigError,
+    apply_precision,
+    builtin_configs,
+    format_precision_table,
+)
+from .recipe import Quantizer, Recipe, RecipeError, get_recipe
+
+__all__ = [
+    "PrecisionConfig",
+    "PrecisionConfigError",
+    "QuantLinear",
+    "Quantizer",
+    "Recipe",
+    "RecipeError",
+    "WeightWorkspace",
+    "apply_precision",
+    "builtin_configs",
+    "format_precision_table",
+    "fp8",
+    "get_recipe",
+    "mxfp8",
+    "nvfp4",
+    "rht",
+]

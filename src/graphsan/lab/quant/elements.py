@@ -1,0 +1,174 @@
+"""Element and scale encodings shared by the formats: E4M3, E5M2, E2M1 and E8M0.
+
+Every function here works on float32 tensors and returns raw bytes (uint8) or float32, on any
+device, without host synchronisation. The rules are the ones in docs/numerics.md:
+
+- E4M3 / E5M2 elements: round to nearest even with saturation to +-max ("satfinite"): +-inf goes
+  to +-max, NaN stays NaN. Torch casts round to nearest even but do not saturate on every torch
+  version, so values are clamped first.
+- E8M0 scales are built from float32 bit fields, never by a torch cast (which rounds to nearest
+  even instead of up).
+- E2M1 (FP4) codes 0-7 are the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}; bit 3 is the sign.
+  Two codes per byte, element 2j in the low nibble.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+E2M1_MAX = 6.0
+FLT_MAX = torch.finfo(torch.float32).max
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
+# Largest unbiased exponent of a normal number of each element format (OCP "emax").
+FP8_EMAX = {"e4m3": 8, "e5m2": 15}
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def fp32_const(value: float) -> torch.Tensor:
+    """`value` correctly rounded to float32, as a 0-dim CPU tensor (fl(1/448) and friends)."""
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def fp32_reciprocal(value: float) -> float:
+    """fl(1/value) computed as one IEEE float32 division (what a kernel's constant holds)."""
+    one = torch.tensor(1.0, dtype=torch.float32)
+    return float(one / torch.tensor(value, dtype=torch.float32))
+
+
+def check_fp8_format(fmt: str) -> None:
+    if fmt not in FP8_DTYPES:
+        raise ValueError(f"fmt={fmt!r}: expected one of {sorted(FP8_DTYPES)}")
+
+
+def nan_to_zero_abs(x32: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN replaced by 0, so a max over it ignores NaN (fmax semantics, amax starts at 0)."""
+    a = x32.abs()
+    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
+
+
+# --- FP8 elements (E4M3, E5M2) ---------------------------------------------------------------
+
+
+def fp8_encode(x32: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Round float32 to the FP8 format, nearest even, saturating to +-max; returns the bytes."""
+    m = FP8_MAX[fmt]
+    return x32.clamp(-m, m).to(FP8_DTYPES[fmt]).view(torch.uint8)
+
+
+def fp8_decode(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    """FP8 bytes -> float32 (exact)."""
+    return data.view(FP8_DTYPES[fmt]).to(torch.float32)
+
+
+# --- E8M0 scales ------------------------------------------------------------------------------
+
+
+def e8m0_round_up(v: torch.Tensor) -> torch.Tensor:
+    """TE's E8M0 rule for a non-negative float32 `v` = amax * fl(1/max_elem); returns bytes.
+
+    The biased exponent is v's float32 exponent field, plus 1 if any mantissa bit is set, except:
+    field already 0xFE stays 0xFE; a subnormal v with mantissa <= 0x400000 (v <= 2^-127) gives
+    0x00; v == 0 gives 0x00; v == inf gives 0xFE; NaN gives 0xFF.
+    """
+    bits = v.contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    e = exponent + round_up.to(torch.int32)
+    e = torch.where(torch.isinf(v), torch.full_like(e, 0xFE), e)
+    e = torch.where(torch.isnan(v), torch.full_like(e, 0xFF), e)
+    return e.to(torch.uint8)
+
+
+def e8m0_floor_ocp(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """OCP MX v1.0 rule: X = 2^(floor(log2 amax) - emax); returns the biased exponent bytes.
+
+    Kept only to document the difference with TE: values in (max, 2^(emax+1)) saturate.
+    amax == 0 gives 0x00, inf gives 0xFE, NaN 0xFF; the result is clamped to [0, 254].
+    """
+    _, exp = torch.frexp(amax)  # amax = m * 2^exp with m in [0.5, 1): floor(log2 amax) = exp - 1
+    e = (exp.to(torch.int32) - 1 - FP8_EMAX[fmt] + 127).clamp(0, 254)
+    e = torch.where(amax == 0, torch.zeros_like(e), e)
+    e = torch.where(torch.isinf(amax), torch.full_like(e, 0xFE), e)
+    e = torch.where(torch.isnan(amax), torch.full_like(e, 0xFF), e)
+    return e.to(torch.uint8)
+
+
+def exp2_biased(e: torch.Tensor, negate: bool = False) -> torch.Tensor:
+    """Exact float32 2^(e-127) (or 2^(127-e) with `negate`) for E8M0 bytes, built from bits.
+
+    2^-127 is the float32 subnormal 0x00400000; 2^128 is +inf; byte 0xFF gives NaN.
+    """
+    k = e.to(torch.int32) - 127
+    if negate:
+        k = -k
+    normal = ((k + 127).clamp(1, 254) << 23).view(torch.float32)
+    out = torch.where(k == -127, torch.full_like(normal, 2.0**-127), normal)
+    out = torch.where(k == 128, torch.full_like(out, float("inf")), out)
+    return torch.where(e == 0xFF, torch.full_like(out, float("nan")), out)
+
+
+# --- E2M1 (FP4) elements --------------------------------------------------------------------
+
+# Magnitude a maps to code = number of thresholds it passes; ">" where a tie goes down (to the
+# even code below), ">=" where a tie goes up (to the even code above).
+_E2M1_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)  # 0.25->0, 1.25->1, 2.5->2, 5->4
+_E2M1_TIES_UP = (0.75, 1.75, 3.5)  # 0.75->1, 1.75->2, 3.5->4
+
+
+def e2m1_rne(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 `v` (already clamped to [-6, 6]) to E2M1 codes, nearest even.
+
+    Sign bit only for strictly negative inputs (-0.0 gives code 0, tiny negatives code 8).
+    NaN gives +6 (code 7), the documented policy.
+    """
+    a = v.abs()
+    a = torch.where(torch.isnan(a), torch.full_like(a, E2M1_MAX), a)
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for t in _E2M1_TIES_DOWN:
+        code += (a > t).to(torch.uint8)
+    for t in _E2M1_TIES_UP:
+        code += (a >= t).to(torch.uint8)
+    return code | ((v < 0).to(torch.uint8) << 3)
+
+
+def e2m1_stochastic(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
+    """Stochastically round float32 `v` (clamped to [-6, 6]) to E2M1 codes with 8 random bits.
+
+    u = r/256; t = |v| + u * step(|v|); q = min(floor(t / step(t)) * step(t), 6), where step is
+    the grid spacing: 0.5 below 2, 1 on [2, 4), 2 on [4, 6]. NaN gives +6.
+    """
+    a = v.abs()
+    a = torch.where(torch.isnan(a), torch.full_like(a, E2M1_MAX), a)
+    u = rbits.to(torch.float32) * (1.0 / 256.0)
+    t = a + u * _e2m1_step(a)
+    step_t = _e2m1_step(t)
+    q = torch.minimum(torch.floor(t / step_t) * step_t, torch.full_like(t, E2M1_MAX))
+    code = e2m1_rne(q)  # q is on the grid already; this only maps value -> code
+    return code | ((v < 0).to(torch.uint8) << 3)
+
+
+def _e2m1_step(a: torch.Tensor) -> torch.Tensor:
+    half, one, two = (torch.full_like(a, s) for s in (0.5, 1.0, 2.0))
+    return torch.where(a < 2.0, half, torch.where(a < 4.0, one, two))
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (0-15) -> float32 values (code 8 is -0.0)."""
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
+    return lut[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] codes -> [..., n] bytes, element 2j in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n] codes (inverse of `pack_nibbles`)."""
+    return torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)

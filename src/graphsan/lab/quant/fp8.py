@@ -1,0 +1,64 @@
+"""FP8 per-tensor current scaling (E4M3) and BF16 passthrough: the simple control recipes.
+
+FP8 current scaling, as TE's Float8CurrentScaling does it: amax = max |x| (NaN ignored),
+scale = 448 / amax in float32 (1 when amax is 0 or the quotient is not finite, FLT_MAX when it
+overflows), data = E4M3(clamp(x * scale)), scale_inv = 1 / scale. Both directions hold the same
+values; columnwise data is stored transposed ([K, M]) like TE's FP8 transpose on Hopper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .elements import E4M3_MAX, FLT_MAX, fp8_decode, fp8_encode, nan_to_zero_abs
+
+
+@dataclass
+class FP8Tensor:
+    """One direction of a per-tensor-scaled E4M3 tensor of logical shape [M, K].
+
+    data: uint8 E4M3 bytes, [M, K] rowwise or [K, M] columnwise (transposed).
+    scale_inv: float32 0-dim, the dequantization factor 1/scale.
+    amax: float32 0-dim.
+    axis: -1 (rowwise) or 0 (columnwise).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    amax: torch.Tensor
+    axis: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.t().shape if self.axis == 0 else self.data.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.data, self.scale_inv, self.amax)
+
+
+def quantize(x: torch.Tensor, axis: int = -1) -> FP8Tensor:
+    """Quantize a 2-D tensor with one E4M3 scale computed from its current amax."""
+    if x.dim() != 2 or axis not in (-1, 0, 1):
+        raise ValueError(
+            f"FP8: expected a 2-D tensor and axis -1 or 0, got shape {tuple(x.shape)}, axis={axis}"
+        )
+    x32 = x.to(torch.float32)
+    amax = nan_to_zero_abs(x32).amax()
+    scale = E4M3_MAX / amax
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    bad = (amax == 0) | (scale == 0) | torch.isnan(scale)  # all zeros, amax inf, amax NaN
+    scale = torch.where(bad, torch.ones_like(scale), scale)
+    data = fp8_encode(x32 * scale, "e4m3")
+    if axis == 0:
+        data = data.t().contiguous()
+    return FP8Tensor(data, 1.0 / scale, amax, 0 if axis == 0 else -1)
+
+
+def dequantize(q: FP8Tensor) -> torch.Tensor:
+    out = fp8_decode(q.data, "e4m3") * q.scale_inv
+    return out.t() if q.axis == 0 else out

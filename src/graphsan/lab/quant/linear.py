@@ -1,0 +1,402 @@
+"""QuantLinear: a Linear layer whose three GEMMs run on quantized operands, with TE-like state.
+
+GEMMs (docs/numerics.md, "The quantized Linear"):
+
+    fprop  Y  = X W^T    W rowwise (NVFP4: 16x16 blocks), X rowwise
+    dgrad  dX = dY W     W columnwise, read from the cached weight workspace; dY rowwise (NVFP4: SR)
+    wgrad  dW = dY^T X   X columnwise and dY columnwise (NVFP4: both RHT, dY SR)
+
+Each GEMM is emulated exactly the way Hopper must: dequantize the operands exactly to bf16
+(without the per-tensor factor), bf16 GEMM with float32 accumulation, then one float32 alpha
+(NVFP4: amax_A * amax_B / (6^2 * 448^2); FP8 per-tensor: the product of the scale_invs; MXFP8: 1).
+The weight gradient is accumulated in place into the float32 `weight.main_grad`; `weight.grad`
+stays None.
+
+Per-module state mirrors Transformer Engine 2.18 (`transformer_engine/pytorch/module/*.py`), because
+the lab's reproduction of TE #3316 depends on it:
+
+- `recipe`: the module's own recipe (Megatron's per-module override binds it);
+  `stored_recipe`: what the module last recorded (TE's `fp8_meta["recipe"]`); forward writes it and
+  a CUDA-graph wrapper may overwrite it, as TE's `graph.py` does on every replay.
+- `workspace`: the cached quantized weight (rowwise part, columnwise part) that fprop and dgrad
+  read. It is allocated by the first eager forward that needs it and afterwards only re-quantized
+  IN PLACE (gated by the device-side `skip_weight_update` flag), so a captured graph's baked
+  addresses stay valid, until something clears it.
+- `state_policy`: "te218" reproduces TE's behaviour (clear the workspace when the stored recipe
+  class differs from the active one; an eval forward then rebuilds it rowwise-only), "fixed" never
+  clears on a mismatch and leaves the workspace alone when grad is disabled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import fp8, mxfp8, nvfp4
+from .recipe import QTensor, Quantizer, Recipe, get_recipe
+
+STATE_POLICIES = ("fixed", "te218")
+NVFP4_ALPHA_DIVISOR = 6.0**2 * 448.0**2  # 7225344
+
+
+@dataclass
+class WeightWorkspace:
+    """The cached quantized weight of one module (TE's `_fp8_workspaces["weight"]`).
+
+    kind: the recipe class the buffers were made for.
+    rowwise: the fprop operand (W rowwise).
+    columnwise: the dgrad operand (W columnwise); None until a grad-enabled forward builds it.
+    """
+
+    kind: str
+    rowwise: QTensor
+    columnwise: QTensor | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every device tensor of the workspace (what a captured graph may have baked in)."""
+        parts = [self.rowwise] + ([self.columnwise] if self.columnwise is not None else [])
+        return [t for p in parts for t in p.buffers()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+# --- GEMM emulation ---------------------------------------------------------------------------
+
+
+def gemm_operand(q: QTensor) -> torch.Tensor:
+    """Exact bf16 values of a quantized operand in its logical [rows, cols] shape, without the
+    per-tensor factor (which goes into alpha)."""
+    if isinstance(q, nvfp4.NVFP4Tensor):
+        values = nvfp4.block_values(q)  # E2M1 x E4M3: exact in bf16
+        values = values.t() if q.axis == 0 else values
+    elif isinstance(q, mxfp8.MXFP8Tensor):
+        values = mxfp8.dequantize(q)  # element x 2^k: exact in bf16 (same exponent range)
+    elif isinstance(q, fp8.FP8Tensor):
+        values = fp8.fp8_decode(q.data, "e4m3")
+        values = values.t() if q.axis == 0 else values
+    else:
+        raise TypeError(f"not a quantized tensor: {type(q).__name__}")
+    return values.to(torch.bfloat16)
+
+
+def gemm_alpha(a: QTensor, b: QTensor) -> torch.Tensor | None:
+    """The float32 epilogue factor of a GEMM of `a` and `b`, computed on device (None: 1)."""
+    if isinstance(a, nvfp4.NVFP4Tensor):
+        return (a.amax * b.amax) / NVFP4_ALPHA_DIVISOR
+    if isinstance(a, fp8.FP8Tensor):
+        return a.scale_inv * b.scale_inv
+    return None
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm(..., out_dtype=) works
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 a @ b with float32 accumulation and a float32 result."""
+    if a.is_cuda:
+        ok = _MM_OUT_DTYPE.get("cuda")
+        if ok is None:  # probed once, eagerly (the first call is never inside a capture)
+            try:
+                torch.mm(a[:1, :1], b[:1, :1], out_dtype=torch.float32)
+                ok = True
+            except (TypeError, RuntimeError):
+                ok = False
+            _MM_OUT_DTYPE["cuda"] = ok
+        if ok:
+            return torch.mm(a, b, out_dtype=torch.float32)
+    # bf16 x bf16 products are exact in float32, so this is a float32-accumulated bf16 GEMM.
+    return torch.mm(a.to(torch.float32), b.to(torch.float32))
+
+
+def quantized_mm(a: QTensor, b: QTensor, transpose_a: bool = False, transpose_b: bool = False):
+    """op(a) @ op(b) * alpha in float32, from exactly dequantized bf16 operands."""
+    a_val, b_val = gemm_operand(a), gemm_operand(b)
+    out = mm_fp32(a_val.t() if transpose_a else a_val, b_val.t() if transpose_b else b_val)
+    alpha = gemm_alpha(a, b)
+    return out if alpha is None else out * alpha
+
+
+# --- autograd ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """What one forward call hands to its backward (the autograd context keeps it)."""
+
+    recipe: Recipe
+    quantizers: dict[str, Quantizer]
+    w_rowwise: QTensor | None
+    w_columnwise: QTensor | None  # the workspace's columnwise buffers: dgrad reads them
+    main_grad: torch.Tensor
+    generator: torch.Generator | None
+    save_for_wgrad: bool
+
+
+class _QuantLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: _Plan):
+        if plan.recipe.quantized:
+            xq = plan.quantizers["input"].quantize(x, axis=-1)
+            y = quantized_mm(xq, plan.w_rowwise, transpose_b=True)
+            # TE quantizes the input's columnwise (wgrad) copy in forward and saves it.
+            ctx.x_saved = (
+                plan.quantizers["input"].quantize(x, axis=0) if plan.save_for_wgrad else None
+            )
+        else:
+            y = mm_fp32(x.to(torch.bfloat16), weight.to(torch.bfloat16).t())
+            ctx.x_saved = x if plan.save_for_wgrad else None
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        ctx.plan = plan
+        ctx.weight = weight if not plan.recipe.quantized else None
+        ctx.has_bias = bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan: _Plan = ctx.plan
+        dy = dy.contiguous()
+        dx = None
+        if plan.recipe.quantized:
+            q = plan.quantizers["grad_output"]
+            if ctx.needs_input_grad[0]:
+                dy_row = q.quantize(dy, axis=-1, generator=plan.generator)
+                dx = quantized_mm(dy_row, plan.w_columnwise).to(dy.dtype)
+            if ctx.x_saved is not None:
+                dy_col = q.quantize(dy, axis=0, generator=plan.generator)
+                plan.main_grad.add_(quantized_mm(dy_col, ctx.x_saved, transpose_a=True))
+        else:
+            dy16 = dy.to(torch.bfloat16)
+            if ctx.needs_input_grad[0]:
+                dx = mm_fp32(dy16, ctx.weight.to(torch.bfloat16)).to(dy.dtype)
+            if ctx.x_saved is not None:
+                plan.main_grad.add_(mm_fp32(dy16.t(), ctx.x_saved.to(torch.bfloat16)))
+        dbias = dy.to(torch.float32).sum(0).to(dy.dtype) if ctx.has_bias else None
+        ctx.x_saved = None
+        return dx, None, dbias, None
+
+
+# --- the module -------------------------------------------------------------------------------
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with the module's recipe; see the module docstring for the state rules.
+
+    weight: Parameter [out, in] in `params_dtype`; `weight.main_grad` (float32, allocated here)
+    accumulates the weight gradient in place.
+    recipe / set_recipe(r): the module's own recipe (default bf16).
+    stored_recipe: the recipe the module last recorded (forward writes it).
+    state_policy: "fixed" (default) or "te218".
+    workspace: the cached `WeightWorkspace` or None; clear_workspace() drops it.
+    skip_weight_update: None or a 0-dim device tensor; while it holds 1 the workspace is not
+    re-quantized (a masked in-place copy, so a captured graph can replay it).
+    sr_generator: generator for stochastic rounding (None: the device's default generator,
+    which CUDA-graph capture handles).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        device=None,
+        params_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        weight = torch.empty(out_features, in_features, device=device, dtype=torch.float32)
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's default
+        self.weight = nn.Parameter(weight.to(params_dtype))
+        self.weight.main_grad = torch.zeros(
+            out_features, in_features, device=device, dtype=torch.float32
+        )
+        if bias:
+            bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+            b = torch.empty(out_features, device=device, dtype=torch.float32).uniform_(
+                -bound, bound
+            )
+            self.bias = nn.Parameter(b.to(params_dtype))
+        else:
+            self.register_parameter("bias", None)
+        self._recipe = get_recipe("bf16")
+        self.quantizers: dict[str, Quantizer] = {}
+        self.stored_recipe: Recipe | None = None
+        self.state_policy = "fixed"
+        self.workspace: WeightWorkspace | None = None
+        self.skip_weight_update: torch.Tensor | None = None
+        self.sr_generator: torch.Generator | None = None
+
+    # --- recipe ---
+
+    @property
+    def recipe(self) -> Recipe:
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe) -> None:
+        self.set_recipe(recipe)
+
+    def set_recipe(self, recipe: Recipe) -> None:
+        """Bind a recipe to this module (an eager reconfiguration, before any capture).
+
+        A workspace built for another recipe class has the wrong layout, so it is dropped here;
+        one of the same class is kept and refreshed by the next re-quantization.
+        """
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"set_recipe: expected a Recipe, got {type(recipe).__name__}")
+        if self.workspace is not None and self.workspace.kind != recipe.kind:
+            self.clear_workspace()
+        self._recipe = recipe
+        self.quantizers = recipe.quantizers()
+
+    def clear_workspace(self) -> None:
+        """Drop the cached quantized weight (its memory is freed once nothing else holds it)."""
+        self.workspace = None
+
+    # --- forward ---
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"QuantLinear: input last dim is {x.shape[-1]}, expected in_features={self.in_features}"
+            )
+        if self.state_policy not in STATE_POLICIES:
+            raise ValueError(
+                f"QuantLinear.state_policy={self.state_policy!r}; expected one of {STATE_POLICIES}"
+            )
+        recipe = self._recipe
+        grad_enabled = torch.is_grad_enabled()
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        _check_tokens(recipe, x2.shape[0], grad_enabled and self.weight.requires_grad)
+
+        # TE `pytorch/module/base.py` init_fp8_metadata (~1541-1585 at 2.20-dev, the same logic at
+        # 2.18): it remembers the recipe recorded in fp8_meta before this forward, and if the active
+        # recipe's class is not a subclass either way of the recorded one it warns and clears
+        # `_fp8_workspaces`. `stored_recipe` is that recorded recipe; the graph wrapper
+        # (`pytorch/graph.py` ~1228-1258) overwrites it with the ambient recipe on replay.
+        if (
+            self.state_policy == "te218"
+            and self.stored_recipe is not None
+            and self.stored_recipe.kind != recipe.kind
+        ):
+            self.clear_workspace()
+        self.stored_recipe = recipe
+
+        w_row, w_col = self._weight_operands(recipe, grad_enabled)
+        plan = _Plan(
+            recipe=recipe,
+            quantizers=self.quantizers,
+            w_rowwise=w_row,
+            w_columnwise=w_col,
+            main_grad=self.weight.main_grad,
+            generator=self._generator(x) if recipe.quantized else None,
+            save_for_wgrad=grad_enabled and self.weight.requires_grad,
+        )
+        y = _QuantLinearFn.apply(x2, self.weight, self.bias, plan)
+        return y.reshape(*lead, self.out_features)
+
+    def _weight_operands(self, recipe: Recipe, grad_enabled: bool):
+        """The weight's fprop (rowwise) and dgrad (columnwise) operands for this forward."""
+        if not recipe.quantized:
+            return None, None  # bf16 reads the weight directly; no workspace
+        q = self.quantizers["weight"]
+        w = self.weight.detach()
+
+        # "fixed": an eval (no-grad) forward quantizes the weight on the fly and never touches
+        # the workspace, so eager evaluation cannot free or re-point memory a graph uses.
+        if self.state_policy == "fixed" and not grad_enabled:
+            return q.quantize(w, axis=-1), None
+
+        ws = self.workspace
+        if ws is not None and ws.kind != recipe.kind:
+            # Buffers of another layout cannot be re-quantized in place; TE likewise builds a new
+            # workspace when the cached one does not fit the quantizer (module/base.py ~757-790).
+            self.clear_workspace()
+            ws = None
+        if ws is None:
+            # TE `pytorch/module/linear.py` ~455-495 and ~1950-2075: on a cache miss the weight
+            # quantizer (rowwise always, columnwise only when grad is enabled) creates a new
+            # workspace, which the module stores in `_fp8_workspaces`. Created by an eager
+            # forward, so before capture it lives in the default memory pool.
+            ws = WeightWorkspace(recipe.kind, _alloc_rowwise(w, q))
+            if grad_enabled:
+                ws.columnwise = _alloc_columnwise(w, q)
+            self.workspace = ws
+        else:
+            # TE `pytorch/module/base.py` quantize_weight (~847-872): a cache hit re-quantizes
+            # into the existing buffers, with the skip flag as the kernel's no-op flag.
+            _requantize_into(ws.rowwise, q.quantize(w, axis=-1), self.skip_weight_update)
+            if grad_enabled:
+                if ws.columnwise is None:
+                    # The workspace was built by a no-grad (eval) forward: add the columnwise
+                    # part now. (TE 2.20-dev instead treats the workspace as invalid and builds a
+                    # whole new one, `_is_weight_workspace_valid`, module/base.py ~757-790.)
+                    ws.columnwise = _alloc_columnwise(w, q)
+                else:
+                    _requantize_into(ws.columnwise, q.quantize(w, axis=0), self.skip_weight_update)
+        return ws.rowwise, (ws.columnwise if grad_enabled else None)
+
+    def _generator(self, x: torch.Tensor) -> torch.Generator | None:
+        if self.sr_generator is not None:
+            return self.sr_generator
+        if x.is_cuda:
+            return torch.cuda.default_generators[x.device.index or 0]
+        return torch.default_generator
+
+    def _apply(self, fn, recurse=True):
+        # Keep main_grad (a plain attribute) on the parameter's device, always float32.
+        main_grad = self.weight.main_grad
+        device = self.weight.device
+        out = super()._apply(fn, recurse)
+        if self.weight.device != device:
+            self.clear_workspace()
+        self.weight.main_grad = main_grad.to(self.weight.device, torch.float32)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, recipe={self._recipe.describe()}, "
+            f"state_policy={self.state_policy}"
+        )
+
+
+def _alloc_rowwise(w: torch.Tensor, q: Quantizer) -> QTensor:
+    """New rowwise workspace buffers (the fprop operand), quantized from `w`."""
+    return q.quantize(w, axis=-1)
+
+
+def _alloc_columnwise(w: torch.Tensor, q: Quantizer) -> QTensor:
+    """New columnwise workspace buffers (the dgrad operand), quantized from `w`."""
+    return q.quantize(w, axis=0)
+
+
+def _requantize_into(dst: QTensor, src: QTensor, skip: torch.Tensor | None) -> None:
+    """Copy a fresh quantization into existing buffers unless the device flag `skip` holds 1.
+
+    A masked copy (torch.where on device), so there is no host sync and a captured graph can
+    replay it with either flag value.
+    """
+    for d, s in zip(dst.buffers(), src.buffers(), strict=True):
+        if skip is None:
+            d.copy_(s)
+        else:
+            d.copy_(torch.where(skip.to(torch.bool), d, s))
+
+
+def _check_tokens(recipe: Recipe, tokens: int, wgrad: bool) -> None:
+    """The columnwise (wgrad) copies block along the token dim: it must fit the block size."""
+    block = {"mxfp8": mxfp8.BLOCK, "nvfp4": nvfp4.BLOCK}.get(recipe.kind)
+    if wgrad and block and tokens % block:
+        raise ValueError(
+            f"QuantLinear({recipe.kind}): {tokens} tokens; with grad enabled the wgrad operands are "
+            f"quantized in {block}-token blocks, so expected a multiple of {block}"
+        )

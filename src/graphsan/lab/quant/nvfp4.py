@@ -1,0 +1,222 @@
+"""NVFP4: E2M1 elements (two per byte), one E4M3 scale per 16 elements, a float32 global scale.
+
+Plain torch, following docs/numerics.md step by step (all arithmetic in float32, in this order):
+
+1. Global: S_enc = min(2688 / amax, FLT_MAX), 1 when amax == 0 or S_enc == 0; S_dec = 1 / S_enc.
+2. Per block: vec_max = max |x| over 1x16 (activations, gradients) or 16x16 ("2D", weights).
+3. Block scale: current order (TE >= 2.15) s = vec_max * (S_enc * fl(1/6)); legacy order
+   (TE 2.9-2.14) s = (vec_max / 6) * S_enc; then min(s, FLT_MAX), clamp to 448, E4M3 nearest even.
+4. Encode factor: enc = min(1 / (fp32(s_e4m3) * S_dec), FLT_MAX).
+5. q = E2M1(clamp(x * enc, -6, 6)): nearest even, or stochastic with 8 random bits per element.
+6. Dequantize: q * (fp32(s_e4m3) * amax * fl(1/2688)).
+
+Directions: axis -1 (rowwise) blocks along the last dim; axis 0 (columnwise) blocks along the
+first dim and stores everything transposed ([K, M/2] data, [K, M/16] scales). The random Hadamard
+transform (`rht=True`, columnwise wgrad copies only) is applied along the token dim and rounded to
+bf16 before the global amax and the quantization; `amax` is then the post-RHT amax.
+
+    q = quantize(x, axis=-1, block_2d=False, order="current", rht=False, generator=None)
+    q.data; q.scale; q.amax; dequantize(q)
+
+`generator` set means stochastic rounding (the random bits come from `torch.randint` on that
+generator: graph-capturable, no host sync, no data-dependent shapes). With `block_2d` each 16x16
+tile's scale byte is repeated over its 16 rows; rows beyond the tensor count as zeros.
+
+On CUDA, `quantize` uses the Triton kernel when Triton is importable; `quantize_reference` is the
+fallback and the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .elements import (
+    E2M1_MAX,
+    E4M3_MAX,
+    FLT_MAX,
+    e2m1_decode,
+    e2m1_rne,
+    e2m1_stochastic,
+    fp8_decode,
+    fp8_encode,
+    fp32_reciprocal,
+    nan_to_zero_abs,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from .mxfp8 import check_shape
+from .rht import rht as apply_rht
+
+BLOCK = 16
+ORDERS = ("current", "legacy")
+GLOBAL_MAX = E2M1_MAX * E4M3_MAX  # 2688
+INV_6 = fp32_reciprocal(6.0)
+INV_2688 = fp32_reciprocal(GLOBAL_MAX)
+
+
+@dataclass
+class NVFP4Tensor:
+    """One direction of an NVFP4-quantized 2-D tensor of logical shape `shape` ([M, K]).
+
+    data: uint8, two E2M1 codes per byte, low nibble first: [M, K/2] rowwise, [K, M/2] columnwise.
+    scale: uint8 E4M3 bytes per 16 elements, [M, K/16] rowwise, [K, M/16] columnwise.
+    amax: float32 0-dim tensor, the global amax of this direction (after the RHT, if any).
+    axis: -1 (rowwise) or 0 (columnwise, stored transposed).
+    block_2d, rht: how it was made (RHT data dequantizes to the transformed values).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+    axis: int
+    block_2d: bool = False
+    rht: bool = False
+
+    @property
+    def shape(self) -> torch.Size:
+        rows, half = self.data.shape
+        return torch.Size((half * 2, rows) if self.axis == 0 else (rows, half * 2))
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors that hold this quantization (for in-place workspace updates)."""
+        return (self.data, self.scale, self.amax)
+
+
+def quantize(
+    x: torch.Tensor,
+    axis: int = -1,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """Quantize a 2-D tensor to NVFP4 along `axis`; Triton on CUDA, the reference elsewhere."""
+    _check_args(x, axis, block_2d, order, rht, generator)
+    if x.is_cuda:
+        from . import triton_kernels
+
+        if triton_kernels.available():
+            return triton_kernels.nvfp4_quantize(
+                x, axis=axis, block_2d=block_2d, order=order, rht=rht, generator=generator
+            )
+    return quantize_reference(x, axis, block_2d, order, rht, generator)
+
+
+def quantize_reference(
+    x: torch.Tensor,
+    axis: int = -1,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """The torch reference. Blocks run along the last dim of `src` (x, or x transposed)."""
+    _check_args(x, axis, block_2d, order, rht, generator)
+    src = x.t() if axis == 0 else x
+    if rht:
+        src = apply_rht(src)  # bf16, along the token dim (the last dim of the transposed copy)
+    x32 = src.to(torch.float32)
+
+    amax = global_amax(x32)
+    s_enc, s_dec = global_scales(amax)
+    vec_max = block_amax(x32, block_2d)
+    scale = block_scale(vec_max, s_enc, order)
+    enc = encode_factor(scale, s_dec)
+    rbits = random_bits(x32.shape, generator, x32.device) if generator is not None else None
+    codes = encode_elements(x32, enc, rbits)
+    return NVFP4Tensor(pack_nibbles(codes), scale, amax, -1 if axis != 0 else 0, block_2d, rht)
+
+
+# --- the steps, one function each -----------------------------------------------------------
+
+
+def global_amax(x32: torch.Tensor) -> torch.Tensor:
+    """Max |x| over the whole tensor, ignoring NaN (float32 0-dim)."""
+    return nan_to_zero_abs(x32).amax()
+
+
+def global_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1: S_enc = min(2688 / amax, FLT_MAX), 1 when amax == 0 or S_enc == 0; S_dec = 1/S_enc."""
+    s_enc = torch.clamp(GLOBAL_MAX / amax, max=FLT_MAX)
+    s_enc = torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+    return s_enc, 1.0 / s_enc
+
+
+def block_amax(x32: torch.Tensor, block_2d: bool) -> torch.Tensor:
+    """Step 2: vec_max per 1x16 block ([R, C/16]), or per 16x16 tile repeated over its rows."""
+    rows, cols = x32.shape
+    a = nan_to_zero_abs(x32)
+    if not block_2d:
+        return a.reshape(rows, cols // BLOCK, BLOCK).amax(dim=-1)
+    pad = (-rows) % BLOCK
+    if pad:
+        a = torch.cat((a, a.new_zeros(pad, cols)), dim=0)
+    tiles = a.reshape(-1, BLOCK, cols // BLOCK, BLOCK).amax(dim=(1, 3))
+    return tiles.repeat_interleave(BLOCK, dim=0)[:rows]
+
+
+def block_scale(vec_max: torch.Tensor, s_enc: torch.Tensor, order: str) -> torch.Tensor:
+    """Step 3: the E4M3 block scale bytes, in the `current` or `legacy` op order."""
+    if order == "current":
+        s = vec_max * (s_enc * INV_6)
+    else:
+        s = (vec_max / 6.0) * s_enc
+    s = torch.clamp(s, max=FLT_MAX)
+    return fp8_encode(s, "e4m3")  # clamps to +-448, nearest even
+
+
+def encode_factor(scale: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+    """Step 4: enc = min(1 / (fp32(s_e4m3) * S_dec), FLT_MAX) per block."""
+    return torch.clamp(1.0 / (fp8_decode(scale, "e4m3") * s_dec), max=FLT_MAX)
+
+
+def encode_elements(
+    x32: torch.Tensor, enc: torch.Tensor, rbits: torch.Tensor | None
+) -> torch.Tensor:
+    """Step 5: E2M1 codes of clamp(x * enc, -6, 6), nearest even or stochastic."""
+    rows, cols = x32.shape
+    v = x32.reshape(rows, cols // BLOCK, BLOCK) * enc.unsqueeze(-1)
+    v = v.clamp(-E2M1_MAX, E2M1_MAX).reshape(rows, cols)
+    return e2m1_rne(v) if rbits is None else e2m1_stochastic(v, rbits)
+
+
+def random_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
+    """8 random bits per element from `generator` (graph-safe: randint on the device)."""
+    return torch.randint(
+        0, 256, tuple(shape), generator=generator, device=device, dtype=torch.uint8
+    )
+
+
+def dequantize(q: NVFP4Tensor) -> torch.Tensor:
+    """Step 6: q * (fp32(s_e4m3) * amax * fl(1/2688)), float32 in the logical shape."""
+    values = e2m1_decode(unpack_nibbles(q.data))
+    factor = (fp8_decode(q.scale, "e4m3") * q.amax) * INV_2688
+    out = values * factor.repeat_interleave(BLOCK, dim=1)
+    return out.t() if q.axis == 0 else out
+
+
+def block_values(q: NVFP4Tensor) -> torch.Tensor:
+    """q * fp32(s_e4m3) in the stored layout, without the global factor (exact in bf16)."""
+    values = e2m1_decode(unpack_nibbles(q.data))
+    return values * fp8_decode(q.scale, "e4m3").repeat_interleave(BLOCK, dim=1)
+
+
+def _check_args(x, axis, block_2d, order, rht, generator) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"NVFP4: order={order!r}; expected one of {ORDERS}")
+    check_shape(x, axis, BLOCK, "NVFP4")
+    if rht and axis != 0:
+        raise ValueError("NVFP4: rht=True applies to columnwise (axis=0) wgrad copies only")
+    if rht and block_2d:
+        raise ValueError("NVFP4: rht=True with block_2d=True; RHT is never used on 2-D weights")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"NVFP4: generator must be a torch.Generator or None, got {generator!r}")
+    if generator is not None and torch.device(generator.device).type != x.device.type:
+        raise ValueError(
+            f"NVFP4: generator is on {generator.device}, the tensor on {x.device}; expected the same"
+        )

@@ -1,0 +1,170 @@
+"""Recipes (what precision a module runs in) and the per-slot quantizers they make.
+
+A `Recipe` is a frozen dataclass; `kind` is its "recipe class" (TE's recipe type): "bf16", "fp8"
+(per-tensor current scaling, E4M3), "mxfp8" or "nvfp4". Options that do not apply to a kind keep
+their defaults and are ignored.
+
+    get_recipe("nvfp4")                                   # TE defaults: RHT, SR, 2-D weights, current order
+    get_recipe("nvfp4", order="legacy", rht=False, sr=False, weight_2d=False)
+    get_recipe("mxfp8", fp8_format="hybrid")              # E5M2 gradients
+    get_recipe("mxfp8", scale_rule="ocp")                 # OCP floor rule (documentation only)
+
+`Recipe.quantizers()` gives one `Quantizer` per GEMM slot ("weight", "input", "grad_output"); each
+knows which direction gets which treatment (docs/numerics.md, "The quantized Linear"):
+NVFP4 weights use 16x16 blocks, grad_output uses stochastic rounding in both directions, and the
+columnwise (wgrad) copies of input and grad_output get the random Hadamard transform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from . import fp8, mxfp8, nvfp4
+
+KINDS = ("bf16", "fp8", "mxfp8", "nvfp4")
+ROLES = ("weight", "input", "grad_output")
+
+# Options that each kind understands (the rest keep their defaults).
+OPTIONS = {
+    "bf16": (),
+    "fp8": (),
+    "mxfp8": ("fp8_format", "scale_rule"),
+    "nvfp4": ("order", "rht", "sr", "weight_2d"),
+}
+_CHOICES = {
+    "fp8_format": ("e4m3", "hybrid"),
+    "scale_rule": mxfp8.RULES,
+    "order": nvfp4.ORDERS,
+}
+
+
+class RecipeError(ValueError):
+    """An unknown recipe name or an invalid option."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The precision of one module.
+
+    kind: "bf16" | "fp8" | "mxfp8" | "nvfp4" (the recipe class).
+    fp8_format: mxfp8 only; "e4m3" for every tensor (TE default) or "hybrid" (E5M2 grad_output).
+    scale_rule: mxfp8 only; "te" (round the scale up) or "ocp" (floor rule).
+    order: nvfp4 only; "current" (TE >= 2.15) or "legacy" (TE 2.9-2.14) block-scale op order.
+    rht: nvfp4 only; random Hadamard transform on the wgrad copies of input and grad_output.
+    sr: nvfp4 only; stochastic rounding of grad_output.
+    weight_2d: nvfp4 only; 16x16 weight blocks.
+    """
+
+    kind: str = "bf16"
+    fp8_format: str = "e4m3"
+    scale_rule: str = "te"
+    order: str = "current"
+    rht: bool = True
+    sr: bool = True
+    weight_2d: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise RecipeError(f"unknown recipe {self.kind!r}; expected one of {list(KINDS)}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise RecipeError(
+                    f"recipe {self.kind}: {name}={getattr(self, name)!r}; expected one of {list(choices)}"
+                )
+        for name in ("rht", "sr", "weight_2d"):
+            if not isinstance(getattr(self, name), bool):
+                raise RecipeError(
+                    f"recipe {self.kind}: {name}={getattr(self, name)!r}; expected true or false"
+                )
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "bf16"
+
+    def describe(self) -> str:
+        """Short text, e.g. `nvfp4(current, rht, sr, 2d-weights)` or `mxfp8(e4m3)`."""
+        if self.kind == "mxfp8":
+            parts = [self.fp8_format] + (["ocp-scale"] if self.scale_rule == "ocp" else [])
+        elif self.kind == "nvfp4":
+            parts = [self.order] + [
+                name
+                for name, on in (("rht", self.rht), ("sr", self.sr), ("2d-weights", self.weight_2d))
+                if on
+            ]
+        else:
+            return self.kind
+        return f"{self.kind}({', '.join(parts)})"
+
+    def quantizers(self) -> dict[str, Quantizer]:
+        """One quantizer per GEMM slot (empty for bf16)."""
+        if not self.quantized:
+            return {}
+        return {role: Quantizer(self, role) for role in ROLES}
+
+
+def get_recipe(name: str, **options) -> Recipe:
+    """A recipe by name ("bf16", "fp8", "mxfp8", "nvfp4") with kind-specific options."""
+    if name not in KINDS:
+        raise RecipeError(f"unknown recipe {name!r}; expected one of {list(KINDS)}")
+    allowed = OPTIONS[name]
+    for key in options:
+        if key not in allowed:
+            raise RecipeError(
+                f"recipe {name}: unknown option {key!r}; expected one of {list(allowed) or 'none'}"
+            )
+    return Recipe(kind=name, **options)
+
+
+def recipe_options(recipe: Recipe) -> dict:
+    """The options that apply to the recipe's kind, as keyword arguments for `get_recipe`."""
+    names = {f.name for f in fields(Recipe)}
+    return {k: getattr(recipe, k) for k in OPTIONS[recipe.kind] if k in names}
+
+
+def with_options(recipe: Recipe, **options) -> Recipe:
+    return get_recipe(recipe.kind, **{**recipe_options(recipe), **options})
+
+
+QTensor = mxfp8.MXFP8Tensor | nvfp4.NVFP4Tensor | fp8.FP8Tensor
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """Quantizes one GEMM slot ("weight", "input" or "grad_output") of a recipe.
+
+    `quantize(x, axis)` gives the rowwise (axis -1) or columnwise (axis 0) copy of a 2-D tensor
+    with the treatment the slot gets in that direction.
+    """
+
+    recipe: Recipe
+    role: str
+
+    def quantize(
+        self, x: torch.Tensor, axis: int, generator: torch.Generator | None = None
+    ) -> QTensor:
+        r = self.recipe
+        if r.kind == "fp8":
+            return fp8.quantize(x, axis=axis)
+        if r.kind == "mxfp8":
+            fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
+            return mxfp8.quantize(x, axis=axis, fmt=fmt, rule=r.scale_rule)
+        if r.kind == "nvfp4":
+            weight = self.role == "weight"
+            return nvfp4.quantize(
+                x,
+                axis=axis,
+                block_2d=weight and r.weight_2d,
+                order=r.order,
+                rht=r.rht and not weight and axis == 0,
+                generator=generator if (r.sr and self.role == "grad_output") else None,
+            )
+        raise RecipeError(f"recipe {r.kind} does not quantize")
+
+    @property
+    def uses_generator(self) -> bool:
+        return self.recipe.kind == "nvfp4" and self.recipe.sr and self.role == "grad_output"
+
+    def with_recipe(self, recipe: Recipe) -> Quantizer:
+        return replace(self, recipe=recipe)

@@ -1,0 +1,253 @@
+"""Findings and reports: the records graphsan hands to people and to tools.
+
+A `Finding` says that one captured graph will touch one block of device memory that is no longer
+what it was at capture. `format_finding` renders it like a good bug report; `Report` holds every
+finding of a run plus per-graph statistics and round-trips through JSON (`SCHEMA_VERSION`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA = "graphsan.report"
+SCHEMA_VERSION = 1
+
+Frame = tuple[str, int, str]  # (filename, line, function)
+
+KINDS = ("freed", "reowned", "moved", "unmapped", "pool-reuse", "escaped")
+
+LIKELY_CAUSE = {
+    "freed": "eager code dropped the last reference to memory this graph still uses; the replay "
+    "would read stale data or write into memory the allocator may hand out at any time",
+    "reowned": "the memory was freed and now belongs to another live tensor; the replay would "
+    "silently corrupt that tensor (and read its data as if it were the graph's)",
+    "moved": "a tensor the graph uses changed its storage ({op}); the graph still points at the "
+    "old memory",
+    "unmapped": "the memory was freed and released to the driver (empty_cache, OOM retry or an "
+    "expandable segment unmapping pages); the replay would fault with 'an illegal memory access'",
+    "pool-reuse": "a later capture re-carved memory of a shared graph pool that this graph still "
+    "uses; the graphs now overwrite each other's data",
+    "escaped": "graph-written static memory is held by eager code and is overwritten by replays",
+}
+
+
+@dataclass
+class GraphInfo:
+    """Identity of one captured graph as a person would look for it."""
+
+    id: int
+    label: str
+    capture_site: list[Frame]
+    pool: tuple[int, int] | None = None
+    device: int = 0
+
+    def describe(self) -> str:
+        site = _frame_text(self.capture_site[-1]) if self.capture_site else "<unknown site>"
+        return f"graph #{self.id} '{self.label}' captured at {site}"
+
+
+@dataclass
+class Finding:
+    """One graph reference into memory that is no longer what it was at capture.
+
+    `node`, `kernel`, `param` and `offset` name the first node of the graph whose arguments hold
+    `address` (`param` is the parameter index, `offset` the byte offset inside it; for memcpy and
+    memset nodes `param` is "src"/"dst"); `other_nodes` counts further references to the same block.
+    """
+
+    kind: str
+    graph: GraphInfo
+    node: int
+    kernel: str
+    param: int | str
+    offset: int
+    address: int
+    nbytes: int
+    block_address: int
+    pool: str
+    alloc_stack: list[Frame] = field(default_factory=list)
+    free_stack: list[Frame] = field(default_factory=list)
+    phase: str | None = None
+    step: int | None = None
+    free_op: str | None = None
+    now: str = ""
+    other_nodes: int = 0
+    rank: int | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.graph.id, self.block_address)
+
+    @property
+    def likely_cause(self) -> str:
+        return LIKELY_CAUSE.get(self.kind, "").format(op=self.free_op or "resize_/set_/.data=")
+
+    def one_line(self) -> str:
+        """The finding in one line: kind, graph, kernel, buffer, free site."""
+        free = _frame_text(self.free_stack[-1]) if self.free_stack else "an unseen free"
+        when = _when(self.phase, self.step)
+        return (
+            f"{self.kind}: {self.graph.label} node {self.node} {short_kernel(self.kernel)} "
+            f"param {self.param}+{self.offset} -> {self.nbytes} B block at {self.block_address:#x}"
+            f" ({self.pool}), freed at {free}{when}"
+        )
+
+
+def short_kernel(name: str, limit: int = 60) -> str:
+    """A kernel name short enough for one line: drop template arguments and parameters."""
+    out, depth = [], 0
+    for ch in name:
+        if ch in "<(":
+            if depth == 0:
+                out.append("<>" if ch == "<" else "")
+            depth += 1
+        elif ch in ">)":
+            depth = max(depth - 1, 0)
+        elif depth == 0:
+            out.append(ch)
+    text = "".join(out).strip() or name
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _frame_text(frame: Frame) -> str:
+    filename, line, name = frame
+    return f"{os.path.relpath(filename) if os.path.isabs(filename) else filename}:{line} in {name}"
+
+
+def _when(phase: str | None, step: int | None) -> str:
+    parts = []
+    if phase:
+        parts.append(f"phase {phase}")
+    if step is not None:
+        parts.append(f"step {step}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _stack_text(frames: list[Frame], indent: str = "      ") -> list[str]:
+    if not frames:
+        return [f"{indent}<not recorded>"]
+    return [f"{indent}{_frame_text(f)}" for f in frames]
+
+
+def format_finding(f: Finding) -> str:
+    """A multi-line bug report for one finding."""
+    rank = f"[rank {f.rank}] " if f.rank is not None else ""
+    lines = [
+        f"{rank}{f.kind.upper()}: {f.graph.describe()}",
+        f"  node {f.node}: {f.kernel}",
+        f"  argument: param {f.param}, byte offset {f.offset} holds address {f.address:#x}",
+        f"  memory: block {f.block_address:#x} of {f.nbytes} bytes in the {f.pool}"
+        + (f" (+{f.other_nodes} more node(s) of this graph use it)" if f.other_nodes else ""),
+    ]
+    if f.now:
+        lines.append(f"  now: {f.now}")
+    lines.append("  allocated at (most recent call last):")
+    lines += _stack_text(f.alloc_stack)
+    op = f" by {f.free_op}" if f.free_op else ""
+    lines.append(f"  freed{op}{_when(f.phase, f.step)} at (most recent call last):")
+    lines += _stack_text(f.free_stack)
+    lines.append(f"  likely cause: {f.likely_cause}")
+    return "\n".join(lines)
+
+
+def finding_to_dict(f: Finding) -> dict[str, Any]:
+    d = asdict(f)
+    d["likely_cause"] = f.likely_cause
+    return d
+
+
+def finding_from_dict(d: dict[str, Any]) -> Finding:
+    d = dict(d)
+    d.pop("likely_cause", None)
+    g = d.pop("graph")
+    g["capture_site"] = [tuple(x) for x in g.get("capture_site", [])]
+    if g.get("pool") is not None:
+        g["pool"] = tuple(g["pool"])
+    for k in ("alloc_stack", "free_stack"):
+        d[k] = [tuple(x) for x in d.get(k, [])]
+    return Finding(graph=GraphInfo(**g), **d)
+
+
+@dataclass
+class Report:
+    """Everything one process saw: findings plus per-graph statistics."""
+
+    findings: list[Finding] = field(default_factory=list)
+    graphs: list[dict[str, Any]] = field(default_factory=list)
+    rank: int | None = None
+    policy: str = "raise"
+    pinned: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "rank": self.rank,
+            "policy": self.policy,
+            "findings": [finding_to_dict(f) for f in self.findings],
+            "graphs": self.graphs,
+            "pinned": self.pinned,
+        }
+
+    def save(self, path: str) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> Report:
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a readable graphsan report ({err})") from None
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: not a graphsan report (expected schema '{SCHEMA}')")
+        if data.get("version") != SCHEMA_VERSION:
+            raise ValueError(
+                f"{path}: report schema version {data.get('version')} is not supported "
+                f"(expected {SCHEMA_VERSION})"
+            )
+        return cls(
+            findings=[finding_from_dict(f) for f in data["findings"]],
+            graphs=data.get("graphs", []),
+            rank=data.get("rank"),
+            policy=data.get("policy", "raise"),
+            pinned=data.get("pinned", {}),
+        )
+
+    def render(self) -> str:
+        who = f" (rank {self.rank})" if self.rank is not None else ""
+        nodes = sum(g.get("nodes", 0) for g in self.graphs)
+        head = (
+            f"graphsan report{who}: {len(self.graphs)} graph(s), {nodes} node(s) analysed, "
+            f"{len(self.findings)} finding(s), policy {self.policy}"
+        )
+        body = [format_finding(f) for f in self.findings]
+        if self.pinned:
+            body.append(
+                f"pinned: {self.pinned.get('blocks', 0)} block(s), "
+                f"{self.pinned.get('bytes', 0)} bytes kept alive for live graphs"
+            )
+        return "\n\n".join([head, *body])
+
+
+class StaleMemoryError(RuntimeError):
+    """A graph replay would touch memory that was freed, re-owned, moved or unmapped.
+
+    Raised by `CUDAGraph.replay()` *before* the graph is launched, so the CUDA context stays
+    healthy. `findings` holds the evidence; `str(err)` is a readable report.
+    """
+
+    def __init__(self, findings: list[Finding]):
+        self.findings = list(findings)
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        n = len(self.findings)
+        head = f"graphsan: replay stopped before launch: {n} stale reference(s)"
+        return "\n\n".join([head, *(format_finding(f) for f in self.findings)])

@@ -1,0 +1,150 @@
+"""The sanitizer on real CUDA graphs (H200). Each program runs in a subprocess; most run twice,
+with graphsan off (to show the fault or the corruption it prevents) and on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.gpu_programs import ROOT, run_program
+
+pytestmark = pytest.mark.gpu
+
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def _kinds(result):
+    return [f["kind"] for f in result["findings"]]
+
+
+@pytest.mark.parametrize("env", [{}, EXPANDABLE], ids=["default", "expandable"])
+def test_freed_then_empty_cache_faults_without_graphsan(env):
+    rc, result, log = run_program("freed_empty_cache", policy="off", env=env)
+    assert rc != 0 and "illegal memory access" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("env", [{}, EXPANDABLE], ids=["default", "expandable"])
+def test_freed_then_empty_cache_raises_before_launch(env):
+    rc, result, log = run_program("freed_empty_cache", policy="raise", env=env)
+    assert rc == 0, log[-3000:]
+    assert result["replay"] == "raised"
+    assert result["error_kinds"] == ["unmapped"]
+    assert result["healthy"], "the CUDA context must survive: the graph was never launched"
+    text = result["error_text"]
+    assert "node 0" in text and "elementwise" in text, text
+    assert "empty_cache" in text
+    assert "<string>" in text  # the program's own frames: allocation and free sites
+
+
+def test_reowned_is_silent_corruption_without_graphsan():
+    rc, result, log = run_program("reowned", policy="off")
+    assert rc == 0, log[-2000:]
+    if not result["same_block"]:
+        pytest.skip("the allocator did not hand the freed block to the new tensor this time")
+    assert result["y_is_14"], "without graphsan the graph reads the new tensor's data (7 * 2)"
+
+
+def test_reowned_caught():
+    rc, result, log = run_program("reowned", policy="raise")
+    assert rc == 0, log[-3000:]
+    if not result["same_block"]:
+        pytest.skip("the allocator did not hand the freed block to the new tensor this time")
+    assert result["replay"] == "raised"
+    assert result["error_kinds"] == ["reowned"]
+    assert result["healthy"]
+
+
+def test_resize_is_moved():
+    rc, result, log = run_program("moved", policy="record")
+    assert rc == 0, log[-3000:]
+    assert result["replay"] == "replayed"  # record: collect only
+    kinds = _kinds(result)
+    assert kinds and set(kinds) == {"moved"}, result["findings"]
+    f = result["findings"][0]
+    assert "resize_" in f["text"]
+    assert f["nbytes"] >= 4096 * 4
+
+
+def test_matmul_weight_found_in_cublas_arguments():
+    rc, result, log = run_program("matmul", policy="raise")
+    assert rc == 0, log[-3000:]
+    assert result["replay"] == "raised", log[-3000:]
+    f = result["findings"][0]
+    assert f["kind"] == "freed"
+    assert any(s in f["kernel"].lower() for s in ("gemm", "nvjet", "xmma", "cutlass", "sm90")), f
+    assert result["healthy"]
+
+
+def test_triton_kernel_graph():
+    pytest.importorskip("triton")
+    rc, result, log = run_program("triton", policy="raise")
+    assert rc == 0, log[-3000:]
+    assert result["replay"] == "raised", log[-3000:]
+    f = result["findings"][0]
+    assert "add_one" in f["kernel"], f
+    assert f["param"] == 0 and f["offset"] == 0  # x_ptr is the first argument
+
+
+def test_make_graphed_callables_train_eval_train_is_clean():
+    rc, result, log = run_program("graphed_callables_ok", policy="raise", env=EXPANDABLE)
+    assert rc == 0, log[-3000:]
+    assert result["findings"] == [], result["findings"]
+    assert result["losses_finite"] and result["healthy"]
+    assert len(result["graphs"]) == 2  # forward and backward graph
+    assert all(g["references"] > 0 for g in result["graphs"])
+
+
+def test_pool_reuse_between_graphs_sharing_a_pool():
+    rc, result, log = run_program("pool_reuse", policy="raise")
+    assert rc == 0, log[-3000:]
+    assert result["replay"] == "raised", log[-3000:]
+    assert result["error_kinds"] == ["pool-reuse"]
+    assert "re-carved" in result["error_text"]
+
+
+def test_no_false_alarms_on_correct_programs():
+    rc, result, log = run_program("no_false_alarms", policy="raise")
+    assert rc == 0, log[-3000:]
+    assert result["findings"] == []
+    assert result["values_ok"] and result["healthy"]
+
+
+def test_internal_error_disables_and_program_runs_on():
+    rc, result, log = run_program("internal_error", policy="raise")
+    assert rc == 0, log[-3000:]
+    assert result["value_ok"] and result["healthy"]
+    assert "simulated driver failure" in (result["disabled_reason"] or "")
+    assert "disables itself" in log
+
+
+def test_cli_run_writes_report_and_fails(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(
+        "import torch\n"
+        "s = torch.cuda.Stream()\n"
+        "x = torch.randn(1 << 20, device='cuda')\n"
+        "g = torch.cuda.CUDAGraph()\n"
+        "with torch.cuda.graph(g, stream=s):\n"
+        "    y = x * 2\n"
+        "del x\n"
+        "torch.cuda.empty_cache()\n"
+        "g.replay()\n"
+    )
+    report = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    cmd = [sys.executable, "-m", "graphsan.cli", "run", "--report", str(report), str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode != 0
+    assert "StaleMemoryError" in proc.stderr and "UNMAPPED" in proc.stderr, proc.stderr[-3000:]
+    assert report.exists()
+    shown = subprocess.run(
+        [sys.executable, "-m", "graphsan.cli", "report", str(report)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert shown.returncode == 0 and "UNMAPPED" in shown.stdout and "prog.py" in shown.stdout
