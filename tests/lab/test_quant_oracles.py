@@ -1,4 +1,4 @@
-"""Independent oracles for the quantization tests: enumerate each format's grid and round by search.
+"""Independent oracles for the quantization tests (no tests here; shared by test_quant_*.py).
 
 Nothing here reuses the code under test: FP8 rounding searches all 256 byte values, E8M0 scales come
 from float64 logarithms, NVFP4 follows the spec's steps with numpy float32 scalars.
