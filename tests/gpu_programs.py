@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,12 +221,16 @@ finish()
 def run_program(name: str, policy: str = "raise", env: dict | None = None, timeout: int = 180):
     """Run PROGRAMS[name] in a fresh interpreter; returns (returncode, result dict or None, log)."""
     code = textwrap.dedent(PRELUDE) + textwrap.dedent(PROGRAMS[name])
+    # a real file: Triton needs the source, and reports name `prog_<name>.py` frames
+    path = os.path.join(tempfile.mkdtemp(prefix="graphsan-"), f"prog_{name}.py")
+    with open(path, "w") as fh:
+        fh.write(code)
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env["GRAPHSAN"] = policy
     full_env.update(env or {})
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env
+        [sys.executable, path], capture_output=True, text=True, timeout=timeout, env=full_env
     )
     log = proc.stdout + proc.stderr
     result = None

@@ -61,6 +61,13 @@ class Segment:
     expandable: bool
     blocks: list[Block]
 
+    def allocated_in(self, start: DataPtr, end: DataPtr) -> Block | None:
+        """The first allocated block overlapping [start, end), if any."""
+        for b in self.blocks:
+            if b.address < end and start < b.address + b.size and b.allocated:
+                return b
+        return None
+
     def block_at(self, addr: DataPtr) -> Block | None:
         starts = [b.address for b in self.blocks]
         i = bisect.bisect_right(starts, addr) - 1
@@ -244,6 +251,7 @@ class FreeEvent:
     phase: str | None
     step: int | None
     op: str | None = None  # "resize_", "set_", ".data =", ... when a storage change freed it
+    capture_pool: PoolId | None = None  # the pool a capture in progress was allocating from
 
 
 @dataclass
@@ -361,12 +369,26 @@ class Tracker:
         if wb is None:
             return False
         wb.freed = event_factory()
+        if wb.freed.capture_pool == wb.pool and wb.pool != DEFAULT_POOL:
+            self._hand_over(wb)
+            return True
         for gid in wb.graphs:
             g = self.graphs.get(gid)
             if g is not None:
                 g.dirty = True
         self._note_freed_segment(wb)
         return True
+
+    def _hand_over(self, wb: WatchedBlock) -> None:
+        """A capture into the block's own pool consumed it (autograd freeing saved activations
+        while the backward graph is captured, as make_graphed_callables and TE do): the pool is
+        shared by design, graphs replay in capture order, and the block is no longer watched."""
+        for gid in wb.graphs:
+            g = self.graphs.get(gid)
+            if g is not None:
+                g.blocks.pop(wb.address, None)
+                g.refs.pop(wb.address, None)
+                g.stats["handed_over"] = g.stats.get("handed_over", 0) + 1
 
     def on_alloc(self, ptr: DataPtr) -> None:
         """A block was allocated at `ptr`: it may re-carve freed memory a graph references."""
@@ -449,6 +471,7 @@ class Tracker:
         ):
             return "unmapped", "the address is no longer mapped: the replay would fault"
         moved = wb.freed.op in MOVE_OPS if wb.freed else False
+        blk = seg.allocated_in(wb.address, wb.address + wb.size) or blk
         if blk.allocated:
             where = _frame_line(blk.frames)
             owner = self._graph_using(blk.address, exclude=info.id)

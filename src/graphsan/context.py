@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from graphsan.report import Frame
 
@@ -95,7 +96,7 @@ class Context:
         def count_step(_optimizer, _args, _kwargs):
             ctx.steps += 1
 
-        self._handles.append(torch.optim.optimizer.register_optimizer_step_post_hook(count_step))
+        self._handles.append(register_optimizer_step_post_hook(count_step))
 
     def stop(self) -> None:
         if self._orig_train is not None:

@@ -65,6 +65,7 @@ class AllocatorWatch:
         self.on_error = on_error
         self.alloc_stacks = alloc_stacks
         self.last_release: tuple[list[Frame], str, int] | None = None
+        self.capture_pool: tuple[int, int] | None = None  # set while a capture is in progress
         self._active = False
         self._patches: list[tuple[object, str, object]] = []
 
@@ -79,7 +80,7 @@ class AllocatorWatch:
 
     def _free_event(self) -> FreeEvent:
         phase, step = self.context.current()
-        return FreeEvent(python_stack(), phase, step, _current_op())
+        return FreeEvent(python_stack(), phase, step, _current_op(), self.capture_pool)
 
     def _on_alloc(self, ptr: int) -> None:
         if not self._active or not self.tracker.freed_segments:

@@ -127,6 +127,7 @@ class Sanitizer:
             else:
                 label = f"graph#{gid}"
             graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device())
+            self.memory.capture_pool = tuple(int(x) for x in graph.pool())
             weakref.finalize(graph, self._forget, gid)
         except Exception as err:
             self._internal_error(err)
@@ -147,6 +148,7 @@ class Sanitizer:
             return None
 
     def after_capture_end(self, graph, walked) -> None:
+        self.memory.capture_pool = None
         pending = graph.__dict__.pop(_PENDING, None)
         if walked is None or pending is None or not self.active:
             return

@@ -1,0 +1,306 @@
+"""The pure core on synthetic records: every finding kind, the no-false-alarm cases, and pointer
+scanning of packed argument buffers."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+from graphsan.analysis import (
+    DEFAULT_POOL,
+    CopyArgs,
+    FreeEvent,
+    KernelArgs,
+    MemoryMap,
+    Reference,
+    Tracker,
+    references,
+    scan_words,
+)
+from graphsan.report import GraphInfo
+
+SEG = 0x7F00_0000_0000
+POOL = (1, 0)
+
+
+def snapshot(*segments):
+    """segments: (address, pool, [(offset, size, state), ...], expandable)"""
+    out = []
+    for addr, pool, blocks, *rest in segments:
+        total = sum(b[1] for b in blocks)
+        out.append(
+            {
+                "address": addr,
+                "total_size": total,
+                "segment_pool_id": pool,
+                "is_expandable": bool(rest and rest[0]),
+                "blocks": [
+                    {
+                        "address": addr + off,
+                        "size": size,
+                        "state": state,
+                        "frames": [{"filename": "train.py", "line": 10 + off % 7, "name": "f"}],
+                    }
+                    for off, size, state in blocks
+                ],
+            }
+        )
+    return {"segments": out}
+
+
+def event(op=None, capture_pool=None):
+    return lambda: FreeEvent([("train.py", 99, "evaluate")], "eval", 100, op, capture_pool)
+
+
+def graph(gid=1, pool=POOL):
+    return GraphInfo(gid, f"g{gid}", [("train.py", 5, "capture")], pool, 0)
+
+
+def ref(addr, node=0, kernel="k"):
+    return Reference(node, kernel, 1, 8, addr)
+
+
+# default segment: [A: 4 KiB active][B: 4 KiB active][C: 8 KiB free]; pool segment: [P: 4 KiB active][Q: 4 KiB free]
+A, B, C = SEG, SEG + 4096, SEG + 8192
+PSEG = SEG + (1 << 30)
+P, Q = PSEG, PSEG + 4096
+
+
+def capture_map():
+    return MemoryMap.from_snapshot(
+        snapshot(
+            (
+                SEG,
+                DEFAULT_POOL,
+                [
+                    (0, 4096, "active_allocated"),
+                    (4096, 4096, "active_allocated"),
+                    (8192, 8192, "inactive"),
+                ],
+            ),
+            (PSEG, POOL, [(0, 4096, "active_allocated"), (4096, 4096, "inactive")]),
+        )
+    )
+
+
+def tracker_with(refs, gid=1):
+    t = Tracker()
+    state = t.add_graph(graph(gid), refs, capture_map())
+    return t, state
+
+
+def test_classifies_references_at_capture():
+    t, state = tracker_with([ref(A + 16), ref(B, node=3), ref(P), ref(Q), ref(0x1234_5678_0000)])
+    s = state.stats
+    assert (s["default"], s["own"], s["temporary"], s["foreign"]) == (2, 1, 1, 1)
+    assert set(state.blocks) == {A, B, P}
+    assert not state.dirty
+
+
+def test_untouched_memory_gives_no_finding():
+    t, state = tracker_with([ref(A), ref(B)])
+    assert not t.on_free(C, event())  # unwatched block: ignored
+    assert not state.dirty
+    assert t.judge(1, capture_map()) == []
+
+
+def test_freed_in_default_pool():
+    t, state = tracker_with([ref(A + 16, node=2, kernel="gemm"), ref(A + 32, node=5)])
+    assert t.on_free(A, event())
+    assert state.dirty
+    now = MemoryMap.from_snapshot(
+        snapshot((SEG, DEFAULT_POOL, [(0, 8192, "inactive"), (8192, 8192, "inactive")]))
+    )
+    (f,) = t.judge(1, now)
+    assert (f.kind, f.node, f.kernel, f.param, f.offset) == ("freed", 2, "gemm", 1, 8)
+    assert (f.address, f.block_address, f.nbytes) == (A + 16, A, 4096)
+    assert (f.phase, f.step, f.other_nodes) == ("eval", 100, 1)
+    assert f.free_stack[-1] == ("train.py", 99, "evaluate")
+    assert f.alloc_stack and f.pool == "default pool"
+    assert not state.dirty
+
+
+def test_reowned_when_a_new_tensor_takes_the_block():
+    t, _ = tracker_with([ref(A)])
+    t.on_free(A, event())
+    now = MemoryMap.from_snapshot(
+        snapshot((SEG, DEFAULT_POOL, [(0, 2048, "active_allocated"), (2048, 14336, "inactive")]))
+    )
+    (f,) = t.judge(1, now)
+    assert f.kind == "reowned" and "2048 B" in f.now
+
+
+def test_unmapped_when_the_segment_is_gone():
+    t, _ = tracker_with([ref(B)])
+    t.on_free(B, event())
+    (f,) = t.judge(1, MemoryMap.from_snapshot(snapshot()))
+    assert f.kind == "unmapped"
+
+
+def test_unmapped_in_expandable_segment_by_driver_answer():
+    t = Tracker()
+    snap = snapshot(
+        (SEG, DEFAULT_POOL, [(0, 4096, "active_allocated"), (4096, 4096, "inactive")], True)
+    )
+    t.add_graph(graph(), [ref(A)], MemoryMap.from_snapshot(snap))
+    t.on_free(A, event())
+    after = MemoryMap.from_snapshot(snapshot((SEG, DEFAULT_POOL, [(0, 8192, "inactive")], True)))
+    assert t.judge(1, after, is_mapped=lambda a: True)[0].kind == "freed"
+    t.graphs[1].dirty = True
+    assert t.judge(1, after, is_mapped=lambda a: False)[0].kind == "unmapped"
+
+
+def test_moved_by_resize():
+    t, _ = tracker_with([ref(A)])
+    t.on_free(A, event(op="resize_"))
+    now = MemoryMap.from_snapshot(
+        snapshot((SEG, DEFAULT_POOL, [(0, 8192, "inactive"), (8192, 8192, "active_allocated")]))
+    )
+    (f,) = t.judge(1, now)
+    assert f.kind == "moved" and f.free_op == "resize_"
+    assert "resize_" in f.likely_cause
+
+
+def test_private_pool_free_is_harmless_until_recarved():
+    t, state = tracker_with([ref(P)])
+    t.on_free(P, event())
+    assert state.dirty
+    free_pool = MemoryMap.from_snapshot(snapshot((PSEG, POOL, [(0, 8192, "inactive")])))
+    assert t.judge(1, free_pool) == []  # nobody else can have it yet
+    assert not state.dirty
+    t.on_alloc(P + 64)  # a later capture carves the freed range
+    assert state.dirty
+    recarved = MemoryMap.from_snapshot(
+        snapshot(
+            (
+                PSEG,
+                POOL,
+                [(0, 1024, "inactive"), (1024, 2048, "active_allocated"), (3072, 5120, "inactive")],
+            )
+        )
+    )
+    (f,) = t.judge(1, recarved)
+    assert f.kind == "pool-reuse" and "own private pool" in f.pool
+
+
+def test_pool_reuse_names_the_graph_that_recarved():
+    t, _ = tracker_with([ref(P)])
+    t.on_free(P, event())
+    recarved = MemoryMap.from_snapshot(
+        snapshot((PSEG, POOL, [(0, 4096, "active_allocated"), (4096, 4096, "inactive")]))
+    )
+    t.add_graph(graph(2), [ref(P)], recarved)
+    (f,) = t.judge(1, recarved)
+    assert f.kind == "pool-reuse" and "g2" in f.now
+
+
+def test_hand_over_inside_a_capture_of_the_same_pool_is_not_a_finding():
+    t, state = tracker_with([ref(P), ref(A)])
+    t.on_free(P, event(capture_pool=POOL))  # e.g. backward capture consumed saved activations
+    assert not state.dirty and P not in state.blocks
+    t.on_alloc(P)
+    assert not state.dirty
+    assert t.judge(1, capture_map()) == []
+
+
+def test_default_pool_memory_already_free_at_capture_end():
+    t = Tracker()
+    snap = snapshot((SEG, DEFAULT_POOL, [(0, 4096, "inactive"), (4096, 4096, "active_allocated")]))
+    state = t.add_graph(graph(), [ref(A)], MemoryMap.from_snapshot(snap))
+    assert state.dirty
+    (f,) = t.judge(1, MemoryMap.from_snapshot(snap))
+    assert f.kind == "freed" and f.free_op == "freed before capture ended"
+
+
+def test_forgotten_graph_stops_watching():
+    t, state = tracker_with([ref(A)])
+    t.forget(1)
+    assert not t.on_free(A, event())
+    assert t.live == {}
+
+
+def test_graph_destroyed_then_memory_freed_and_another_graph_still_judged():
+    t = Tracker()
+    m = capture_map()
+    t.add_graph(graph(1), [ref(A)], m)
+    s2 = t.add_graph(graph(2), [ref(A), ref(B)], m)
+    t.forget(1)
+    t.on_free(A, event())
+    assert s2.dirty
+    assert [f.graph.id for f in t.judge(2, MemoryMap.from_snapshot(snapshot()))] == [2]
+
+
+def test_release_marks_graphs_with_freed_memory():
+    t, state = tracker_with([ref(P)])
+    t.on_free(P, event())
+    t.judge(1, MemoryMap.from_snapshot(snapshot((PSEG, POOL, [(0, 8192, "inactive")]))))
+    t.on_release()
+    assert state.dirty
+
+
+# ----------------------------------------------------------------------------- pointer scanning
+def test_scan_finds_aligned_and_unaligned_words():
+    buf = bytearray(64)
+    struct.pack_into("<Q", buf, 8, A)
+    struct.pack_into("<Q", buf, 21, B)  # unaligned, as in packed launch buffers
+    assert scan_words(bytes(buf), SEG, SEG + (1 << 20)) == [(8, A), (21, B)]
+
+
+def test_two_32bit_scalars_that_look_like_a_pointer_are_rejected():
+    lo, hi = struct.unpack("<II", struct.pack("<Q", SEG + (1 << 40)))  # no block there
+    buf = struct.pack("<IIQ", lo, hi, A)
+    m = capture_map()
+    got = references([KernelArgs(0, "k", buf, [0, 4, 8])], m)
+    assert [(r.param, r.offset, r.address) for r in got] == [(2, 0, A)]
+
+
+def test_references_map_offsets_to_parameters_and_read_copies():
+    buf = bytearray(48)
+    struct.pack_into("<Q", buf, 16 + 12, P + 8)  # inside a struct parameter at byte 12
+    nodes = [
+        KernelArgs(0, "sm90_gemm", bytes(buf), [0, 8, 16]),
+        CopyArgs(1, "memcpy", [("src", A), ("dst", B)]),
+    ]
+    got = references(nodes, capture_map())
+    assert got[0] == Reference(0, "sm90_gemm", 2, 12, P + 8)
+    assert [(r.kernel, r.param, r.address) for r in got[1:]] == [
+        ("memcpy", "src", A),
+        ("memcpy", "dst", B),
+    ]
+
+
+def test_foreign_memory_is_confirmed_by_the_driver_only_when_aligned():
+    foreign = 0x10_0000_0000
+    buf = struct.pack("<QQ", foreign, foreign + 1) + b"\0" + struct.pack("<Q", foreign)
+    got = references([KernelArgs(0, "k", buf, [])], capture_map(), foreign=lambda v: v == foreign)
+    assert [(r.offset, r.address) for r in got] == [(0, foreign)]
+
+
+def test_random_buffers_find_exactly_the_planted_pointers():
+    rng = random.Random(1234)
+    m = capture_map()
+    for _ in range(200):
+        n = rng.randint(8, 256)
+        buf = bytearray(rng.getrandbits(8) for _ in range(n))
+        for i in range(n):
+            if buf[i] == 0x7F:  # no accidental high bytes of our segment range
+                buf[i] = 0x11
+        planted = {}
+        for _ in range(rng.randint(0, 3)):
+            off = rng.randint(0, n - 8)
+            if any(abs(off - o) < 8 for o in planted):
+                continue
+            addr = rng.choice([A, B + 100, P + 4000])
+            if addr in planted.values():
+                continue  # one reference per address and node: the first offset
+            struct.pack_into("<Q", buf, off, addr)
+            planted[off] = addr
+        got = {(r.offset, r.address) for r in references([KernelArgs(0, "k", bytes(buf), [])], m)}
+        assert got == set(planted.items())
+
+
+@pytest.mark.parametrize("n", [0, 3, 7])
+def test_short_buffers_have_no_words(n):
+    assert scan_words(b"\x01" * n, 0, 1 << 64) == []
