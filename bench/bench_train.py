@@ -1,0 +1,104 @@
+"""Benchmark of the lab trainer: eager vs per-scope CUDA graphs, per recipe mix, and the cost of
+the fixed graph-state handling vs TE 2.18's (te218, no validation so it cannot fault).
+
+    PYTHONPATH=src python3 bench/bench_train.py [--preset small] [--iters 10] [--out docs/PERF-train.md]
+
+Prints a table of step times and ratios (graphed speed-up over eager of the same recipe mix) and
+writes it, with date, GPU, torch and the command, to --out. Never asserts timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+
+import torch
+
+from graphsan.lab.train import TrainConfig, train
+
+SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
+VARIANTS = {  # name: (precision config, graphed scopes, graph state)
+    "bf16 eager": (None, (), "fixed"),
+    "bf16 graphed": (None, SCOPES, "fixed"),
+    "mxfp8-all eager": ("mxfp8-all", (), "fixed"),
+    "mxfp8-all graphed": ("mxfp8-all", SCOPES, "fixed"),
+    "super-mixed eager": ("super-mixed", (), "fixed"),
+    "super-mixed graphed": ("super-mixed", SCOPES, "fixed"),
+    "super-mixed graphed te218": ("super-mixed", SCOPES, "te218"),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="eager steps before capture")
+    ap.add_argument("--seq-length", type=int, default=1024)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--global-batch-size", type=int, default=4)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    ap.add_argument("--out", default="docs/PERF-train.md")
+    a = ap.parse_args()
+    names = [v for v in a.variants.split(",") if v]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        print(
+            f"bench_train: unknown variant {bad[0]!r}; expected some of {list(VARIANTS)}",
+            file=sys.stderr,
+        )
+        return 2
+    rows = {}
+    for name in names:
+        precision, scopes, state = VARIANTS[name]
+        cfg = TrainConfig(
+            preset=a.preset,
+            train_iters=a.iters,
+            cuda_graph_warmup_steps=a.warmup,
+            seq_length=a.seq_length,
+            micro_batch_size=a.micro_batch_size,
+            global_batch_size=a.global_batch_size,
+            precision_config=precision,
+            cuda_graph_modules=scopes,
+            graph_state=state,
+            quiet=True,
+            log_interval=10**6,
+        )
+        t0 = time.perf_counter()
+        r = train(cfg)
+        rows[name] = r
+        print(
+            f"{name:<28} {r.step_ms:8.1f} ms/step {r.tokens_per_s:12,.0f} tok/s "
+            f"(run {time.perf_counter() - t0:.0f} s, loss {r.losses[-1]:.3f})",
+            flush=True,
+        )
+
+    lines = ["| variant | ms/step | tokens/s | vs eager (same recipes) |", "|---|---:|---:|---:|"]
+    for name, r in rows.items():
+        eager = rows.get(name.split(" ")[0] + " eager")
+        ratio = f"{eager.step_ms / r.step_ms:.2f}x" if eager and r.step_ms else "-"
+        lines.append(f"| {name} | {r.step_ms:.1f} | {r.tokens_per_s:,.0f} | {ratio} |")
+    fixed, te = rows.get("super-mixed graphed"), rows.get("super-mixed graphed te218")
+    if fixed and te:
+        lines.append(
+            f"\nfixed state vs te218 (super-mixed graphed): {fixed.step_ms / te.step_ms:.3f}x step time"
+        )
+    table = "\n".join(lines)
+    print(table)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    header = (
+        f"# Trainer performance\n\nDate: {datetime.date.today()}  \nGPU: {gpu}  \n"
+        f"torch: {torch.__version__}  \nCommand: `PYTHONPATH=src python3 {' '.join(sys.argv)}`  \n"
+        f"Setup: preset {a.preset}, {a.iters} iterations ({a.warmup} eager warm-up, then capture), "
+        f"micro batch {a.micro_batch_size} x seq {a.seq_length}, global batch "
+        f"{a.global_batch_size}; steady-state step time excludes the first iteration and capture.\n\n"
+    )
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(header + table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""TrainConfig: every knob of `graphsan train` (Megatron names where they exist), validated."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from graphsan.lab.models import PRESETS
+from graphsan.lab.train.graphs import GRAPH_SCOPES
+
+GRAPH_STATES = ("fixed", "te218")
+
+
+class ConfigError(ValueError):
+    """A bad option; the message names the option and what was expected."""
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    train_iters: int = 20
+    micro_batch_size: int = 2
+    global_batch_size: int | None = None  # default: micro_batch_size (one microbatch)
+    seq_length: int = 64
+    lr: float = 3e-3
+    lr_warmup_iters: int = 0
+    eval_interval: int = 0  # 0: no validation
+    eval_iters: int = 2
+    manual_gc_interval: int = 0  # >0: automatic GC off, gc.collect() every N iterations
+    save_interval: int = 0
+    save: str = "out/checkpoints"
+    empty_cache_on_save: bool = False
+    cuda_graph_modules: tuple = ()
+    cuda_graph_warmup_steps: int = 3
+    graph_state: str = "fixed"
+    precision_config: str | None = None  # file or built-in name; None: BF16 everywhere
+    num_layers_at_start_in_bf16: int = 0
+    num_layers_at_end_in_bf16: int = 0
+    seed: int = 1234
+    device: str = "auto"
+    data_path: str | None = None
+    log_interval: int = 10
+    dry_run: bool = False
+    quiet: bool = False
+    model_overrides: dict = field(default_factory=dict)  # ModelArgs fields (tests, benches)
+    capture_grads: tuple = ()  # parameter names whose main_grad is returned for every step
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+    def validate(self) -> TrainConfig:
+        if self.global_batch_size is None:
+            self.global_batch_size = self.micro_batch_size
+        if self.preset not in PRESETS:
+            raise ConfigError(f"--preset {self.preset}: expected one of {', '.join(PRESETS)}")
+        positive = (
+            "train_iters",
+            "micro_batch_size",
+            "global_batch_size",
+            "seq_length",
+            "log_interval",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected > 0")
+        non_negative = (
+            "eval_interval",
+            "eval_iters",
+            "manual_gc_interval",
+            "save_interval",
+            "cuda_graph_warmup_steps",
+            "num_layers_at_start_in_bf16",
+            "num_layers_at_end_in_bf16",
+            "lr_warmup_iters",
+        )
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: expected >= 0"
+                )
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"--global-batch-size {self.global_batch_size} is not a multiple of "
+                f"--micro-batch-size {self.micro_batch_size}"
+            )
+        if (self.micro_batch_size * self.seq_length) % 32:
+            raise ConfigError(
+                f"--micro-batch-size x --seq-length = {self.micro_batch_size * self.seq_length} "
+                "tokens; expected a multiple of 32 (quantization blocks along the token dim)"
+            )
+        scopes = tuple(self.cuda_graph_modules)
+        unknown = [s for s in scopes if s not in GRAPH_SCOPES]
+        if unknown:
+            raise ConfigError(
+                f"--cuda-graph-modules: unknown scope {unknown[0]!r}; expected some of "
+                f"{', '.join(GRAPH_SCOPES)}"
+            )
+        if "moe_preprocess" in scopes and "moe_router" not in scopes:
+            raise ConfigError("--cuda-graph-modules: moe_preprocess needs moe_router as well")
+        self.cuda_graph_modules = tuple(dict.fromkeys(scopes))
+        if self.graph_state not in GRAPH_STATES:
+            raise ConfigError(
+                f"--graph-state {self.graph_state}: expected one of {', '.join(GRAPH_STATES)}"
+            )
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ConfigError(f"--device {self.device}: expected auto, cpu, cuda or cuda:N")
+        return self
+
+    def replace(self, **changes) -> TrainConfig:
+        return dataclasses.replace(self, **changes).validate()

@@ -1,0 +1,265 @@
+"""Per-module CUDA graphs for training (our own capture code, TE `make_graphed_callables` in spirit).
+
+Scopes (Megatron's `--cuda-graph-scope` names):
+    attn            each attention layer (norm -> attention -> residual)
+    mamba           each Mamba-2 layer (norm -> mixer -> residual)
+    moe_router      each MoE layer's pre-norm + router
+    moe_preprocess  additionally fc1_latent, routing-map padding and permutation (needs moe_router)
+    mlp             each dense MLP layer and each MoE layer's shared expert
+Routed experts, combine and fc2_latent run eagerly (dynamic per-expert token counts), as do the
+embedding, the output layer and MTP.
+
+Capture, for every graphed stage:
+1. warm-up: the real modules run eagerly on a side stream (forward + autograd.grad), so buffers a
+   module creates lazily (QuantLinear weight workspaces) are created in the default memory pool
+   before capture, as with TE;
+2. per microbatch, a forward graph and a backward graph (autograd.grad of the captured outputs on
+   static grad-output buffers), all in ONE shared private pool, captured in execution order
+   (every stage's forward in layer order, then every backward in reverse) so replays follow the
+   capture order that the pool sharing relies on;
+3. main_grads and router counters touched by the warm-up are zeroed afterwards.
+
+Replay (`GraphedStage.__call__`, an autograd.Function): inputs are copied into the static input,
+the forward graph replays; in backward, incoming grads are copied into the static grad-outputs and
+the backward graph replays. QuantLinear weight grads go to main_grad inside the graph; other
+parameter grads come out of the graph's static buffers and are CLONED before autograd sees them,
+so a parameter's grad never aliases a buffer the next replay overwrites. Graphs are used only in
+training mode with grad enabled; eval runs the modules eagerly (HybridLayer.forward).
+
+`graph_state`:
+    "te218"  on every training replay the wrapper writes the ambient recipe (the precision config's
+             base recipe) into `stored_recipe` of every QuantLinear in that graphed scope, even
+             those with their own override. TE 2.18's `transformer_engine/pytorch/graph.py` does
+             this in the graphed forward wrapper (around line 1245): for each TE module of the
+             callable it sets `fp8_meta["recipe"]` to `FP8GlobalStateManager.get_fp8_recipe()`
+             before replaying. With the QuantLinear "te218" policy the next eager forward of an
+             overridden module sees a recipe-class change and frees its weight workspace, which
+             the captured graphs still read (TE #3316).
+    "fixed"  the wrapper writes nothing; modules keep their own recipe. The stage also holds a
+             reference to every workspace it captured, for the graph's lifetime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from graphsan.lab.quant import QuantLinear
+
+GRAPH_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess", "mlp")
+
+
+class MicrobatchCounter:
+    """Which microbatch's graphs the next replay uses (set by the trainer)."""
+
+    def __init__(self):
+        self.index = 0
+
+
+@dataclass
+class _Graphs:
+    fwd: torch.cuda.CUDAGraph
+    static_in: torch.Tensor
+    static_out: tuple
+    diff: tuple  # per output: differentiable?
+    bwd: torch.cuda.CUDAGraph | None = None
+    static_grad_out: tuple = ()
+    static_grad_in: tuple = ()
+
+
+class _GraphedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, stage, x, *params):
+        g = stage.graphs[stage.counter.index]
+        if x.data_ptr() != g.static_in.data_ptr():
+            g.static_in.copy_(x)
+        g.fwd.replay()
+        ctx.g = g
+        outs = tuple(o.detach() for o in g.static_out)
+        ctx.mark_non_differentiable(*[o for o, d in zip(outs, g.diff, strict=True) if not d])
+        return outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        g = ctx.g
+        diff_grads = [gr for gr, d in zip(grads, g.diff, strict=True) if d]
+        for buf, gr in zip(g.static_grad_out, diff_grads, strict=True):
+            if gr is None:
+                buf.zero_()
+            elif gr.data_ptr() != buf.data_ptr():
+                buf.copy_(gr)
+        g.bwd.replay()
+        gx, *gparams = g.static_grad_in
+        gparams = [None if t is None else t.clone() for t in gparams]
+        return (None, None if gx is None else gx.detach(), *gparams)
+
+
+@dataclass
+class GraphedStage:
+    """One graphed callable of one layer, with its graphs per microbatch."""
+
+    name: str  # e.g. "layers.3:front"
+    layer: nn.Module
+    stage: str  # the key in layer.graphs: "layer", "router", "front", "shared"
+    fn: object
+    modules: list
+    counter: MicrobatchCounter
+    graph_state: str = "fixed"
+    ambient_recipe: object = None
+    graphs: list = field(default_factory=list)
+    keepalive: list = field(default_factory=list)
+
+    def __post_init__(self):
+        seen, self.params, self.quant = set(), [], []
+        for m in self.modules:
+            for sub in m.modules():
+                if isinstance(sub, QuantLinear) and id(sub) not in seen:
+                    seen.add(id(sub))
+                    self.quant.append(sub)
+        qweights = {id(q.weight) for q in self.quant}
+        for m in self.modules:
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in qweights and id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append(p)
+
+    def __call__(self, x):
+        if self.graph_state == "te218":
+            # TE 2.18 graph.py (~1245): the ambient recipe overwrites every module's stored recipe
+            for q in self.quant:
+                q.stored_recipe = self.ambient_recipe
+        outs = _GraphedFn.apply(self, x, *self.params)
+        return outs[0] if len(outs) == 1 else outs
+
+
+def plan_stages(model, scopes, counter, graph_state, ambient_recipe) -> list[GraphedStage]:
+    """The graphed stages of `model` for `scopes`, in forward execution order (main layers only)."""
+    unknown = sorted(set(scopes) - set(GRAPH_SCOPES))
+    if unknown:
+        raise ValueError(
+            f"--cuda-graph-modules: unknown scope(s) {', '.join(unknown)}; expected some of "
+            f"{', '.join(GRAPH_SCOPES)}"
+        )
+    if "moe_preprocess" in scopes and "moe_router" not in scopes:
+        raise ValueError("--cuda-graph-modules: moe_preprocess needs moe_router as well")
+    stages = []
+
+    def add(i, layer, stage, fn, modules):
+        stages.append(
+            GraphedStage(
+                f"layers.{i}:{stage}",
+                layer,
+                stage,
+                fn,
+                modules,
+                counter,
+                graph_state,
+                ambient_recipe,
+            )
+        )
+
+    for i, layer in enumerate(model.layers):
+        k = layer.kind
+        if (
+            (k == "M" and "mamba" in scopes)
+            or (k == "*" and "attn" in scopes)
+            or (k == "-" and "mlp" in scopes)
+        ):
+            add(i, layer, "layer", layer.layer_stage, [layer])
+        elif k == "E":
+            moe = layer.mixer
+            if "moe_preprocess" in scopes:
+                add(i, layer, "front", layer.front_stage, [layer.norm, moe.router, moe.fc1_latent])
+            elif "moe_router" in scopes:
+                add(i, layer, "router", layer.router_stage, [layer.norm, moe.router])
+            if "mlp" in scopes:
+                add(i, layer, "shared", layer.shared_stage, [moe.shared_expert])
+    return stages
+
+
+def _flat(outs):
+    return outs if isinstance(outs, tuple) else (outs,)
+
+
+def capture(
+    stages,
+    model,
+    *,
+    num_microbatches: int,
+    sample_shape,
+    dtype=torch.bfloat16,
+    warmup_iters: int = 2,
+) -> None:
+    """Warm up, capture every stage's forward and backward graphs per microbatch, install them."""
+    device = next(model.parameters()).device
+    pool = torch.cuda.graph_pool_handle()
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def sample():
+        x = torch.randn(sample_shape, device=device, dtype=dtype, generator=gen)
+        return x.requires_grad_(True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for st in stages:
+            for _ in range(warmup_iters):
+                x = sample()
+                outs = [o for o in _flat(st.fn(x)) if o.requires_grad]
+                torch.autograd.grad(
+                    outs,
+                    [x, *st.params],
+                    [torch.randn_like(o) * 1e-2 for o in outs],
+                    allow_unused=True,
+                )
+                del outs, x
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    for _ in range(num_microbatches):
+        live = []
+        for st in stages:  # forward graphs, in execution order
+            x = sample()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                outs = _flat(st.fn(x))
+            live.append((st, x, g, outs))
+        for st, x, g, outs in reversed(live):  # backward graphs, in reverse
+            diff = tuple(o.requires_grad for o in outs)
+            douts = [o for o in outs if o.requires_grad]
+            grad_bufs = tuple(torch.empty_like(o) for o in douts)
+            bg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bg, pool=pool):
+                grads = torch.autograd.grad(douts, [x, *st.params], grad_bufs, allow_unused=True)
+            st.graphs.append(
+                _Graphs(
+                    g,
+                    x.detach().requires_grad_(False),
+                    tuple(o.detach() for o in outs),
+                    diff,
+                    bg,
+                    grad_bufs,
+                    tuple(grads),
+                )
+            )
+        del live, outs, douts, grads
+    for st in stages:
+        if st.graph_state == "fixed":
+            st.keepalive = [q.workspace for q in st.quant if q.workspace is not None]
+        st.layer.graphs[st.stage] = st
+    with torch.no_grad():  # undo the warm-up's side effects
+        for p in model.parameters():
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
+        for name, buf in model.named_buffers():
+            if name.endswith("local_tokens_per_expert"):
+                buf.zero_()
+    torch.cuda.synchronize()
+
+
+def uninstall(model) -> None:
+    for layer in model.layers:
+        layer.graphs.clear()

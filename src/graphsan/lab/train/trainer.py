@@ -1,0 +1,321 @@
+"""The training loop of `graphsan train`, read top to bottom.
+
+    build model -> bind precision recipes -> optimizer, data
+    for each iteration:
+        (after the warm-up steps) capture per-scope CUDA graphs once
+        train step: microbatches (skip flag 0 for the first, 1 after), backward, optimizer step
+        log; validation (eager, model.eval() + no_grad); checkpoint (+ empty_cache); manual GC
+    summary; a TrainResult for callers that compare runs
+
+Megatron's order within an iteration is kept: train step, then validation, then save, then the
+manual GC, so they all fall on the same iteration when their intervals coincide.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from graphsan.lab.models import build_model, count_parameters, get_preset
+from graphsan.lab.quant import PrecisionConfig, QuantLinear, apply_precision, get_recipe
+from graphsan.lab.train import graphs as cuda_graphs
+from graphsan.lab.train.checkpoint import save_checkpoint
+from graphsan.lab.train.config import TrainConfig
+from graphsan.lab.train.data import build_data
+from graphsan.lab.train.metrics import Metrics, memory_gib
+from graphsan.lab.train.optim import MainGradAdamW
+
+
+@dataclass
+class TrainResult:
+    """What a run produced, for numerical comparison of runs (e.g. graphed vs eager)."""
+
+    losses: list[float] = field(default_factory=list)  # LM loss per step (mean over microbatches)
+    mtp_losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (iteration, loss)
+    main_grads: list[dict] = field(default_factory=list)  # per step: {param name: fp32 cpu}
+    recipe_table: list[tuple[str, str]] = field(default_factory=list)
+    graphed_stages: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    tokens_per_s: float = 0.0  # steady state: iterations after graph capture / the first one
+    step_ms: float = 0.0
+    peak_mem_gib: float = 0.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return dev
+
+
+def model_args(cfg: TrainConfig):
+    return get_preset(cfg.preset).replace(**cfg.model_overrides)
+
+
+def bind_precision(model, cfg: TrainConfig):
+    """Apply the precision config; returns (table, ambient recipe). The output layer stays BF16:
+    in Megatron it is not a TE module, so no recipe applies to it."""
+    config = (
+        PrecisionConfig.uniform(get_recipe("bf16"))
+        if cfg.precision_config is None
+        else PrecisionConfig.from_yaml(cfg.precision_config)
+    )
+    table = apply_precision(
+        model,
+        config,
+        layer_pattern=model.args.pattern,
+        first_bf16=cfg.num_layers_at_start_in_bf16 or None,
+        last_bf16=cfg.num_layers_at_end_in_bf16 or None,
+    )
+    model.output_layer.set_recipe(get_recipe("bf16"))
+    table = [(p, "bf16 [output layer]" if p == "output_layer" else d) for p, d in table]
+    return table, config.base
+
+
+def summarize_table(table: list[tuple[str, str]]) -> str:
+    """The recipe table with layer and expert indices folded: one row per (module kind, recipe)."""
+    rows: dict[tuple[str, str], list[int]] = {}
+    for path, desc in table:
+        m = re.match(r"^(mtp\.)?layers\.(\d+)\.(.*)$", path)
+        key_path = path if not m else f"{m.group(1) or ''}layers.{{i}}.{m.group(3)}"
+        key_path = re.sub(r"experts\.\d+\.", "experts.{j}.", key_path)
+        rows.setdefault((key_path, desc), []).append(int(m.group(2)) if m else -1)
+    out = []
+    width = max(len(p) for p, _ in rows) if rows else 6
+    for (path, desc), idx in rows.items():
+        layers = sorted({i for i in idx if i >= 0})
+        where = f"  layers {_ranges(layers)}" if layers else ""
+        out.append(f"{path:<{width}}  {desc:<28} x{len(idx)}{where}")
+    return "\n".join([f"{'module':<{width}}  recipe", *out])
+
+
+def _ranges(xs: list[int]) -> str:
+    parts, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            parts.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(parts)
+
+
+def dry_run(cfg: TrainConfig, metrics: Metrics) -> None:
+    """Build on the meta device (no memory), print parameter counts and the recipe table."""
+    model = build_model(model_args(cfg), device="meta")
+    total, active = count_parameters(model)
+    table, base = bind_precision(model, cfg)
+    metrics.print(
+        f"preset {cfg.preset}: pattern {model.args.pattern} ({len(model.args.pattern)} layers)"
+    )
+    metrics.print(
+        f"parameters: total {total:,} ({total / 1e9:.2f} B), active {active:,} "
+        f"({active / 1e9:.2f} B)"
+    )
+    metrics.print(
+        f"precision: {cfg.precision_config or 'bf16 everywhere'} (base {base.describe()})"
+    )
+    metrics.print(summarize_table(table))
+
+
+def train(cfg: TrainConfig, console=None) -> TrainResult:
+    cfg.validate()
+    with Metrics(cfg.train_iters, quiet=cfg.quiet, console=console) as metrics:
+        if cfg.dry_run:
+            dry_run(cfg, metrics)
+            return TrainResult()
+        return _train(cfg, metrics)
+
+
+def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
+    device = resolve_device(cfg.device)
+    result = TrainResult(device=str(device))
+    model = build_model(model_args(cfg), device=device, seed=cfg.seed)
+    result.recipe_table, ambient = bind_precision(model, cfg)
+    skip = torch.zeros((), device=device)  # the shared weight-workspace skip flag
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.skip_weight_update = skip
+            m.state_policy = cfg.graph_state
+    opt = MainGradAdamW(model, cfg.lr)
+    data = build_data(cfg.data_path, model.args.vocab_size, cfg.seq_length, cfg.seed)
+    params = dict(model.named_parameters())
+    for name in cfg.capture_grads:
+        if name not in params:
+            raise ValueError(f"capture_grads: no parameter {name!r} in the model")
+    num_mb, mbs = cfg.num_microbatches, cfg.micro_batch_size
+    tokens_per_step = cfg.global_batch_size * cfg.seq_length
+    use_graphs = bool(cfg.cuda_graph_modules)
+    if use_graphs and device.type != "cuda":
+        metrics.print(
+            f"note: CUDA graphs need CUDA; on {device} the graphed scopes "
+            f"({', '.join(cfg.cuda_graph_modules)}) run eagerly"
+        )
+        use_graphs = False
+    counter = cuda_graphs.MicrobatchCounter()
+    total, active = count_parameters(model)
+    metrics.print(
+        f"graphsan train: preset {cfg.preset} ({total / 1e6:.1f} M params, {active / 1e6:.1f} M "
+        f"active) on {device} | precision {cfg.precision_config or 'bf16'} | graphs "
+        f"{','.join(cfg.cuda_graph_modules) if use_graphs else 'none'} "
+        f"(state {cfg.graph_state}) | {num_mb} microbatch(es) x {mbs} x {cfg.seq_length}"
+    )
+    gc_was_enabled = gc.isenabled()
+    if cfg.manual_gc_interval:
+        gc.disable()  # Megatron's --manual-gc: automatic GC off, collect at fixed iterations
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def lr_at(it: int) -> float:
+        return cfg.lr * min(1.0, it / cfg.lr_warmup_iters) if cfg.lr_warmup_iters else cfg.lr
+
+    def evaluate() -> float:
+        model.eval()
+        total_loss = torch.zeros((), device=device)
+        with torch.no_grad():
+            for k in range(cfg.eval_iters):
+                for mb in range(num_mb):
+                    skip.fill_(0 if k == 0 and mb == 0 else 1)
+                    tokens, labels = data.batch("valid", (k * num_mb + mb) * mbs, mbs)
+                    out = model(tokens.to(device), labels.to(device))
+                    total_loss += out["lm_loss"]
+        model.train()
+        return (total_loss / max(1, cfg.eval_iters * num_mb)).item()
+
+    step_losses, step_mtp, norms = [], [], []
+    interval_start, interval_first = None, 1
+    steady_start, steady_iters, excluded = None, 0, 0.0
+    try:
+        model.train()
+        for it in range(1, cfg.train_iters + 1):
+            # --- CUDA graphs: captured once, after the eager warm-up steps ---
+            if use_graphs and it == cfg.cuda_graph_warmup_steps + 1:
+                sync()
+                t0 = time.perf_counter()
+                stages = cuda_graphs.plan_stages(
+                    model, cfg.cuda_graph_modules, counter, cfg.graph_state, ambient
+                )
+                cuda_graphs.capture(
+                    stages,
+                    model,
+                    num_microbatches=num_mb,
+                    sample_shape=(mbs, cfg.seq_length, model.args.hidden_size),
+                )
+                result.graphed_stages = [s.name for s in stages]
+                metrics.print(
+                    f"captured {len(stages)} graphed stage(s) x {num_mb} microbatch(es) "
+                    f"(forward + backward) in {time.perf_counter() - t0:.1f} s"
+                )
+                steady_start = None
+            if interval_start is None:
+                sync()
+                interval_start, interval_first = time.perf_counter(), it
+            if steady_start is None and it > 1:
+                sync()
+                steady_start, steady_iters, excluded = time.perf_counter(), 0, 0.0
+
+            # --- train step ---
+            opt.zero_grad()
+            lm, mtp = torch.zeros((), device=device), torch.zeros((), device=device)
+            for mb in range(num_mb):
+                skip.fill_(0 if mb == 0 else 1)
+                counter.index = mb
+                tokens, labels = data.batch("train", ((it - 1) * num_mb + mb) * mbs, mbs)
+                out = model(
+                    tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+                )
+                (out["loss"] / num_mb).backward()
+                lm += out["lm_loss"] / num_mb
+                if "mtp_loss" in out:
+                    mtp += out["mtp_loss"] / num_mb
+            if cfg.capture_grads:
+                result.main_grads.append(
+                    {
+                        n: params[n].main_grad.detach().float().cpu().clone()
+                        for n in cfg.capture_grads
+                    }
+                )
+            norms.append(opt.step(lr_at(it)))
+            model.update_expert_bias()
+            step_losses.append(lm)
+            step_mtp.append(mtp if model.mtp is not None else None)
+            steady_iters += 1
+
+            # --- log ---
+            if it % cfg.log_interval == 0 or it == cfg.train_iters:
+                sync()
+                dt = time.perf_counter() - interval_start
+                n = it - interval_first + 1
+                loss = step_losses[-1].item()
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss is {loss} at iteration {it}")
+                metrics.log(
+                    it,
+                    cfg.train_iters,
+                    loss,
+                    None if step_mtp[-1] is None else step_mtp[-1].item(),
+                    n * tokens_per_step / dt,
+                    1000 * dt / n,
+                    memory_gib(device),
+                    norms[-1].item(),
+                )
+                interval_start = None
+            metrics.advance(
+                f"loss {step_losses[-1].item():.3f}" if it % cfg.log_interval == 0 else ""
+            )
+
+            # --- validation, checkpoint, manual GC (Megatron's order) ---
+            sync()
+            t_side = time.perf_counter()
+            if cfg.eval_interval and it % cfg.eval_interval == 0:
+                if cfg.manual_gc_interval:
+                    gc.collect()
+                loss = evaluate()
+                if cfg.manual_gc_interval:
+                    gc.collect()
+                result.eval_losses.append((it, loss))
+                metrics.print(
+                    f"validation at iteration {it}: loss {loss:.4f} ({cfg.eval_iters} iteration(s))"
+                )
+                interval_start = None
+            if cfg.save_interval and it % cfg.save_interval == 0:
+                path = save_checkpoint(
+                    cfg.save, it, model, opt, empty_cache=cfg.empty_cache_on_save
+                )
+                metrics.print(
+                    f"saved checkpoint {path} at iteration {it}"
+                    + (" (+ empty_cache)" if cfg.empty_cache_on_save else "")
+                )
+                interval_start = None
+            if cfg.manual_gc_interval and it % cfg.manual_gc_interval == 0:
+                gc.collect()
+            sync()
+            excluded += time.perf_counter() - t_side  # steady-state timing counts train steps only
+        sync()
+        steady_s = time.perf_counter() - steady_start - excluded if steady_start else 0.0
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    result.losses = [x.item() for x in step_losses]
+    result.mtp_losses = [x.item() for x in step_mtp if x is not None]
+    if steady_iters and steady_s > 0:
+        result.step_ms = 1000 * steady_s / steady_iters
+        result.tokens_per_s = steady_iters * tokens_per_step / steady_s
+    result.peak_mem_gib = memory_gib(device)
+    evals = ", ".join(f"{i}: {v:.4f}" for i, v in result.eval_losses) or "none"
+    metrics.print(
+        f"done: {cfg.train_iters} iterations | loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
+        f" | validation {evals} | steady {result.step_ms:.1f} ms/step, "
+        f"{result.tokens_per_s:,.0f} tok/s | peak mem {result.peak_mem_gib:.2f} GiB"
+    )
+    return result

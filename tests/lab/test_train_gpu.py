@@ -1,0 +1,123 @@
+"""GPU tests of the trainer's per-scope CUDA graphs. Each run happens in a subprocess (a graph bug
+can kill the CUDA context); the subprocess prints one JSON line that the test checks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+WORKER = r"""
+import json, math, sys
+import torch
+from graphsan.lab.train import TrainConfig, train
+
+spec = json.loads(sys.argv[1])
+GRADS = ("embedding.weight", "layers.0.norm.weight", "layers.0.mixer.A_log",
+         "layers.0.mixer.in_proj.weight", "layers.0.mixer.out_proj.weight",
+         "layers.1.mixer.linear_qkv.weight", "layers.2.mixer.router.weight",
+         "layers.2.mixer.fc1_latent.weight", "layers.2.mixer.shared_expert.fc1.weight",
+         "layers.2.mixer.experts.0.fc1.weight")
+
+def run(**kw):
+    base = dict(preset="tiny", quiet=True, device="cuda", train_iters=5, seq_length=64,
+                micro_batch_size=2, global_batch_size=4, cuda_graph_warmup_steps=2,
+                capture_grads=GRADS)
+    base.update(kw)
+    return train(TrainConfig(**base))
+
+def rel(a, b):
+    return float((a - b).norm() / max(a.norm(), 1e-12))
+
+def compare(ref, got, first_step):
+    worst_loss = max(abs(x - y) / abs(x) for x, y in zip(ref.losses, got.losses))
+    worst_grad = {n: max(rel(r[n], g[n]) for r, g in zip(ref.main_grads[first_step:],
+                                                          got.main_grads[first_step:]))
+                  for n in GRADS}
+    return {"loss": worst_loss, "grads": worst_grad, "stages": got.graphed_stages}
+
+out = {}
+if spec["kind"] == "scopes":
+    for precision in spec["precisions"]:
+        eager = run(precision_config=precision)
+        for scopes in spec["scope_sets"]:
+            graphed = run(precision_config=precision, cuda_graph_modules=tuple(scopes))
+            out[f"{precision}:{','.join(scopes)}"] = compare(eager, graphed, 0)
+elif spec["kind"] == "accumulation":
+    eager = run(micro_batch_size=4, global_batch_size=4)
+    graphed = run(micro_batch_size=1, global_batch_size=4, seq_length=64,
+                  cuda_graph_modules=("attn", "mamba", "moe_router", "moe_preprocess", "mlp"))
+    out["accumulation"] = compare(eager, graphed, 0)
+elif spec["kind"] == "transitions":
+    import graphsan
+    cfg = dict(precision_config="super-mixed", train_iters=7, eval_interval=2, eval_iters=2,
+               save_interval=2, save=spec["save"], empty_cache_on_save=True,
+               manual_gc_interval=2, cuda_graph_modules=("attn", "mamba", "moe_router",
+               "moe_preprocess"), graph_state="fixed", capture_grads=())
+    if hasattr(graphsan, "watch"):
+        with graphsan.watch(policy="record") as san:
+            r = run(**cfg)
+        out["findings"] = [str(f) for f in san.findings]
+    else:
+        r = run(**cfg)
+        out["findings"] = None
+    out["losses"] = r.losses
+    out["evals"] = r.eval_losses
+    out["stages"] = r.graphed_stages
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run(spec: dict, env_extra: dict | None = None) -> dict:
+    env = dict(os.environ, **(env_extra or {}))
+    p = subprocess.run(
+        [sys.executable, "-c", WORKER, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+SCOPE_SETS = [
+    ["attn"],
+    ["mamba"],
+    ["moe_router"],
+    ["moe_router", "moe_preprocess"],
+    ["mlp"],
+    ["attn", "mamba", "moe_router", "moe_preprocess", "mlp"],
+]
+
+
+def test_graphed_matches_eager_for_each_scope():
+    res = _run({"kind": "scopes", "precisions": ["mxfp8-all"], "scope_sets": SCOPE_SETS})
+    assert len(res) == len(SCOPE_SETS)
+    for key, r in res.items():
+        assert r["stages"], f"{key}: nothing was graphed"
+        assert r["loss"] < 1e-3, (key, r)
+        for name, err in r["grads"].items():
+            assert err < 1e-2, (key, name, err)
+
+
+def test_gradient_accumulation_with_graphs():
+    r = _run({"kind": "accumulation"})["accumulation"]
+    assert r["loss"] < 2e-2, r
+    for name, err in r["grads"].items():
+        assert err < 5e-2, (name, err)
+
+
+def test_two_eval_transitions_with_empty_cache_and_expandable_segments(tmp_path):
+    res = _run(
+        {"kind": "transitions", "save": str(tmp_path)},
+        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    )
+    assert [i for i, _ in res["evals"]] == [2, 4, 6]  # capture at 3: transitions at 4 and 6
+    assert len(res["losses"]) == 7 and all(x == x and abs(x) < 100 for x in res["losses"])
+    if res["findings"] is not None:
+        assert res["findings"] == []
