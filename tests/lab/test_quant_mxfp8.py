@@ -11,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphsan.lab.quant import mxfp8
-from tests.lab.test_quant_oracles import e8m0_te_oracle, fp8_grid, fp8_rne_oracle, mxfp8_numpy_reference
+from tests.lab.test_quant_oracles import (
+    e8m0_te_oracle,
+    fp8_grid,
+    fp8_rne_oracle,
+    mxfp8_numpy_reference,
+)
 
 MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 MAX_BYTE = {"e4m3": 0x7E, "e5m2": 0x7B}

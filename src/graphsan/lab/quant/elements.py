@@ -45,6 +45,21 @@ def check_fp8_format(fmt: str) -> None:
         raise ValueError(f"fmt={fmt!r}: expected one of {sorted(FP8_DTYPES)}")
 
 
+def div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """IEEE float32 a / b with one rounding, for tensors or Python numbers on either side.
+
+    Torch computes `float / tensor` as reciprocal(tensor) * float, and on CUDA `tensor / float`
+    as tensor * (1 / float): both round twice. Numbers become device tensors (a fill kernel, so
+    this stays graph-capturable) and the division is tensor / tensor.
+    """
+    like = a if isinstance(a, torch.Tensor) else b
+    if not isinstance(a, torch.Tensor):
+        a = torch.full_like(like, a, dtype=torch.float32)
+    if not isinstance(b, torch.Tensor):
+        b = torch.full((), b, dtype=torch.float32, device=like.device)
+    return torch.div(a, b)
+
+
 def nan_to_zero_abs(x32: torch.Tensor) -> torch.Tensor:
     """|x| with NaN replaced by 0, so a max over it ignores NaN (fmax semantics, amax starts at 0)."""
     a = x32.abs()

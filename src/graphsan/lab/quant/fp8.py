@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .elements import E4M3_MAX, FLT_MAX, fp8_decode, fp8_encode, nan_to_zero_abs
+from .elements import E4M3_MAX, FLT_MAX, div, fp8_decode, fp8_encode, nan_to_zero_abs
 
 
 @dataclass
@@ -49,14 +49,14 @@ def quantize(x: torch.Tensor, axis: int = -1) -> FP8Tensor:
         )
     x32 = x.to(torch.float32)
     amax = nan_to_zero_abs(x32).amax()
-    scale = E4M3_MAX / amax
+    scale = div(E4M3_MAX, amax)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
     bad = (amax == 0) | (scale == 0) | torch.isnan(scale)  # all zeros, amax inf, amax NaN
     scale = torch.where(bad, torch.ones_like(scale), scale)
     data = fp8_encode(x32 * scale, "e4m3")
     if axis == 0:
         data = data.t().contiguous()
-    return FP8Tensor(data, 1.0 / scale, amax, 0 if axis == 0 else -1)
+    return FP8Tensor(data, div(1.0, scale), amax, 0 if axis == 0 else -1)
 
 
 def dequantize(q: FP8Tensor) -> torch.Tensor:

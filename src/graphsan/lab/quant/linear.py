@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from . import fp8, mxfp8, nvfp4
+from .elements import div
 from .recipe import QTensor, Quantizer, Recipe, get_recipe
 
 STATE_POLICIES = ("fixed", "te218")
@@ -87,7 +88,7 @@ def gemm_operand(q: QTensor) -> torch.Tensor:
 def gemm_alpha(a: QTensor, b: QTensor) -> torch.Tensor | None:
     """The float32 epilogue factor of a GEMM of `a` and `b`, computed on device (None: 1)."""
     if isinstance(a, nvfp4.NVFP4Tensor):
-        return (a.amax * b.amax) / NVFP4_ALPHA_DIVISOR
+        return div(a.amax * b.amax, NVFP4_ALPHA_DIVISOR)
     if isinstance(a, fp8.FP8Tensor):
         return a.scale_inv * b.scale_inv
     return None

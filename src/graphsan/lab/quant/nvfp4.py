@@ -36,6 +36,7 @@ from .elements import (
     E2M1_MAX,
     E4M3_MAX,
     FLT_MAX,
+    div,
     e2m1_decode,
     e2m1_rne,
     e2m1_stochastic,
@@ -142,9 +143,9 @@ def global_amax(x32: torch.Tensor) -> torch.Tensor:
 
 def global_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1: S_enc = min(2688 / amax, FLT_MAX), 1 when amax == 0 or S_enc == 0; S_dec = 1/S_enc."""
-    s_enc = torch.clamp(GLOBAL_MAX / amax, max=FLT_MAX)
+    s_enc = torch.clamp(div(GLOBAL_MAX, amax), max=FLT_MAX)
     s_enc = torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
-    return s_enc, 1.0 / s_enc
+    return s_enc, div(1.0, s_enc)
 
 
 def block_amax(x32: torch.Tensor, block_2d: bool) -> torch.Tensor:
@@ -165,14 +166,14 @@ def block_scale(vec_max: torch.Tensor, s_enc: torch.Tensor, order: str) -> torch
     if order == "current":
         s = vec_max * (s_enc * INV_6)
     else:
-        s = (vec_max / 6.0) * s_enc
+        s = div(vec_max, 6.0) * s_enc
     s = torch.clamp(s, max=FLT_MAX)
     return fp8_encode(s, "e4m3")  # clamps to +-448, nearest even
 
 
 def encode_factor(scale: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
     """Step 4: enc = min(1 / (fp32(s_e4m3) * S_dec), FLT_MAX) per block."""
-    return torch.clamp(1.0 / (fp8_decode(scale, "e4m3") * s_dec), max=FLT_MAX)
+    return torch.clamp(div(1.0, fp8_decode(scale, "e4m3") * s_dec), max=FLT_MAX)
 
 
 def encode_elements(
