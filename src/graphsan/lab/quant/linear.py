@@ -142,12 +142,13 @@ class _QuantLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _Plan):
         if plan.recipe.quantized:
-            xq = plan.quantizers["input"].quantize(x, axis=-1)
-            y = quantized_mm(xq, plan.w_rowwise, transpose_b=True)
             # TE quantizes the input's columnwise (wgrad) copy in forward and saves it.
-            ctx.x_saved = (
-                plan.quantizers["input"].quantize(x, axis=0) if plan.save_for_wgrad else None
-            )
+            q = plan.quantizers["input"]
+            if plan.save_for_wgrad:
+                xq, ctx.x_saved = q.quantize_both(x)
+            else:
+                xq, ctx.x_saved = q.quantize(x, axis=-1), None
+            y = quantized_mm(xq, plan.w_rowwise, transpose_b=True)
         else:
             y = mm_fp32(x.to(torch.bfloat16), weight.to(torch.bfloat16).t())
             ctx.x_saved = x if plan.save_for_wgrad else None
@@ -334,15 +335,17 @@ class QuantLinear(nn.Module):
         else:
             # TE `pytorch/module/base.py` quantize_weight (~847-872): a cache hit re-quantizes
             # into the existing buffers, with the skip flag as the kernel's no-op flag.
-            _requantize_into(ws.rowwise, q.quantize(w, axis=-1), self.skip_weight_update)
-            if grad_enabled:
-                if ws.columnwise is None:
-                    # The workspace was built by a no-grad (eval) forward: add the columnwise
-                    # part now. (TE 2.20-dev instead treats the workspace as invalid and builds a
-                    # whole new one, `_is_weight_workspace_valid`, module/base.py ~757-790.)
-                    ws.columnwise = _alloc_columnwise(w, q)
-                else:
-                    _requantize_into(ws.columnwise, q.quantize(w, axis=0), self.skip_weight_update)
+            if grad_enabled and ws.columnwise is not None:
+                fresh_row, fresh_col = q.quantize_both(w)
+                _requantize_into(ws.rowwise, fresh_row, self.skip_weight_update)
+                _requantize_into(ws.columnwise, fresh_col, self.skip_weight_update)
+            else:
+                _requantize_into(ws.rowwise, q.quantize(w, axis=-1), self.skip_weight_update)
+            if grad_enabled and ws.columnwise is None:
+                # The workspace was built by a no-grad (eval) forward: add the columnwise part
+                # now. (TE 2.20-dev instead treats the workspace as invalid and builds a whole
+                # new one, `_is_weight_workspace_valid`, module/base.py ~757-790.)
+                ws.columnwise = _alloc_columnwise(w, q)
         return ws.rowwise, (ws.columnwise if grad_enabled else None)
 
     def _generator(self, x: torch.Tensor) -> torch.Generator | None:

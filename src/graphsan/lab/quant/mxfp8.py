@@ -90,6 +90,20 @@ def quantize(x: torch.Tensor, axis: int = -1, fmt: str = "e4m3", rule: str = "te
     return quantize_reference(x, axis=axis, fmt=fmt, rule=rule)
 
 
+def quantize_both(
+    x: torch.Tensor, fmt: str = "e4m3", rule: str = "te"
+) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+    """Rowwise and columnwise MXFP8 of x; on CUDA one Triton kernel reads x once for both."""
+    _check_args(x, -1, fmt, rule)
+    _check_args(x, 0, fmt, rule)
+    if x.is_cuda and rule == "te":
+        from . import triton_kernels
+
+        if triton_kernels.available():
+            return triton_kernels.mxfp8_quantize_both(x, fmt=fmt)
+    return quantize_reference(x, -1, fmt, rule), quantize_reference(x, 0, fmt, rule)
+
+
 def quantize_reference(
     x: torch.Tensor, axis: int = -1, fmt: str = "e4m3", rule: str = "te"
 ) -> MXFP8Tensor:

@@ -162,6 +162,16 @@ class Quantizer:
             )
         raise RecipeError(f"recipe {r.kind} does not quantize")
 
+    def quantize_both(
+        self, x: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[QTensor, QTensor]:
+        """(rowwise, columnwise) copies; MXFP8 uses the fused one-pass kernel on CUDA."""
+        r = self.recipe
+        if r.kind == "mxfp8":
+            fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
+            return mxfp8.quantize_both(x, fmt=fmt, rule=r.scale_rule)
+        return self.quantize(x, -1, generator), self.quantize(x, 0, generator)
+
     @property
     def uses_generator(self) -> bool:
         return self.recipe.kind == "nvfp4" and self.recipe.sr and self.role == "grad_output"

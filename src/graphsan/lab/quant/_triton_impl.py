@@ -1,0 +1,220 @@
+"""Triton kernels for the hot quantize paths (imported only where Triton is importable).
+
+Bit-identical to the torch reference by construction: every float operation is one IEEE op in the
+same order as the reference (divisions are `div_rn`; the only fusable multiply-adds have exact
+products), and the FP8 encodings are built from bit fields instead of relying on a conversion
+instruction's rounding mode. See `triton_kernels.py` for the Python entry points.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FLT_MAX: tl.constexpr = 3.4028234663852886e38
+
+
+@triton.jit
+def _fp8_bytes(s, MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, SUB: tl.constexpr):
+    """FP8 byte of float32 `s`: nearest even, saturating to +-MAX, NaN -> 0x7F | sign.
+
+    Also returns |value| as float32 (exact). MBITS mantissa bits, EMIN smallest normal exponent,
+    SUB = 2^(MBITS - EMIN) (subnormal quanta per unit).
+    """
+    sbits = s.to(tl.int32, bitcast=True)
+    sign = (sbits >> 24) & 0x80
+    a = tl.abs(s)
+    is_nan = a != a
+    a = tl.where(a > MAX, MAX, a)
+    a = tl.where(is_nan, 0.0, a)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    quantum = ((127 + e - MBITS) << 23).to(tl.float32, bitcast=True)
+    inv_quantum = ((127 - e + MBITS) << 23).to(tl.float32, bitcast=True)
+    # Round to an integer, nearest even: y < 2^4 here, and adding then subtracting 2^23 rounds
+    # y at unit precision (exact IEEE adds; the product a * inv_quantum is exact, so a fused
+    # multiply-add gives the same bits).
+    r = ((a * inv_quantum + 8388608.0) - 8388608.0) * quantum
+    rbits = r.to(tl.int32, bitcast=True)
+    er = ((rbits >> 23) & 0xFF) - 127
+    mant = (rbits >> (23 - MBITS)) & ((1 << MBITS) - 1)
+    byte = tl.where(
+        er >= EMIN, ((er - EMIN + 1) << MBITS) | mant, (tl.minimum(r, 1.0) * SUB).to(tl.int32)
+    )
+    byte = tl.where(is_nan, 0x7F, byte) | sign
+    return byte, r
+
+
+@triton.jit
+def _e8m0_round_up(v):
+    """TE's E8M0 byte (int32) of a non-negative float32 v."""
+    bits = v.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    up = (mant > 0) & (exp != 0xFE) & ((exp != 0) | (mant > 0x400000))
+    e = exp + up.to(tl.int32)
+    return tl.where(exp == 0xFF, tl.where(mant == 0, 0xFE, 0xFF), e)
+
+
+@triton.jit
+def _exp2_neg_biased(e):
+    """Exact float32 2^(127 - e) for an E8M0 byte e (int32); 0xFF gives NaN."""
+    kb = 254 - e
+    bits = tl.where(kb >= 1, kb << 23, 0x00400000)
+    bits = tl.where(e == 0xFF, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp8_kernel(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    INV_MAX: tl.constexpr,
+    MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    SUB: tl.constexpr,
+    DO_ROW: tl.constexpr,
+    DO_COL: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """One read of a BM x BN tile; rowwise (1x32) and/or columnwise (32x1) MXFP8 outputs."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < K)
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_m + offs_n[None, :] * stride_k, mask=mask, other=0.0
+    ).to(tl.float32)
+    a = tl.abs(x)
+    a = tl.where(a != a, 0.0, a)
+    out_offs = offs_m[:, None] * K + offs_n[None, :]
+    if DO_ROW:
+        amax = tl.max(tl.reshape(a, (BM, BN // 32, 32)), axis=2)
+        e = _e8m0_round_up(amax * INV_MAX)
+        f = _exp2_neg_biased(e)
+        s = tl.reshape(tl.reshape(x, (BM, BN // 32, 32)) * f[:, :, None], (BM, BN))
+        byte, _ = _fp8_bytes(s, MAX, MBITS, EMIN, SUB)
+        tl.store(row_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
+        sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+        smask = (offs_m[:, None] < M) & (sc[None, :] < K // 32)
+        tl.store(
+            row_scale_ptr + offs_m[:, None] * (K // 32) + sc[None, :], e.to(tl.uint8), mask=smask
+        )
+    if DO_COL:
+        amax = tl.max(tl.reshape(a, (BM // 32, 32, BN)), axis=1)
+        e = _e8m0_round_up(amax * INV_MAX)
+        f = _exp2_neg_biased(e)
+        s = tl.reshape(tl.reshape(x, (BM // 32, 32, BN)) * f[:, None, :], (BM, BN))
+        byte, _ = _fp8_bytes(s, MAX, MBITS, EMIN, SUB)
+        tl.store(col_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
+        sr = pid_m * (BM // 32) + tl.arange(0, BM // 32)
+        smask = (sr[:, None] < M // 32) & (offs_n[None, :] < K)
+        tl.store(col_scale_ptr + sr[:, None] * K + offs_n[None, :], e.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def amax_kernel(x_ptr, N, amax_ptr, BLOCK: tl.constexpr):
+    """amax_ptr[0] = max(amax_ptr[0], max |x| ignoring NaN) over a contiguous tensor."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.abs(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
+    a = tl.where(a != a, 0.0, a)
+    tl.atomic_max(amax_ptr, tl.max(a, axis=0))
+
+
+@triton.jit
+def nvfp4_kernel(
+    src_ptr,
+    R,
+    C,
+    stride_r,
+    stride_c,
+    amax_ptr,
+    rbits_ptr,
+    data_ptr,
+    scale_ptr,
+    INV_6: tl.constexpr,
+    LEGACY: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    SR: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """NVFP4 along the last dim of the logical [R, C] view `src` (strides given), steps 1-5."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = pid_r * BR + tl.arange(0, BR)
+    offs_c = pid_c * BC + tl.arange(0, BC)
+    mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
+    x = tl.load(
+        src_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0
+    ).to(tl.float32)
+
+    # 1. global scales
+    amax = tl.load(amax_ptr)
+    s_enc = tl.minimum(tl.math.div_rn(2688.0, amax), FLT_MAX)
+    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    s_dec = tl.math.div_rn(1.0, s_enc)
+
+    # 2. block maxima
+    a = tl.abs(x)
+    a = tl.where(a != a, 0.0, a)
+    if BLOCK_2D:
+        t = tl.max(tl.reshape(a, (BR // 16, 16, BC // 16, 16)), axis=3)
+        t = tl.max(t, axis=1)
+        vec = tl.reshape(tl.broadcast_to(t[:, None, :], (BR // 16, 16, BC // 16)), (BR, BC // 16))
+    else:
+        vec = tl.max(tl.reshape(a, (BR, BC // 16, 16)), axis=2)
+
+    # 3. block scale (E4M3)
+    if LEGACY:
+        s = tl.math.div_rn(vec, 6.0) * s_enc
+    else:
+        s = vec * (s_enc * INV_6)
+    s = tl.minimum(s, FLT_MAX)
+    sbyte, sq = _fp8_bytes(s, 448.0, 3, -6, 512.0)
+
+    # 4. encode factor
+    enc = tl.minimum(tl.math.div_rn(1.0, sq * s_dec), FLT_MAX)
+
+    # 5. elements
+    v = tl.reshape(tl.reshape(x, (BR, BC // 16, 16)) * enc[:, :, None], (BR, BC))
+    v = tl.where(v > 6.0, 6.0, tl.where(v < -6.0, -6.0, v))
+    neg = (v < 0.0).to(tl.int32)
+    m = tl.abs(v)
+    m = tl.where(m != m, 6.0, m)
+    if SR:
+        r = tl.load(rbits_ptr + offs_r[:, None] * C + offs_c[None, :], mask=mask, other=0)
+        u = r.to(tl.float32) * 0.00390625
+        step = tl.where(m < 2.0, 0.5, tl.where(m < 4.0, 1.0, 2.0))
+        t = m + u * step
+        step_t = tl.where(t < 2.0, 0.5, tl.where(t < 4.0, 1.0, 2.0))
+        inv_step_t = tl.where(t < 2.0, 2.0, tl.where(t < 4.0, 1.0, 0.5))
+        m = tl.minimum(tl.floor(t * inv_step_t) * step_t, 6.0)
+    code = (
+        (m > 0.25).to(tl.int32)
+        + (m >= 0.75).to(tl.int32)
+        + (m > 1.25).to(tl.int32)
+        + (m >= 1.75).to(tl.int32)
+        + (m > 2.5).to(tl.int32)
+        + (m >= 3.5).to(tl.int32)
+        + (m > 5.0).to(tl.int32)
+    )
+    code = code | (neg << 3)
+    lo, hi = tl.split(tl.reshape(code, (BR, BC // 2, 2)))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    dc = pid_c * (BC // 2) + tl.arange(0, BC // 2)
+    dmask = (offs_r[:, None] < R) & (dc[None, :] < C // 2)
+    tl.store(data_ptr + offs_r[:, None] * (C // 2) + dc[None, :], packed, mask=dmask)
+    sc = pid_c * (BC // 16) + tl.arange(0, BC // 16)
+    smask = (offs_r[:, None] < R) & (sc[None, :] < C // 16)
+    tl.store(scale_ptr + offs_r[:, None] * (C // 16) + sc[None, :], sbyte.to(tl.uint8), mask=smask)

@@ -1,0 +1,185 @@
+"""Fast path: Triton kernels for MXFP8 and NVFP4 quantization on CUDA.
+
+`mxfp8.quantize` and `nvfp4.quantize` call these automatically for CUDA tensors when Triton is
+importable (set GRAPHSAN_NO_TRITON=1 to force the torch reference); the torch reference stays the
+fallback and the oracle, and the GPU tests compare the two byte for byte.
+
+- MXFP8: one kernel reads each 64x64 tile once and writes rowwise and/or columnwise bytes and
+  scales (`mxfp8_quantize_both` for the pair).
+- NVFP4: an amax kernel accumulates the global amax into a device buffer (atomic max, no host
+  sync), then the quantize kernel reads it; columnwise reads the source through transposed
+  strides and writes the transposed layout. The RHT (bf16, torch) and the random bits for SR
+  (`torch.randint` on the caller's generator, exactly as the reference draws them) are prepared
+  in torch, so SR stays reproducible and graph-capturable.
+
+Triton is imported lazily, on first use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import mxfp8 as _mx
+from . import nvfp4 as _nv
+from .elements import FP8_MAX, fp32_reciprocal
+from .rht import rht as apply_rht
+
+_IMPL = None
+_AVAILABLE: bool | None = None
+
+# (MBITS, EMIN, SUB) of the FP8 element formats
+_FP8_PARAMS = {"e4m3": (3, -6, 2.0**9), "e5m2": (2, -14, 2.0**16)}
+MX_TILE = (64, 64)
+NV_TILE = (32, 128)
+AMAX_BLOCK = 4096
+
+
+def available() -> bool:
+    """True when Triton can be imported (and GRAPHSAN_NO_TRITON is not set)."""
+    global _AVAILABLE, _IMPL
+    if os.environ.get("GRAPHSAN_NO_TRITON"):
+        return False
+    if _AVAILABLE is None:
+        try:
+            from . import _triton_impl
+
+            _IMPL = _triton_impl
+            _AVAILABLE = True
+        except Exception:  # ImportError, or a Triton without a usable backend
+            _AVAILABLE = False
+    return _AVAILABLE
+
+
+def _impl():
+    if not available():
+        raise RuntimeError("Triton is not available (not installed, or GRAPHSAN_NO_TRITON is set)")
+    return _IMPL
+
+
+def _mx_launch(x, fmt, do_row, do_col):
+    impl = _impl()
+    m, k = x.shape
+    mbits, emin, sub = _FP8_PARAMS[fmt]
+    dev = x.device
+    row = col = None
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    if do_row:
+        row = _mx.MXFP8Tensor(
+            torch.empty(m, k, dtype=torch.uint8, device=dev),
+            torch.empty(m, k // 32, dtype=torch.uint8, device=dev),
+            -1,
+            fmt,
+        )
+    if do_col:
+        col = _mx.MXFP8Tensor(
+            torch.empty(m, k, dtype=torch.uint8, device=dev),
+            torch.empty(m // 32, k, dtype=torch.uint8, device=dev),
+            0,
+            fmt,
+        )
+    bm, bn = MX_TILE
+    grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+    impl.mxfp8_kernel[grid](
+        x,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        row.data if row else dummy,
+        row.scale if row else dummy,
+        col.data if col else dummy,
+        col.scale if col else dummy,
+        INV_MAX=fp32_reciprocal(FP8_MAX[fmt]),
+        MAX=FP8_MAX[fmt],
+        MBITS=mbits,
+        EMIN=emin,
+        SUB=sub,
+        DO_ROW=do_row,
+        DO_COL=do_col,
+        BM=bm,
+        BN=bn,
+        num_warps=4,
+    )
+    return row, col
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def mxfp8_quantize(x: torch.Tensor, axis: int = -1, fmt: str = "e4m3") -> _mx.MXFP8Tensor:
+    """One direction of MXFP8 (TE rule) with the Triton kernel."""
+    _mx._check_args(x, axis, fmt, "te")
+    row, col = _mx_launch(x, fmt, axis != 0, axis == 0)
+    return col if axis == 0 else row
+
+
+def mxfp8_quantize_both(x: torch.Tensor, fmt: str = "e4m3"):
+    """Rowwise and columnwise MXFP8 from one read of x."""
+    _mx._check_args(x, -1, fmt, "te")
+    _mx._check_args(x, 0, fmt, "te")
+    return _mx_launch(x, fmt, True, True)
+
+
+def global_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| ignoring NaN into a fresh float32 0-dim device buffer (no host sync)."""
+    impl = _impl()
+    flat = x.contiguous().view(-1)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    n = flat.numel()
+    impl.amax_kernel[(triton_cdiv(n, AMAX_BLOCK),)](flat, n, amax, BLOCK=AMAX_BLOCK, num_warps=8)
+    return amax
+
+
+def nvfp4_quantize(
+    x: torch.Tensor,
+    axis: int = -1,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+    amax: torch.Tensor | None = None,
+) -> _nv.NVFP4Tensor:
+    """NVFP4 with the Triton kernels; same arguments and bytes as `nvfp4.quantize_reference`.
+
+    `amax` may pass a precomputed global amax buffer (valid only without RHT).
+    """
+    _nv._check_args(x, axis, block_2d, order, rht, generator)
+    impl = _impl()
+    src = x.t() if axis == 0 else x
+    if rht:
+        src = apply_rht(src).contiguous()
+        amax = global_amax(src)
+    elif amax is None:
+        amax = global_amax(x)
+    r, c = src.shape
+    dev = x.device
+    data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(r, c // 16, dtype=torch.uint8, device=dev)
+    if generator is not None:
+        rbits = _nv.random_bits(src.shape, generator, dev)
+    else:
+        rbits = torch.empty(1, dtype=torch.uint8, device=dev)
+    br, bc = NV_TILE
+    grid = (triton_cdiv(r, br), triton_cdiv(c, bc))
+    impl.nvfp4_kernel[grid](
+        src,
+        r,
+        c,
+        src.stride(0),
+        src.stride(1),
+        amax,
+        rbits,
+        data,
+        scale,
+        INV_6=_nv.INV_6,
+        LEGACY=order == "legacy",
+        BLOCK_2D=block_2d,
+        SR=generator is not None,
+        BR=br,
+        BC=bc,
+        num_warps=4,
+    )
+    return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)

@@ -1,0 +1,234 @@
+"""GPU: Triton quantize kernels byte-identical to the torch reference; SR graph replay; QuantLinear
+under CUDA-graph capture with the skip flag; no host syncs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from graphsan.lab.quant import QuantLinear, get_recipe, mxfp8, nvfp4
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(32, 32), (96, 160), (1024, 4096), (4096, 96)]
+
+
+@pytest.fixture(scope="module")
+def tk():
+    pytest.importorskip("triton")
+    from graphsan.lab.quant import triton_kernels
+
+    assert triton_kernels.available(), "triton imports but the kernels do not"
+    return triton_kernels
+
+
+def inputs(shape, seed):
+    """Random bf16 with wide row/col ranges, plus NaN, +-inf, -0.0, tiny values and a zero block."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    m, k = shape
+    x = torch.randn(m, k, device="cuda", generator=g)
+    x *= torch.exp(torch.randn(m, 1, device="cuda", generator=g) * 4)
+    x *= torch.exp(torch.randn(1, k, device="cuda", generator=g) * 2)
+    x = x.to(torch.bfloat16)
+    flat = x.view(-1)
+    n = flat.numel()
+    idx = torch.randint(0, n, (8,), device="cuda", generator=g)
+    flat[idx[0]] = math.nan
+    flat[idx[1]] = -math.inf
+    flat[idx[2]] = -0.0
+    flat[idx[3]] = 1e-40
+    x[:32, :32] = 0
+    return x
+
+
+def finite_only(x):
+    return torch.nan_to_num(x, nan=0.0, posinf=3e38, neginf=-3e38)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mxfp8_kernel_matches_reference(tk, shape, fmt):
+    for seed in range(3):
+        x = inputs(shape, seed)
+        row, col = tk.mxfp8_quantize_both(x, fmt)
+        for q, axis in ((row, -1), (col, 0)):
+            ref = mxfp8.quantize_reference(x, axis, fmt)
+            assert torch.equal(q.scale, ref.scale)
+            assert torch.equal(q.data, ref.data)
+            single = tk.mxfp8_quantize(x, axis, fmt)
+            assert torch.equal(single.data, ref.data) and torch.equal(single.scale, ref.scale)
+        # and the CUDA reference equals the CPU reference (NaN bytes may differ in sign only)
+        cpu = mxfp8.quantize_reference(x.cpu(), -1, fmt)
+        assert torch.equal(cpu.scale, row.scale.cpu())
+        assert torch.equal(cpu.data & 0x7F, row.data.cpu() & 0x7F)
+
+
+@pytest.mark.parametrize("shape", [(32, 128), (48, 64), (1024, 4096), (4096, 96)])
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_kernel_matches_reference(tk, shape, order):
+    for seed in range(2):
+        x = inputs(shape, seed)
+        cases = [(-1, False, False), (0, False, False), (-1, True, False), (0, True, False)]
+        cases += [(0, False, True)]
+        for axis, block_2d, use_rht in cases:
+            if use_rht and shape[0] % 16:
+                continue
+            for sr in (False, True):
+                g1 = torch.Generator(device="cuda").manual_seed(seed) if sr else None
+                g2 = torch.Generator(device="cuda").manual_seed(seed) if sr else None
+                a = tk.nvfp4_quantize(x, axis, block_2d, order, use_rht, g1)
+                b = nvfp4.quantize_reference(x, axis, block_2d, order, use_rht, g2)
+                where = (axis, block_2d, use_rht, sr)
+                assert torch.equal(a.amax, b.amax), where
+                assert torch.equal(a.scale, b.scale), where
+                assert torch.equal(a.data, b.data), where
+
+
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_kernel_edge_inputs(tk, order):
+    cases = {
+        "zeros": torch.zeros(64, 64),
+        "inf": torch.randn(64, 64).index_put_(
+            (torch.tensor([3]), torch.tensor([7])), torch.tensor(math.inf)
+        ),
+        "tiny": torch.randn(64, 64) * 1e-40,
+        "underflow": torch.randn(64, 64) * 1e-3,
+        "subnormal-scales": torch.randn(64, 64)
+        * 2.0 ** -torch.randint(12, 22, (64, 4, 1)).float().repeat(1, 1, 16).reshape(64, 64),
+    }
+    cases["underflow"][0, 0] = 1e4
+    cases["subnormal-scales"][0, 0] = 1.0
+    for name, x in cases.items():
+        x = x.cuda()
+        for axis in (-1, 0):
+            for block_2d in (False, True):
+                a = tk.nvfp4_quantize(x, axis, block_2d, order)
+                b = nvfp4.quantize_reference(x, axis, block_2d, order)
+                assert torch.equal(a.scale, b.scale), name
+                assert torch.equal(a.data, b.data), name
+                assert torch.equal(a.amax, b.amax), name
+
+
+def test_dispatch_uses_triton_on_cuda(tk, monkeypatch):
+    x = inputs((64, 64), 0)
+    calls = []
+    orig = tk.nvfp4_quantize
+    monkeypatch.setattr(tk, "nvfp4_quantize", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    nvfp4.quantize(x)
+    assert calls
+    monkeypatch.setenv("GRAPHSAN_NO_TRITON", "1")
+    calls.clear()
+    nvfp4.quantize(x)
+    assert not calls
+
+
+def test_quantize_does_not_sync(tk):
+    x = inputs((256, 256), 1)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    nvfp4.quantize(x, 0, rht=True, generator=g)  # compile first
+    mxfp8.quantize_both(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        nvfp4.quantize(x, 0, rht=True, generator=g)
+        nvfp4.quantize(x, -1, block_2d=True)
+        mxfp8.quantize_both(x)
+        mxfp8.quantize(x, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_sr_graph_replay_gives_identical_bits_with_same_seed(tk):
+    x = inputs((256, 512), 2)
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    out = {}
+
+    def step():
+        q = nvfp4.quantize(x, 0, rht=True, generator=gen)
+        return q.data, q.scale
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out["data"], out["scale"] = step()
+    results = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append(out["data"].clone())
+    assert torch.equal(results[0], results[1])
+    assert not torch.equal(results[0], results[2])
+    # and the replayed bits are a valid SR of x: same as eager with the same generator state
+    torch.manual_seed(7)
+    eager = nvfp4.quantize(x, 0, rht=True, generator=gen)
+    assert eager.scale.equal(out["scale"])
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8"])
+def test_quantlinear_graph_capture_with_skip_flag(tk, name):
+    """Capture fwd+bwd; the skip flag (device tensor) decides on replay whether the workspace is
+    re-quantized, with no re-allocation."""
+    torch.manual_seed(0)
+    lin = QuantLinear(256, 128, device="cuda")
+    lin.set_recipe(get_recipe(name))
+    lin.skip_weight_update = torch.zeros((), dtype=torch.bool, device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            lin(x).backward(dy)
+    torch.cuda.current_stream().wait_stream(s)
+    ws = lin.workspace
+    ptrs = [t.data_ptr() for t in ws.buffers()]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = lin(x)
+        y.backward(dy)
+    assert lin.workspace is ws and [t.data_ptr() for t in ws.buffers()] == ptrs
+    before = [t.clone() for t in ws.buffers()]
+    with torch.no_grad():
+        lin.weight.mul_(-1.5)
+    lin.skip_weight_update.fill_(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(ws.buffers(), before, strict=True))
+    lin.skip_weight_update.fill_(False)
+    graph.replay()
+    torch.cuda.synchronize()
+    q = lin.quantizers["weight"]
+    fresh = q.quantize(lin.weight.detach(), -1).buffers()
+    assert all(torch.equal(a, b) for a, b in zip(ws.buffers()[: len(fresh)], fresh, strict=True))
+    eager_y = lin(x)
+    torch.testing.assert_close(y, eager_y.detach(), rtol=0.05, atol=0.05)
+
+
+def test_quantlinear_triton_equals_reference_path(tk, monkeypatch):
+    torch.manual_seed(1)
+    for name in ("mxfp8", "nvfp4"):
+        lin = QuantLinear(256, 128, device="cuda")
+        lin.set_recipe(get_recipe(name, **({"sr": False} if name == "nvfp4" else {})))
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y1 = lin(x)
+        y1.backward(torch.ones_like(y1))
+        g1, m1 = x.grad.clone(), lin.weight.main_grad.clone()
+        x.grad = None
+        lin.weight.main_grad.zero_()
+        lin.clear_workspace()
+        monkeypatch.setenv("GRAPHSAN_NO_TRITON", "1")
+        y2 = lin(x)
+        y2.backward(torch.ones_like(y2))
+        monkeypatch.delenv("GRAPHSAN_NO_TRITON")
+        assert (
+            torch.equal(y1, y2)
+            and torch.equal(g1, x.grad)
+            and torch.equal(m1, lin.weight.main_grad)
+        )
