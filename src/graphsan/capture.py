@@ -18,7 +18,7 @@ _ATTR = "_graphsan_state"
 
 
 class Listener(Protocol):
-    def capture_begin(self, graph: torch.cuda.CUDAGraph) -> None: ...
+    def capture_begin(self, graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> None: ...
     def before_capture_end(self, graph: torch.cuda.CUDAGraph) -> object: ...
     def after_capture_end(self, graph: torch.cuda.CUDAGraph, walked: object) -> None: ...
     def before_replay(self, graph: torch.cuda.CUDAGraph, state: object) -> None: ...
@@ -55,7 +55,8 @@ class GraphHooks:
         @functools.wraps(orig["capture_begin"])
         def capture_begin(self, *args, **kwargs):
             result = orig["capture_begin"](self, *args, **kwargs)
-            listener.capture_begin(self)
+            pool = args[0] if args else kwargs.get("pool")  # None: a fresh pool of its own
+            listener.capture_begin(self, pool)
             return result
 
         @functools.wraps(orig["capture_end"])

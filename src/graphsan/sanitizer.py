@@ -112,7 +112,7 @@ class Sanitizer:
         self._labels.pop()
 
     # -- capture (graph hooks) ----------------------------------------------------------------
-    def capture_begin(self, graph) -> None:
+    def capture_begin(self, graph, pool) -> None:
         try:
             old = capture.graph_state(graph)
             if old is not None:  # re-capture of the same object: the old graph is gone
@@ -127,7 +127,9 @@ class Sanitizer:
             else:
                 label = f"graph#{gid}"
             graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device())
-            self.memory.capture_pool = tuple(int(x) for x in graph.pool())
+            # the pool is known here only when shared (graph.pool() is not callable mid-capture);
+            # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
+            self.memory.capture_pool = tuple(int(x) for x in pool) if pool is not None else None
             weakref.finalize(graph, self._forget, gid)
         except Exception as err:
             self._internal_error(err)

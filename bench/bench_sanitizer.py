@@ -1,0 +1,230 @@
+"""What graphsan costs a graphed training step, and what the usual alternative (compute-sanitizer
+memcheck) costs and finds, in one run on one GPU.
+
+    python bench/bench_sanitizer.py [--layers 48] [--steps 200] [--memcheck]
+
+A stack of MLP blocks graphed per block with `torch.cuda.make_graphed_callables` (two graphs a
+block, all in one pool, as Transformer Engine does), trained with AdamW. Each variant runs in its
+own process (GPU-trace callbacks cannot be switched off once on), interleaved over rounds; the
+table gives the median step time and the ratio to "off".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    import graphsan
+
+    torch.manual_seed(0)
+    h, tokens = args.hidden, args.tokens
+    san = graphsan.enable(policy=args.child) if args.child != "off" else None
+
+    def block():
+        return torch.nn.Sequential(
+            torch.nn.LayerNorm(h),
+            torch.nn.Linear(h, 4 * h),
+            torch.nn.GELU(),
+            torch.nn.Linear(4 * h, h),
+        ).cuda()
+
+    layers = [block() for _ in range(args.layers)]
+    samples = tuple((torch.randn(tokens, h, device="cuda", requires_grad=True),) for _ in layers)
+    t0 = time.perf_counter()
+    graphed = torch.cuda.make_graphed_callables(tuple(layers), samples)
+    capture_s = time.perf_counter() - t0
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if args.bug:
+        # eager code re-points a weight the graphs use: the old storage is freed (a stale read,
+        # silent: the memory stays in the allocator's cache)
+        layers[0][1].weight.data = layers[0][1].weight.data.clone()
+    data = torch.randn(tokens, h, device="cuda")
+
+    def step():
+        x = data
+        for g in graphed:
+            x = x + g(x)
+        loss = x.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    outcome = "ran"
+    try:
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) / args.steps * 1e3)
+    except graphsan.StaleMemoryError as err:
+        outcome = f"StaleMemoryError ({err.findings[0].kind})"
+        times = [float("nan")]
+    stats = san.report().graphs if san else []
+    nodes = sum(g["nodes"] for g in stats)
+    analysis_ms = sum(g["analysis_ms"] for g in stats)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "variant": args.child,
+                "step_ms": statistics.median(times),
+                "capture_s": capture_s,
+                "graphs": len(stats),
+                "nodes": nodes,
+                "references": sum(g["references"] for g in stats),
+                "analysis_ms": analysis_ms,
+                "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "outcome": outcome,
+            }
+        ),
+        flush=True,
+    )
+
+
+def run_child(variant: str, args: argparse.Namespace, extra=(), prefix=(), bug=False):
+    cmd = [
+        *prefix,
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        variant,
+        "--layers",
+        str(args.layers),
+        "--steps",
+        str(args.steps),
+        "--rounds",
+        str(args.rounds),
+        "--hidden",
+        str(args.hidden),
+        "--tokens",
+        str(args.tokens),
+        *extra,
+    ]
+    if bug:
+        cmd.append("--bug")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    wall = time.perf_counter() - t
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            res["wall_s"] = wall
+            res["log"] = proc.stdout[-4000:] + proc.stderr[-4000:]
+            return res
+    return {
+        "variant": variant,
+        "outcome": f"failed rc={proc.returncode}",
+        "wall_s": wall,
+        "log": proc.stdout[-4000:] + proc.stderr[-4000:],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", choices=["off", "record", "raise"])
+    p.add_argument("--bug", action="store_true")
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the variants")
+    p.add_argument("--memcheck", action="store_true", help="also run compute-sanitizer memcheck")
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    import torch
+
+    print(
+        f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  layers={args.layers} "
+        f"hidden={args.hidden} tokens={args.tokens}"
+    )
+    results: dict[str, list[dict]] = {"off": [], "record": [], "raise": []}
+    for _ in range(args.repeats):
+        for v in results:
+            results[v].append(run_child(v, args))
+    base = statistics.median(r["step_ms"] for r in results["off"])
+    print(
+        "| variant | step ms (median of runs) | runs | ratio vs off | graphs | nodes | analysis ms/node | capture s | peak RSS MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for v, rs in results.items():
+        ms = [r.get("step_ms", float("nan")) for r in rs]
+        r0 = rs[0]
+        per_node = r0["analysis_ms"] / r0["nodes"] if r0.get("nodes") else float("nan")
+        print(
+            f"| {v} | {statistics.median(ms):.3f} | {', '.join(f'{m:.3f}' for m in ms)} | "
+            f"{statistics.median(ms) / base:.4f} | {r0.get('graphs', 0)} | {r0.get('nodes', 0)} | "
+            f"{per_node:.4f} | {r0.get('capture_s', float('nan')):.2f} | {r0.get('rss_mb', 0):.0f} |"
+        )
+        if "failed" in r0.get("outcome", ""):
+            print(r0["log"])
+
+    # the bug: a weight re-pointed under the graphs (silent stale read)
+    bug_raise = run_child("raise", args, bug=True)
+    print(
+        f"\nbug (weight .data replaced, no empty_cache) under graphsan raise: {bug_raise['outcome']}"
+    )
+    if args.memcheck:
+        cs = shutil.which("compute-sanitizer")
+        if cs is None:
+            print("compute-sanitizer: not found on PATH")
+            return
+        small = argparse.Namespace(**{**vars(args), "steps": 5, "rounds": 1, "layers": 8})
+        plain = run_child("off", small, extra=["--warmup", "2"])
+        mc = run_child(
+            "off",
+            small,
+            extra=["--warmup", "2"],
+            prefix=[cs, "--tool", "memcheck", "--print-limit", "5"],
+        )
+        mc_bug = run_child(
+            "off",
+            small,
+            extra=["--warmup", "2"],
+            prefix=[cs, "--tool", "memcheck", "--print-limit", "5"],
+            bug=True,
+        )
+        found = "Invalid __global__" in mc_bug["log"]
+        print("| run | step ms | whole process s | reports the bug |")
+        print("|---|---|---|---|")
+        print(f"| plain | {plain.get('step_ms', float('nan')):.3f} | {plain['wall_s']:.1f} | - |")
+        print(
+            f"| memcheck, clean | {mc.get('step_ms', float('nan')):.3f} | {mc['wall_s']:.1f} | - |"
+        )
+        print(
+            f"| memcheck, bug | {mc_bug.get('step_ms', float('nan')):.3f} | {mc_bug['wall_s']:.1f} | "
+            f"{'yes' if found else 'no'} |"
+        )
+        print(
+            f"memcheck slowdown per step: {mc.get('step_ms', float('nan')) / plain['step_ms']:.1f}x"
+        )
+        if not found:
+            print("memcheck bug-run tail:", mc_bug["log"][-600:])
+
+
+if __name__ == "__main__":
+    main()
