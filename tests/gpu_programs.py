@@ -215,6 +215,69 @@ out["value_ok"] = bool(torch.allclose(y, x + 1))
 out["healthy"] = healthy()
 finish()
 """,
+    # --- the pin policy: the same bugs must run to completion with correct results
+    "pin_freed": """
+x = torch.randn(1 << 20, device="cuda")
+expected = x * 2
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, stream=s):
+    y = x * 2
+del x
+torch.cuda.empty_cache()
+out["replay"] = replay_guarded(g)
+out["correct"] = bool(torch.equal(y, expected))
+out["pinned"] = san.report().pinned if san else {}
+out["healthy"] = healthy()
+finish()
+""",
+    "pin_resize": """
+ws = torch.zeros(4096, device="cuda")
+src = torch.randn(4096, device="cuda")
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, stream=s):
+    ws.copy_(src)
+    y = ws + 1
+g.replay()
+before = ws.clone()
+ws.resize_(1 << 22)
+out["user_view_ok"] = ws.numel() == 1 << 22 and bool(torch.equal(ws[:4096], before))
+src.copy_(torch.randn(4096, device="cuda"))
+torch.cuda.empty_cache()
+out["replay"] = replay_guarded(g)
+out["correct"] = bool(torch.equal(y, src + 1))
+out["healthy"] = healthy()
+finish()
+""",
+    "pin_eval_cache": """
+class Cached(torch.nn.Module):
+    # a module that caches a derived weight and drops the cache when it changes mode, like TE's
+    # weight workspace cleared on a recipe change during validation
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(512, 512, device="cuda"))
+        self.cache = None
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = (self.w * 2).contiguous()
+        return x @ self.cache
+m = Cached()
+static_x = torch.randn(256, 512, device="cuda")
+with torch.no_grad():
+    m(static_x)  # eager step: the cache lives in the default pool
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        y = m(static_x)
+    m.eval()
+    m.cache = None           # validation clears the cache ...
+    m(torch.randn(256, 512, device="cuda"))   # ... and rebuilds it elsewhere
+    m.train()
+    m.cache = None
+    torch.cuda.empty_cache()
+    out["replay"] = replay_guarded(g)
+    out["correct"] = bool(torch.allclose(y, static_x @ (m.w * 2), rtol=1e-3, atol=1e-2))
+out["healthy"] = healthy()
+finish()
+""",
 }
 
 

@@ -66,6 +66,8 @@ class AllocatorWatch:
         self.alloc_stacks = alloc_stacks
         self.last_release: tuple[list[Frame], str, int] | None = None
         self.capture_pool: tuple[int, int] | None = None  # set while a capture is in progress
+        # (tensor, sizes) -> tensor | None: the pin policy's way around a reallocating resize_
+        self.redirect_resize: Callable[[torch.Tensor, tuple], torch.Tensor | None] | None = None
         self._active = False
         self._patches: list[tuple[object, str, object]] = []
 
@@ -126,8 +128,21 @@ class AllocatorWatch:
         setattr(owner, name, value)
 
     def _patch_storage_ops(self) -> None:
-        for name in ("resize_", "resize_as_", "set_"):
+        for name in ("resize_as_", "set_"):
             self._set(torch.Tensor, name, _wrap_op(name, getattr(torch.Tensor, name)))
+        tagged_resize = _wrap_op("resize_", torch.Tensor.resize_)
+        watch = self
+
+        def resize_(tensor, *sizes, **kwargs):
+            if watch.redirect_resize is not None and watch._active:
+                out = watch.redirect_resize(tensor, sizes)
+                if out is not None:
+                    return out
+            return tagged_resize(tensor, *sizes, **kwargs)
+
+        resize_.__wrapped__ = torch.Tensor.resize_
+        resize_.__doc__ = torch.Tensor.resize_.__doc__
+        self._set(torch.Tensor, "resize_", resize_)
         self._set(
             torch.UntypedStorage,
             "resize_",

@@ -209,6 +209,11 @@ class Sanitizer:
         try:
             from graphsan import _driver
 
+            if self.pinner is not None:
+                self.pinner.flush()
+            if not any(wb.freed is not None for wb in state.blocks.values()):
+                state.dirty = False  # nothing the graph uses was freed: no snapshot needed
+                return
             memmap: MemoryMap = snapshot_map(state.info.device)
             findings = self.tracker.judge(state.info.id, memmap, _driver.is_mapped)
             self._count_judged(state.info.id)

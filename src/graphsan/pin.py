@@ -1,0 +1,154 @@
+"""The pin policy: keep memory a live graph references alive for as long as the graph lives.
+
+At capture end a graph's watched blocks are queued. Before the first replay after one or more
+captures, one scan of the garbage collector's objects finds the tensors whose storage overlaps a
+queued block, and the pinner holds a reference to each such storage: eager code can drop its own
+references, re-point a tensor (`.data =`, `set_`) or clear a cache, and the memory stays valid
+for the graph. One scan serves every graph captured since the last one, so a program capturing
+hundreds of graphs pays for it once per capture phase, not per graph.
+
+Two kinds of memory cannot be pinned this way:
+- memory without a Python-visible owner (library workspaces, tensors held only by C++);
+- storages resized in place (`untyped_storage().resize_()`), which free their old memory whoever
+  holds them. `Tensor.resize_` on a pinned storage is redirected: the tensor gets a fresh storage
+  (contents copied) and the pinned one stays with the graph.
+What cannot be pinned falls back to "raise". `summary()` reports what was pinned, by capture site,
+and what pinning retained: memory whose owners are gone and that only the pinner keeps alive.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import time
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from graphsan.analysis import GraphState, WatchedBlock
+
+
+class Pinner:
+    def __init__(self, san) -> None:
+        self.san = san
+        self.pending: list[GraphState] = []
+        self.held: dict[int, list[tuple[WatchedBlock, torch.UntypedStorage, list]]] = {}
+        self.unpinnable: dict[int, list[WatchedBlock]] = {}
+        self.scans = 0
+        self.scan_ms = 0.0
+        self.objects_scanned = 0
+        self._pinned_ptrs: dict[int, int] = defaultdict(int)  # storage data_ptr -> holders
+        san.memory.redirect_resize = self.redirect_resize
+
+    # -- capture / replay -----------------------------------------------------------------------
+    def pin(self, graph, state: GraphState, memmap) -> None:
+        self.pending.append(state)
+        state.dirty = True  # its first replay goes through the sanitizer, which flushes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        t0 = time.perf_counter()
+        blocks = sorted(
+            {
+                (wb.address, id(wb)): (wb, st.info.id)
+                for st in pending
+                if st.info.id in self.san.tracker.graphs
+                for wb in st.blocks.values()
+                if wb.freed is None
+            }.values(),
+            key=lambda x: x[0].address,
+        )
+        starts = [wb.address for wb, _ in blocks]
+        found: dict[int, tuple[torch.UntypedStorage, list]] = {}
+        tensor_types: dict[type, bool] = {}
+        n = 0
+        for obj in gc.get_objects():
+            n += 1
+            t = type(obj)
+            is_tensor = tensor_types.get(t)
+            if is_tensor is None:
+                is_tensor = tensor_types[t] = issubclass(t, torch.Tensor)
+            if not is_tensor or not obj.is_cuda:
+                continue
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue  # meta, fake or sparse tensors
+            lo = storage.data_ptr()
+            hi = lo + storage.nbytes()
+            i = bisect.bisect_right(starts, hi - 1) - 1
+            while i >= 0 and blocks[i][0].address + blocks[i][0].size > lo:
+                wb = blocks[i][0]
+                if wb.address < hi:
+                    entry = found.setdefault(wb.address, (storage, []))
+                    entry[1].append(weakref.ref(obj))
+                i -= 1
+        for wb, gid in blocks:
+            if wb.address in found:
+                storage, owners = found[wb.address]
+                self.held.setdefault(gid, []).append((wb, storage, owners))
+                self._pinned_ptrs[storage.data_ptr()] += 1
+            else:
+                self.unpinnable.setdefault(gid, []).append(wb)
+        self.scans += 1
+        self.objects_scanned += n
+        self.scan_ms += (time.perf_counter() - t0) * 1e3
+
+    def release(self, gid: int) -> None:
+        for _, storage, _ in self.held.pop(gid, []):
+            ptr = storage.data_ptr()
+            self._pinned_ptrs[ptr] -= 1
+            if self._pinned_ptrs[ptr] <= 0:
+                del self._pinned_ptrs[ptr]
+        self.unpinnable.pop(gid, None)
+
+    # -- storage changes ------------------------------------------------------------------------
+    def redirect_resize(self, tensor: torch.Tensor, sizes: tuple) -> torch.Tensor | None:
+        """`tensor.resize_(*sizes)` on a pinned storage that must grow: give the tensor a fresh
+        storage with its contents and leave the pinned one to the graph. None: not ours."""
+        if not tensor.is_cuda or tensor.untyped_storage().data_ptr() not in self._pinned_ptrs:
+            return None
+        shape = tuple(sizes[0]) if len(sizes) == 1 and not isinstance(sizes[0], int) else sizes
+        fresh = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        if fresh.untyped_storage().nbytes() <= tensor.untyped_storage().nbytes() - (
+            tensor.storage_offset() * tensor.element_size()
+        ):
+            return None  # fits: resize_ will not reallocate
+        n = min(tensor.numel(), fresh.numel())
+        if n:
+            fresh.view(-1)[:n].copy_(tensor.reshape(-1)[:n])
+        tensor.set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())
+        return tensor
+
+    # -- the price ------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        by_site: dict[str, dict[str, int]] = defaultdict(lambda: {"blocks": 0, "bytes": 0})
+        retained = 0
+        blocks = nbytes = 0
+        for gid, entries in self.held.items():
+            st = self.san.tracker.graphs.get(gid)
+            site = st.info.label if st is not None else f"graph#{gid}"
+            for wb, storage, owners in entries:
+                blocks += 1
+                nbytes += wb.size
+                by_site[site]["blocks"] += 1
+                by_site[site]["bytes"] += wb.size
+                alive = [o() for o in owners]
+                if all(
+                    t is None or t.untyped_storage().data_ptr() != storage.data_ptr() for t in alive
+                ):
+                    retained += storage.nbytes()
+        return {
+            "blocks": blocks,
+            "bytes": nbytes,
+            "by_site": dict(by_site),
+            "unpinnable_blocks": sum(len(v) for v in self.unpinnable.values()),
+            "retained_bytes": retained,
+            "scans": self.scans,
+            "scan_ms": round(self.scan_ms, 3),
+            "objects_scanned": self.objects_scanned,
+        }

@@ -1,0 +1,166 @@
+"""CPU: the pytest plugin's options, the CLI's errors, report round trips and multi-rank merge."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from graphsan.cli import main, report_path_for
+from graphsan.ranks import merge_reports
+from graphsan.report import (
+    Finding,
+    GraphInfo,
+    Report,
+    StaleMemoryError,
+    format_finding,
+    short_kernel,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest_plugins = ["pytester"]
+
+
+def finding(rank=None, kind="unmapped", node=7):
+    g = GraphInfo(3, "mamba bwd", [("train.py", 40, "capture")], (1, 0), 0)
+    return Finding(
+        kind=kind,
+        graph=g,
+        node=node,
+        kernel="void dequant<float>(float const*, float*)",
+        param=1,
+        offset=8,
+        address=0x7F0000001000,
+        nbytes=4096,
+        block_address=0x7F0000001000,
+        pool="default pool",
+        alloc_stack=[("quant/linear.py", 120, "_alloc_columnwise")],
+        free_stack=[("train.py", 200, "evaluate"), ("quant/linear.py", 88, "clear_workspace")],
+        phase="eval (no_grad)",
+        step=100,
+        rank=rank,
+    )
+
+
+def test_finding_text_reads_like_a_bug_report():
+    text = format_finding(finding())
+    for needle in (
+        "UNMAPPED",
+        "mamba bwd",
+        "node 7",
+        "param 1, byte offset 8",
+        "0x7f0000001000",
+        "4096 bytes",
+        "_alloc_columnwise",
+        "clear_workspace",
+        "phase eval (no_grad)",
+        "step 100",
+        "likely cause",
+    ):
+        assert needle in text, needle
+    err = StaleMemoryError([finding()])
+    assert isinstance(err, RuntimeError) and "replay stopped before launch" in str(err)
+
+
+def test_short_kernel_drops_templates_and_arguments():
+    assert short_kernel("void at::native::k<4, F<float> >(int, F<float>)") == "void at::native::k<>"
+
+
+def test_report_round_trip_and_version_check(tmp_path):
+    rep = Report([finding(rank=0)], [{"id": 3, "nodes": 12}], rank=0, policy="record")
+    path = tmp_path / "r.json"
+    rep.save(str(path))
+    back = Report.load(str(path))
+    assert back.findings == rep.findings and back.rank == 0
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version 99 is not supported"):
+        Report.load(str(path))
+
+
+def test_report_path_per_rank():
+    assert report_path_for("out.json", None) == "out.json"
+    assert report_path_for("dir/out.json", 3) == "dir/out.rank3.json"
+
+
+def _write_rank_report(path: str, rank: int, with_finding: bool) -> None:
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
+        "from graphsan.report import Report\n"
+        "from graphsan.sanitizer import rank_from_env\n"
+        "from tests.test_plugin_and_ranks import finding\n"
+        "r = rank_from_env()\n"
+        "Report([finding(rank=r)] if sys.argv[4] == '1' else [], [], rank=r).save(sys.argv[3])\n"
+    )
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2")
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            os.path.join(ROOT, "src"),
+            ROOT,
+            path,
+            "1" if with_finding else "0",
+        ],
+        check=True,
+        env=env,
+    )
+
+
+def test_two_processes_merge(tmp_path, capsys):
+    paths = [str(tmp_path / f"out.rank{r}.json") for r in range(3)]
+    for r, p in enumerate(paths):
+        _write_rank_report(p, r, with_finding=r != 1)
+    assert main(["report", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "3 report(s)" in out and "1 distinct" in out
+    assert "seen on rank 0, rank 2" in out and "no findings on rank 1" in out
+
+
+def test_merge_keeps_different_bugs_apart():
+    a = Report([finding(rank=0)], [], rank=0)
+    b = Report([finding(rank=1, kind="freed", node=2)], [], rank=1)
+    text = merge_reports([a, b])
+    assert "2 distinct" in text and "seen on rank 0:" in text and "seen on rank 1:" in text
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "missing.py")]) == 2
+    assert main(["report", str(tmp_path / "missing.json")]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["report", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+
+
+def test_enable_without_cuda_says_it_is_idle(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    import graphsan
+
+    san = graphsan.enable("raise")
+    assert not san.active and san.disabled_reason == "CUDA is not available"
+    assert "no CUDA graphs to watch" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown policy 'loud'"):
+        graphsan.enable("loud")
+    with graphsan.phase("eval", step=5):
+        assert graphsan._context.current() == ("eval", 5)
+    graphsan.disable()
+
+
+def test_pytest_plugin_option(pytester):
+    pytester.makepyfile("def test_ok():\n    assert True\n")
+    result = pytester.runpytest("--graphsan=record")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["graphsan:*"])
+    bad = pytester.runpytest("--graphsan=loud")
+    assert bad.ret != 0
+    bad.stderr.fnmatch_lines(["*unknown policy 'loud'*"])
