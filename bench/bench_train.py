@@ -30,6 +30,34 @@ VARIANTS = {  # name: (precision config, graphed scopes, graph state)
 }
 
 
+def write_table(a, rows) -> None:
+    """Print the ratio table and (re)write --out; called after every variant, so a run cut
+    short still leaves its numbers."""
+    lines = ["| variant | ms/step | tokens/s | vs eager (same recipes) |", "|---|---:|---:|---:|"]
+    for name, r in rows.items():
+        eager = rows.get(name.split(" ")[0] + " eager")
+        ratio = f"{eager.step_ms / r.step_ms:.2f}x" if eager and r.step_ms else "-"
+        lines.append(f"| {name} | {r.step_ms:.1f} | {r.tokens_per_s:,.0f} | {ratio} |")
+    fixed, te = rows.get("super-mixed graphed"), rows.get("super-mixed graphed te218")
+    if fixed and te:
+        lines.append(
+            f"\nfixed state vs te218 (super-mixed graphed): {fixed.step_ms / te.step_ms:.3f}x step time"
+        )
+    table = "\n".join(lines)
+    print(table)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    header = (
+        f"# Trainer performance\n\nDate: {datetime.date.today()}  \nGPU: {gpu}  \n"
+        f"torch: {torch.__version__}  \nCommand: `PYTHONPATH=src python3 {' '.join(sys.argv)}`  \n"
+        f"Setup: preset {a.preset}, {a.iters} iterations ({a.warmup} eager warm-up, then capture), "
+        f"micro batch {a.micro_batch_size} x seq {a.seq_length}, global batch "
+        f"{a.global_batch_size}; steady-state step time excludes the first iteration and capture.\n\n"
+    )
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(header + table + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small")
@@ -73,30 +101,8 @@ def main() -> int:
             f"(run {time.perf_counter() - t0:.0f} s, loss {r.losses[-1]:.3f})",
             flush=True,
         )
+        write_table(a, rows)
 
-    lines = ["| variant | ms/step | tokens/s | vs eager (same recipes) |", "|---|---:|---:|---:|"]
-    for name, r in rows.items():
-        eager = rows.get(name.split(" ")[0] + " eager")
-        ratio = f"{eager.step_ms / r.step_ms:.2f}x" if eager and r.step_ms else "-"
-        lines.append(f"| {name} | {r.step_ms:.1f} | {r.tokens_per_s:,.0f} | {ratio} |")
-    fixed, te = rows.get("super-mixed graphed"), rows.get("super-mixed graphed te218")
-    if fixed and te:
-        lines.append(
-            f"\nfixed state vs te218 (super-mixed graphed): {fixed.step_ms / te.step_ms:.3f}x step time"
-        )
-    table = "\n".join(lines)
-    print(table)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    header = (
-        f"# Trainer performance\n\nDate: {datetime.date.today()}  \nGPU: {gpu}  \n"
-        f"torch: {torch.__version__}  \nCommand: `PYTHONPATH=src python3 {' '.join(sys.argv)}`  \n"
-        f"Setup: preset {a.preset}, {a.iters} iterations ({a.warmup} eager warm-up, then capture), "
-        f"micro batch {a.micro_batch_size} x seq {a.seq_length}, global batch "
-        f"{a.global_batch_size}; steady-state step time excludes the first iteration and capture.\n\n"
-    )
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(header + table + "\n")
     return 0
 
 

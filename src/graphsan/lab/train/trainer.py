@@ -238,6 +238,10 @@ def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
                 lm += out["lm_loss"] / num_mb
                 if "mtp_loss" in out:
                     mtp += out["mtp_loss"] / num_mb
+                # drop the microbatch's autograd graph now: a live graph keeps parameters' grad
+                # accumulators (created on the default stream) alive into a later graph capture,
+                # where autograd would make the legacy stream wait on the capturing stream
+                del out
             if cfg.capture_grads:
                 result.main_grads.append(
                     {
