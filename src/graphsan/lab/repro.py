@@ -1,0 +1,365 @@
+"""`graphsan repro`: the Transformer Engine #3316 scenario matrix on one GPU.
+
+Each case trains the `small` hybrid in its own process with
+`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, per-module CUDA graphs, and validation,
+checkpoint (with `empty_cache`) and manual GC on the same iteration, as in the report. Case 1 is
+the reported failure; 2 and 3 are the reported controls; 4 shows graphsan naming the culprit
+before the crash; 5 is the same bug without `empty_cache` (silent corruption, found by comparing
+with an eager run); 6 and 7 train through it (the fixed state policy; graphsan's pin policy with
+the buggy policy unchanged); 8 is a prediction the report did not test.
+
+    graphsan repro              # every case, a table at the end
+    graphsan repro --case 4     # one case (repeatable)
+    graphsan repro --list       # the cases, no GPU needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
+NO_MAMBA = ("attn", "moe_router", "moe_preprocess")
+# iterations: 1-3 eager warm-up, 4 capture, validation + save + GC at 5, first backward after it at 6
+WARMUP, EVAL_AT, ITERS = 3, 5, 8
+
+
+@dataclass(frozen=True)
+class Case:
+    n: int
+    title: str
+    precision: str
+    scopes: tuple[str, ...]
+    state: str  # "te218" | "fixed"
+    graphsan: str  # "off" | "raise" | "record" | "pin"
+    empty_cache: bool = True
+    compare: bool = False  # compare losses with an eager reference run
+    expected: str = ""
+
+
+CASES = [
+    Case(
+        1,
+        "reported failure",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "te218",
+        "off",
+        expected="illegal memory access in the first backward after validation",
+    ),
+    Case(
+        2,
+        "control: MXFP8 everywhere",
+        "mxfp8-all",
+        SCENARIO_SCOPES,
+        "te218",
+        "off",
+        expected="trains through",
+    ),
+    Case(
+        3,
+        "control: mamba not graphed",
+        "super-mixed",
+        NO_MAMBA,
+        "te218",
+        "off",
+        expected="trains through",
+    ),
+    Case(
+        4,
+        "graphsan raise",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "te218",
+        "raise",
+        expected="StaleMemoryError before the replay, naming out_proj's columnwise workspace",
+    ),
+    Case(
+        5,
+        "no empty_cache",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "te218",
+        "record",
+        empty_cache=False,
+        compare=True,
+        expected="silent corruption; graphsan records it",
+    ),
+    Case(
+        6,
+        "fixed state policy",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "fixed",
+        "off",
+        compare=True,
+        expected="trains through, equal to eager",
+    ),
+    Case(
+        7,
+        "graphsan pin",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "te218",
+        "pin",
+        expected="trains through with te218 unchanged",
+    ),
+    Case(
+        8,
+        "prediction: MXFP8 base, NVFP4 out_proj",
+        "mxfp8-base-nvfp4-outproj",
+        SCENARIO_SCOPES,
+        "te218",
+        "off",
+        expected="fails like case 1",
+    ),
+]
+BY_NUMBER = {c.n: c for c in CASES}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--case",
+        type=int,
+        action="append",
+        metavar="N",
+        help=f"run only case N (1-{len(CASES)}; repeatable)",
+    )
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--preset", default="small", help="model preset (default small)")
+    parser.add_argument("--jobs", type=int, default=3, help="cases run side by side (default 3)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
+
+
+# ----------------------------------------------------------------------------- one case (child)
+def _config(case: Case, preset: str, reference: bool):
+    from graphsan.lab.train.config import TrainConfig
+
+    return TrainConfig(
+        preset=preset,
+        train_iters=ITERS,
+        micro_batch_size=1,
+        global_batch_size=2,
+        seq_length=256,
+        eval_interval=EVAL_AT,
+        eval_iters=2,
+        save_interval=EVAL_AT,
+        save=os.path.join(os.environ.get("TMPDIR", "/tmp"), f"graphsan-repro-{os.getpid()}"),
+        empty_cache_on_save=case.empty_cache,
+        manual_gc_interval=EVAL_AT,
+        cuda_graph_modules=() if reference else case.scopes,
+        cuda_graph_warmup_steps=WARMUP,
+        graph_state="fixed" if reference else case.state,
+        precision_config=case.precision,
+        num_layers_at_end_in_bf16=2,
+        device="cuda",
+        log_interval=1,
+        quiet=True,
+    )
+
+
+def run_child(n: int, preset: str, reference: bool) -> dict:
+    """Run one case in this process; return what happened (the parent prints it)."""
+    import torch
+
+    import graphsan
+    from graphsan.lab.train.trainer import train
+
+    case = BY_NUMBER[n]
+    _report_progress()
+    san = None
+    if case.graphsan != "off" and not reference:
+        san = graphsan.enable(policy=case.graphsan)
+    cfg = _config(case, preset, reference)
+    out = {"outcome": "trained through", "iteration": None, "finding": "", "losses": []}
+    try:
+        result = train(cfg)
+        out["losses"] = [float(x) for x in result.losses]
+        out["eval_losses"] = result.eval_losses
+    except graphsan.StaleMemoryError as err:
+        f = err.findings[0]
+        out.update(outcome="StaleMemoryError", iteration=f.step, finding=f.one_line())
+        out["report"] = str(err)
+    except RuntimeError as err:
+        text = str(err)
+        kind = "illegal memory access" if "illegal memory access" in text else "error"
+        out.update(outcome=kind, iteration=getattr(err, "iteration", None), finding=text[:300])
+    if san is not None and san.findings and not out["finding"]:
+        out["finding"] = san.findings[0].one_line()
+        out["kinds"] = sorted({f.kind for f in san.findings})
+    if san is not None and san.pinner is not None:
+        out["pinned"] = san.pinner.summary()
+    if out["iteration"] is None and out["outcome"] != "trained through":
+        out["iteration"] = _progress["done"] + 1
+    if torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):  # a dead context says so again here
+            torch.cuda.synchronize()
+    return out
+
+
+_progress = {"done": 0}
+
+
+def _report_progress() -> None:
+    """Print `ITERATION k` after each optimizer step, so the parent knows how far a case got
+    even when the process dies on an illegal memory access."""
+    from graphsan.lab.train import optim
+
+    orig = optim.MainGradAdamW.step
+
+    def step(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        _progress["done"] += 1
+        print(f"ITERATION {_progress['done']}", flush=True)
+        return out
+
+    optim.MainGradAdamW.step = step
+
+
+# ----------------------------------------------------------------------------- the matrix (parent)
+def _spawn(case: Case, preset: str, reference: bool = False) -> dict:
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "graphsan.cli",
+        "repro",
+        "--child",
+        str(case.n),
+        "--preset",
+        preset,
+    ]
+    if reference:
+        cmd.append("--reference")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    wall = time.perf_counter() - t0
+    log = proc.stdout + proc.stderr
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[len("RESULT ") :])
+            break
+    else:
+        crashed = "illegal memory access" in log or proc.returncode < 0
+        res = {
+            "outcome": "illegal memory access" if crashed else f"died (exit {proc.returncode})",
+            "iteration": _last_logged_iteration(log),
+            "finding": "",
+            "losses": [],
+        }
+    res["wall_s"] = wall
+    res["log_tail"] = log[-3000:]
+    return res
+
+
+def _last_logged_iteration(log: str) -> int | None:
+    last = None
+    for line in log.splitlines():
+        if line.startswith("ITERATION "):
+            last = int(line.split()[1])
+    return None if last is None else last + 1
+
+
+def _compare(res: dict, ref: dict) -> str:
+    a, b = res.get("losses", []), ref.get("losses", [])
+    if not a or len(a) != len(b):
+        return "no losses to compare"
+    rel = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)]
+    before = max(rel[:EVAL_AT])
+    after = max(rel[EVAL_AT:])
+    res["rel_diff_before_eval"], res["rel_diff_after_eval"] = before, after
+    return f"loss vs eager: max rel diff {before:.1e} up to validation, {after:.1e} after"
+
+
+def run_matrix(cases: list[Case], preset: str, jobs: int) -> list[tuple[Case, dict]]:
+    needs_ref = any(c.compare for c in cases)
+    ref_case = next(c for c in cases if c.compare) if needs_ref else None
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [(c, pool.submit(_spawn, c, preset)) for c in cases]
+        ref_future = pool.submit(_spawn, ref_case, preset, True) if ref_case else None
+        results = [(c, f.result()) for c, f in futures]
+        ref = ref_future.result() if ref_future else None
+    for c, res in results:
+        if c.compare and ref is not None:
+            res["comparison"] = _compare(res, ref)
+            after = res.get("rel_diff_after_eval")
+            if res["outcome"] == "trained through" and after is not None and after > 1e-3:
+                res["outcome"] = "silent corruption"
+    return results
+
+
+def print_cases(cases: list[Case]) -> None:
+    print("| case | title | recipe | graphed modules | state | graphsan | empty_cache | expected |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in cases:
+        print(
+            f"| {c.n} | {c.title} | {c.precision} | {','.join(c.scopes)} | {c.state} | "
+            f"{c.graphsan} | {'yes' if c.empty_cache else 'no'} | {c.expected} |"
+        )
+
+
+def print_results(results: list[tuple[Case, dict]]) -> None:
+    print(
+        "| case | recipe | graphed modules | state | graphsan | outcome | iteration | "
+        "graphsan's finding | wall s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c, r in results:
+        finding = r.get("finding", "").replace("|", "/").replace("\n", " ")
+        if r.get("comparison"):
+            finding = (finding + "; " if finding else "") + r["comparison"]
+        print(
+            f"| {c.n} | {c.precision} | {','.join(c.scopes)} | {c.state} | {c.graphsan} | "
+            f"{r['outcome']} | {r.get('iteration') or '-'} | {finding or '-'} | "
+            f"{r['wall_s']:.1f} |"
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.child is not None:
+        res = run_child(args.child, args.preset, args.reference)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    unknown = [n for n in args.case or [] if n not in BY_NUMBER]
+    if unknown:
+        sys.stderr.write(f"error: graphsan repro: no case {unknown[0]}; expected 1-{len(CASES)}\n")
+        return 2
+    cases = [BY_NUMBER[n] for n in args.case] if args.case else CASES
+    if args.list:
+        print_cases(cases)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print_cases(cases)
+        sys.stderr.write(
+            "error: graphsan repro: these cases train with CUDA graphs and need an NVIDIA GPU "
+            "(torch.cuda.is_available() is False here); `graphsan repro --list` shows them, "
+            "`graphsan train --preset tiny` runs the lab eagerly on CPU\n"
+        )
+        return 1
+    t0 = time.perf_counter()
+    results = run_matrix(cases, args.preset, args.jobs)
+    print_results(results)
+    print(
+        f"\nwhole matrix: {time.perf_counter() - t0:.0f} s wall on {torch.cuda.get_device_name()}"
+    )
+    for c, r in results:
+        if c.n == 4 and r.get("report"):
+            print(f"\ncase 4, graphsan's report:\n{r['report']}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                [{"case": asdict(c), "result": r} for c, r in results], fh, indent=1, default=str
+            )
+    return 0 if all(math.isfinite(r.get("wall_s", 0)) for _, r in results) else 1
