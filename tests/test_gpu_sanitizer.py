@@ -148,3 +148,10 @@ def test_cli_run_writes_report_and_fails(tmp_path):
         timeout=60,
     )
     assert shown.returncode == 0 and "UNMAPPED" in shown.stdout and "prog.py" in shown.stdout
+
+
+def test_torch_compile_cuda_graph_trees_are_watched_without_false_alarms():
+    rc, result, log = run_program("compile_ok", policy="raise", timeout=400)
+    assert rc == 0, log[-3000:]
+    assert result["findings"] == [] and result["ok"] and result["healthy"]
+    assert len(result["graphs"]) >= 2, "the compiled forward and backward graphs were seen"
