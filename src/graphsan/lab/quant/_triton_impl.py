@@ -8,10 +8,12 @@ instruction's rounding mode. See `triton_kernels.py` for the Python entry points
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -66,7 +68,7 @@ def _exp2_neg_biased(e):
 
 
 @triton.jit
-def mxfp8_kernel(
+def _mxfp8_kernel(
     x_ptr,
     M,
     K,
@@ -123,16 +125,21 @@ def mxfp8_kernel(
 
 
 @triton.jit
-def amax_kernel(x_ptr, N, amax_ptr, BLOCK: tl.constexpr):
-    """amax_ptr[0] = max(amax_ptr[0], max |x| ignoring NaN) over a contiguous tensor."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    a = tl.abs(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
-    a = tl.where(a != a, 0.0, a)
-    tl.atomic_max(amax_ptr, tl.max(a, axis=0))
+def amax_kernel(x_ptr, N, amax_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """amax_ptr[0] = max(amax_ptr[0], max |x| ignoring NaN) over a contiguous tensor.
+
+    Each program reduces ITERS blocks before one atomic max (few atomics on one address).
+    """
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(ITERS):
+        offs = (tl.program_id(0) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
+        acc = tl.maximum(acc, tl.where(a != a, 0.0, a))
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
 @triton.jit
-def nvfp4_kernel(
+def _nvfp4_kernel(
     src_ptr,
     R,
     C,
@@ -218,3 +225,42 @@ def nvfp4_kernel(
     sc = pid_c * (BC // 16) + tl.arange(0, BC // 16)
     smask = (offs_r[:, None] < R) & (sc[None, :] < C // 16)
     tl.store(scale_ptr + offs_r[:, None] * (C // 16) + sc[None, :], sbyte.to(tl.uint8), mask=smask)
+
+
+# Tile shapes are tuned per problem shape on first use (eager: before any graph capture). The
+# result does not depend on the tile: every reduction stays inside one 16- or 32-element block.
+AUTOTUNED = not os.environ.get("TRITON_INTERPRET")
+_MX_CONFIGS = [
+    triton.Config({"BM": bm, "BN": bn}, num_warps=w)
+    for bm, bn, w in [
+        (64, 64, 4),
+        (32, 128, 4),
+        (64, 128, 4),
+        (64, 128, 8),
+        (128, 64, 8),
+        (128, 128, 8),
+        (32, 256, 8),
+    ]
+]
+_NV_CONFIGS = [
+    triton.Config({"BR": br, "BC": bc}, num_warps=w)
+    for br, bc, w in [
+        (32, 128, 4),
+        (16, 128, 4),
+        (32, 256, 8),
+        (64, 128, 8),
+        (64, 64, 4),
+        (128, 64, 8),
+        (64, 256, 8),
+    ]
+]
+if AUTOTUNED:
+    mxfp8_kernel = triton.autotune(_MX_CONFIGS, key=["M", "K", "stride_m", "DO_ROW", "DO_COL"])(
+        _mxfp8_kernel
+    )
+    nvfp4_kernel = triton.autotune(
+        _NV_CONFIGS, key=["R", "C", "stride_r", "BLOCK_2D", "SR", "LEGACY"]
+    )(_nvfp4_kernel)
+else:
+    mxfp8_kernel = _mxfp8_kernel
+    nvfp4_kernel = _nvfp4_kernel

@@ -32,6 +32,19 @@ def rht_matrix(dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
     return s[:, None] * hadamard16(dtype, device) * 0.25
 
 
+# Bit i set where RHT_SIGNS[i] == -1, so the sign vector can be built on the device by kernels
+# alone (no host-to-device copy: capturable in a CUDA graph and free of host syncs).
+_NEG_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
+
+
+def _signs(device) -> torch.Tensor:
+    bits = torch.bitwise_right_shift(
+        torch.full((RHT_SIZE,), _NEG_MASK, dtype=torch.int32, device=device),
+        torch.arange(RHT_SIZE, dtype=torch.int32, device=device),
+    )
+    return 1.0 - 2.0 * (bits & 1).to(torch.float32)
+
+
 def rht(x: torch.Tensor) -> torch.Tensor:
     """Apply M to every 16-wide block along the last dim of `x`; returns bf16.
 
@@ -42,7 +55,7 @@ def rht(x: torch.Tensor) -> torch.Tensor:
             f"RHT: last dimension {x.shape[-1]} of shape {tuple(x.shape)} must be a multiple of 16"
         )
     shape = x.shape
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x.device) * 0.25
+    signs = _signs(x.device) * 0.25
     y = x.to(torch.float32).reshape(-1, RHT_SIZE) * signs  # rows of diag(s) scaled by 0.25
     # Fast Walsh-Hadamard transform: y @ H16, one butterfly stage per bit of the column index.
     h = 1

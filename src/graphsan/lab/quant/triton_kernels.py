@@ -31,9 +31,11 @@ _AVAILABLE: bool | None = None
 
 # (MBITS, EMIN, SUB) of the FP8 element formats
 _FP8_PARAMS = {"e4m3": (3, -6, 2.0**9), "e5m2": (2, -14, 2.0**16)}
+# Tiles used without autotuning (TRITON_INTERPRET); on CUDA the kernels autotune their tiles.
 MX_TILE = (64, 64)
 NV_TILE = (32, 128)
 AMAX_BLOCK = 4096
+AMAX_ITERS = 16
 
 
 def available() -> bool:
@@ -80,7 +82,11 @@ def _mx_launch(x, fmt, do_row, do_col):
             fmt,
         )
     bm, bn = MX_TILE
-    grid = (triton_cdiv(m, bm), triton_cdiv(k, bn))
+    tiles = {} if impl.AUTOTUNED else {"BM": bm, "BN": bn, "num_warps": 4}
+
+    def grid(meta):
+        return (triton_cdiv(m, meta["BM"]), triton_cdiv(k, meta["BN"]))
+
     impl.mxfp8_kernel[grid](
         x,
         m,
@@ -98,9 +104,7 @@ def _mx_launch(x, fmt, do_row, do_col):
         SUB=sub,
         DO_ROW=do_row,
         DO_COL=do_col,
-        BM=bm,
-        BN=bn,
-        num_warps=4,
+        **tiles,
     )
     return row, col
 
@@ -129,7 +133,9 @@ def global_amax(x: torch.Tensor) -> torch.Tensor:
     flat = x.contiguous().view(-1)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     n = flat.numel()
-    impl.amax_kernel[(triton_cdiv(n, AMAX_BLOCK),)](flat, n, amax, BLOCK=AMAX_BLOCK, num_warps=8)
+    iters = AMAX_ITERS if n >= AMAX_BLOCK * AMAX_ITERS * 64 else 1
+    grid = (triton_cdiv(n, AMAX_BLOCK * iters),)
+    impl.amax_kernel[grid](flat, n, amax, BLOCK=AMAX_BLOCK, ITERS=iters, num_warps=8)
     return amax
 
 
@@ -163,7 +169,11 @@ def nvfp4_quantize(
     else:
         rbits = torch.empty(1, dtype=torch.uint8, device=dev)
     br, bc = NV_TILE
-    grid = (triton_cdiv(r, br), triton_cdiv(c, bc))
+    tiles = {} if impl.AUTOTUNED else {"BR": br, "BC": bc, "num_warps": 4}
+
+    def grid(meta):
+        return (triton_cdiv(r, meta["BR"]), triton_cdiv(c, meta["BC"]))
+
     impl.nvfp4_kernel[grid](
         src,
         r,
@@ -178,8 +188,6 @@ def nvfp4_quantize(
         LEGACY=order == "legacy",
         BLOCK_2D=block_2d,
         SR=generator is not None,
-        BR=br,
-        BC=bc,
-        num_warps=4,
+        **tiles,
     )
     return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
