@@ -36,6 +36,7 @@ __all__ = [
     "enable",
     "label",
     "phase",
+    "step",
     "watch",
 ]
 __version__ = "0.1.0"
@@ -94,6 +95,13 @@ def watch(policy: str = "warn", **kwargs) -> Iterator[Sanitizer]:
 def phase(name: str, step: int | None = None):
     """Tag frees inside the block with a phase name (and a step, else the optimizer step count)."""
     return _context.phase(name, step)
+
+
+def step(count: int = 1) -> int:
+    """Count training steps for optimizers that are not `torch.optim.Optimizer` (those are
+    counted automatically). Returns the step number that frees are now tagged with."""
+    _context.steps += count
+    return _context.steps
 
 
 @contextlib.contextmanager

@@ -213,6 +213,7 @@ _progress = {"done": 0}
 def _report_progress() -> None:
     """Print `ITERATION k` after each optimizer step, so the parent knows how far a case got
     even when the process dies on an illegal memory access."""
+    import graphsan
     from graphsan.lab.train import optim
 
     orig = optim.MainGradAdamW.step
@@ -220,6 +221,7 @@ def _report_progress() -> None:
     def step(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
         _progress["done"] += 1
+        graphsan.step()  # the lab's optimizer is not a torch.optim.Optimizer
         print(f"ITERATION {_progress['done']}", flush=True)
         return out
 
