@@ -47,13 +47,15 @@ if spec["kind"] == "scopes":
             graphed = run(precision_config=precision, cuda_graph_modules=tuple(scopes))
             out[f"{precision}:{','.join(scopes)}"] = compare(eager, graphed, 0)
 elif spec["kind"] == "accumulation":
-    eager = run(micro_batch_size=4, global_batch_size=4)
+    # graphs with 4 microbatches per step vs eager with the same split (the eager CPU test
+    # checks eager accumulation against one big microbatch)
+    eager = run(micro_batch_size=1, global_batch_size=4)
     graphed = run(micro_batch_size=1, global_batch_size=4, seq_length=64,
                   cuda_graph_modules=("attn", "mamba", "moe_router", "moe_preprocess", "mlp"))
     out["accumulation"] = compare(eager, graphed, 0)
 elif spec["kind"] == "transitions":
     import graphsan
-    cfg = dict(precision_config="super-mixed", train_iters=7, eval_interval=2, eval_iters=2,
+    cfg = dict(precision_config=spec["precision"], train_iters=7, eval_interval=2, eval_iters=2,
                save_interval=2, save=spec["save"], empty_cache_on_save=True,
                manual_gc_interval=2, cuda_graph_modules=("attn", "mamba", "moe_router",
                "moe_preprocess"), graph_state="fixed", capture_grads=())
@@ -107,14 +109,15 @@ def test_graphed_matches_eager_for_each_scope():
 
 def test_gradient_accumulation_with_graphs():
     r = _run({"kind": "accumulation"})["accumulation"]
-    assert r["loss"] < 2e-2, r
+    assert r["loss"] < 1e-3, r
     for name, err in r["grads"].items():
-        assert err < 5e-2, (name, err)
+        assert err < 1e-2, (name, err)
 
 
-def test_two_eval_transitions_with_empty_cache_and_expandable_segments(tmp_path):
+@pytest.mark.parametrize("precision", ["mxfp8-all", "super-mixed"])
+def test_two_eval_transitions_with_empty_cache_and_expandable_segments(tmp_path, precision):
     res = _run(
-        {"kind": "transitions", "save": str(tmp_path)},
+        {"kind": "transitions", "save": str(tmp_path), "precision": precision},
         {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     )
     assert [i for i, _ in res["evals"]] == [2, 4, 6]  # capture at 3: transitions at 4 and 6
