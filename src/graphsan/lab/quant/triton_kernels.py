@@ -31,7 +31,7 @@ _AVAILABLE: bool | None = None
 
 # (MBITS, EMIN, SUB) of the FP8 element formats
 _FP8_PARAMS = {"e4m3": (3, -6, 2.0**9), "e5m2": (2, -14, 2.0**16)}
-# Tiles used without autotuning (TRITON_INTERPRET); on CUDA the kernels autotune their tiles.
+# Tiles used unless GRAPHSAN_TRITON_AUTOTUNE=1 asks the kernels to autotune theirs.
 MX_TILE = (64, 64)
 NV_TILE = (32, 128)
 AMAX_BLOCK = 4096
