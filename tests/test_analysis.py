@@ -304,3 +304,15 @@ def test_random_buffers_find_exactly_the_planted_pointers():
 @pytest.mark.parametrize("n", [0, 3, 7])
 def test_short_buffers_have_no_words(n):
     assert scan_words(b"\x01" * n, 0, 1 << 64) == []
+
+
+def test_allocation_stacks_keep_only_user_frames():
+    from graphsan.context import user_frames
+
+    snap = snapshot((SEG, DEFAULT_POOL, [(0, 4096, "active_allocated")]))
+    snap["segments"][0]["blocks"][0]["frames"] = [
+        {"filename": "/home/me/train.py", "line": 9, "name": "make_input"},
+        {"filename": "<frozen runpy>", "line": 88, "name": "_run_code"},
+    ]
+    m = MemoryMap.from_snapshot(snap, frame_filter=user_frames)
+    assert m.locate(A)[1].frames == [("/home/me/train.py", 9, "make_input")]

@@ -91,7 +91,13 @@ class MemoryMap:
         self._starts = [s.address for s in self.segments]
 
     @classmethod
-    def from_snapshot(cls, snapshot: dict[str, Any], device: int | None = None) -> MemoryMap:
+    def from_snapshot(
+        cls,
+        snapshot: dict[str, Any],
+        device: int | None = None,
+        frame_filter: Callable[[list[Frame]], list[Frame]] | None = None,
+    ) -> MemoryMap:
+        """`frame_filter` trims allocation stacks (e.g. to the user's own frames)."""
         segments = []
         for seg in snapshot.get("segments", ()):
             if device is not None and seg.get("device", device) != device:
@@ -100,7 +106,10 @@ class MemoryMap:
             blocks, cursor = [], addr
             for b in seg.get("blocks", ()):
                 baddr = int(b.get("address", cursor))
-                blocks.append(Block(baddr, int(b["size"]), b["state"], _frames(b.get("frames"))))
+                frames = _frames(b.get("frames"))
+                if frame_filter is not None and frames:
+                    frames = frame_filter(frames)
+                blocks.append(Block(baddr, int(b["size"]), b["state"], frames))
                 cursor = baddr + int(b["size"])
             pool = tuple(seg.get("segment_pool_id", DEFAULT_POOL))
             segments.append(

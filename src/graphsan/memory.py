@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from graphsan.analysis import FreeEvent, MemoryMap, Tracker
-from graphsan.context import Context, python_stack
+from graphsan.context import Context, python_stack, user_frames
 from graphsan.report import Frame
 
 _op = threading.local()
@@ -47,7 +47,7 @@ def _wrap_op(name: str, orig: Callable) -> Callable:
 
 def snapshot_map(device: int | None = None) -> MemoryMap:
     """The allocator's segments and blocks right now (a few ms; never per replay)."""
-    return MemoryMap.from_snapshot(torch.cuda.memory._snapshot(device), device)
+    return MemoryMap.from_snapshot(torch.cuda.memory._snapshot(device), device, user_frames)
 
 
 class AllocatorWatch:

@@ -45,3 +45,9 @@ def test_without_cuda_it_explains_and_fails(capsys):
 def test_unknown_case_is_one_clear_error(capsys):
     assert main(["repro", "--case", "42"]) == 2
     assert "no case 42; expected 1-8" in capsys.readouterr().err
+
+
+def test_a_case_that_overruns_its_time_is_reported_not_waited_for():
+    res = repro._spawn(repro.CASES[0], "tiny", timeout=0.5)
+    assert res["outcome"] == "timed out after 0 s" or res["outcome"].startswith("timed out")
+    assert res["wall_s"] < 30

@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 
 SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
@@ -137,6 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small", help="model preset (default small)")
     parser.add_argument("--jobs", type=int, default=3, help="cases run side by side (default 3)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--timeout", type=float, default=300, help="seconds a case may take (default 300)"
+    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
 
@@ -229,7 +232,7 @@ def _report_progress() -> None:
 
 
 # ----------------------------------------------------------------------------- the matrix (parent)
-def _spawn(case: Case, preset: str, reference: bool = False) -> dict:
+def _spawn(case: Case, preset: str, reference: bool = False, timeout: float = 300) -> dict:
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable,
@@ -244,17 +247,29 @@ def _spawn(case: Case, preset: str, reference: bool = False) -> dict:
     if reference:
         cmd.append("--reference")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        stdout, log, rc = proc.stdout, proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return {
+            "outcome": f"timed out after {timeout:.0f} s",
+            "iteration": _last_logged_iteration(stdout),
+            "finding": "",
+            "losses": [],
+            "wall_s": time.perf_counter() - t0,
+            "log_tail": (stdout + err)[-3000:],
+        }
     wall = time.perf_counter() - t0
-    log = proc.stdout + proc.stderr
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             res = json.loads(line[len("RESULT ") :])
             break
     else:
-        crashed = "illegal memory access" in log or proc.returncode < 0
+        crashed = "illegal memory access" in log or rc < 0
         res = {
-            "outcome": "illegal memory access" if crashed else f"died (exit {proc.returncode})",
+            "outcome": "illegal memory access" if crashed else f"died (exit {rc})",
             "iteration": _last_logged_iteration(log),
             "finding": "",
             "losses": [],
@@ -283,13 +298,26 @@ def _compare(res: dict, ref: dict) -> str:
     return f"loss vs eager: max rel diff {before:.1e} up to validation, {after:.1e} after"
 
 
-def run_matrix(cases: list[Case], preset: str, jobs: int) -> list[tuple[Case, dict]]:
+def run_matrix(
+    cases: list[Case], preset: str, jobs: int, timeout: float = 300
+) -> list[tuple[Case, dict]]:
+    """Run the cases side by side; each finished case prints one line at once (a slow or hung
+    case never hides the others' results)."""
     needs_ref = any(c.compare for c in cases)
     ref_case = next(c for c in cases if c.compare) if needs_ref else None
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [(c, pool.submit(_spawn, c, preset)) for c in cases]
-        ref_future = pool.submit(_spawn, ref_case, preset, True) if ref_case else None
-        results = [(c, f.result()) for c, f in futures]
+        ref_future = pool.submit(_spawn, ref_case, preset, True, timeout) if ref_case else None
+        futures = {pool.submit(_spawn, c, preset, False, timeout): c for c in cases}
+        done: dict[int, dict] = {}
+        for fut in as_completed(futures):
+            c = futures[fut]
+            r = done[c.n] = fut.result()
+            print(
+                f"case {c.n} ({c.title}): {r['outcome']}, iteration "
+                f"{r.get('iteration') or '-'}, {r['wall_s']:.0f} s",
+                flush=True,
+            )
+        results = [(c, done[c.n]) for c in cases]
         ref = ref_future.result() if ref_future else None
     for c, res in results:
         if c.compare and ref is not None:
@@ -351,7 +379,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return 1
     t0 = time.perf_counter()
-    results = run_matrix(cases, args.preset, args.jobs)
+    results = run_matrix(cases, args.preset, args.jobs, args.timeout)
     print_results(results)
     print(
         f"\nwhole matrix: {time.perf_counter() - t0:.0f} s wall on {torch.cuda.get_device_name()}"

@@ -175,8 +175,13 @@ def _e2m1_step(a: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (0-15) -> float32 values (code 8 is -0.0)."""
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
-    return lut[codes.long()]
+    # From the bit fields, not a lookup table: a table would be a host-to-device copy, which is
+    # illegal inside CUDA graph capture (the first forward of a graphed NVFP4 layer).
+    c = codes.to(torch.int32)
+    e = ((c >> 1) & 3).to(torch.float32)
+    m = (c & 1).to(torch.float32)
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1.0) * (1.0 + 0.5 * m))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
