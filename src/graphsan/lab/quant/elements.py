@@ -14,6 +14,8 @@ device, without host synchronisation. The rules are the ones in docs/numerics.md
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E4M3_MAX = 448.0
@@ -34,8 +36,10 @@ def fp32_const(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
+@functools.cache
 def fp32_reciprocal(value: float) -> float:
-    """fl(1/value) computed as one IEEE float32 division (what a kernel's constant holds)."""
+    """fl(1/value) computed as one IEEE float32 division (what a kernel's constant holds).
+    Cached: computed once per constant, never inside a captured forward."""
     one = torch.tensor(1.0, dtype=torch.float32)
     return float(one / torch.tensor(value, dtype=torch.float32))
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+import graphsan
 from graphsan.lab.quant import QuantLinear
 
 GRAPH_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess", "mlp")
@@ -219,12 +220,12 @@ def capture(
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
 
-    for _ in range(num_microbatches):
+    for mb in range(num_microbatches):
         live = []
         for st in stages:  # forward graphs, in execution order
             x = sample()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with graphsan.label(f"{st.name} fwd mb{mb}"), torch.cuda.graph(g, pool=pool):
                 outs = _flat(st.fn(x))
             live.append((st, x, g, outs))
         for st, x, g, outs in reversed(live):  # backward graphs, in reverse
@@ -232,7 +233,7 @@ def capture(
             douts = [o for o in outs if o.requires_grad]
             grad_bufs = tuple(torch.empty_like(o) for o in douts)
             bg = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bg, pool=pool):
+            with graphsan.label(f"{st.name} bwd mb{mb}"), torch.cuda.graph(bg, pool=pool):
                 grads = torch.autograd.grad(douts, [x, *st.params], grad_bufs, allow_unused=True)
             st.graphs.append(
                 _Graphs(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import graphsan
 from graphsan.lab.models import build_model, count_parameters, get_preset
 from graphsan.lab.quant import PrecisionConfig, QuantLinear, apply_precision, get_recipe
 from graphsan.lab.train import graphs as cuda_graphs
@@ -284,7 +285,8 @@ def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
             if cfg.eval_interval and it % cfg.eval_interval == 0:
                 if cfg.manual_gc_interval:
                     gc.collect()
-                loss = evaluate()
+                with graphsan.phase("eval", step=it):  # frees are tagged "eval, step it"
+                    loss = evaluate()
                 if cfg.manual_gc_interval:
                     gc.collect()
                 result.eval_losses.append((it, loss))
