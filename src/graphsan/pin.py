@@ -31,8 +31,9 @@ from graphsan.analysis import GraphState, WatchedBlock
 
 
 class Pinner:
-    def __init__(self, san) -> None:
+    def __init__(self, san, device_type: str = "cuda") -> None:
         self.san = san
+        self.device_type = device_type  # tensors on other devices own no graph memory
         self.pending: list[GraphState] = []
         self.held: dict[int, list[tuple[WatchedBlock, torch.UntypedStorage, list]]] = {}
         self.unpinnable: dict[int, list[WatchedBlock]] = {}
@@ -72,12 +73,14 @@ class Pinner:
             is_tensor = tensor_types.get(t)
             if is_tensor is None:
                 is_tensor = tensor_types[t] = issubclass(t, torch.Tensor)
-            if not is_tensor or not obj.is_cuda:
+            if not is_tensor:
                 continue
             try:
+                if obj.device.type != self.device_type:
+                    continue
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue  # meta, fake or sparse tensors
+            except (RuntimeError, NotImplementedError, AttributeError):
+                continue  # fake, sparse or otherwise storage-less tensors
             lo = storage.data_ptr()
             hi = lo + storage.nbytes()
             i = bisect.bisect_right(starts, hi - 1) - 1
@@ -110,7 +113,10 @@ class Pinner:
     def redirect_resize(self, tensor: torch.Tensor, sizes: tuple) -> torch.Tensor | None:
         """`tensor.resize_(*sizes)` on a pinned storage that must grow: give the tensor a fresh
         storage with its contents and leave the pinned one to the graph. None: not ours."""
-        if not tensor.is_cuda or tensor.untyped_storage().data_ptr() not in self._pinned_ptrs:
+        if (
+            tensor.device.type != self.device_type
+            or tensor.untyped_storage().data_ptr() not in self._pinned_ptrs
+        ):
             return None
         shape = tuple(sizes[0]) if len(sizes) == 1 and not isinstance(sizes[0], int) else sizes
         fresh = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)

@@ -1,0 +1,129 @@
+"""The pin policy's owner search, holding and accounting, exercised on CPU tensors (the logic is
+device-independent; the GPU tests check it on real graphs)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from graphsan.analysis import MemoryMap, Reference, Tracker
+from graphsan.pin import Pinner
+from graphsan.report import GraphInfo
+
+
+def fake_san():
+    san = types.SimpleNamespace(
+        tracker=Tracker(), memory=types.SimpleNamespace(redirect_resize=None)
+    )
+    return san
+
+
+def memmap_for(*tensors):
+    segs = []
+    for t in tensors:
+        st = t.untyped_storage()
+        segs.append(
+            {
+                "address": st.data_ptr(),
+                "total_size": st.nbytes(),
+                "segment_pool_id": (0, 0),
+                "blocks": [
+                    {"address": st.data_ptr(), "size": st.nbytes(), "state": "active_allocated"}
+                ],
+            }
+        )
+    return MemoryMap.from_snapshot({"segments": segs})
+
+
+class Holder:
+    pass
+
+
+def capture(san, pinner, gid, tensors):
+    m = memmap_for(*tensors)
+    refs = [Reference(i, "k", 0, 0, t.data_ptr()) for i, t in enumerate(tensors)]
+    state = san.tracker.add_graph(GraphInfo(gid, f"g{gid}", [], (1, gid), 0), refs, m)
+    pinner.pin(None, state, m)
+    return state
+
+
+def test_owners_anywhere_are_found_and_held_after_the_user_drops_them():
+    san = fake_san()
+    pinner = Pinner(san, device_type="cpu")
+    obj, box = Holder(), {}
+    obj.workspace = torch.randn(4096)
+    box["cache"] = [torch.randn(2048)]
+    expected = (obj.workspace.clone(), box["cache"][0].clone())
+    ptrs = (obj.workspace.data_ptr(), box["cache"][0].data_ptr())
+    state = capture(san, pinner, 1, [obj.workspace, box["cache"][0]])
+    assert state.dirty  # the first replay flushes
+    pinner.flush()
+    obj.workspace = None  # eval clears the cache ...
+    box.clear()  # ... and a dict forgets its list
+    held = {s.data_ptr(): s for _, s, _ in pinner.held[1]}
+    assert set(held) == set(ptrs)
+    for ptr, want in zip(ptrs, expected, strict=True):
+        got = torch.empty(0).set_(held[ptr]).view(want.shape)
+        assert torch.equal(got, want)  # the memory is still the graph's
+    summary = pinner.summary()
+    assert summary["blocks"] == 2 and summary["scans"] == 1
+    assert summary["retained_bytes"] == (4096 + 2048) * 4  # only the pin keeps them
+    assert summary["unpinnable_blocks"] == 0
+    pinner.release(1)
+    assert pinner.summary()["blocks"] == 0
+
+
+def test_memory_without_a_python_owner_is_unpinnable():
+    san = fake_san()
+    pinner = Pinner(san, device_type="cpu")
+    t = torch.randn(1024)
+    m = memmap_for(t)
+    fake = MemoryMap.from_snapshot(
+        {
+            "segments": [
+                {
+                    "address": 1 << 40,
+                    "total_size": 4096,
+                    "segment_pool_id": (0, 0),
+                    "blocks": [{"address": 1 << 40, "size": 4096, "state": "active_allocated"}],
+                }
+            ]
+        }
+    )
+    refs = [Reference(0, "k", 0, 0, t.data_ptr()), Reference(1, "k", 0, 0, 1 << 40)]
+    merged = MemoryMap(m.segments + fake.segments)
+    state = san.tracker.add_graph(GraphInfo(1, "g1", [], (1, 1), 0), refs, merged)
+    pinner.pin(None, state, merged)
+    pinner.flush()
+    s = pinner.summary()
+    assert s["blocks"] == 1 and s["unpinnable_blocks"] == 1
+    assert s["retained_bytes"] == 0  # t is still alive: pinning costs nothing yet
+
+
+def test_one_scan_serves_every_graph_captured_since_the_last():
+    san = fake_san()
+    pinner = Pinner(san, device_type="cpu")
+    keep = [torch.randn(256) for _ in range(6)]
+    for gid in range(1, 4):
+        capture(san, pinner, gid, keep[2 * gid - 2 : 2 * gid])
+    pinner.flush()
+    pinner.flush()  # nothing pending: no second scan
+    assert pinner.scans == 1 and pinner.summary()["blocks"] == 6
+
+
+def test_a_growing_resize_of_pinned_memory_gets_a_fresh_storage():
+    san = fake_san()
+    pinner = Pinner(san, device_type="cpu")
+    ws = torch.arange(64, dtype=torch.float32)
+    old_ptr = ws.untyped_storage().data_ptr()
+    capture(san, pinner, 1, [ws])
+    pinner.flush()
+    assert pinner.redirect_resize(ws, (32,)) is None  # fits: resize_ will not reallocate
+    out = pinner.redirect_resize(ws, (1024,))
+    assert out is ws and ws.numel() == 1024
+    assert ws.untyped_storage().data_ptr() != old_ptr
+    assert torch.equal(ws[:64], torch.arange(64, dtype=torch.float32))
+    ((_, held, _),) = pinner.held[1]
+    assert held.data_ptr() == old_ptr  # the graph's memory is untouched
+    assert pinner.summary()["retained_bytes"] == 64 * 4  # the owner moved away: the pin keeps it
