@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from graphsan.lab.models import PRESETS
-from graphsan.lab.train.graphs import GRAPH_SCOPES
+from graphsan.lab.train.graphs import check_scopes
 
 GRAPH_STATES = ("fixed", "te218")
 
@@ -89,16 +89,10 @@ class TrainConfig:
                 f"--micro-batch-size x --seq-length = {self.micro_batch_size * self.seq_length} "
                 "tokens; expected a multiple of 32 (quantization blocks along the token dim)"
             )
-        scopes = tuple(self.cuda_graph_modules)
-        unknown = [s for s in scopes if s not in GRAPH_SCOPES]
-        if unknown:
-            raise ConfigError(
-                f"--cuda-graph-modules: unknown scope {unknown[0]!r}; expected some of "
-                f"{', '.join(GRAPH_SCOPES)}"
-            )
-        if "moe_preprocess" in scopes and "moe_router" not in scopes:
-            raise ConfigError("--cuda-graph-modules: moe_preprocess needs moe_router as well")
-        self.cuda_graph_modules = tuple(dict.fromkeys(scopes))
+        try:
+            self.cuda_graph_modules = check_scopes(self.cuda_graph_modules)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.graph_state not in GRAPH_STATES:
             raise ConfigError(
                 f"--graph-state {self.graph_state}: expected one of {', '.join(GRAPH_STATES)}"

@@ -136,16 +136,23 @@ class GraphedStage:
         return outs[0] if len(outs) == 1 else outs
 
 
-def plan_stages(model, scopes, counter, graph_state, ambient_recipe) -> list[GraphedStage]:
-    """The graphed stages of `model` for `scopes`, in forward execution order (main layers only)."""
-    unknown = sorted(set(scopes) - set(GRAPH_SCOPES))
+def check_scopes(scopes) -> tuple[str, ...]:
+    """The scopes without repeats, or a ValueError naming the bad one and the allowed set."""
+    scopes = tuple(dict.fromkeys(scopes))
+    unknown = [s for s in scopes if s not in GRAPH_SCOPES]
     if unknown:
         raise ValueError(
-            f"--cuda-graph-modules: unknown scope(s) {', '.join(unknown)}; expected some of "
+            f"--cuda-graph-modules: unknown scope {unknown[0]!r}; expected some of "
             f"{', '.join(GRAPH_SCOPES)}"
         )
     if "moe_preprocess" in scopes and "moe_router" not in scopes:
         raise ValueError("--cuda-graph-modules: moe_preprocess needs moe_router as well")
+    return scopes
+
+
+def plan_stages(model, scopes, counter, graph_state, ambient_recipe) -> list[GraphedStage]:
+    """The graphed stages of `model` for `scopes`, in forward execution order (main layers only)."""
+    scopes = check_scopes(scopes)
     stages = []
 
     def add(i, layer, stage, fn, modules):
