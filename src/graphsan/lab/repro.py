@@ -30,6 +30,11 @@ SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 NO_MAMBA = ("attn", "moe_router", "moe_preprocess")
 # iterations: 1-3 eager warm-up, 4 capture, validation + save + GC at 5, first backward after it at 6
 WARMUP, EVAL_AT, ITERS = 3, 5, 8
+# A wider Mamba than `small`'s for the matrix: out_proj's weight workspace then holds 2 MiB per
+# half (512 x 4096 MXFP8 bytes), whole 2 MiB pages of the large pool as in the real model, so
+# empty_cache can unmap it. At `small`'s width (512 KiB per half) it sits in the small pool,
+# whose pages other tensors keep mapped, and the bug stays silent.
+WIDE_MAMBA = {"small": {"mamba_num_heads": 64, "mamba_head_dim": 64}}
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,7 @@ def _config(case: Case, preset: str, reference: bool):
         cuda_graph_warmup_steps=WARMUP,
         graph_state="fixed" if reference else case.state,
         precision_config=case.precision,
+        model_overrides=dict(WIDE_MAMBA.get(preset, {})),
         num_layers_at_end_in_bf16=2,
         device="cuda",
         log_interval=1,
