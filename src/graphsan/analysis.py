@@ -301,6 +301,7 @@ class Tracker:
         self.graphs: dict[GraphId, GraphState] = {}
         self.live: dict[DataPtr, WatchedBlock] = {}  # watched blocks not yet freed
         self.freed_segments: dict[tuple[DataPtr, int], set[GraphId]] = {}
+        self._freed_seg_keys: list[tuple[DataPtr, int]] = []  # sorted by start
         self._freed_seg_starts: list[DataPtr] = []
 
     # -- capture -----------------------------------------------------------------------------
@@ -369,7 +370,7 @@ class Tracker:
             self.freed_segments[key].discard(graph_id)
             if not self.freed_segments[key]:
                 del self.freed_segments[key]
-        self._freed_seg_starts = sorted(k[0] for k in self.freed_segments)
+        self._index_freed_segments()
 
     # -- memory events (hot: keep them cheap) ----------------------------------------------
     def on_free(self, ptr: DataPtr, event_factory: Callable[[], FreeEvent]) -> bool:
@@ -407,20 +408,29 @@ class Tracker:
         i = bisect.bisect_right(starts, ptr) - 1
         if i < 0:
             return
-        for (start, size), gids in self.freed_segments.items():
-            if start == starts[i] and ptr < start + size:
-                for gid in gids:
-                    self.graphs[gid].dirty = True
+        start, size = self._freed_seg_keys[i]
+        if ptr < start + size:
+            for gid in list(self.freed_segments.get((start, size), ())):
+                self._mark_dirty(gid)
 
     def on_release(self) -> None:
         """Cached memory went back to the driver (empty_cache): freed references may be unmapped."""
-        for gids in self.freed_segments.values():
-            for gid in gids:
-                self.graphs[gid].dirty = True
+        for gids in list(self.freed_segments.values()):
+            for gid in list(gids):
+                self._mark_dirty(gid)
+
+    def _mark_dirty(self, gid: GraphId) -> None:
+        g = self.graphs.get(gid)
+        if g is not None:
+            g.dirty = True
+
+    def _index_freed_segments(self) -> None:
+        self._freed_seg_keys = sorted(self.freed_segments)
+        self._freed_seg_starts = [k[0] for k in self._freed_seg_keys]
 
     def _note_freed_segment(self, wb: WatchedBlock) -> None:
         self.freed_segments.setdefault(wb.segment, set()).update(wb.graphs)
-        self._freed_seg_starts = sorted(k[0] for k in self.freed_segments)
+        self._index_freed_segments()
 
     # -- judgement ---------------------------------------------------------------------------
     def judge(
@@ -433,7 +443,7 @@ class Tracker:
         state = self.graphs[graph_id]
         state.dirty = False
         findings = []
-        for addr, wb in state.blocks.items():
+        for addr, wb in list(state.blocks.items()):  # frees may arrive from autograd threads
             if wb.freed is None:
                 continue
             kind, now = self._classify(wb, memmap, is_mapped, state.info)
