@@ -449,7 +449,9 @@ class Tracker:
             kind, now = self._classify(wb, memmap, is_mapped, state.info)
             if kind is None:
                 continue
-            refs = state.refs[addr]
+            refs = state.refs.get(addr)
+            if not refs:
+                continue  # handed over meanwhile
             first = refs[0]
             findings.append(
                 Finding(

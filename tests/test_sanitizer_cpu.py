@@ -1,0 +1,139 @@
+"""The Sanitizer's capture -> event -> replay flow and its policies, on CPU: the CUDA-facing
+pieces (`_driver`, the allocator snapshot, the current stream) are replaced by fakes, so what is
+tested is the orchestration: pending captures, policy decisions, de-duplication, blocking, and
+disabling itself on an internal error."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from graphsan import _driver, sanitizer
+from graphsan.analysis import FreeEvent, KernelArgs, MemoryMap, WalkStats
+from graphsan.report import StaleMemoryError
+
+SEG = 0x7F00_0000_0000
+
+
+def snapshot(blocks):
+    return MemoryMap.from_snapshot(
+        {
+            "segments": [
+                {
+                    "address": SEG,
+                    "total_size": sum(size for size, _ in blocks),
+                    "segment_pool_id": (0, 0),
+                    "blocks": [
+                        {
+                            "address": SEG + sum(sz for sz, _ in blocks[:i]),
+                            "size": size,
+                            "state": st,
+                        }
+                        for i, (size, st) in enumerate(blocks)
+                    ],
+                }
+            ]
+        }
+    )
+
+
+class FakeGraph:
+    def pool(self):
+        return (1, 3)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    state = {"map": snapshot([(4096, "active_allocated"), (4096, "inactive")])}
+    buf = SEG.to_bytes(8, "little") + (0).to_bytes(8, "little")
+    monkeypatch.setattr(_driver, "capturing_graph", lambda stream: "graph")
+    monkeypatch.setattr(
+        _driver,
+        "walk",
+        lambda g: ([KernelArgs(0, "void scale(float*)", buf, [0, 8])], WalkStats(1, 1)),
+    )
+    monkeypatch.setattr(_driver, "is_mapped", lambda ptr: True)
+    monkeypatch.setattr(_driver, "address_range", lambda ptr: None)
+    monkeypatch.setattr(sanitizer, "snapshot_map", lambda device=None: state["map"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=1))
+    return state
+
+
+def captured(policy):
+    san = sanitizer.Sanitizer(policy)
+    san.active = True  # start() needs CUDA; the listener methods do not
+    g = FakeGraph()
+    san.capture_begin(g, None)
+    san.after_capture_end(g, san.before_capture_end(g))
+    return san, g
+
+
+def free_block(san, ptr=SEG):
+    return san.tracker.on_free(ptr, lambda: FreeEvent([("train.py", 7, "evaluate")], "eval", 5))
+
+
+def test_capture_registers_the_graph_and_its_reference(env):
+    san, g = captured("raise")
+    state = g.__dict__["_graphsan_state"]
+    assert state.stats["default"] == 1 and not state.dirty
+    (stats,) = san.report().graphs
+    assert stats["nodes"] == 1 and stats["references"] == 1 and stats["pool"] == [1, 3]
+    san.before_replay(g, state)  # nothing freed: nothing happens
+    assert san.findings == []
+
+
+def test_raise_stops_every_later_replay_too(env):
+    san, g = captured("raise")
+    state = g.__dict__["_graphsan_state"]
+    assert free_block(san)
+    env["map"] = snapshot([(8192, "inactive")])
+    for _ in range(2):
+        with pytest.raises(StaleMemoryError) as err:
+            san.before_replay(g, state)
+        assert err.value.findings[0].kind == "freed"
+        assert state.dirty  # blocked
+    assert len(san.findings) == 1  # recorded once
+
+
+def test_warn_prints_each_finding_once_and_goes_on(env, capsys):
+    san, g = captured("warn")
+    state = g.__dict__["_graphsan_state"]
+    free_block(san)
+    env["map"] = snapshot([(8192, "inactive")])
+    san.before_replay(g, state)
+    assert "FREED" in capsys.readouterr().err
+    state.dirty = True
+    san.before_replay(g, state)
+    assert capsys.readouterr().err == ""
+    env["map"] = snapshot([(2048, "active_allocated"), (6144, "inactive")])
+    state.dirty = True
+    san.before_replay(g, state)  # the memory got a new owner: a new, worse finding
+    assert "REOWNED" in capsys.readouterr().err
+    assert [f.kind for f in san.findings] == ["freed", "reowned"]
+
+
+def test_reset_forgets_the_graph(env):
+    san, g = captured("raise")
+    san.reset(g)
+    assert not free_block(san)
+    assert san.tracker.graphs == {}
+
+
+def test_internal_error_disables_and_says_so(env, monkeypatch, capsys):
+    san, g = captured("raise")
+    state = g.__dict__["_graphsan_state"]
+    free_block(san)
+
+    def broken(device=None):
+        raise RuntimeError("snapshot failed")
+
+    monkeypatch.setattr(sanitizer, "snapshot_map", broken)
+    san.hooks.uninstall = lambda: None
+    san.memory.stop = lambda: None
+    san.context.stop = lambda: None
+    san.before_replay(g, state)  # must not raise: the user's replay goes on
+    assert not san.active and "snapshot failed" in san.disabled_reason
+    assert "disables itself" in capsys.readouterr().err
