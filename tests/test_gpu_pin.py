@@ -11,11 +11,16 @@ import sys
 
 import pytest
 
-from tests.gpu_programs import ROOT, run_program
+from tests.gpu_programs import ROOT, prefetch, run_program
 
 pytestmark = pytest.mark.gpu
 
 PIN_PROGRAMS = ["pin_freed", "pin_resize", "pin_eval_cache"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _all_programs_side_by_side():
+    prefetch([(n, p, None) for n in PIN_PROGRAMS for p in ("raise", "pin")])
 
 
 @pytest.mark.parametrize("name", PIN_PROGRAMS)

@@ -9,11 +9,22 @@ import sys
 
 import pytest
 
-from tests.gpu_programs import ROOT, run_program
+from tests.gpu_programs import ROOT, prefetch, run_program
 
 pytestmark = pytest.mark.gpu
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _all_programs_side_by_side():
+    prefetch(
+        [("freed_empty_cache", p, e) for p in ("off", "raise") for e in ({}, EXPANDABLE)]
+        + [("reowned", "off", None), ("reowned", "raise", None), ("moved", "record", None)]
+        + [(n, "raise", None) for n in ("matmul", "triton", "pool_reuse", "no_false_alarms")]
+        + [("internal_error", "raise", None), ("graphed_callables_ok", "raise", EXPANDABLE)]
+        + [("compile_ok", "raise", None)]
+    )
 
 
 def _kinds(result):
