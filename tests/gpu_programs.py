@@ -52,6 +52,7 @@ PROGRAMS = {
     # an input freed after capture, then the cache emptied: the replay would fault
     "freed_empty_cache": """
 x = torch.randn(1 << 20, device="cuda")
+expected = x * 2
 torch.cuda.synchronize()
 g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g, stream=s):
@@ -59,6 +60,8 @@ with torch.cuda.graph(g, stream=s):
 del x
 torch.cuda.empty_cache()
 out["replay"] = replay_guarded(g)
+out["correct"] = out["replay"] == "replayed" and bool(torch.equal(y, expected))
+out["pinned"] = san.report().pinned if san else {}
 out["healthy"] = healthy()
 finish()
 """,
@@ -216,20 +219,6 @@ out["healthy"] = healthy()
 finish()
 """,
     # --- the pin policy: the same bugs must run to completion with correct results
-    "pin_freed": """
-x = torch.randn(1 << 20, device="cuda")
-expected = x * 2
-g = torch.cuda.CUDAGraph()
-with torch.cuda.graph(g, stream=s):
-    y = x * 2
-del x
-torch.cuda.empty_cache()
-out["replay"] = replay_guarded(g)
-out["correct"] = bool(torch.equal(y, expected))
-out["pinned"] = san.report().pinned if san else {}
-out["healthy"] = healthy()
-finish()
-""",
     "pin_resize": """
 ws = torch.zeros(4096, device="cuda")
 src = torch.randn(4096, device="cuda")

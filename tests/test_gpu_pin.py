@@ -15,7 +15,7 @@ from tests.gpu_programs import ROOT, prefetch, run_program
 
 pytestmark = pytest.mark.gpu
 
-PIN_PROGRAMS = ["pin_freed", "pin_resize", "pin_eval_cache"]
+PIN_PROGRAMS = ["freed_empty_cache", "pin_resize", "pin_eval_cache"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +44,7 @@ def test_pin_runs_to_completion_with_correct_results(name):
 
 
 def test_pin_reports_what_it_pinned_and_retained():
-    rc, result, log = run_program("pin_freed", policy="pin")
+    rc, result, log = run_program("freed_empty_cache", policy="pin")
     assert rc == 0, log[-3000:]
     pinned = result["pinned"]
     assert pinned["blocks"] >= 1 and pinned["bytes"] >= 4 << 20
