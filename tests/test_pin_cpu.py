@@ -8,15 +8,21 @@ import types
 import torch
 
 from graphsan.analysis import MemoryMap, Reference, Tracker
+from graphsan.context import Context
 from graphsan.pin import Pinner
 from graphsan.report import GraphInfo
 
 
 def fake_san():
-    san = types.SimpleNamespace(
-        tracker=Tracker(), memory=types.SimpleNamespace(redirect_resize=None)
+    def fail(err):
+        raise err
+
+    return types.SimpleNamespace(
+        tracker=Tracker(),
+        memory=types.SimpleNamespace(redirect_resize=None),
+        context=Context(),
+        _internal_error=fail,
     )
-    return san
 
 
 def memmap_for(*tensors):
@@ -127,3 +133,22 @@ def test_a_growing_resize_of_pinned_memory_gets_a_fresh_storage():
     ((_, held, _),) = pinner.held[1]
     assert held.data_ptr() == old_ptr  # the graph's memory is untouched
     assert pinner.summary()["retained_bytes"] == 64 * 4  # the owner moved away: the pin keeps it
+
+
+def test_an_eval_switch_pins_before_validation_can_free():
+    san = fake_san()
+    pinner = Pinner(san, device_type="cpu")
+    model = torch.nn.Linear(4, 4)
+    model.cache = torch.randn(512)
+    ptr = model.cache.data_ptr()
+    capture(san, pinner, 1, [model.cache])
+    san.context.start()
+    try:
+        model.eval()  # no replay yet: the switch itself pins
+        assert pinner.scans == 1 and not pinner.pending
+        model.cache = None  # validation clears the cache: the memory stays the graph's
+        assert [s.data_ptr() for _, s, _ in pinner.held[1]] == [ptr]
+        model.train()  # nothing pending: no second scan
+        assert pinner.scans == 1
+    finally:
+        san.context.stop()

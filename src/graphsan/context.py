@@ -55,6 +55,9 @@ class Context:
         self._explicit: list[tuple[str, int | None]] = []
         self._handles: list = []
         self._orig_train = None
+        # called on every train()/eval() and phase() entry: the moments eager code is about to
+        # change state (validation clears caches); the pin policy pins pending graphs here
+        self.on_phase_change: list = []
 
     def current(self) -> tuple[str, int]:
         if self._explicit:
@@ -69,11 +72,16 @@ class Context:
                 phase += " (no_grad)"
         return phase, self.steps
 
+    def _notify(self) -> None:
+        for fn in self.on_phase_change:
+            fn()
+
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
         if not isinstance(name, str) or not name:
             raise ValueError(f"graphsan.phase: expected a non-empty phase name, got {name!r}")
         self._explicit.append((name, step))
+        self._notify()
         try:
             yield
         finally:
@@ -87,6 +95,8 @@ class Context:
 
         def train(module, mode: bool = True):
             ctx.module_training = bool(mode)
+            if ctx.on_phase_change:
+                ctx._notify()
             return orig(module, mode)
 
         train.__wrapped__ = orig

@@ -1,8 +1,9 @@
 """The pin policy: keep memory a live graph references alive for as long as the graph lives.
 
 At capture end a graph's watched blocks are queued. Before the first replay after one or more
-captures, one scan of the garbage collector's objects finds the tensors whose storage overlaps a
-queued block, and the pinner holds a reference to each such storage: eager code can drop its own
+captures, or earlier at the next `train()`/`eval()` switch or `graphsan.phase` (validation is
+where caches get cleared), one scan of the garbage collector's objects finds the tensors whose
+storage overlaps a queued block, and the pinner holds a reference to each such storage: eager code can drop its own
 references, re-point a tensor (`.data =`, `set_`) or clear a cache, and the memory stays valid
 for the graph. One scan serves every graph captured since the last one, so a program capturing
 hundreds of graphs pays for it once per capture phase, not per graph.
@@ -42,11 +43,24 @@ class Pinner:
         self.objects_scanned = 0
         self._pinned_ptrs: dict[int, int] = defaultdict(int)  # storage data_ptr -> holders
         san.memory.redirect_resize = self.redirect_resize
+        san.context.on_phase_change.append(self._flush_quietly)
 
     # -- capture / replay -----------------------------------------------------------------------
     def pin(self, graph, state: GraphState, memmap) -> None:
         self.pending.append(state)
         state.dirty = True  # its first replay goes through the sanitizer, which flushes
+
+    def detach(self) -> None:
+        """The sanitizer stopped: stop listening for phase changes (pins already held stay)."""
+        if self._flush_quietly in self.san.context.on_phase_change:
+            self.san.context.on_phase_change.remove(self._flush_quietly)
+
+    def _flush_quietly(self) -> None:
+        if self.pending:
+            try:
+                self.flush()
+            except Exception as err:  # never break the user's train()/eval()
+                self.san._internal_error(err)
 
     def flush(self) -> None:
         if not self.pending:

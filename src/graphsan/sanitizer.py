@@ -96,6 +96,8 @@ class Sanitizer:
         if not self.active:
             return
         self.active = False
+        if self.pinner is not None:
+            self.pinner.detach()
         self.hooks.uninstall()
         self.memory.stop()
         self.context.stop()
