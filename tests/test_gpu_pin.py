@@ -49,7 +49,8 @@ def test_pin_reports_what_it_pinned_and_retained():
     pinned = result["pinned"]
     assert pinned["blocks"] >= 1 and pinned["bytes"] >= 4 << 20
     assert pinned["retained_bytes"] >= 4 << 20  # x was deleted: only the pin keeps it
-    assert pinned["scans"] == 1 and pinned["objects_scanned"] > 0
+    # x was made just before the capture: the capture-end scan of young objects pinned it
+    assert pinned["young_scans"] >= 1 and pinned["objects_scanned"] > 0
 
 
 def test_torchrun_reports_per_rank_and_merges(tmp_path):

@@ -50,7 +50,7 @@ def capture(san, pinner, gid, tensors):
     m = memmap_for(*tensors)
     refs = [Reference(i, "k", 0, 0, t.data_ptr()) for i, t in enumerate(tensors)]
     state = san.tracker.add_graph(GraphInfo(gid, f"g{gid}", [], (1, gid), 0), refs, m)
-    pinner.pin(None, state, m)
+    pinner.pin(state)
     return state
 
 
@@ -100,7 +100,7 @@ def test_memory_without_a_python_owner_is_unpinnable():
     refs = [Reference(0, "k", 0, 0, t.data_ptr()), Reference(1, "k", 0, 0, 1 << 40)]
     merged = MemoryMap(m.segments + fake.segments)
     state = san.tracker.add_graph(GraphInfo(1, "g1", [], (1, 1), 0), refs, merged)
-    pinner.pin(None, state, merged)
+    pinner.pin(state)
     pinner.flush()
     s = pinner.summary()
     assert s["blocks"] == 1 and s["unpinnable_blocks"] == 1
@@ -152,3 +152,23 @@ def test_an_eval_switch_pins_before_validation_can_free():
         assert pinner.scans == 1
     finally:
         san.context.stop()
+
+
+def test_inputs_made_just_before_capture_are_pinned_at_capture_end():
+    san = fake_san()
+    pinner = Pinner(san, device_type="cpu")
+    x = torch.randn(1000)
+    ptr = x.data_ptr()
+    young = pinner.young_objects()
+    assert young is not None and any(o is x for o in young)
+    m = memmap_for(x)
+    state = san.tracker.add_graph(
+        GraphInfo(1, "g1", [], (1, 1), 0), [Reference(0, "k", 0, 0, ptr)], m
+    )
+    pinner.pin(state, young)
+    del young
+    assert [s.data_ptr() for _, s, _ in pinner.held[1]] == [ptr]  # before any replay or switch
+    del x  # "the input is not needed any more": the graph keeps it
+    pinner.flush()  # the full scan finds nothing more to do for this block
+    s = pinner.summary()
+    assert s["blocks"] == 1 and s["unpinnable_blocks"] == 0 and s["retained_bytes"] == 4000

@@ -1,12 +1,13 @@
 """The pin policy: keep memory a live graph references alive for as long as the graph lives.
 
-At capture end a graph's watched blocks are queued. Before the first replay after one or more
-captures, or earlier at the next `train()`/`eval()` switch or `graphsan.phase` (validation is
-where caches get cleared), one scan of the garbage collector's objects finds the tensors whose
-storage overlaps a queued block, and the pinner holds a reference to each such storage: eager code can drop its own
-references, re-point a tensor (`.data =`, `set_`) or clear a cache, and the memory stays valid
-for the graph. One scan serves every graph captured since the last one, so a program capturing
-hundreds of graphs pays for it once per capture phase, not per graph.
+At capture end, the youngest objects (the garbage collector's generations 0 and 1: inputs made
+just before the capture) are searched at once, cheaply, and the graph's other blocks are queued.
+Before the first replay after one or more captures, or earlier at the next `train()`/`eval()`
+switch or `graphsan.phase` (validation is where caches get cleared), one scan of all objects finds
+the tensors whose storage overlaps a queued block. The pinner holds a reference to each such
+storage: eager code can drop its own references, re-point a tensor (`.data =`, `set_`) or clear a
+cache, and the memory stays valid for the graph. One full scan serves every graph captured since
+the last one, so a program capturing hundreds of graphs pays for it once per capture phase.
 
 Two kinds of memory cannot be pinned this way:
 - memory without a Python-visible owner (library workspaces, tensors held only by C++);
@@ -30,6 +31,8 @@ import torch
 
 from graphsan.analysis import GraphState, WatchedBlock
 
+YOUNG_SCAN_LIMIT = 200_000  # objects; past this (gc off for long) the capture-end scan waits
+
 
 class Pinner:
     def __init__(self, san, device_type: str = "cuda") -> None:
@@ -38,15 +41,27 @@ class Pinner:
         self.pending: list[GraphState] = []
         self.held: dict[int, list[tuple[WatchedBlock, torch.UntypedStorage, list]]] = {}
         self.unpinnable: dict[int, list[WatchedBlock]] = {}
-        self.scans = 0
+        self.scans = 0  # full scans (all objects)
+        self.young_scans = 0  # capture-end scans of the youngest objects
         self.scan_ms = 0.0
         self.objects_scanned = 0
         self._pinned_ptrs: dict[int, int] = defaultdict(int)  # storage data_ptr -> holders
+        self._pinned: set[tuple[int, int]] = set()  # (id(watched block), graph id)
         san.memory.redirect_resize = self.redirect_resize
         san.context.on_phase_change.append(self._flush_quietly)
 
     # -- capture / replay -----------------------------------------------------------------------
-    def pin(self, graph, state: GraphState, memmap) -> None:
+    def young_objects(self) -> list | None:
+        """The garbage collector's two youngest generations (inputs made just before a capture),
+        taken before the capture's own analysis allocates enough to promote them; None when
+        there are too many to search cheaply (gc switched off for long)."""
+        objects = gc.get_objects(generation=0) + gc.get_objects(generation=1)
+        return objects if len(objects) <= YOUNG_SCAN_LIMIT else None
+
+    def pin(self, state: GraphState, young: list | None = None) -> None:
+        """A graph was captured: pin what `young` objects own now, queue the rest."""
+        if young:
+            self._scan([state], lambda: young, final=False)
         self.pending.append(state)
         state.dirty = True  # its first replay goes through the sanitizer, which flushes
 
@@ -63,26 +78,34 @@ class Pinner:
                 self.san._internal_error(err)
 
     def flush(self) -> None:
+        """The full scan: every live object, for every block still waiting; what no object owns
+        is unpinnable from then on."""
         if not self.pending:
             return
         pending, self.pending = self.pending, []
+        self._scan(pending, gc.get_objects, final=True)
+
+    def _scan(self, states: list[GraphState], get_objects, final: bool) -> None:
+        """Pin the blocks of `states` that objects from `get_objects()` own; with `final`, the
+        blocks no object owns become unpinnable. Objects are listed only when a block waits."""
         t0 = time.perf_counter()
         blocks = sorted(
-            {
-                (wb.address, id(wb)): (wb, st.info.id)
-                for st in pending
+            (
+                (wb, st.info.id)
+                for st in states
                 if st.info.id in self.san.tracker.graphs
                 for wb in st.blocks.values()
-                if wb.freed is None
-            }.values(),
+                if wb.freed is None and (id(wb), st.info.id) not in self._pinned
+            ),
             key=lambda x: x[0].address,
         )
+        if not blocks:
+            return
+        objects = get_objects()
         starts = [wb.address for wb, _ in blocks]
         found: dict[int, tuple[torch.UntypedStorage, list]] = {}
         tensor_types: dict[type, bool] = {}
-        n = 0
-        for obj in gc.get_objects():
-            n += 1
+        for obj in objects:
             t = type(obj)
             is_tensor = tensor_types.get(t)
             if is_tensor is None:
@@ -108,15 +131,20 @@ class Pinner:
             if wb.address in found:
                 storage, owners = found[wb.address]
                 self.held.setdefault(gid, []).append((wb, storage, owners))
+                self._pinned.add((id(wb), gid))
                 self._pinned_ptrs[storage.data_ptr()] += 1
-            else:
+            elif final:
                 self.unpinnable.setdefault(gid, []).append(wb)
-        self.scans += 1
-        self.objects_scanned += n
+        if final:
+            self.scans += 1
+        else:
+            self.young_scans += 1
+        self.objects_scanned += len(objects)
         self.scan_ms += (time.perf_counter() - t0) * 1e3
 
     def release(self, gid: int) -> None:
-        for _, storage, _ in self.held.pop(gid, []):
+        for wb, storage, _ in self.held.pop(gid, []):
+            self._pinned.discard((id(wb), gid))
             ptr = storage.data_ptr()
             self._pinned_ptrs[ptr] -= 1
             if self._pinned_ptrs[ptr] <= 0:
@@ -169,6 +197,7 @@ class Pinner:
             "unpinnable_blocks": sum(len(v) for v in self.unpinnable.values()),
             "retained_bytes": retained,
             "scans": self.scans,
+            "young_scans": self.young_scans,
             "scan_ms": round(self.scan_ms, 3),
             "objects_scanned": self.objects_scanned,
         }

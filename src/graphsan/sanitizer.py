@@ -159,6 +159,7 @@ class Sanitizer:
         try:
             from graphsan import _driver
 
+            young = self.pinner.young_objects() if self.pinner is not None else None
             nodes, stats, walk_s = walked
             gid, label, site, device = pending
             t0 = time.perf_counter()
@@ -186,7 +187,7 @@ class Sanitizer:
                 }
             )
             if self.pinner is not None:
-                self.pinner.pin(graph, state, memmap)
+                self.pinner.pin(state, young)
         except Exception as err:
             self._internal_error(err)
 
