@@ -64,7 +64,7 @@ class Sanitizer:
         self.context = context or Context()
         self.tracker = Tracker()
         self.findings: list[Finding] = []
-        self.graph_stats: list[dict[str, Any]] = []
+        self.graph_stats: dict[int, dict[str, Any]] = {}  # by graph id, in capture order
         self.rank = rank_from_env()
         self.active = False
         self.disabled_reason: str | None = None
@@ -104,7 +104,8 @@ class Sanitizer:
 
     def report(self) -> Report:
         pinned = self.pinner.summary() if self.pinner is not None else {}
-        return Report(list(self.findings), list(self.graph_stats), self.rank, self.policy, pinned)
+        graphs = list(self.graph_stats.values())
+        return Report(list(self.findings), graphs, self.rank, self.policy, pinned)
 
     # -- labels -----------------------------------------------------------------------------
     def push_label(self, label: str) -> None:
@@ -170,22 +171,20 @@ class Sanitizer:
             state = self.tracker.add_graph(info, refs, memmap)
             capture.set_graph_state(graph, state)
             analyse_s = walk_s + time.perf_counter() - t0
-            self.graph_stats.append(
-                {
-                    "id": gid,
-                    "label": label,
-                    "capture_site": [list(f) for f in site],
-                    "pool": list(pool),
-                    "nodes": stats.nodes,
-                    "kernels": stats.kernels,
-                    "copies": stats.copies,
-                    "unreadable_nodes": stats.unreadable,
-                    "child_graphs": stats.child_graphs,
-                    **state.stats,
-                    "analysis_ms": round(analyse_s * 1e3, 3),
-                    "replays_judged": 0,
-                }
-            )
+            self.graph_stats[gid] = {
+                "id": gid,
+                "label": label,
+                "capture_site": [list(f) for f in site],
+                "pool": list(pool),
+                "nodes": stats.nodes,
+                "kernels": stats.kernels,
+                "copies": stats.copies,
+                "unreadable_nodes": stats.unreadable,
+                "child_graphs": stats.child_graphs,
+                **state.stats,
+                "analysis_ms": round(analyse_s * 1e3, 3),
+                "replays_judged": 0,
+            }
             if self.pinner is not None:
                 self.pinner.pin(state, young)
         except Exception as err:
@@ -219,7 +218,7 @@ class Sanitizer:
                 return
             memmap: MemoryMap = snapshot_map(state.info.device)
             findings = self.tracker.judge(state.info.id, memmap, _driver.is_mapped)
-            self._count_judged(state.info.id)
+            self.graph_stats[state.info.id]["replays_judged"] += 1
             self._annotate(findings)
         except Exception as err:
             self._internal_error(err)
@@ -250,11 +249,6 @@ class Sanitizer:
         if self.policy == "warn":
             for f in new:
                 self._say(format_finding(f))
-
-    def _count_judged(self, gid: int) -> None:
-        for g in self.graph_stats:
-            if g["id"] == gid:
-                g["replays_judged"] += 1
 
     # -- errors and messages -----------------------------------------------------------------
     def _say(self, text: str) -> None:
