@@ -375,6 +375,7 @@ class Tracker:
     # -- memory events (hot: keep them cheap) ----------------------------------------------
     def on_free(self, ptr: DataPtr, event_factory: Callable[[], FreeEvent]) -> bool:
         """A block at `ptr` was freed. Returns True when it was watched."""
+        self.on_alloc(ptr)  # the owner of memory near freed watched memory changed
         wb = self.live.pop(ptr, None)
         if wb is None:
             return False
@@ -401,7 +402,9 @@ class Tracker:
                 g.stats["handed_over"] = g.stats.get("handed_over", 0) + 1
 
     def on_alloc(self, ptr: DataPtr) -> None:
-        """A block was allocated at `ptr`: it may re-carve freed memory a graph references."""
+        """A block was allocated or freed at `ptr`: if that is inside a segment holding freed
+        memory a graph references, the memory's owner changed (re-carved, or given back again)
+        and the graphs concerned must be judged again."""
         starts = self._freed_seg_starts
         if not starts:
             return

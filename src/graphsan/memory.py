@@ -73,7 +73,7 @@ class AllocatorWatch:
 
     # -- callbacks (hot path) ------------------------------------------------------------------
     def _on_free(self, ptr: int) -> None:
-        if not self._active or ptr not in self.tracker.live:
+        if not self._active or (ptr not in self.tracker.live and not self.tracker.freed_segments):
             return
         try:
             self.tracker.on_free(ptr, self._free_event)
