@@ -17,7 +17,7 @@ for part in ${*:-tests}; do
       timeout 60 python3 -m graphsan.cli run examples/stale_input.py > "$OUT/example.log" 2>&1
       echo "with graphsan: exit $?"; sed -n '/^graphsan.report.StaleMemoryError/,$p' "$OUT/example.log" ;;
     repro)
-      timeout 330 python3 -m graphsan.cli repro --jobs 4 --timeout 240 --json "$OUT/repro.json" 2>&1 | tee "$OUT/repro.log" | tail -60 ;;
+      timeout 330 python3 -m graphsan.cli repro --timeout 240 --json "$OUT/repro.json" 2>&1 | tee "$OUT/repro.log" | tail -60 ;;
     bench)
       timeout 150 python3 bench/bench_sanitizer.py --layers 32 --steps 50 --rounds 3 --repeats 1 2>&1 | tee "$OUT/bench_sanitizer.log" | tail -10 ;;
     *) echo "unknown part $part (tests, example, repro, bench)" ;;

@@ -44,10 +44,28 @@ def test_without_cuda_it_explains_and_fails(capsys):
 
 def test_unknown_case_is_one_clear_error(capsys):
     assert main(["repro", "--case", "42"]) == 2
-    assert "no case 42; expected 1-8" in capsys.readouterr().err
+    assert f"no case 42; expected 1-{len(repro.CASES)}" in capsys.readouterr().err
 
 
 def test_a_case_that_overruns_its_time_is_reported_not_waited_for():
     res = repro._spawn(repro.CASES[0], "tiny", timeout=0.5)
     assert res["outcome"] == "timed out after 0 s" or res["outcome"].startswith("timed out")
     assert res["wall_s"] < 30
+
+
+def test_compare_covers_iterations_both_runs_have_and_counts_nan_as_infinite():
+    ref = {"losses": [5.0, 4.9, 4.8, 4.7, 4.6, 4.5, 4.4]}
+    res = {"losses": [5.0, 4.9, 4.8, 4.7, 4.6 * (1 + 2e-4), float("nan")]}
+    text = repro._compare(res, ref)
+    assert res["rel_diff_before_eval"] == pytest.approx(2e-4)
+    assert res["rel_diff_after_eval"] == float("inf")
+    assert "2.0e-04 up to validation, inf after" in text
+    short = {"losses": [5.0, 4.9]}
+    assert repro._compare(short, ref) == "no losses after validation to compare"
+
+
+def test_timeline_and_iteration_come_from_the_child_progress_lines():
+    log = "noise\nITERATION 1 t=3.5\nITERATION 2 t=4.0\nTraceback\nCUDA error: an illegal x\n"
+    assert repro._iteration_times(log) == [3.5, 4.0]
+    assert repro._last_logged_iteration(log) == 3  # it died in the iteration after the last one
+    assert repro._first_error_line(log) == "CUDA error: an illegal x"

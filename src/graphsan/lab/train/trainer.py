@@ -263,7 +263,10 @@ def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
                 n = it - interval_first + 1
                 loss = step_losses[-1].item()
                 if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss} at iteration {it}")
+                    err = FloatingPointError(f"loss is {loss} at iteration {it}")
+                    err.iteration = it  # for callers that report where training went wrong
+                    err.losses = [float(x) for x in step_losses]
+                    raise err
                 metrics.log(
                     it,
                     cfg.train_iters,
