@@ -3,6 +3,7 @@
 # part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes, so:
 #   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~5 min)
 #   call 2:  bash scripts/gpu_check.sh example repro bench
+#   (quant: the Triton kernel tests and bench_quant with fixed and autotuned tiles)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/graphsan-out}; mkdir -p "$OUT"
@@ -20,6 +21,11 @@ for part in ${*:-tests}; do
       timeout 330 python3 -m graphsan.cli repro --timeout 240 --json "$OUT/repro.json" 2>&1 | tee "$OUT/repro.log" | tail -60 ;;
     bench)
       timeout 150 python3 bench/bench_sanitizer.py --layers 32 --steps 50 --rounds 3 --repeats 1 2>&1 | tee "$OUT/bench_sanitizer.log" | tail -10 ;;
-    *) echo "unknown part $part (tests, example, repro, bench)" ;;
+    quant)
+      timeout 150 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py -p no:cacheprovider 2>&1 | tail -5
+      timeout 100 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 | tee "$OUT/bench_quant.log" | tail -14
+      GRAPHSAN_TRITON_AUTOTUNE=1 timeout 150 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 \
+        | tee "$OUT/bench_quant_autotune.log" | tail -30 ;;
+    *) echo "unknown part $part (tests, example, repro, bench, quant)" ;;
   esac
 done

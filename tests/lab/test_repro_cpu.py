@@ -69,3 +69,22 @@ def test_timeline_and_iteration_come_from_the_child_progress_lines():
     assert repro._iteration_times(log) == [3.5, 4.0]
     assert repro._last_logged_iteration(log) == 3  # it died in the iteration after the last one
     assert repro._first_error_line(log) == "CUDA error: an illegal x"
+
+
+def test_matrix_starts_the_others_after_the_leaders_first_iteration(monkeypatch):
+    events = []
+
+    def fake_spawn(case, preset, reference=False, timeout=300, first_step=None):
+        events.append(("start", case.n, reference))
+        if first_step is not None:
+            events.append(("first iteration", case.n, reference))
+            first_step.set()
+        losses = [5.0 - 0.1 * i for i in range(repro.ITERS)]
+        return {"outcome": "trained through", "losses": losses, "wall_s": 1.0}
+
+    monkeypatch.setattr(repro, "_spawn", fake_spawn)
+    results = repro.run_matrix(repro.CASES, "tiny", jobs=0)
+    assert events[0] == ("start", 5, True)  # the eager reference leads
+    assert events[1] == ("first iteration", 5, True)
+    assert sorted(n for kind, n, ref in events[2:] if not ref) == [c.n for c in repro.CASES]
+    assert all(r["comparison"].endswith("0.0e+00 after") for c, r in results if c.compare)

@@ -153,18 +153,31 @@ def _nvfp4_kernel(
     LEGACY: tl.constexpr,
     BLOCK_2D: tl.constexpr,
     SR: tl.constexpr,
+    TRANS_LOAD: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """NVFP4 along the last dim of the logical [R, C] view `src` (strides given), steps 1-5."""
+    """NVFP4 along the last dim of the logical [R, C] view `src` (strides given), steps 1-5.
+
+    TRANS_LOAD (for a transposed view, stride_r == 1): load the tile as [BC, BR] so that
+    neighbouring threads read neighbouring addresses, and transpose it in registers.
+    """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs_r = pid_r * BR + tl.arange(0, BR)
     offs_c = pid_c * BC + tl.arange(0, BC)
     mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
-    x = tl.load(
-        src_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0
-    ).to(tl.float32)
+    if TRANS_LOAD:
+        xt = tl.load(
+            src_ptr + offs_c[:, None] * stride_c + offs_r[None, :] * stride_r,
+            mask=(offs_c[:, None] < C) & (offs_r[None, :] < R),
+            other=0.0,
+        )
+        x = tl.trans(xt).to(tl.float32)
+    else:
+        x = tl.load(
+            src_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0
+        ).to(tl.float32)
 
     # 1. global scales
     amax = tl.load(amax_ptr)
@@ -244,6 +257,8 @@ _MX_CONFIGS = [
         (128, 64, 8),
         (128, 128, 8),
         (32, 256, 8),
+        (32, 256, 4),
+        (32, 512, 8),
     ]
 ]
 _NV_CONFIGS = [
@@ -256,6 +271,9 @@ _NV_CONFIGS = [
         (64, 64, 4),
         (128, 64, 8),
         (64, 256, 8),
+        (16, 256, 4),
+        (64, 128, 4),
+        (128, 128, 8),
     ]
 ]
 if AUTOTUNED:
@@ -263,7 +281,7 @@ if AUTOTUNED:
         _mxfp8_kernel
     )
     nvfp4_kernel = triton.autotune(
-        _NV_CONFIGS, key=["R", "C", "stride_r", "BLOCK_2D", "SR", "LEGACY"]
+        _NV_CONFIGS, key=["R", "C", "stride_r", "BLOCK_2D", "SR", "LEGACY", "TRANS_LOAD"]
     )(_nvfp4_kernel)
 else:
     mxfp8_kernel = _mxfp8_kernel

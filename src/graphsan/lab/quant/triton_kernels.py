@@ -8,9 +8,10 @@ fallback and the oracle, and the GPU tests compare the two byte for byte.
   scales (`mxfp8_quantize_both` for the pair).
 - NVFP4: an amax kernel accumulates the global amax into a device buffer (atomic max, no host
   sync), then the quantize kernel reads it; columnwise reads the source through transposed
-  strides and writes the transposed layout. The RHT (bf16, torch) and the random bits for SR
-  (`torch.randint` on the caller's generator, exactly as the reference draws them) are prepared
-  in torch, so SR stays reproducible and graph-capturable.
+  strides (each tile loaded in the source's own order and transposed in registers, so the
+  reads stay coalesced) and writes the transposed layout. The RHT (bf16, torch) and the random
+  bits for SR (`torch.randint` on the caller's generator, exactly as the reference draws them)
+  are prepared in torch, so SR stays reproducible and graph-capturable.
 
 Triton is imported lazily, on first use.
 """
@@ -188,6 +189,7 @@ def nvfp4_quantize(
         LEGACY=order == "legacy",
         BLOCK_2D=block_2d,
         SR=generator is not None,
+        TRANS_LOAD=src.stride(1) != 1 and src.stride(0) == 1,
         **tiles,
     )
     return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
