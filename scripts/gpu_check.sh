@@ -3,7 +3,7 @@
 # part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes, so:
 #   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~5 min)
 #   call 2:  bash scripts/gpu_check.sh example repro bench
-#   (quant: the Triton kernel tests and bench_quant with fixed and autotuned tiles)
+#   (quant: the Triton kernel tests and bench_quant; autotune: bench_quant with autotuned tiles)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/graphsan-out}; mkdir -p "$OUT"
@@ -23,9 +23,10 @@ for part in ${*:-tests}; do
       timeout 150 python3 bench/bench_sanitizer.py --layers 32 --steps 50 --rounds 3 --repeats 1 2>&1 | tee "$OUT/bench_sanitizer.log" | tail -10 ;;
     quant)
       timeout 150 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py -p no:cacheprovider 2>&1 | tail -5
-      timeout 100 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 | tee "$OUT/bench_quant.log" | tail -14
+      timeout 100 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 | tee "$OUT/bench_quant.log" | tail -14 ;;
+    autotune)
       GRAPHSAN_TRITON_AUTOTUNE=1 timeout 150 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 \
         | tee "$OUT/bench_quant_autotune.log" | tail -30 ;;
-    *) echo "unknown part $part (tests, example, repro, bench, quant)" ;;
+    *) echo "unknown part $part (tests, example, repro, bench, quant, autotune)" ;;
   esac
 done

@@ -268,15 +268,9 @@ def _report_progress() -> None:
 
 
 # ----------------------------------------------------------------------------- the matrix (parent)
-def _spawn(
-    case: Case,
-    preset: str,
-    reference: bool = False,
-    timeout: float = 300,
-    first_step: threading.Event | None = None,
-) -> dict:
-    """Run one case in a child process; `first_step` is set once the child finished its first
-    iteration (or ended), so the matrix can start the others on warm kernel caches."""
+def _spawn(case: Case, preset: str, reference: bool = False, timeout: float = 300) -> dict:
+    """Run one case in a child process; its output is read as it comes, so a case that hangs
+    or overruns still reports how far it got."""
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "graphsan.cli", "repro", "--child", str(case.n)]
     cmd += ["--preset", preset] + (["--reference"] if reference else [])
@@ -287,10 +281,7 @@ def _spawn(
     lines: list[str] = []
 
     def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if first_step is not None and line.startswith("ITERATION "):
-                first_step.set()
+        lines.extend(proc.stdout)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -300,9 +291,6 @@ def _spawn(
     except subprocess.TimeoutExpired:
         proc.kill()
         rc, timed_out = proc.wait(), True
-    finally:
-        if first_step is not None:
-            first_step.set()  # never leave the waiting cases hanging
     reader.join(timeout=10)
     log = "".join(lines)
     wall = time.perf_counter() - t0
@@ -382,27 +370,23 @@ def run_matrix(
     ref_case = next(c for c in cases if c.compare) if needs_ref else None
     if jobs <= 0:
         jobs = min(len(cases) + needs_ref, os.cpu_count() or 1)
-    # One process goes first: it compiles the Triton kernels and fills the on-disk caches, and
-    # the rest start when it has finished its first iteration. Started all at once on a fresh
-    # machine, every process compiled the same kernels side by side: 130 s before the first
-    # iteration instead of about 30.
-    warm = threading.Event()
-    leader = ref_case or cases[0]
-    followers = cases if ref_case is not None else cases[1:]
+    # All at once by default. On one GPU the processes' work is largely serialized (measured on
+    # the H200: one process alone finishes its first iteration within 17 s of starting, nine
+    # started together need about 120 s, whether or not their Triton kernels were compiled
+    # already), so more processes side by side only shorten the matrix a little: 223 s with 4
+    # at a time, about 200 s with all ten.
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        first = pool.submit(_spawn, leader, preset, ref_case is not None, timeout, warm)
-        warm.wait(timeout)
-        futures = {pool.submit(_spawn, c, preset, False, timeout): c for c in followers}
-        if ref_case is None:
-            futures[first] = leader
-        ref_future = first if ref_case is not None else None
+        ref_future = pool.submit(_spawn, ref_case, preset, True, timeout) if ref_case else None
+        futures = {pool.submit(_spawn, c, preset, False, timeout): c for c in cases}
         done: dict[int, dict] = {}
         for fut in as_completed(futures):
             c = futures[fut]
             r = done[c.n] = fut.result()
+            first = r.get("timeline") or ["-"]
             print(
                 f"case {c.n} ({c.title}): {r['outcome']}, iteration "
-                f"{r.get('iteration') or '-'}, {r['wall_s']:.0f} s",
+                f"{r.get('iteration') or '-'}, {r['wall_s']:.0f} s (first iteration done at "
+                f"{first[0]} s)",
                 flush=True,
             )
         results = [(c, done[c.n]) for c in cases]
@@ -410,6 +394,7 @@ def run_matrix(
     for c, res in results:
         if c.compare and ref is not None:
             res["comparison"] = _compare(res, ref)
+            res["reference_timeline"] = ref.get("timeline")
             after = res.get("rel_diff_after_eval")
             if res["outcome"] == "trained through" and after is not None and after > LOSS_RTOL:
                 res["outcome"] = "silent corruption"

@@ -2,8 +2,11 @@
 
 Bit-identical to the torch reference by construction: every float operation is one IEEE op in the
 same order as the reference (divisions are `div_rn`; the only fusable multiply-adds have exact
-products), and the FP8 encodings are built from bit fields instead of relying on a conversion
-instruction's rounding mode. See `triton_kernels.py` for the Python entry points.
+products). The NVFP4 scale bytes (E4M3) are built from bit fields; the MXFP8 element bytes come
+from the hardware conversion (`cvt.rn.satfinite`, nearest even, the reference's rule) with NaN
+patched, because the bit-field version made the MXFP8 kernel instruction-bound (0.146 -> 0.118 ms
+rowwise on 8192x8192, H200). The GPU tests compare every byte with the reference, NaN, inf,
+-0.0 and subnormals included. See `triton_kernels.py` for the Python entry points.
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ def _fp8_bytes(s, MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, SU
 
 
 @triton.jit
+def _fp8_bytes_hw(s, MBITS: tl.constexpr):
+    """The same bytes as `_fp8_bytes` from the hardware conversion (sm_89+: `cvt.rn.satfinite`,
+    nearest even, +-inf and overflow saturate to +-MAX); only NaN is patched, to 0x7F | sign.
+    A few instructions per element instead of some thirty: the MXFP8 kernel is bound by them."""
+    if MBITS == 3:
+        q = s.to(tl.float8e4nv)
+    else:
+        q = s.to(tl.float8e5)
+    byte = q.to(tl.uint8, bitcast=True).to(tl.int32)
+    sign = (s.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return tl.where(s != s, 0x7F | sign, byte)
+
+
+@triton.jit
 def _e8m0_round_up(v):
     """TE's E8M0 byte (int32) of a non-negative float32 v."""
     bits = v.to(tl.int32, bitcast=True)
@@ -79,10 +96,7 @@ def _mxfp8_kernel(
     col_data_ptr,
     col_scale_ptr,
     INV_MAX: tl.constexpr,
-    MAX: tl.constexpr,
     MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    SUB: tl.constexpr,
     DO_ROW: tl.constexpr,
     DO_COL: tl.constexpr,
     BM: tl.constexpr,
@@ -105,7 +119,7 @@ def _mxfp8_kernel(
         e = _e8m0_round_up(amax * INV_MAX)
         f = _exp2_neg_biased(e)
         s = tl.reshape(tl.reshape(x, (BM, BN // 32, 32)) * f[:, :, None], (BM, BN))
-        byte, _ = _fp8_bytes(s, MAX, MBITS, EMIN, SUB)
+        byte = _fp8_bytes_hw(s, MBITS)
         tl.store(row_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
         sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
         smask = (offs_m[:, None] < M) & (sc[None, :] < K // 32)
@@ -117,7 +131,7 @@ def _mxfp8_kernel(
         e = _e8m0_round_up(amax * INV_MAX)
         f = _exp2_neg_biased(e)
         s = tl.reshape(tl.reshape(x, (BM // 32, 32, BN)) * f[:, None, :], (BM, BN))
-        byte, _ = _fp8_bytes(s, MAX, MBITS, EMIN, SUB)
+        byte = _fp8_bytes_hw(s, MBITS)
         tl.store(col_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
         sr = pid_m * (BM // 32) + tl.arange(0, BM // 32)
         smask = (sr[:, None] < M // 32) & (offs_n[None, :] < K)
