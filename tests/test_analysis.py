@@ -258,13 +258,13 @@ def test_two_32bit_scalars_that_look_like_a_pointer_are_rejected():
 
 def test_references_map_offsets_to_parameters_and_read_copies():
     buf = bytearray(48)
-    struct.pack_into("<Q", buf, 16 + 12, P + 8)  # inside a struct parameter at byte 12
+    struct.pack_into("<Q", buf, 16 + 8, P + 8)  # inside a struct parameter at byte 8
     nodes = [
         KernelArgs(0, "sm90_gemm", bytes(buf), [0, 8, 16]),
         CopyArgs(1, "memcpy", [("src", A), ("dst", B)]),
     ]
     got = references(nodes, capture_map())
-    assert got[0] == Reference(0, "sm90_gemm", 2, 12, P + 8)
+    assert got[0] == Reference(0, "sm90_gemm", 2, 8, P + 8)
     assert [(r.kernel, r.param, r.address) for r in got[1:]] == [
         ("memcpy", "src", A),
         ("memcpy", "dst", B),
@@ -278,7 +278,22 @@ def test_foreign_memory_is_confirmed_by_the_driver_only_when_aligned():
     assert [(r.offset, r.address) for r in got] == [(0, foreign)]
 
 
-def test_random_buffers_find_exactly_the_planted_pointers():
+def test_a_size_after_a_pointer_is_not_read_as_an_unaligned_address():
+    # Seen on the H200: a pointer's zero high bytes and the low bytes of the int64 after it,
+    # read at an unaligned offset, looked like an address inside a large block.
+    low = A >> 16  # an int64 that, after the pointer's two zero high bytes, reads as A
+    buf = struct.pack("<QQ", P, low)
+    assert scan_words(buf, SEG, SEG + (1 << 20)) != []  # the window exists
+    m = capture_map()
+    got = references([KernelArgs(0, "k", buf, [0, 8])], m)
+    assert [(r.param, r.offset, r.address) for r in got] == [(0, 0, P)]
+    assert A in {
+        r.address for r in references([KernelArgs(0, "k", buf, [0, 8])], m, unaligned=True)
+    }
+
+
+@pytest.mark.parametrize("unaligned", [False, True])
+def test_random_buffers_find_exactly_the_planted_pointers(unaligned):
     rng = random.Random(1234)
     m = capture_map()
     for _ in range(200):
@@ -290,6 +305,8 @@ def test_random_buffers_find_exactly_the_planted_pointers():
         planted = {}
         for _ in range(rng.randint(0, 3)):
             off = rng.randint(0, n - 8)
+            if not unaligned:
+                off -= off % 8
             if any(abs(off - o) < 8 for o in planted):
                 continue
             addr = rng.choice([A, B + 100, P + 4000])
@@ -297,7 +314,8 @@ def test_random_buffers_find_exactly_the_planted_pointers():
                 continue  # one reference per address and node: the first offset
             struct.pack_into("<Q", buf, off, addr)
             planted[off] = addr
-        got = {(r.offset, r.address) for r in references([KernelArgs(0, "k", bytes(buf), [])], m)}
+        node = KernelArgs(0, "k", bytes(buf), [])
+        got = {(r.offset, r.address) for r in references([node], m, unaligned=unaligned)}
         assert got == set(planted.items())
 
 

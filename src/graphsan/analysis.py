@@ -196,12 +196,19 @@ def references(
     nodes: Iterable[KernelArgs | CopyArgs],
     memmap: MemoryMap,
     foreign: Callable[[int], bool] | None = None,
+    unaligned: bool = False,
 ) -> list[Reference]:
     """Every confirmed device address in the nodes' arguments.
 
-    A kernel word counts when it falls inside a block of the allocator's map; words outside it
-    count as foreign memory only when 8-byte aligned and `foreign(value)` (a driver query)
+    A kernel word counts when it is 8-byte aligned and falls inside a block of the allocator's
+    map; words outside it count as foreign memory only when `foreign(value)` (a driver query)
     confirms them. Memcpy and memset addresses are taken as they are.
+
+    Kernel parameters follow the C++ ABI, so a pointer sits at an 8-byte-aligned offset of the
+    parameter buffer (inside structs too) unless a struct is declared packed. Unaligned words
+    (`unaligned=True`, for such packed buffers) cost false alarms: on the H200 a pointer's zero
+    high bytes followed by a small int64 (16384, a size) read at offset 13 as an address inside an
+    18 MB block of the default pool.
     """
     lo, hi = memmap.bounds()
     out: list[Reference] = []
@@ -210,7 +217,7 @@ def references(
             out += [Reference(node.index, node.kind, side, 0, a) for side, a in node.addresses]
             continue
         seen = set()
-        candidates = scan_words(node.buffer, lo, hi)
+        candidates = [(o, v) for o, v in scan_words(node.buffer, lo, hi) if unaligned or o % 8 == 0]
         if foreign is not None:
             candidates += [
                 (off, v)
