@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.gpu_programs import ROOT, prefetch, run_program
 
@@ -54,11 +55,13 @@ def test_pin_reports_what_it_pinned_and_retained():
 
 
 def test_torchrun_reports_per_rank_and_merges(tmp_path):
+    """Two ranks, each on GPU LOCAL_RANK (both on GPU 0 where there is one); rank 1 frees."""
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun not on PATH")
     script = tmp_path / "prog.py"
     script.write_text(
         "import os, torch\n"
+        "torch.cuda.set_device(int(os.environ['LOCAL_RANK']) % torch.cuda.device_count())\n"
         "s = torch.cuda.Stream()\n"
         "x = torch.randn(1 << 20, device='cuda')\n"
         "g = torch.cuda.CUDAGraph()\n"
@@ -90,7 +93,9 @@ def test_torchrun_reports_per_rank_and_merges(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     r0, r1 = tmp_path / "out.rank0.json", tmp_path / "out.rank1.json"
     assert json.loads(r0.read_text())["findings"] == []
-    assert [f["kind"] for f in json.loads(r1.read_text())["findings"]] == ["freed"]
+    (finding,) = json.loads(r1.read_text())["findings"]
+    assert finding["kind"] == "freed"
+    assert finding["graph"]["device"] == 1 % torch.cuda.device_count()
     merged = subprocess.run(
         [sys.executable, "-m", "graphsan.cli", "report", str(r0), str(r1)],
         capture_output=True,
