@@ -3,6 +3,7 @@ scanning of packed argument buffers."""
 
 from __future__ import annotations
 
+import json
 import random
 import struct
 
@@ -19,7 +20,7 @@ from graphsan.analysis import (
     references,
     scan_words,
 )
-from graphsan.report import GraphInfo
+from graphsan.report import GraphInfo, finding_from_dict, finding_to_dict, format_finding
 
 SEG = 0x7F00_0000_0000
 POOL = (1, 0)
@@ -120,6 +121,26 @@ def test_freed_in_default_pool():
     assert f.free_stack[-1] == ("train.py", 99, "evaluate")
     assert f.alloc_stack and f.pool == "default pool"
     assert not state.dirty
+
+
+def test_a_finding_names_the_other_graphs_that_use_the_block():
+    # as in TE #3316: the forward graph (re-quantizing into the workspace) replays first and is
+    # stopped; the report must still name the backward graph's kernel that reads the buffer
+    t, _ = tracker_with([ref(A, node=4, kernel="where_kernel")])
+    t.add_graph(graph(2), [ref(B, node=1), ref(A + 64, node=7, kernel="gemm_dgrad")], capture_map())
+    t.add_graph(graph(3), [ref(B)], capture_map())
+    t.on_free(A, event())
+    now = MemoryMap.from_snapshot(snapshot((SEG, DEFAULT_POOL, [(0, 16384, "inactive")])))
+    (f,) = t.judge(1, now)
+    assert f.also_used_by == [
+        {"graph": 2, "label": "g2", "node": 7, "kernel": "gemm_dgrad", "param": 1, "offset": 8}
+    ]
+    text = format_finding(f)
+    assert "also used by:\n      graph #2 'g2' node 7: gemm_dgrad param 1+8" in text
+    assert finding_from_dict(json.loads(json.dumps(finding_to_dict(f)))) == f
+    t.forget(2)
+    t.graphs[1].dirty = True
+    assert t.judge(1, now)[0].also_used_by == []
 
 
 def test_reowned_when_a_new_tensor_takes_the_block():

@@ -482,9 +482,23 @@ class Tracker:
                     free_op=wb.freed.op,
                     now=now,
                     other_nodes=len({r.node for r in refs}) - 1,
+                    also_used_by=self._other_users(wb, graph_id),
                 )
             )
         return findings
+
+    def _other_users(self, wb: WatchedBlock, graph_id: GraphId) -> list[dict]:
+        out = []
+        for gid in sorted(wb.graphs - {graph_id}):
+            g = self.graphs.get(gid)
+            refs = g.refs.get(wb.address) if g is not None else None
+            if refs:
+                r = refs[0]
+                out.append(
+                    {"graph": gid, "label": g.info.label, "node": r.node, "kernel": r.kernel}
+                    | {"param": r.param, "offset": r.offset}
+                )
+        return out
 
     def _classify(
         self,

@@ -76,6 +76,10 @@ class Finding:
     now: str = ""
     other_nodes: int = 0
     rank: int | None = None
+    # other live graphs that reference the same block, each as {"graph", "label", "node",
+    # "kernel", "param", "offset"} (their first reference): the replay that was stopped is only the
+    # first to run; these would touch the memory next
+    also_used_by: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -149,8 +153,20 @@ def format_finding(f: Finding) -> str:
     op = f" by {f.free_op}" if f.free_op else ""
     lines.append(f"  freed{op}{_when(f.phase, f.step)} at (most recent call last):")
     lines += _stack_text(f.free_stack)
+    if f.also_used_by:
+        lines.append("  also used by:")
+        for u in f.also_used_by[:MAX_ALSO]:
+            lines.append(
+                f"      graph #{u['graph']} '{u['label']}' node {u['node']}: "
+                f"{short_kernel(u['kernel'])} param {u['param']}+{u['offset']}"
+            )
+        if len(f.also_used_by) > MAX_ALSO:
+            lines.append(f"      ... and {len(f.also_used_by) - MAX_ALSO} more graph(s)")
     lines.append(f"  likely cause: {f.likely_cause}")
     return "\n".join(lines)
+
+
+MAX_ALSO = 6  # graphs listed under "also used by"; the JSON report keeps them all
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:

@@ -222,7 +222,9 @@ def run_child(n: int, preset: str, reference: bool) -> dict:
         out["eval_losses"] = result.eval_losses
     except graphsan.StaleMemoryError as err:
         f = err.findings[0]
-        out.update(outcome="StaleMemoryError", iteration=f.step, finding=f.one_line())
+        # the iteration whose replay was stopped (f.step is the step of the free)
+        it = _progress["done"] + 1
+        out.update(outcome="StaleMemoryError", iteration=it, finding=f.one_line())
         out["report"] = str(err)
     except FloatingPointError as err:  # the trainer's check: a non-finite loss
         out.update(outcome="silent corruption", iteration=getattr(err, "iteration", None))
