@@ -160,6 +160,31 @@ def test_unmapped_when_the_segment_is_gone():
     assert f.kind == "unmapped"
 
 
+def test_unmapped_when_only_part_of_the_block_is_still_mapped():
+    # a 3 MiB block straddling two 2 MiB pages of an expandable segment; after the free and
+    # empty_cache the second page is gone: the snapshot lists only the first as a segment
+    big = 3 << 20
+    snap = snapshot(
+        (SEG, DEFAULT_POOL, [(0, big, "active_allocated"), (big, 1 << 20, "inactive")], True)
+    )
+    t = Tracker()
+    t.add_graph(graph(), [ref(A)], MemoryMap.from_snapshot(snap))
+    t.on_free(A, event())
+    after = MemoryMap.from_snapshot(snapshot((SEG, DEFAULT_POOL, [(0, 2 << 20, "inactive")], True)))
+    assert t.judge(1, after, is_mapped=lambda a: True)[0].kind == "unmapped"
+    # the same when the snapshot still lists the range but the driver has no pages behind it
+    t.graphs[1].dirty = True
+    whole = MemoryMap.from_snapshot(snapshot((SEG, DEFAULT_POOL, [(0, 4 << 20, "inactive")], True)))
+    asked = []
+
+    def mapped(addr):
+        asked.append(addr)
+        return addr < SEG + (2 << 20)
+
+    assert t.judge(1, whole, is_mapped=mapped)[0].kind == "unmapped"
+    assert asked == [SEG, SEG + (2 << 20)]  # one question per page
+
+
 def test_unmapped_in_expandable_segment_by_driver_answer():
     t = Tracker()
     snap = snapshot(

@@ -129,6 +129,17 @@ class MemoryMap:
             return self.segments[i]
         return None
 
+    def covers(self, start: DataPtr, end: DataPtr) -> bool:
+        """Whether segments cover all of [start, end). An expandable segment's snapshot lists
+        only its mapped ranges, so a block whose pages were partly unmapped is not covered."""
+        pos = start
+        while pos < end:
+            seg = self.segment_at(pos)
+            if seg is None:
+                return False
+            pos = seg.address + seg.size
+        return True
+
     def locate(self, addr: DataPtr) -> tuple[Segment, Block] | None:
         seg = self.segment_at(addr)
         if seg is None:
@@ -291,6 +302,19 @@ class GraphState:
     stats: dict[str, Any]
     dirty: bool = False
     reported: set[tuple[DataPtr, str]] = field(default_factory=set)
+
+
+PAGE = 2 << 20  # the granularity at which expandable segments map and unmap memory
+
+
+def _all_mapped(wb: WatchedBlock, is_mapped: Callable[[DataPtr], bool]) -> bool:
+    """Every page of the block is mapped: a block can straddle pages, and empty_cache unmaps a
+    page as soon as no live block is left on it, so checking the first address is not enough."""
+    end = wb.address + wb.size
+    return all(
+        is_mapped(max(page, wb.address))
+        for page in range(wb.address - wb.address % PAGE, end, PAGE)
+    )
 
 
 def pool_name(pool: PoolId, own: PoolId | None) -> str:
@@ -509,10 +533,12 @@ class Tracker:
     ) -> tuple[str | None, str]:
         seg = memmap.segment_at(wb.address)
         blk = seg.block_at(wb.address) if seg is not None else None
+        end = wb.address + wb.size
         if (
             seg is None
             or blk is None
-            or (seg.expandable and is_mapped is not None and not is_mapped(wb.address))
+            or not memmap.covers(wb.address, end)
+            or (seg.expandable and is_mapped is not None and not _all_mapped(wb, is_mapped))
         ):
             return "unmapped", "the address is no longer mapped: the replay would fault"
         moved = wb.freed.op in MOVE_OPS if wb.freed else False
