@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from graphsan.report import Finding, Frame, GraphInfo
+from graphsan.report import Finding, Frame, GraphInfo, display_path
 
 DataPtr = int
 GraphId = int
@@ -569,4 +569,8 @@ MOVE_OPS = ("resize_", "set_", ".data =", "storage.resize_")
 
 
 def _frame_line(frames: list[Frame]) -> str:
-    return f" allocated at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
+    """` allocated at file:line` of the innermost frame, the path as the stacks print it."""
+    if not frames:
+        return ""
+    filename, line, _ = frames[-1]
+    return f" allocated at {display_path(filename)}:{line}"

@@ -116,9 +116,14 @@ def short_kernel(name: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def display_path(filename: str) -> str:
+    """A frame's file as reports print it: relative to the working directory when absolute."""
+    return os.path.relpath(filename) if os.path.isabs(filename) else filename
+
+
 def _frame_text(frame: Frame) -> str:
     filename, line, name = frame
-    return f"{os.path.relpath(filename) if os.path.isabs(filename) else filename}:{line} in {name}"
+    return f"{display_path(filename)}:{line} in {name}"
 
 
 def _when(phase: str | None, step: int | None) -> str:
