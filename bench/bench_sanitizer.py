@@ -81,6 +81,10 @@ def child(args: argparse.Namespace) -> None:
     stats = san.report().graphs if san else []
     nodes = sum(g["nodes"] for g in stats)
     analysis_ms = sum(g["analysis_ms"] for g in stats)
+    stages = {}
+    for g in stats:
+        for k, v in g.get("analysis_ms_by_stage", {}).items():
+            stages[k] = stages.get(k, 0.0) + v
     print(
         "RESULT "
         + json.dumps(
@@ -92,6 +96,7 @@ def child(args: argparse.Namespace) -> None:
                 "nodes": nodes,
                 "references": sum(g["references"] for g in stats),
                 "analysis_ms": analysis_ms,
+                "analysis_ms_by_stage": stages,
                 "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "outcome": outcome,
             }
@@ -182,6 +187,12 @@ def main() -> None:
         )
         if "failed" in r0.get("outcome", ""):
             print(r0["log"])
+    for v, rs in results.items():
+        by = rs[0].get("analysis_ms_by_stage")
+        if by and rs[0].get("nodes"):
+            n = rs[0]["nodes"]
+            parts = ", ".join(f"{k} {ms / n:.3f}" for k, ms in by.items())
+            print(f"# {v}: capture analysis ms per node by stage: {parts}")
 
     # the bug: a weight re-pointed under the graphs (silent stale read)
     bug_raise = run_child("raise", args, bug=True)

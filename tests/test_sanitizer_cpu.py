@@ -81,6 +81,9 @@ def test_capture_registers_the_graph_and_its_reference(env):
     assert state.stats["default"] == 1 and not state.dirty
     (stats,) = san.report().graphs
     assert stats["nodes"] == 1 and stats["references"] == 1 and stats["pool"] == [1, 3]
+    by_stage = stats["analysis_ms_by_stage"]
+    assert set(by_stage) == {"walk", "snapshot", "references", "tracker"}
+    assert sum(by_stage.values()) == pytest.approx(stats["analysis_ms"], abs=0.01)
     san.before_replay(g, state)  # nothing freed: nothing happens
     assert san.findings == []
 
