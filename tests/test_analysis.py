@@ -258,6 +258,18 @@ def test_default_pool_memory_already_free_at_capture_end():
     assert state.dirty
     (f,) = t.judge(1, MemoryMap.from_snapshot(snap))
     assert f.kind == "freed" and f.free_op == "freed before capture ended"
+    assert "already free when the capture ended" in f.one_line()
+    assert "freed: before the capture ended" in format_finding(f)
+
+
+def test_a_free_without_user_frames_is_said_to_come_from_torch():
+    t, _ = tracker_with([ref(A)])
+    t.on_free(A, lambda: FreeEvent([], "train", 3, None, None))  # e.g. autograd's thread
+    (f,) = t.judge(
+        1, MemoryMap.from_snapshot(snapshot((SEG, DEFAULT_POOL, [(0, 16384, "inactive")])))
+    )
+    assert "freed at torch internals (no Python frames of yours" in f.one_line()
+    assert "      <torch internals (no Python frames" in format_finding(f)
 
 
 def test_forgotten_graph_stops_watching():

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from graphsan.report import Finding, Frame, GraphInfo, display_path
+from graphsan.report import FREED_BEFORE_CAPTURE, Finding, Frame, GraphInfo, display_path
 
 DataPtr = int
 GraphId = int
@@ -373,7 +373,7 @@ class Tracker:
                     if blk.allocated:
                         self.live[blk.address] = wb
                     else:  # default-pool memory already free when the capture ended
-                        wb.freed = FreeEvent([], None, None, "freed before capture ended")
+                        wb.freed = FreeEvent([], None, None, FREED_BEFORE_CAPTURE)
                         stale_at_capture.append(wb)
                 blocks[blk.address] = wb
             wb.graphs.add(info.id)

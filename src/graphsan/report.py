@@ -91,7 +91,7 @@ class Finding:
 
     def one_line(self) -> str:
         """The finding in one line: kind, graph, kernel, buffer, free site."""
-        free = _frame_text(self.free_stack[-1]) if self.free_stack else "an unseen free"
+        free = _frame_text(self.free_stack[-1]) if self.free_stack else _no_stack(self)
         when = _when(self.phase, self.step)
         return (
             f"{self.kind}: {self.graph.label} node {self.node} {short_kernel(self.kernel)} "
@@ -135,9 +135,24 @@ def _when(phase: str | None, step: int | None) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _stack_text(frames: list[Frame], indent: str = "      ") -> list[str]:
+# A free with no user frames ran inside torch: on autograd's backward threads, which free saved
+# tensors with no Python on their stack, or in torch code called from outside any user frame.
+NO_FREE_FRAMES = "torch internals (no Python frames of yours: e.g. autograd's backward thread)"
+# the free_op of memory that was already free when the capture ended (no free was seen)
+FREED_BEFORE_CAPTURE = "freed before capture ended"
+
+
+def _no_stack(f: Finding) -> str:
+    if f.free_op == FREED_BEFORE_CAPTURE:
+        return "no free seen: the memory was already free when the capture ended"
+    return NO_FREE_FRAMES
+
+
+def _stack_text(
+    frames: list[Frame], indent: str = "      ", empty: str = "not recorded"
+) -> list[str]:
     if not frames:
-        return [f"{indent}<not recorded>"]
+        return [f"{indent}<{empty}>"]
     return [f"{indent}{_frame_text(f)}" for f in frames]
 
 
@@ -155,9 +170,12 @@ def format_finding(f: Finding) -> str:
         lines.append(f"  now: {f.now}")
     lines.append("  allocated at (most recent call last):")
     lines += _stack_text(f.alloc_stack)
-    op = f" by {f.free_op}" if f.free_op else ""
-    lines.append(f"  freed{op}{_when(f.phase, f.step)} at (most recent call last):")
-    lines += _stack_text(f.free_stack)
+    if f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
+        lines.append("  freed: before the capture ended (the graph captured memory already free)")
+    else:
+        op = f" by {f.free_op}" if f.free_op else ""
+        lines.append(f"  freed{op}{_when(f.phase, f.step)} at (most recent call last):")
+        lines += _stack_text(f.free_stack, empty=NO_FREE_FRAMES)
     if f.also_used_by:
         lines.append("  also used by:")
         for u in f.also_used_by[:MAX_ALSO]:
