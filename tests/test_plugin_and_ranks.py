@@ -66,7 +66,32 @@ def test_finding_text_reads_like_a_bug_report():
 
 
 def test_short_kernel_drops_templates_and_arguments():
-    assert short_kernel("void at::native::k<4, F<float> >(int, F<float>)") == "void at::native::k<>"
+    assert short_kernel("void at::native::k<4, F<float> >(int, F<float>)") == "at::native::k<>"
+
+
+# two names from the H200 runs, as demangled
+MUL = (
+    "void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor<float, float, "
+    "float, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 2ul> >(int, "
+    "at::native::AUnaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float>"
+    " >, std::array<char*, 2ul>)"
+)
+WHERE = (
+    "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+    "(anonymous namespace)::where_kernel_impl(at::TensorIterator&)::{lambda()#1}::operator()() "
+    "const::{lambda()#5}::operator()() const::{lambda(bool, unsigned char, unsigned char)#1}>("
+    "at::TensorIteratorBase&, at::native::(anonymous namespace)::where_kernel_impl(at::"
+    "TensorIterator&)::{lambda()#1}::operator()() const)::{lambda(int)#1}>(int, at::native::"
+    "gpu_kernel_impl_nocast<at::native::(anonymous namespace)::where_kernel_impl(at::"
+    "TensorIterator&)::{lambda()#1}::operator()() const>(at::TensorIteratorBase&)::{lambda(int)#1})"
+)
+
+
+def test_short_kernel_keeps_what_the_kernel_computes():
+    assert short_kernel(MUL, limit=100) == (
+        "at::native::vectorized_elementwise_kernel<> [AUnaryFunctor, MulFunctor]"
+    )
+    assert short_kernel(WHERE, limit=100) == "at::native::elementwise_kernel<> [where_kernel_impl]"
 
 
 def test_report_round_trip_and_version_check(tmp_path):
@@ -164,3 +189,16 @@ def test_pytest_plugin_option(pytester):
     bad = pytester.runpytest("--graphsan=loud")
     assert bad.ret != 0
     bad.stderr.fnmatch_lines(["*unknown policy 'loud'*"])
+
+
+def test_a_long_kernel_name_prints_short_and_stays_whole_in_json():
+    f = finding()
+    f.kernel = WHERE
+    text = format_finding(f)
+    assert (
+        f"  node 7: at::native::elementwise_kernel<> [where_kernel_impl] ({len(WHERE)}-character "
+        "name in the JSON report)" in text
+    )
+    assert Report([f]).to_dict()["findings"][0]["kernel"] == WHERE
+    f.kernel = "void dequant<float>(float const*, float*)"
+    assert "  node 7: void dequant<float>(float const*, float*)\n" in format_finding(f)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -101,7 +102,19 @@ class Finding:
 
 
 def short_kernel(name: str, limit: int = 60) -> str:
-    """A kernel name short enough for one line: drop template arguments and parameters."""
+    """A kernel name short enough for one line: drop template arguments and parameters, keep
+    the names inside them that say what the kernel computes (functors, `*_kernel_impl`)."""
+    base = _strip_templates(name)
+    hints = [h for h in dict.fromkeys(_HINT.findall(name)) if h not in base][:2]
+    text = f"{base} [{', '.join(hints)}]" if hints else base
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# identifiers in template arguments worth keeping: at::native's functors and *_kernel_impl
+_HINT = re.compile(r"\b(\w+Functor|\w+_kernel_impl|\w+_kernel_cuda)\b")
+
+
+def _strip_templates(name: str) -> str:
     out, depth = [], 0
     for ch in name:
         if ch in "<(":
@@ -113,7 +126,7 @@ def short_kernel(name: str, limit: int = 60) -> str:
         elif depth == 0:
             out.append(ch)
     text = "".join(out).strip() or name
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text.removeprefix("void ")
 
 
 def display_path(filename: str) -> str:
@@ -156,12 +169,25 @@ def _stack_text(
     return [f"{indent}{_frame_text(f)}" for f in frames]
 
 
+def _node_kernel(name: str) -> str:
+    """Long demangled names (at::native's lambdas run to a thousand characters) print short;
+    the JSON report keeps them whole."""
+    if len(name) <= LONG_KERNEL:
+        return name
+    return (
+        f"{short_kernel(name, limit=LONG_KERNEL)} ({len(name)}-character name in the JSON report)"
+    )
+
+
+LONG_KERNEL = 160
+
+
 def format_finding(f: Finding) -> str:
     """A multi-line bug report for one finding."""
     rank = f"[rank {f.rank}] " if f.rank is not None else ""
     lines = [
         f"{rank}{f.kind.upper()}: {f.graph.describe()}",
-        f"  node {f.node}: {f.kernel}",
+        f"  node {f.node}: {_node_kernel(f.kernel)}",
         f"  argument: param {f.param}, byte offset {f.offset} holds address {f.address:#x}",
         f"  memory: block {f.block_address:#x} of {f.nbytes} bytes in the {f.pool}"
         + (f" (+{f.other_nodes} more node(s) of this graph use it)" if f.other_nodes else ""),
