@@ -185,6 +185,35 @@ def test_unmapped_when_only_part_of_the_block_is_still_mapped():
     assert asked == [SEG, SEG + (2 << 20)]  # one question per page
 
 
+def test_memory_handed_out_again_as_several_segments_is_judged_by_all_of_them():
+    # a 20 MiB default-pool block freed and released; cudaMalloc then returns its range as a
+    # 2 MiB private-pool segment (free) followed by an 18 MiB default-pool one (allocated)
+    big = 20 << 20
+    t = Tracker()
+    snap = snapshot((SEG, DEFAULT_POOL, [(0, big, "active_allocated")]))
+    t.add_graph(graph(), [ref(A)], MemoryMap.from_snapshot(snap))
+    t.on_free(A, event())
+    two = 2 << 20
+    after = MemoryMap.from_snapshot(
+        snapshot(
+            (SEG, POOL, [(0, two, "inactive")]),
+            (SEG + two, DEFAULT_POOL, [(0, big - two, "active_allocated")]),
+        )
+    )
+    assert after.segments_in(A, A + big) == after.segments  # both, in address order
+    (f,) = t.judge(1, after)
+    assert f.kind == "reowned" and f"{big - two} B" in f.now
+    # both parts free: still a finding (a private pool other than the block's own may take it)
+    t.graphs[1].dirty = True
+    free = MemoryMap.from_snapshot(
+        snapshot(
+            (SEG, POOL, [(0, two, "inactive")]),
+            (SEG + two, DEFAULT_POOL, [(0, big - two, "inactive")]),
+        )
+    )
+    assert t.judge(1, free)[0].kind == "freed"
+
+
 def test_unmapped_in_expandable_segment_by_driver_answer():
     t = Tracker()
     snap = snapshot(

@@ -129,6 +129,17 @@ class MemoryMap:
             return self.segments[i]
         return None
 
+    def segments_in(self, start: DataPtr, end: DataPtr) -> list[Segment]:
+        """The segments overlapping [start, end), in address order."""
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        out = []
+        for seg in self.segments[i:]:
+            if seg.address >= end:
+                break
+            if seg.address + seg.size > start:
+                out.append(seg)
+        return out
+
     def covers(self, start: DataPtr, end: DataPtr) -> bool:
         """Whether segments cover all of [start, end). An expandable segment's snapshot lists
         only its mapped ranges, so a block whose pages were partly unmapped is not covered."""
@@ -183,16 +194,16 @@ class WalkStats:
     child_graphs: int = 0
 
 
-def scan_words(buf: bytes, lo: int, hi: int) -> list[tuple[int, int]]:
-    """(byte offset, value) of every little-endian 64-bit word in `buf`, at any byte offset, whose
-    value lies in [lo, hi). Pointers hide in structs and packed buffers at any alignment; the
-    caller confirms each candidate against the allocator's map."""
+def scan_words(buf: bytes, lo: int, hi: int, unaligned: bool = True) -> list[tuple[int, int]]:
+    """(byte offset, value) of every little-endian 64-bit word in `buf` whose value lies in
+    [lo, hi): at every byte offset, or (unaligned=False) at 8-byte-aligned ones only. The caller
+    confirms each candidate against the allocator's map."""
     n = len(buf)
     if n < 8 or hi <= lo:
         return []
     raw = np.frombuffer(buf, dtype=np.uint8)
     out = []
-    for align in range(8):
+    for align in range(8) if unaligned else (0,):
         count = (n - align) // 8
         if count <= 0:
             break
@@ -228,12 +239,12 @@ def references(
             out += [Reference(node.index, node.kind, side, 0, a) for side, a in node.addresses]
             continue
         seen = set()
-        candidates = [(o, v) for o, v in scan_words(node.buffer, lo, hi) if unaligned or o % 8 == 0]
+        candidates = scan_words(node.buffer, lo, hi, unaligned)
         if foreign is not None:
             candidates += [
                 (off, v)
-                for off, v in scan_words(node.buffer, FOREIGN_LO, FOREIGN_HI)
-                if off % 8 == 0 and not lo <= v < hi
+                for off, v in scan_words(node.buffer, FOREIGN_LO, FOREIGN_HI, unaligned=False)
+                if not lo <= v < hi
             ]
         for off, value in candidates:
             if value in seen:
@@ -304,7 +315,9 @@ class GraphState:
     reported: set[tuple[DataPtr, str]] = field(default_factory=set)
 
 
-PAGE = 2 << 20  # the granularity at which expandable segments map and unmap memory
+# Expandable segments map and unmap whole pages: 2 MiB in the small pool, 20 MiB in the large
+# one. Asking the driver every 2 MiB sees every page of either.
+PAGE = 2 << 20
 
 
 def _all_mapped(wb: WatchedBlock, is_mapped: Callable[[DataPtr], bool]) -> bool:
@@ -531,19 +544,26 @@ class Tracker:
         is_mapped: Callable[[DataPtr], bool] | None,
         info: GraphInfo,
     ) -> tuple[str | None, str]:
-        seg = memmap.segment_at(wb.address)
-        blk = seg.block_at(wb.address) if seg is not None else None
         end = wb.address + wb.size
+        # after empty_cache the range may have been handed out again, as several segments of
+        # several pools: every one of them counts
+        segs = memmap.segments_in(wb.address, end)
         if (
-            seg is None
-            or blk is None
+            not segs
+            or segs[0].block_at(wb.address) is None
             or not memmap.covers(wb.address, end)
-            or (seg.expandable and is_mapped is not None and not _all_mapped(wb, is_mapped))
+            or (
+                is_mapped is not None
+                and any(seg.expandable for seg in segs)
+                and not _all_mapped(wb, is_mapped)
+            )
         ):
             return "unmapped", "the address is no longer mapped: the replay would fault"
         moved = wb.freed.op in MOVE_OPS if wb.freed else False
-        blk = seg.allocated_in(wb.address, wb.address + wb.size) or blk
-        if blk.allocated:
+        for seg in segs:
+            blk = seg.allocated_in(wb.address, end)
+            if blk is None:
+                continue
             where = _frame_line(blk.frames)
             owner = self._graph_using(blk.address, exclude=info.id)
             if moved:
@@ -554,8 +574,8 @@ class Tracker:
             return "reowned", f"part of a live {blk.size} B allocation{where}"
         if moved:
             return "moved", "the old memory is free in the allocator's cache"
-        if seg.pool != DEFAULT_POOL:
-            return None, ""  # free in a private pool: nobody else can have it yet
+        if wb.pool != DEFAULT_POOL and all(seg.pool == wb.pool for seg in segs):
+            return None, ""  # free in its own private pool: nobody else can have it yet
         return "freed", "free in the allocator's cache; any allocation may take it"
 
     def _graph_using(self, addr: DataPtr, exclude: GraphId) -> GraphInfo | None:
