@@ -101,6 +101,11 @@ def test_report_round_trip_and_version_check(tmp_path):
     back = Report.load(str(path))
     assert back.findings == rep.findings and back.rank == 0
     data = json.loads(path.read_text())
+    assert data["version"] == 2
+    v1 = dict(data, version=1, findings=[dict(data["findings"][0])])
+    del v1["findings"][0]["also_used_by"]  # written before version 2 added it
+    path.write_text(json.dumps(v1))
+    assert Report.load(str(path)).findings == rep.findings
     data["version"] = 99
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="version 99 is not supported"):

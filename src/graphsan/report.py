@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SCHEMA = "graphsan.report"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added Finding.also_used_by
+READABLE_VERSIONS = (1, 2)  # version 1 reports read with also_used_by empty
 
 Frame = tuple[str, int, str]  # (filename, line, function)
 
@@ -272,10 +273,10 @@ class Report:
             raise ValueError(f"{path}: not a readable graphsan report ({err})") from None
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ValueError(f"{path}: not a graphsan report (expected schema '{SCHEMA}')")
-        if data.get("version") != SCHEMA_VERSION:
+        if data.get("version") not in READABLE_VERSIONS:
             raise ValueError(
                 f"{path}: report schema version {data.get('version')} is not supported "
-                f"(expected {SCHEMA_VERSION})"
+                f"(expected one of {', '.join(map(str, READABLE_VERSIONS))})"
             )
         return cls(
             findings=[finding_from_dict(f) for f in data["findings"]],
