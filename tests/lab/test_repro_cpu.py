@@ -87,3 +87,24 @@ def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkey
     assert results[6]["outcome"] == "trained through"
     assert results[6]["comparison"].endswith("0.0e+00 after")
     assert results[5]["outcome"] == "silent corruption"  # 0.5 relative > LOSS_RTOL
+
+
+def test_a_broken_reference_makes_the_comparison_inconclusive_not_clean():
+    res = {"losses": [5.0] * repro.ITERS}
+    for ref in (
+        {"outcome": "timed out after 240 s", "losses": []},
+        {"outcome": "trained through", "losses": [5.0] * (repro.ITERS - 1) + [float("nan")]},
+    ):
+        assert repro._compare(res, ref).startswith("inconclusive: the eager reference")
+        assert "rel_diff_after_eval" not in res
+
+
+def test_the_result_file_wins_and_a_dead_child_is_named_by_its_signal():
+    assert repro._result_of('{"outcome": "trained through"}', "noise", 0)["outcome"] == (
+        "trained through"
+    )
+    assert repro._result_of("", "Traceback\n", -9)["outcome"] == "killed by signal 9"
+    assert repro._result_of("{trunc", "CUDA error: an illegal memory access", -6)["outcome"] == (
+        "illegal memory access"
+    )
+    assert repro._result_of("", "ValueError: bad\n", 1)["outcome"] == "died (exit 1)"

@@ -22,6 +22,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -171,6 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
 
 
 # ----------------------------------------------------------------------------- one case (child)
@@ -274,11 +276,20 @@ def _spawn(case: Case, preset: str, reference: bool = False, timeout: float = 30
     """Run one case in a child process; its output is read as it comes, so a case that hangs
     or overruns still reports how far it got."""
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", PYTHONUNBUFFERED="1")
+    # the result goes to a file of its own: merged stdout and stderr may interleave in a line
+    fd, result_path = tempfile.mkstemp(prefix=f"graphsan-repro-{case.n}-", suffix=".json")
+    os.close(fd)
     cmd = [sys.executable, "-m", "graphsan.cli", "repro", "--child", str(case.n)]
-    cmd += ["--preset", preset] + (["--reference"] if reference else [])
+    cmd += ["--preset", preset, "--result", result_path]
+    cmd += ["--reference"] if reference else []
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",  # a stray byte must not stop the reader (and then the child)
+        env=env,
     )
     lines: list[str] = []
 
@@ -296,25 +307,36 @@ def _spawn(case: Case, preset: str, reference: bool = False, timeout: float = 30
     reader.join(timeout=10)
     log = "".join(lines)
     wall = time.perf_counter() - t0
+    try:
+        with open(result_path) as fh:
+            text = fh.read()
+    finally:
+        os.unlink(result_path)
     if timed_out:
         res = {"outcome": f"timed out after {timeout:.0f} s", "losses": []}
         res.update(iteration=_last_logged_iteration(log), finding="", symptom="")
     else:
-        res = _result_of(log, rc)
+        res = _result_of(text, log, rc)
     res["wall_s"] = wall
     res["timeline"] = _iteration_times(log)
     res["log_tail"] = log[-3000:]
     return res
 
 
-def _result_of(log: str, rc: int) -> dict:
-    for line in log.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    crashed = "illegal memory access" in log or rc < 0
+def _result_of(result: str, log: str, rc: int) -> dict:
+    """The child's own result (JSON it wrote), or what its log and exit status say."""
+    if result:
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(result)
+    if "illegal memory access" in log:
+        outcome = "illegal memory access"
+    elif rc < 0:
+        outcome = f"killed by signal {-rc}"
+    else:
+        outcome = f"died (exit {rc})"
     lines = [ln for ln in log.strip().splitlines() if ln.strip()]
     return {
-        "outcome": "illegal memory access" if crashed else f"died (exit {rc})",
+        "outcome": outcome,
         "iteration": _last_logged_iteration(log),
         "finding": "",
         "symptom": _first_error_line(log) or (lines[-1][:200] if lines else ""),
@@ -350,6 +372,8 @@ def _compare(res: dict, ref: dict) -> str:
     """Per-iteration loss against the eager run, over the iterations both have (a case that
     stopped on a NaN loss has fewer); NaN counts as an infinite difference."""
     a, b = res.get("losses", []), ref.get("losses", [])
+    if len(b) < ITERS or not all(math.isfinite(y) for y in b):
+        return f"inconclusive: the eager reference {ref.get('outcome', 'gave no losses')}"
     n = min(len(a), len(b))
     if n <= EVAL_AT:
         return "no losses after validation to compare"
@@ -397,6 +421,7 @@ def run_matrix(
         if c.compare and ref is not None:
             res["comparison"] = _compare(res, ref)
             res["reference_timeline"] = ref.get("timeline")
+            res["reference_outcome"] = f"{ref.get('outcome')}, {ref.get('wall_s', math.nan):.0f} s"
             after = res.get("rel_diff_after_eval")
             if res["outcome"] == "trained through" and after is not None and after > LOSS_RTOL:
                 res["outcome"] = "silent corruption"
@@ -438,7 +463,12 @@ def _cell(text: str) -> str:
 def main(args: argparse.Namespace) -> int:
     if args.child is not None:
         res = run_child(args.child, args.preset, args.reference)
-        print("RESULT " + json.dumps(res), flush=True)
+        text = json.dumps(res)
+        if args.result:
+            with open(args.result, "w") as fh:
+                fh.write(text)
+        else:
+            print("RESULT " + text, flush=True)
         return 0
     unknown = [n for n in args.case or [] if n not in BY_NUMBER]
     if unknown:
@@ -461,6 +491,9 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     results = run_matrix(cases, args.preset, args.jobs, args.timeout)
     print_results(results)
+    ref = next((r["reference_outcome"] for _, r in results if "reference_outcome" in r), None)
+    if ref:
+        print(f"\neager reference run (for the comparisons): {ref}")
     print(
         f"\nwhole matrix: {time.perf_counter() - t0:.0f} s wall on {torch.cuda.get_device_name()}"
     )
