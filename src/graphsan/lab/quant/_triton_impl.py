@@ -2,10 +2,11 @@
 
 Bit-identical to the torch reference by construction: every float operation is one IEEE op in the
 same order as the reference (divisions are `div_rn`; the only fusable multiply-adds have exact
-products). The NVFP4 scale bytes (E4M3) are built from bit fields; the MXFP8 element bytes come
-from the hardware conversion (`cvt.rn.satfinite`, nearest even, the reference's rule) with NaN
-patched, because the bit-field version made the MXFP8 kernel instruction-bound (0.146 -> 0.118 ms
-rowwise on 8192x8192, H200). The GPU tests compare every byte with the reference, NaN, inf,
+products). The NVFP4 scale bytes (E4M3) are built from bit fields; on sm_90 and later the MXFP8
+element bytes come from the hardware conversion (`cvt.rn.satfinite`, nearest even, the
+reference's rule) with NaN patched, because the bit-field version made the MXFP8 kernel
+instruction-bound (0.146 -> 0.118 ms rowwise on 8192x8192, H200). Older GPUs keep the bit fields
+(Triton has no FP8 type before sm_89, and converts through fp16 on sm_89). The GPU tests compare every byte with the reference, NaN, inf,
 -0.0 and subnormals included. See `triton_kernels.py` for the Python entry points.
 """
 
@@ -96,7 +97,11 @@ def _mxfp8_kernel(
     col_data_ptr,
     col_scale_ptr,
     INV_MAX: tl.constexpr,
+    MAX: tl.constexpr,
     MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    SUB: tl.constexpr,
+    HW_FP8: tl.constexpr,
     DO_ROW: tl.constexpr,
     DO_COL: tl.constexpr,
     BM: tl.constexpr,
@@ -119,7 +124,10 @@ def _mxfp8_kernel(
         e = _e8m0_round_up(amax * INV_MAX)
         f = _exp2_neg_biased(e)
         s = tl.reshape(tl.reshape(x, (BM, BN // 32, 32)) * f[:, :, None], (BM, BN))
-        byte = _fp8_bytes_hw(s, MBITS)
+        if HW_FP8:
+            byte = _fp8_bytes_hw(s, MBITS)
+        else:
+            byte, _ = _fp8_bytes(s, MAX, MBITS, EMIN, SUB)
         tl.store(row_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
         sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
         smask = (offs_m[:, None] < M) & (sc[None, :] < K // 32)
@@ -131,7 +139,10 @@ def _mxfp8_kernel(
         e = _e8m0_round_up(amax * INV_MAX)
         f = _exp2_neg_biased(e)
         s = tl.reshape(tl.reshape(x, (BM // 32, 32, BN)) * f[:, None, :], (BM, BN))
-        byte = _fp8_bytes_hw(s, MBITS)
+        if HW_FP8:
+            byte = _fp8_bytes_hw(s, MBITS)
+        else:
+            byte, _ = _fp8_bytes(s, MAX, MBITS, EMIN, SUB)
         tl.store(col_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
         sr = pid_m * (BM // 32) + tl.arange(0, BM // 32)
         smask = (sr[:, None] < M // 32) & (offs_n[None, :] < K)

@@ -19,6 +19,7 @@ Triton is imported lazily, on first use.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,8 +32,17 @@ from .rht import rht as apply_rht
 _IMPL = None
 _AVAILABLE: bool | None = None
 
-# mantissa bits of the FP8 element formats (the kernels convert with the hardware instruction)
-_MBITS = {"e4m3": 3, "e5m2": 2}
+# (MBITS, EMIN, SUB) of the FP8 element formats, for the bit-field encoding
+_FP8_PARAMS = {"e4m3": (3, -6, 2.0**9), "e5m2": (2, -14, 2.0**16)}
+
+
+@functools.cache
+def hw_fp8(device_index: int) -> bool:
+    """Whether the MXFP8 kernel converts with the hardware FP8 instruction on this GPU (sm_90+;
+    the tests run both paths against the reference)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 # Tiles used unless GRAPHSAN_TRITON_AUTOTUNE=1 asks the kernels to autotune theirs.
 MX_TILE = (64, 64)
 NV_TILE = (32, 128)
@@ -65,7 +75,7 @@ def _impl():
 def _mx_launch(x, fmt, do_row, do_col):
     impl = _impl()
     m, k = x.shape
-    mbits = _MBITS[fmt]
+    mbits, emin, sub = _FP8_PARAMS[fmt]
     dev = x.device
     row = col = None
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
@@ -100,7 +110,13 @@ def _mx_launch(x, fmt, do_row, do_col):
         col.data if col else dummy,
         col.scale if col else dummy,
         INV_MAX=fp32_reciprocal(FP8_MAX[fmt]),
+        MAX=FP8_MAX[fmt],
         MBITS=mbits,
+        EMIN=emin,
+        SUB=sub,
+        HW_FP8=hw_fp8(
+            x.device.index if x.device.index is not None else torch.cuda.current_device()
+        ),
         DO_ROW=do_row,
         DO_COL=do_col,
         **tiles,
