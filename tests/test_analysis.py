@@ -143,6 +143,19 @@ def test_a_finding_names_the_other_graphs_that_use_the_block():
     assert t.judge(1, now)[0].also_used_by == []
 
 
+def test_a_free_after_the_snapshot_waits_for_the_next_judgement():
+    # the snapshot was taken, then another thread freed the block: the snapshot still shows it
+    # allocated, which must not read as "re-owned by a live allocation" (itself)
+    t, state = tracker_with([ref(A)])
+    as_of = t.free_seq
+    before = capture_map()  # A still allocated here
+    t.on_free(A, event())
+    assert t.judge(1, before, as_of=as_of) == [] and state.dirty
+    after = MemoryMap.from_snapshot(snapshot((SEG, DEFAULT_POOL, [(0, 16384, "inactive")])))
+    (f,) = t.judge(1, after, as_of=t.free_seq)
+    assert f.kind == "freed" and not state.dirty
+
+
 def test_reowned_when_a_new_tensor_takes_the_block():
     t, _ = tracker_with([ref(A)])
     t.on_free(A, event())

@@ -290,6 +290,7 @@ class FreeEvent:
     step: int | None
     op: str | None = None  # "resize_", "set_", ".data =", ... when a storage change freed it
     capture_pool: PoolId | None = None  # the pool a capture in progress was allocating from
+    seq: int = 0  # the Tracker's count of watched frees when this one was recorded
 
 
 @dataclass
@@ -347,6 +348,7 @@ class Tracker:
         self.freed_segments: dict[tuple[DataPtr, int], set[GraphId]] = {}
         self._freed_seg_keys: list[tuple[DataPtr, int]] = []  # sorted by start
         self._freed_seg_starts: list[DataPtr] = []
+        self.free_seq = 0  # watched frees recorded so far (see judge's as_of)
 
     # -- capture -----------------------------------------------------------------------------
     def add_graph(
@@ -423,7 +425,9 @@ class Tracker:
         wb = self.live.pop(ptr, None)
         if wb is None:
             return False
+        self.free_seq += 1
         wb.freed = event_factory()
+        wb.freed.seq = self.free_seq
         if wb.freed.capture_pool == wb.pool and wb.pool != DEFAULT_POOL:
             self._hand_over(wb)
             return True
@@ -485,13 +489,21 @@ class Tracker:
         graph_id: GraphId,
         memmap: MemoryMap,
         is_mapped: Callable[[DataPtr], bool] | None = None,
+        as_of: int | None = None,
     ) -> list[Finding]:
-        """Findings for every freed block the graph references (the graph is clean afterwards)."""
+        """Findings for every freed block the graph references (the graph is clean afterwards).
+
+        `as_of`: `free_seq` read before `memmap` was taken. A free recorded after it (on
+        another thread) is not in the snapshot, whose block would look re-owned by itself; it
+        is left for the next replay, and the graph stays dirty."""
         state = self.graphs[graph_id]
         state.dirty = False
         findings = []
         for addr, wb in list(state.blocks.items()):  # frees may arrive from autograd threads
             if wb.freed is None:
+                continue
+            if as_of is not None and wb.freed.seq > as_of:
+                state.dirty = True
                 continue
             kind, now = self._classify(wb, memmap, is_mapped, state.info)
             if kind is None:

@@ -227,8 +227,9 @@ class Sanitizer:
             if not any(wb.freed is not None for wb in state.blocks.values()):
                 state.dirty = False  # nothing the graph uses was freed: no snapshot needed
                 return
+            as_of = self.tracker.free_seq  # frees after this are not in the snapshot
             memmap: MemoryMap = snapshot_map(state.info.device)
-            findings = self.tracker.judge(state.info.id, memmap, _driver.is_mapped)
+            findings = self.tracker.judge(state.info.id, memmap, _driver.is_mapped, as_of)
             self.graph_stats[state.info.id]["replays_judged"] += 1
             self._annotate(findings)
         except Exception as err:
