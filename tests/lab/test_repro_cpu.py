@@ -108,3 +108,22 @@ def test_the_result_file_wins_and_a_dead_child_is_named_by_its_signal():
         "illegal memory access"
     )
     assert repro._result_of("", "ValueError: bad\n", 1)["outcome"] == "died (exit 1)"
+
+
+def test_a_child_reports_its_losses_progress_and_startup_phases(monkeypatch, capsys):
+    from graphsan.lab.train import optim, trainer
+
+    config = repro._config
+
+    def cpu_config(case, preset, reference):
+        cfg = config(case, "tiny", reference)
+        return dataclasses.replace(cfg, device="cpu", seq_length=32, save="/tmp/graphsan-child")
+
+    monkeypatch.setattr(repro, "_config", cpu_config)
+    monkeypatch.setattr(optim.MainGradAdamW, "step", optim.MainGradAdamW.step)  # restored after
+    monkeypatch.setattr(trainer, "build_model", trainer.build_model)
+    monkeypatch.setitem(repro._progress, "done", 0)
+    res = repro.run_child(2, "tiny", reference=True)
+    assert res["outcome"] == "trained through" and len(res["losses"]) == repro.ITERS
+    assert set(res["startup"]) >= {"imports", "model built"}
+    assert repro._iteration_times(capsys.readouterr().out) != []

@@ -208,9 +208,23 @@ def run_child(n: int, preset: str, reference: bool) -> dict:
     import torch
 
     import graphsan
+    from graphsan.lab.train import trainer
     from graphsan.lab.train.trainer import train
 
     case = BY_NUMBER[n]
+    startup = {"imports": _since_start()}
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")  # the CUDA context, on its own
+        torch.cuda.synchronize()
+        startup["cuda context"] = _since_start()
+    build = trainer.build_model
+
+    def timed_build(*args, **kwargs):
+        model = build(*args, **kwargs)
+        startup["model built"] = _since_start()
+        return model
+
+    trainer.build_model = timed_build  # start-up time by phase (the matrix's start-up is slow)
     _report_progress()
     san = None
     if case.graphsan != "off" and not reference:
@@ -218,6 +232,7 @@ def run_child(n: int, preset: str, reference: bool) -> dict:
     cfg = _config(case, preset, reference)
     out = {"outcome": "trained through", "iteration": None, "finding": "", "losses": []}
     out["symptom"] = ""
+    out["startup"] = startup
     try:
         result = train(cfg)
         out["losses"] = [float(x) for x in result.losses]
@@ -253,6 +268,10 @@ _progress = {"done": 0}
 _T0 = time.perf_counter()  # the child's start, for the per-iteration timeline
 
 
+def _since_start() -> float:
+    return round(time.perf_counter() - _T0, 1)
+
+
 def _report_progress() -> None:
     """Print `ITERATION k` after each optimizer step, so the parent knows how far a case got
     even when the process dies on an illegal memory access."""
@@ -265,7 +284,7 @@ def _report_progress() -> None:
         out = orig(self, *args, **kwargs)
         _progress["done"] += 1
         graphsan.step()  # the lab's optimizer is not a torch.optim.Optimizer
-        print(f"ITERATION {_progress['done']} t={time.perf_counter() - _T0:.1f}", flush=True)
+        print(f"ITERATION {_progress['done']} t={_since_start()}", flush=True)
         return out
 
     optim.MainGradAdamW.step = step
@@ -409,10 +428,11 @@ def run_matrix(
             c = futures[fut]
             r = done[c.n] = fut.result()
             first = r.get("timeline") or ["-"]
+            phases = ", ".join(f"{k} {v}" for k, v in r.get("startup", {}).items())
             print(
                 f"case {c.n} ({c.title}): {r['outcome']}, iteration "
-                f"{r.get('iteration') or '-'}, {r['wall_s']:.0f} s (first iteration done at "
-                f"{first[0]} s)",
+                f"{r.get('iteration') or '-'}, {r['wall_s']:.0f} s (seconds after start: "
+                f"{phases + ', ' if phases else ''}first iteration {first[0]})",
                 flush=True,
             )
         results = [(c, done[c.n]) for c in cases]
