@@ -72,6 +72,12 @@ def _impl():
     return _IMPL
 
 
+def _hw_fp8_for(x: torch.Tensor) -> bool:
+    if not x.is_cuda:  # CPU tensors run in Triton's interpreter (TRITON_INTERPRET=1, tests)
+        return False
+    return hw_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
 def _mx_launch(x, fmt, do_row, do_col):
     impl = _impl()
     m, k = x.shape
@@ -114,9 +120,7 @@ def _mx_launch(x, fmt, do_row, do_col):
         MBITS=mbits,
         EMIN=emin,
         SUB=sub,
-        HW_FP8=hw_fp8(
-            x.device.index if x.device.index is not None else torch.cuda.current_device()
-        ),
+        HW_FP8=_hw_fp8_for(x),
         DO_ROW=do_row,
         DO_COL=do_col,
         **tiles,
