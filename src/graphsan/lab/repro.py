@@ -68,7 +68,7 @@ CASES = [
         SCENARIO_SCOPES,
         "te218",
         "off",
-        expected="illegal memory access in the first backward after validation",
+        expected="illegal memory access in the first step after validation",
     ),
     Case(
         2,
@@ -95,7 +95,7 @@ CASES = [
         SCENARIO_SCOPES,
         "te218",
         "raise",
-        expected="StaleMemoryError before the replay, naming out_proj's columnwise workspace",
+        expected="StaleMemoryError before the replay, naming out_proj's weight workspace",
     ),
     Case(
         5,
@@ -106,7 +106,7 @@ CASES = [
         "record",
         empty_cache=False,
         compare=True,
-        expected="silent corruption; graphsan records it",
+        expected="corrupted training (wrong or NaN loss); graphsan records it",
     ),
     Case(
         6,
@@ -116,7 +116,7 @@ CASES = [
         "fixed",
         "off",
         compare=True,
-        expected="trains through, equal to eager",
+        expected=f"trains through, losses within {LOSS_RTOL:g} (relative) of eager",
     ),
     Case(
         7,
@@ -143,7 +143,7 @@ CASES = [
         SCENARIO_SCOPES,
         "te218",
         "raise",
-        expected="StaleMemoryError naming out_proj's NVFP4 columnwise workspace",
+        expected="StaleMemoryError naming out_proj's NVFP4 weight workspace",
     ),
 ]
 BY_NUMBER = {c.n: c for c in CASES}
