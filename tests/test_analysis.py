@@ -227,6 +227,14 @@ def test_memory_handed_out_again_as_several_segments_is_judged_by_all_of_them():
     assert t.judge(1, free)[0].kind == "freed"
 
 
+def test_the_driver_is_asked_about_expandable_segments_only():
+    # cudaMalloc'd memory has no allocation handle: the question would wrongly say "unmapped"
+    t, _ = tracker_with([ref(A)])
+    t.on_free(A, event())
+    after = MemoryMap.from_snapshot(snapshot((SEG, DEFAULT_POOL, [(0, 16384, "inactive")])))
+    assert t.judge(1, after, is_mapped=lambda a: False)[0].kind == "freed"
+
+
 def test_unmapped_in_expandable_segment_by_driver_answer():
     t = Tracker()
     snap = snapshot(

@@ -321,14 +321,20 @@ class GraphState:
 PAGE = 2 << 20
 
 
-def _all_mapped(wb: WatchedBlock, is_mapped: Callable[[DataPtr], bool]) -> bool:
-    """Every page of the block is mapped: a block can straddle pages, and empty_cache unmaps a
-    page as soon as no live block is left on it, so checking the first address is not enough."""
+def _all_mapped(
+    wb: WatchedBlock, segs: list[Segment], is_mapped: Callable[[DataPtr], bool]
+) -> bool:
+    """Every page of the block that lies in an expandable segment is mapped: a block can straddle
+    pages, and empty_cache unmaps a page as soon as no live block is left on it, so the first
+    address is not enough. (The driver question only makes sense for expandable segments:
+    cudaMalloc'd memory has no allocation handle to retain.)"""
     end = wb.address + wb.size
-    return all(
-        is_mapped(max(page, wb.address))
-        for page in range(wb.address - wb.address % PAGE, end, PAGE)
-    )
+    for page in range(wb.address - wb.address % PAGE, end, PAGE):
+        addr = max(page, wb.address)
+        seg = next((s for s in segs if s.address <= addr < s.address + s.size), None)
+        if seg is not None and seg.expandable and not is_mapped(addr):
+            return False
+    return True
 
 
 def pool_name(pool: PoolId, own: PoolId | None) -> str:
@@ -564,11 +570,7 @@ class Tracker:
             not segs
             or segs[0].block_at(wb.address) is None
             or not memmap.covers(wb.address, end)
-            or (
-                is_mapped is not None
-                and any(seg.expandable for seg in segs)
-                and not _all_mapped(wb, is_mapped)
-            )
+            or (is_mapped is not None and not _all_mapped(wb, segs, is_mapped))
         ):
             return "unmapped", "the address is no longer mapped: the replay would fault"
         moved = wb.freed.op in MOVE_OPS if wb.freed else False
