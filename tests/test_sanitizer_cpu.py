@@ -5,6 +5,7 @@ disabling itself on an internal error."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -140,3 +141,15 @@ def test_internal_error_disables_and_says_so(env, monkeypatch, capsys):
     san.before_replay(g, state)  # must not raise: the user's replay goes on
     assert not san.active and "snapshot failed" in san.disabled_reason
     assert "disables itself" in capsys.readouterr().err
+
+
+def test_an_unmapped_finding_names_the_empty_cache_call_relative_to_the_cwd(env):
+    san, g = captured("raise")
+    state = g.__dict__["_graphsan_state"]
+    assert free_block(san)
+    here = os.path.join(os.getcwd(), "train.py")
+    san.memory.last_release = ([(here, 21, "validate")], "eval", 5)
+    env["map"] = MemoryMap.from_snapshot({"segments": []})  # the segment went back
+    with pytest.raises(StaleMemoryError) as err:
+        san.before_replay(g, state)
+    assert "released by empty_cache() at train.py:21 (phase eval, step 5)" in str(err.value)

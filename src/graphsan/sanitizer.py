@@ -30,7 +30,14 @@ from graphsan import capture
 from graphsan.analysis import MemoryMap, Tracker, references
 from graphsan.context import Context, python_stack
 from graphsan.memory import AllocatorWatch, snapshot_map
-from graphsan.report import Finding, GraphInfo, Report, StaleMemoryError, format_finding
+from graphsan.report import (
+    Finding,
+    GraphInfo,
+    Report,
+    StaleMemoryError,
+    display_path,
+    format_finding,
+)
 
 POLICIES = ("raise", "warn", "record", "pin")
 _PENDING = "_graphsan_pending"
@@ -244,7 +251,7 @@ class Sanitizer:
             f.rank = self.rank
             if f.kind == "unmapped" and release is not None:
                 stack, phase, step = release
-                where = f"{stack[-1][0]}:{stack[-1][1]}" if stack else "?"
+                where = f"{display_path(stack[-1][0])}:{stack[-1][1]}" if stack else "?"
                 f.now += f"; cached memory was released by empty_cache() at {where} (phase {phase}, step {step})"
 
     def _apply_policy(self, state, findings: list[Finding]) -> None:
