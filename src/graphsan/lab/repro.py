@@ -222,6 +222,15 @@ def run_child(n: int, preset: str, reference: bool) -> dict:
     def timed_build(*args, **kwargs):
         model = build(*args, **kwargs)
         startup["model built"] = _since_start()
+
+        def forward_done(module, inputs, output):
+            startup.setdefault("first forward", _since_start())
+
+        def backward_done(grad):  # the embedding's weight gradient comes last in backward
+            startup.setdefault("first backward", _since_start())
+
+        model.register_forward_hook(forward_done)
+        model.embedding.weight.register_hook(backward_done)
         return model
 
     trainer.build_model = timed_build  # start-up time by phase (the matrix's start-up is slow)
