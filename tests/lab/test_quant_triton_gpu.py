@@ -9,6 +9,12 @@ import pytest
 import torch
 
 from graphsan.lab.quant import QuantLinear, get_recipe, mxfp8, nvfp4
+from tests.lab.kernel_checks import (
+    assert_mxfp8_matches,
+    assert_nvfp4_matches,
+    edge_inputs,
+    mxfp8_inputs,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,22 +31,7 @@ def tk():
 
 
 def inputs(shape, seed):
-    """Random bf16 with wide row/col ranges, plus NaN, +-inf, -0.0, tiny values and a zero block."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    m, k = shape
-    x = torch.randn(m, k, device="cuda", generator=g)
-    x *= torch.exp(torch.randn(m, 1, device="cuda", generator=g) * 4)
-    x *= torch.exp(torch.randn(1, k, device="cuda", generator=g) * 2)
-    x = x.to(torch.bfloat16)
-    flat = x.view(-1)
-    n = flat.numel()
-    idx = torch.randint(0, n, (8,), device="cuda", generator=g)
-    flat[idx[0]] = math.nan
-    flat[idx[1]] = -math.inf
-    flat[idx[2]] = -0.0
-    flat[idx[3]] = 1e-40
-    x[:32, :32] = 0
-    return x
+    return edge_inputs(shape, seed, "cuda")
 
 
 def finite_only(x):
@@ -56,16 +47,8 @@ def test_mxfp8_kernel_matches_reference(tk, shape, fmt, path, monkeypatch):
     elif not tk.hw_fp8(torch.cuda.current_device()):
         pytest.skip("the hardware FP8 conversion is used from sm_90 on")
     for seed in range(3):
-        x = inputs(shape, seed)
-        if seed == 2:  # float32 input: no bf16 rounding ahead of the conversion
-            x = x.float() * (1 + torch.rand_like(x.float()) * 2**-10)
-        row, col = tk.mxfp8_quantize_both(x, fmt)
-        for q, axis in ((row, -1), (col, 0)):
-            ref = mxfp8.quantize_reference(x, axis, fmt)
-            assert torch.equal(q.scale, ref.scale)
-            assert torch.equal(q.data, ref.data)
-            single = tk.mxfp8_quantize(x, axis, fmt)
-            assert torch.equal(single.data, ref.data) and torch.equal(single.scale, ref.scale)
+        x = mxfp8_inputs(shape, seed, "cuda")
+        row, _ = assert_mxfp8_matches(tk, x, fmt)
         # and the CUDA reference equals the CPU reference (NaN bytes may differ in sign only)
         cpu = mxfp8.quantize_reference(x.cpu(), -1, fmt)
         assert torch.equal(cpu.scale, row.scale.cpu())
@@ -77,20 +60,7 @@ def test_mxfp8_kernel_matches_reference(tk, shape, fmt, path, monkeypatch):
 def test_nvfp4_kernel_matches_reference(tk, shape, order):
     for seed in range(2):
         x = inputs(shape, seed)
-        cases = [(-1, False, False), (0, False, False), (-1, True, False), (0, True, False)]
-        cases += [(0, False, True)]
-        for axis, block_2d, use_rht in cases:
-            if use_rht and shape[0] % 16:
-                continue
-            for sr in (False, True):
-                g1 = torch.Generator(device="cuda").manual_seed(seed) if sr else None
-                g2 = torch.Generator(device="cuda").manual_seed(seed) if sr else None
-                a = tk.nvfp4_quantize(x, axis, block_2d, order, use_rht, g1)
-                b = nvfp4.quantize_reference(x, axis, block_2d, order, use_rht, g2)
-                where = (axis, block_2d, use_rht, sr)
-                assert torch.equal(a.amax, b.amax), where
-                assert torch.equal(a.scale, b.scale), where
-                assert torch.equal(a.data, b.data), where
+        assert_nvfp4_matches(tk, x, order, seed)
 
 
 @pytest.mark.parametrize("order", ["current", "legacy"])

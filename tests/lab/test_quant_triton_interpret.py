@@ -5,13 +5,17 @@ emulates) are checked on the GPU by test_quant_triton_gpu.py."""
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 import torch
 
-from graphsan.lab.quant import mxfp8, nvfp4
+from tests.lab.kernel_checks import (
+    assert_mxfp8_matches,
+    assert_nvfp4_matches,
+    edge_inputs,
+    mxfp8_inputs,
+)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -34,45 +38,14 @@ def tk():
     return triton_kernels
 
 
-def inputs(shape, seed):
-    """Random bf16 with wide row/col ranges, plus NaN, -inf, -0.0, a subnormal and a zero tile."""
-    g = torch.Generator().manual_seed(seed)
-    m, k = shape
-    x = torch.randn(m, k, generator=g)
-    x *= torch.exp(torch.randn(m, 1, generator=g) * 4)
-    x *= torch.exp(torch.randn(1, k, generator=g) * 2)
-    x = x.to(torch.bfloat16)
-    flat = x.view(-1)
-    idx = torch.randint(0, flat.numel(), (4,), generator=g)
-    flat[idx[0]], flat[idx[1]], flat[idx[2]], flat[idx[3]] = math.nan, -math.inf, -0.0, 1e-40
-    x[:16, :16] = 0
-    return x
-
-
 @pytest.mark.parametrize("shape", [(32, 32), (64, 160), (96, 64)])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_mxfp8_kernel_matches_reference(tk, shape, fmt):
-    for seed in range(2):
-        x = inputs(shape, seed)
-        row, col = tk.mxfp8_quantize_both(x, fmt)
-        for q, axis in ((row, -1), (col, 0)):
-            ref = mxfp8.quantize_reference(x, axis, fmt)
-            assert torch.equal(q.scale, ref.scale), (axis, seed)
-            assert torch.equal(q.data, ref.data), (axis, seed)
+    for seed in range(3):
+        assert_mxfp8_matches(tk, mxfp8_inputs(shape, seed, "cpu"), fmt)
 
 
 @pytest.mark.parametrize("shape", [(32, 128), (48, 64)])
 @pytest.mark.parametrize("order", ["current", "legacy"])
 def test_nvfp4_kernel_matches_reference(tk, shape, order):
-    x = inputs(shape, 3)
-    for axis, block_2d, use_rht in [(-1, False, False), (0, False, False), (-1, True, False),
-                                    (0, True, False), (0, False, True)]:  # fmt: skip
-        for sr in (False, True):
-            g1 = torch.Generator().manual_seed(5) if sr else None
-            g2 = torch.Generator().manual_seed(5) if sr else None
-            a = tk.nvfp4_quantize(x, axis, block_2d, order, use_rht, g1)
-            b = nvfp4.quantize_reference(x, axis, block_2d, order, use_rht, g2)
-            where = (axis, block_2d, use_rht, sr)
-            assert torch.equal(a.amax, b.amax), where
-            assert torch.equal(a.scale, b.scale), where
-            assert torch.equal(a.data, b.data), where
+    assert_nvfp4_matches(tk, edge_inputs(shape, 3, "cpu"), order, seed=5)
