@@ -72,10 +72,11 @@ def test_timeline_and_iteration_come_from_the_child_progress_lines():
 
 
 def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkeypatch):
-    spawned = []
+    spawned, threads_given = [], []
 
-    def fake_spawn(case, preset, reference=False, timeout=300):
+    def fake_spawn(case, preset, reference=False, timeout=300, threads=0):
         spawned.append((case.n, reference))
+        threads_given.append(threads)
         losses = [5.0 - 0.1 * i for i in range(repro.ITERS)]
         if case.n == 5 and not reference:  # the corrupted case drifts after validation
             losses[repro.EVAL_AT] *= 1.5
@@ -84,6 +85,14 @@ def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkey
     monkeypatch.setattr(repro, "_spawn", fake_spawn)
     results = dict((c.n, r) for c, r in repro.run_matrix(repro.CASES, "tiny", jobs=0))
     assert sorted(spawned) == sorted([(c.n, False) for c in repro.CASES] + [(5, True)])
+    # the cores are shared out, so the processes' CPU threads do not oversubscribe the machine
+    monkeypatch.setattr(repro.os, "cpu_count", lambda: 16)
+    threads_given.clear()
+    repro.run_matrix(repro.CASES, "tiny", jobs=0)
+    assert set(threads_given) == {1}
+    threads_given.clear()
+    repro.run_matrix(repro.CASES[:1], "tiny", jobs=0)
+    assert set(threads_given) == {16}  # one process alone gets every core
     assert results[6]["outcome"] == "trained through"
     assert results[6]["comparison"].endswith("0.0e+00 after")
     assert results[5]["outcome"] == "silent corruption"  # 0.5 relative > LOSS_RTOL

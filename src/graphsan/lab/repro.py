@@ -300,10 +300,15 @@ def _report_progress() -> None:
 
 
 # ----------------------------------------------------------------------------- the matrix (parent)
-def _spawn(case: Case, preset: str, reference: bool = False, timeout: float = 300) -> dict:
+def _spawn(
+    case: Case, preset: str, reference: bool = False, timeout: float = 300, threads: int = 0
+) -> dict:
     """Run one case in a child process; its output is read as it comes, so a case that hangs
-    or overruns still reports how far it got."""
+    or overruns still reports how far it got. `threads`: the child's CPU threads (0: torch's
+    default, one per core)."""
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", PYTHONUNBUFFERED="1")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     # the result goes to a file of its own: merged stdout and stderr may interleave in a line
     fd, result_path = tempfile.mkstemp(prefix=f"graphsan-repro-{case.n}-", suffix=".json")
     os.close(fd)
@@ -422,16 +427,18 @@ def run_matrix(
     case never hides the others' results)."""
     needs_ref = any(c.compare for c in cases)
     ref_case = next(c for c in cases if c.compare) if needs_ref else None
+    cores = os.cpu_count() or 1
     if jobs <= 0:
-        jobs = min(len(cases) + needs_ref, os.cpu_count() or 1)
-    # All at once by default. On one GPU the processes' work is largely serialized (measured on
-    # the H200: one process alone finishes its first iteration within 17 s of starting, nine
-    # started together need about 120 s, whether or not their Triton kernels were compiled
-    # already), so more processes side by side only shorten the matrix a little: 223 s with 4
-    # at a time, about 200 s with all ten.
+        jobs = min(len(cases) + needs_ref, cores)
+    # The cores are shared out: torch's CPU ops (the model's weights are drawn on the CPU) start
+    # one OpenMP thread per core in every process, and ten processes with 16 threads each on 16
+    # cores made building the model take ~125 s instead of ~2 s (H200 machine, 2026-11-30).
+    threads = max(1, cores // jobs)
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        ref_future = pool.submit(_spawn, ref_case, preset, True, timeout) if ref_case else None
-        futures = {pool.submit(_spawn, c, preset, False, timeout): c for c in cases}
+        ref_future = (
+            pool.submit(_spawn, ref_case, preset, True, timeout, threads) if ref_case else None
+        )
+        futures = {pool.submit(_spawn, c, preset, False, timeout, threads): c for c in cases}
         done: dict[int, dict] = {}
         for fut in as_completed(futures):
             c = futures[fut]
