@@ -2,12 +2,19 @@
 
     PYTHONPATH=src python3 bench/bench_quant.py [--size 8192] [--iters 20]
 
-1. Each Triton quantize kernel on a size x size bf16 tensor: time, achieved bytes/s (bytes that
-   must move: the bf16 input read once plus the outputs written), as a fraction of a measured
-   device copy bandwidth (`dst.copy_(src)`, read + write), and the speedup over the torch
-   reference. The NVFP4 quantize rows time the quantize kernel given the global amax (computed
-   once, as TE computes it in a separate kernel or fused into the op before); the amax pass has
-   its own row, and "end to end" rows time both, crediting both reads of the input.
+1. Each Triton quantize kernel on a size x size bf16 tensor, every kernel variant
+   (`triton_kernels.VARIANTS`, "v1" and "v2") side by side on the same input: time per variant,
+   v1/v2 time ratio (> 1: v2 faster), achieved bytes/s (bytes that must move: the bf16 input read
+   once plus the outputs written) as a fraction of a measured device copy bandwidth
+   (`dst.copy_(src)`, read + write), the target check on the faster variant, whether the variants'
+   output bytes (data, scales, amax) are equal, and the torch reference time. Kernel times are
+   device time: the calls replayed from a CUDA graph, so the host's launch cost (Python argument
+   checks, output allocation, Triton's launcher: tens of microseconds, a large part of a 0.1 ms
+   kernel) is not in them; the copy is timed the same way. The "eager ms" columns time one call
+   alone, launch included, as an eager caller sees it. The RHT+SR row is timed eagerly only. The NVFP4 quantize
+   rows time the quantize kernel given the global amax (computed once, as TE computes it in a
+   separate kernel or fused into the op before); the amax pass has its own row, and "end to end"
+   rows time both, crediting both reads of the input.
 2. QuantLinear forward+backward step time per recipe vs a bf16 `nn.Linear` (tokens = in = out =
    size), as a ratio.
 """
@@ -23,7 +30,8 @@ from graphsan.lab.quant import QuantLinear, get_recipe, mxfp8, nvfp4, triton_ker
 
 
 def bench(fn, iters: int, warmup: int = 3) -> float:
-    """Median seconds per call, timed with CUDA events."""
+    """Median seconds per call, each call alone between two CUDA events: the GPU waits while the
+    host launches it, so this includes the host's launch cost (what an eager caller pays)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -37,6 +45,54 @@ def bench(fn, iters: int, warmup: int = 3) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+def bench_device(fn, iters: int, reps: int = 20) -> float | None:
+    """Median seconds per call of device time: `reps` calls captured in one CUDA graph, replayed
+    `iters` times between CUDA events, so no host launch cost is in the time (the kernels are
+    graph-capturable by design). None where the call cannot be captured."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+    except Exception:
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    del graph
+    torch.cuda.empty_cache()
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _tensors(out):
+    """The tensors of a kernel's result (a quantized tensor, a pair of them, or an amax)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, tuple):
+        return [t for o in out for t in _tensors(o)]
+    return list(out.buffers())
+
+
+def _same_bytes(a, b) -> bool:
+    ta, tb = _tensors(a), _tensors(b)
+    return len(ta) == len(tb) and all(
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        for x, y in zip(ta, tb, strict=True)
+    )
 
 
 def main() -> None:
@@ -62,55 +118,101 @@ def main() -> None:
     x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(x)
     elems = x.numel()
-    t_copy = bench(lambda: dst.copy_(x), args.iters)
+    t_copy = bench_device(lambda: dst.copy_(x), args.iters)
     copy_bw = 2 * elems * 2 / t_copy
     print(
-        f"# device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read+write of {2 * elems / 2**20:.0f} MiB)"
+        f"# device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read+write of {2 * elems / 2**20:.0f} "
+        f"MiB; {2 * elems * 2 / bench(lambda: dst.copy_(x), args.iters) / 1e9:.0f} GB/s timed per "
+        "eager call)"
     )
-    gen = torch.Generator(device=dev).manual_seed(0)
+    print(
+        "# times are device time per call (calls replayed from a CUDA graph, no host launch cost);"
+        " 'eager ms' is one call alone, host launch included"
+    )
+    variants = triton_kernels.VARIANTS
+    print(f"# variants {', '.join(variants)}; default {triton_kernels.DEFAULT_VARIANT}")
 
     def ref_both():
         mxfp8.quantize_reference(x, -1)
         mxfp8.quantize_reference(x, 0)
 
-    amax = triton_kernels.global_amax(x)
+    tk = triton_kernels
+    amax = tk.global_amax(x, "v1")
+    row_bytes_mx = 2 * elems + elems + elems // 32
+    row_bytes_nv = 2 * elems + elems // 2 + elems // 16
+
+    def sr_rht(v, seed=None):
+        g = torch.Generator(device=dev).manual_seed(seed) if seed is not None else gen
+        return tk.nvfp4_quantize(x, 0, rht=True, generator=g, variant=v)
+
+    gen = torch.Generator(device=dev).manual_seed(0)
     rows = [
-        # name, triton fn, reference fn, bytes moved, target fraction of copy bandwidth
-        ("mxfp8 row+col (1 pass)", lambda: triton_kernels.mxfp8_quantize_both(x), ref_both,
+        # name, triton fn of the variant, reference fn, bytes moved, target fraction of copy bw
+        ("mxfp8 row+col (1 pass)", lambda v: tk.mxfp8_quantize_both(x, variant=v), ref_both,
          2 * elems + 2 * elems + 2 * elems // 32, 0.70),
-        ("mxfp8 rowwise", lambda: triton_kernels.mxfp8_quantize(x, -1),
-         lambda: mxfp8.quantize_reference(x, -1), 2 * elems + elems + elems // 32, 0.70),
-        ("mxfp8 columnwise", lambda: triton_kernels.mxfp8_quantize(x, 0),
-         lambda: mxfp8.quantize_reference(x, 0), 2 * elems + elems + elems // 32, 0.70),
-        ("nvfp4 global amax", lambda: triton_kernels.global_amax(x),
-         lambda: x.abs().amax(), 2 * elems, None),
-        ("nvfp4 rowwise 1D", lambda: triton_kernels.nvfp4_quantize(x, -1, amax=amax),
-         lambda: nvfp4.quantize_reference(x, -1), 2 * elems + elems // 2 + elems // 16, 0.60),
-        ("nvfp4 columnwise 1D", lambda: triton_kernels.nvfp4_quantize(x, 0, amax=amax),
-         lambda: nvfp4.quantize_reference(x, 0), 2 * elems + elems // 2 + elems // 16, 0.60),
-        ("nvfp4 rowwise 2D (weights)", lambda: triton_kernels.nvfp4_quantize(x, -1, block_2d=True, amax=amax),
-         lambda: nvfp4.quantize_reference(x, -1, block_2d=True), 2 * elems + elems // 2 + elems // 16, 0.60),
-        ("nvfp4 rowwise 1D end to end", lambda: triton_kernels.nvfp4_quantize(x, -1),
-         lambda: nvfp4.quantize_reference(x, -1), 4 * elems + elems // 2 + elems // 16, None),
-        ("nvfp4 columnwise 1D end to end", lambda: triton_kernels.nvfp4_quantize(x, 0),
-         lambda: nvfp4.quantize_reference(x, 0), 4 * elems + elems // 2 + elems // 16, None),
-        ("nvfp4 col RHT+SR (wgrad dY)", lambda: triton_kernels.nvfp4_quantize(x, 0, rht=True, generator=gen),
-         lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), 2 * elems + elems // 2 + elems // 16, None),
+        ("mxfp8 rowwise", lambda v: tk.mxfp8_quantize(x, -1, variant=v),
+         lambda: mxfp8.quantize_reference(x, -1), row_bytes_mx, 0.70),
+        ("mxfp8 columnwise", lambda v: tk.mxfp8_quantize(x, 0, variant=v),
+         lambda: mxfp8.quantize_reference(x, 0), row_bytes_mx, 0.70),
+        ("nvfp4 global amax", lambda v: tk.global_amax(x, v), lambda: x.abs().amax(), 2 * elems, None),
+        ("nvfp4 rowwise 1D", lambda v: tk.nvfp4_quantize(x, -1, amax=amax, variant=v),
+         lambda: nvfp4.quantize_reference(x, -1), row_bytes_nv, 0.60),
+        ("nvfp4 columnwise 1D", lambda v: tk.nvfp4_quantize(x, 0, amax=amax, variant=v),
+         lambda: nvfp4.quantize_reference(x, 0), row_bytes_nv, 0.60),
+        ("nvfp4 rowwise 2D (weights)",
+         lambda v: tk.nvfp4_quantize(x, -1, block_2d=True, amax=amax, variant=v),
+         lambda: nvfp4.quantize_reference(x, -1, block_2d=True), row_bytes_nv, 0.60),
+        ("nvfp4 columnwise 2D (weights)",
+         lambda v: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax, variant=v),
+         lambda: nvfp4.quantize_reference(x, 0, block_2d=True), row_bytes_nv, 0.60),
+        ("nvfp4 rowwise 1D end to end", lambda v: tk.nvfp4_quantize(x, -1, variant=v),
+         lambda: nvfp4.quantize_reference(x, -1), row_bytes_nv + 2 * elems, None),
+        ("nvfp4 columnwise 1D end to end", lambda v: tk.nvfp4_quantize(x, 0, variant=v),
+         lambda: nvfp4.quantize_reference(x, 0), row_bytes_nv + 2 * elems, None),
+        ("nvfp4 col RHT+SR (wgrad dY)", sr_rht,
+         lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, None),
     ]  # fmt: skip
     print()
-    print("| kernel | triton ms | GB/s | of copy bw | target | torch ref ms | speedup |")
-    print("|---|---|---|---|---|---|---|")
+    head = " | ".join(f"{v} ms" for v in variants)
+    fracs = " | ".join(f"{v} of copy bw" for v in variants)
+    eager = " | ".join(f"{v} eager ms" for v in variants)
+    print(
+        f"| kernel | {head} | v1/v2 time | {fracs} | target (best) | bytes equal | {eager} "
+        "| torch ref ms |"
+    )
+    print("|---" * (6 + 3 * len(variants)) + "|")
     for name, fast, ref, nbytes, target in rows:
-        t_fast = bench(fast, args.iters)
+        eager_t = {v: bench(lambda v=v, fast=fast: fast(v), args.iters) for v in variants}
+        times = {}
+        for v in variants:
+            if fast is sr_rht:  # a generator of its own: time it eagerly
+                times[v] = None
+            else:
+                times[v] = bench_device(lambda v=v, fast=fast: fast(v), args.iters)
+            if times[v] is None:
+                times[v] = eager_t[v]
         t_ref = bench(ref, max(3, args.iters // 4), warmup=1)
-        frac = nbytes / t_fast / copy_bw
-        tgt = f">= {target:.0%} {'ok' if frac >= target else 'MISSED'}" if target else "-"
+        best = min(times.values())
+        frac = {v: nbytes / t / copy_bw for v, t in times.items()}
+        tgt = "-"
+        if target:
+            tgt = f">= {target:.0%} {'ok' if nbytes / best / copy_bw >= target else 'MISSED'}"
+        if fast is sr_rht:  # the same generator state for every variant
+            outs = [sr_rht(v, seed=1) for v in variants]
+        else:
+            outs = [fast(v) for v in variants]
+        equal = all(_same_bytes(outs[0], o) for o in outs[1:])
         print(
-            f"| {name} | {t_fast * 1e3:.3f} | {nbytes / t_fast / 1e9:.0f} | {frac:.0%} | {tgt} | "
-            f"{t_ref * 1e3:.2f} | {t_ref / t_fast:.1f}x |"
+            f"| {name} | "
+            + " | ".join(f"{times[v] * 1e3:.3f}" for v in variants)
+            + f" | {times['v1'] / times['v2']:.2f}x | "
+            + " | ".join(f"{frac[v]:.0%}" for v in variants)
+            + f" | {tgt} | {'yes' if equal else 'NO, DIFFERENT BYTES'} | "
+            + " | ".join(f"{eager_t[v] * 1e3:.3f}" for v in variants)
+            + f" | {t_ref * 1e3:.2f} |"
         )
     impl = triton_kernels._impl()
-    if impl.AUTOTUNED:  # the tile each problem chose, to pick the fixed defaults from
+    if impl.AUTOTUNED:  # the v1 tile each problem chose, to pick the fixed defaults from
         for name, kern in (("mxfp8", impl.mxfp8_kernel), ("nvfp4", impl.nvfp4_kernel)):
             for key, cfg in kern.cache.items():
                 print(f"# autotuned {name} {key}: {cfg}")

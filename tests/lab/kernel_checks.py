@@ -33,6 +33,46 @@ def edge_inputs(shape, seed, device):
     return x
 
 
+def nvfp4_edge_cases(device):
+    """64x64 float32 inputs with named edges: every E2M1 tie (global amax 2688 and block max 6
+    make the encode factor exactly 1, so the elements are the values the encoder sees), zeros,
+    inf, tiny, scale underflow, subnormal scales."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    near = torch.cat((ties, ties - 1e-3, ties + 1e-3, torch.linspace(0, 6, 32)))
+    values = torch.cat((near, -near))
+    values = torch.cat((values, torch.linspace(-12, 12, 4096 - values.numel())))
+    tie = values[torch.randperm(4096)].reshape(64, 64)
+    tie.view(64, 4, 16)[:, :, 0] = 6.0  # every block's max is 6
+    tie[5, 17] = 2688.0
+    cases = {
+        "ties": tie,
+        "zeros": torch.zeros(64, 64),
+        "inf": torch.randn(64, 64).index_put_(
+            (torch.tensor([3]), torch.tensor([7])), torch.tensor(math.inf)
+        ),
+        "tiny": torch.randn(64, 64) * 1e-40,
+        "underflow": torch.randn(64, 64) * 1e-3,
+        "subnormal-scales": torch.randn(64, 64)
+        * 2.0 ** -torch.randint(12, 22, (64, 4, 1)).float().repeat(1, 1, 16).reshape(64, 64),
+    }
+    cases["underflow"][0, 0] = 1e4
+    cases["subnormal-scales"][0, 0] = 1.0
+    return {name: x.to(device) for name, x in cases.items()}
+
+
+def assert_nvfp4_edges_match(tk, order, variant, device):
+    """`nvfp4_edge_cases` in both directions, 1D and 2D blocks, byte for byte."""
+    for name, x in nvfp4_edge_cases(device).items():
+        for axis in (-1, 0):
+            for block_2d in (False, True):
+                a = tk.nvfp4_quantize(x, axis, block_2d, order, variant=variant)
+                b = nvfp4.quantize_reference(x, axis, block_2d, order)
+                where = (name, variant, axis, block_2d)
+                assert torch.equal(a.amax, b.amax), where
+                assert torch.equal(a.scale, b.scale), where
+                assert torch.equal(a.data, b.data), where
+
+
 def mxfp8_inputs(shape, seed, device):
     """edge_inputs, in float32 for seeds >= 2: no bf16 rounding ahead of the FP8 conversion."""
     x = edge_inputs(shape, seed, device)
@@ -43,29 +83,32 @@ def mxfp8_inputs(shape, seed, device):
     return x
 
 
-def assert_mxfp8_matches(tk, x, fmt):
+def assert_mxfp8_matches(tk, x, fmt, variant):
     """Both directions from one pass, and each alone, equal the reference byte for byte."""
-    row, col = tk.mxfp8_quantize_both(x, fmt)
+    row, col = tk.mxfp8_quantize_both(x, fmt, variant=variant)
     for q, axis in ((row, -1), (col, 0)):
         ref = mxfp8.quantize_reference(x, axis, fmt)
-        assert torch.equal(q.scale, ref.scale), axis
-        assert torch.equal(q.data, ref.data), axis
-        single = tk.mxfp8_quantize(x, axis, fmt)
-        assert torch.equal(single.data, ref.data) and torch.equal(single.scale, ref.scale), axis
+        assert torch.equal(q.scale, ref.scale), (variant, axis)
+        assert torch.equal(q.data, ref.data), (variant, axis)
+        single = tk.mxfp8_quantize(x, axis, fmt, variant=variant)
+        assert torch.equal(single.data, ref.data), (variant, axis)
+        assert torch.equal(single.scale, ref.scale), (variant, axis)
     return row, col
 
 
-def assert_nvfp4_matches(tk, x, order, seed):
-    """Every operand kind, with and without stochastic rounding (same seed, same bits)."""
+def assert_nvfp4_matches(tk, x, order, seed, variant):
+    """Every operand kind, with and without stochastic rounding (same seed, same bits), and the
+    global amax kernel alone."""
+    assert torch.equal(tk.global_amax(x, variant), nvfp4.global_amax(x.float())), variant
     for axis, block_2d, use_rht in NVFP4_KINDS:
         if use_rht and x.shape[0] % 16:
             continue
         for sr in (False, True):
             g1 = torch.Generator(device=x.device).manual_seed(seed) if sr else None
             g2 = torch.Generator(device=x.device).manual_seed(seed) if sr else None
-            a = tk.nvfp4_quantize(x, axis, block_2d, order, use_rht, g1)
+            a = tk.nvfp4_quantize(x, axis, block_2d, order, use_rht, g1, variant=variant)
             b = nvfp4.quantize_reference(x, axis, block_2d, order, use_rht, g2)
-            where = (axis, block_2d, use_rht, sr)
+            where = (variant, axis, block_2d, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
             assert torch.equal(a.data, b.data), where

@@ -3,20 +3,21 @@ under CUDA-graph capture with the skip flag; no host syncs."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from graphsan.lab.quant import QuantLinear, get_recipe, mxfp8, nvfp4
 from tests.lab.kernel_checks import (
     assert_mxfp8_matches,
+    assert_nvfp4_edges_match,
     assert_nvfp4_matches,
     edge_inputs,
     mxfp8_inputs,
 )
 
 pytestmark = pytest.mark.gpu
+VARIANTS = ["v1", "v2"]  # every kernel variant in triton_kernels.VARIANTS
+FP8_PATHS = ["hardware fp8", "bit fields"]
 
 SHAPES = [(32, 32), (96, 160), (1024, 4096), (4096, 96)]
 
@@ -38,54 +39,51 @@ def finite_only(x):
     return torch.nan_to_num(x, nan=0.0, posinf=3e38, neginf=-3e38)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("path", ["hardware fp8", "bit fields"])
-def test_mxfp8_kernel_matches_reference(tk, shape, fmt, path, monkeypatch):
-    if path == "bit fields":  # the encoding used before sm_90
+def use_fp8_path(tk, path, monkeypatch):
+    """Force the bit-field FP8 encoding (used before sm_90), or skip where the hardware one is not
+    used; MXFP8 elements and the v2 NVFP4 block scales take this path."""
+    if path == "bit fields":
         monkeypatch.setattr(tk, "hw_fp8", lambda index: False)
     elif not tk.hw_fp8(torch.cuda.current_device()):
         pytest.skip("the hardware FP8 conversion is used from sm_90 on")
+
+
+def test_variants_listed(tk):
+    assert tuple(VARIANTS) == tk.VARIANTS
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("path", FP8_PATHS)
+def test_mxfp8_kernel_matches_reference(tk, shape, fmt, path, variant, monkeypatch):
+    use_fp8_path(tk, path, monkeypatch)
     for seed in range(3):
         x = mxfp8_inputs(shape, seed, "cuda")
-        row, _ = assert_mxfp8_matches(tk, x, fmt)
+        row, _ = assert_mxfp8_matches(tk, x, fmt, variant)
         # and the CUDA reference equals the CPU reference (NaN bytes may differ in sign only)
         cpu = mxfp8.quantize_reference(x.cpu(), -1, fmt)
         assert torch.equal(cpu.scale, row.scale.cpu())
         assert torch.equal(cpu.data & 0x7F, row.data.cpu() & 0x7F)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("shape", [(32, 128), (48, 64), (1024, 4096), (4096, 96)])
 @pytest.mark.parametrize("order", ["current", "legacy"])
-def test_nvfp4_kernel_matches_reference(tk, shape, order):
+@pytest.mark.parametrize("path", FP8_PATHS)
+def test_nvfp4_kernel_matches_reference(tk, shape, order, path, variant, monkeypatch):
+    use_fp8_path(tk, path, monkeypatch)
     for seed in range(2):
         x = inputs(shape, seed)
-        assert_nvfp4_matches(tk, x, order, seed)
+        assert_nvfp4_matches(tk, x, order, seed, variant)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("order", ["current", "legacy"])
-def test_nvfp4_kernel_edge_inputs(tk, order):
-    cases = {
-        "zeros": torch.zeros(64, 64),
-        "inf": torch.randn(64, 64).index_put_(
-            (torch.tensor([3]), torch.tensor([7])), torch.tensor(math.inf)
-        ),
-        "tiny": torch.randn(64, 64) * 1e-40,
-        "underflow": torch.randn(64, 64) * 1e-3,
-        "subnormal-scales": torch.randn(64, 64)
-        * 2.0 ** -torch.randint(12, 22, (64, 4, 1)).float().repeat(1, 1, 16).reshape(64, 64),
-    }
-    cases["underflow"][0, 0] = 1e4
-    cases["subnormal-scales"][0, 0] = 1.0
-    for name, x in cases.items():
-        x = x.cuda()
-        for axis in (-1, 0):
-            for block_2d in (False, True):
-                a = tk.nvfp4_quantize(x, axis, block_2d, order)
-                b = nvfp4.quantize_reference(x, axis, block_2d, order)
-                assert torch.equal(a.scale, b.scale), name
-                assert torch.equal(a.data, b.data), name
-                assert torch.equal(a.amax, b.amax), name
+@pytest.mark.parametrize("path", FP8_PATHS)
+def test_nvfp4_kernel_edge_inputs(tk, order, path, variant, monkeypatch):
+    use_fp8_path(tk, path, monkeypatch)
+    assert_nvfp4_edges_match(tk, order, variant, "cuda")
 
 
 def test_dispatch_uses_triton_on_cuda(tk, monkeypatch):

@@ -12,6 +12,7 @@ import torch
 
 from tests.lab.kernel_checks import (
     assert_mxfp8_matches,
+    assert_nvfp4_edges_match,
     assert_nvfp4_matches,
     edge_inputs,
     mxfp8_inputs,
@@ -24,6 +25,7 @@ pytestmark = [
     ),
     # the kernels divide by zero on purpose (an all-zero block) and clamp the inf; numpy says so
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning"),
 ]
 
 
@@ -38,14 +40,25 @@ def tk():
     return triton_kernels
 
 
+VARIANTS = ["v1", "v2"]  # triton_kernels.VARIANTS (not imported here: Triton loads lazily)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("shape", [(32, 32), (64, 160), (96, 64)])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_mxfp8_kernel_matches_reference(tk, shape, fmt):
+def test_mxfp8_kernel_matches_reference(tk, shape, fmt, variant):
     for seed in range(3):
-        assert_mxfp8_matches(tk, mxfp8_inputs(shape, seed, "cpu"), fmt)
+        assert_mxfp8_matches(tk, mxfp8_inputs(shape, seed, "cpu"), fmt, variant)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("shape", [(32, 128), (48, 64)])
 @pytest.mark.parametrize("order", ["current", "legacy"])
-def test_nvfp4_kernel_matches_reference(tk, shape, order):
-    assert_nvfp4_matches(tk, edge_inputs(shape, 3, "cpu"), order, seed=5)
+def test_nvfp4_kernel_matches_reference(tk, shape, order, variant):
+    assert_nvfp4_matches(tk, edge_inputs(shape, 3, "cpu"), order, 5, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_kernel_edge_inputs(tk, order, variant):
+    assert_nvfp4_edges_match(tk, order, variant, "cpu")

@@ -14,6 +14,13 @@ fallback and the oracle, and the GPU tests compare the two byte for byte.
   bits for SR (`torch.randint` on the caller's generator, exactly as the reference draws them)
   are prepared in torch, so SR stays reproducible and graph-capturable.
 
+Two variants of every kernel compute the same bytes: "v1" (the first kernels, measured in
+docs/PERF.md) and "v2" (fewer instructions per element: arithmetic E2M1 codes, hardware E4M3
+block scales on sm_90, columnwise blocks reduced in registers; see `_triton_impl`). Every entry
+point takes `variant=`; the default is `DEFAULT_VARIANT`, read once from GRAPHSAN_TRITON_VARIANT
+(default "v2", chosen from instruction counts before a GPU timing: `bench/bench_quant.py` times
+both side by side and checks that their bytes are equal).
+
 Triton is imported lazily, on first use.
 """
 
@@ -43,11 +50,31 @@ def hw_fp8(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-# Tiles used unless GRAPHSAN_TRITON_AUTOTUNE=1 asks the kernels to autotune theirs.
+VARIANTS = ("v1", "v2")
+DEFAULT_VARIANT = os.environ.get("GRAPHSAN_TRITON_VARIANT", "v2")
+if DEFAULT_VARIANT not in VARIANTS:
+    raise ValueError(f"GRAPHSAN_TRITON_VARIANT={DEFAULT_VARIANT!r}: expected one of {VARIANTS}")
+
+# v1 tiles, used unless GRAPHSAN_TRITON_AUTOTUNE=1 asks the v1 kernels to autotune theirs.
 MX_TILE = (64, 64)
 NV_TILE = (32, 128)
 AMAX_BLOCK = 4096
 AMAX_ITERS = 16
+# v2 launch parameters (fixed; chosen from the sm_90 SASS instruction counts, not yet timed)
+MX_V2 = {"BM": 32, "BN": 128, "SPLIT": 2, "num_warps": 2}
+NV_ROW_V2 = {"BR": 32, "BC": 128, "num_warps": 4}
+NV_COL_V2 = {"BM": 256, "BK": 64, "num_warps": 4}
+AMAX_V2_BLOCK = 16384
+AMAX_V2_ITERS = 2
+# v2 kernels are compiled without fp contraction: no rounding step may be fused away
+_V2_OPTIONS = {"enable_fp_fusion": False}
+
+
+def _variant(variant: str | None) -> str:
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
+    return variant
 
 
 def available() -> bool:
@@ -78,7 +105,7 @@ def _hw_fp8_for(x: torch.Tensor) -> bool:
     return hw_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-def _mx_launch(x, fmt, do_row, do_col):
+def _mx_launch(x, fmt, do_row, do_col, variant):
     impl = _impl()
     m, k = x.shape
     mbits, emin, sub = _FP8_PARAMS[fmt]
@@ -99,13 +126,17 @@ def _mx_launch(x, fmt, do_row, do_col):
             0,
             fmt,
         )
-    bm, bn = MX_TILE
-    tiles = {} if impl.AUTOTUNED else {"BM": bm, "BN": bn, "num_warps": 4}
+    if variant == "v2":
+        kernel, tiles = impl._mxfp8_kernel_v2, {**MX_V2, **_V2_OPTIONS}
+    else:
+        bm, bn = MX_TILE
+        kernel = impl.mxfp8_kernel
+        tiles = {} if impl.AUTOTUNED else {"BM": bm, "BN": bn, "num_warps": 4}
 
     def grid(meta):
         return (triton_cdiv(m, meta["BM"]), triton_cdiv(k, meta["BN"]))
 
-    impl.mxfp8_kernel[grid](
+    kernel[grid](
         x,
         m,
         k,
@@ -132,29 +163,35 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def mxfp8_quantize(x: torch.Tensor, axis: int = -1, fmt: str = "e4m3") -> _mx.MXFP8Tensor:
+def mxfp8_quantize(
+    x: torch.Tensor, axis: int = -1, fmt: str = "e4m3", variant: str | None = None
+) -> _mx.MXFP8Tensor:
     """One direction of MXFP8 (TE rule) with the Triton kernel."""
     _mx._check_args(x, axis, fmt, "te")
-    row, col = _mx_launch(x, fmt, axis != 0, axis == 0)
+    row, col = _mx_launch(x, fmt, axis != 0, axis == 0, _variant(variant))
     return col if axis == 0 else row
 
 
-def mxfp8_quantize_both(x: torch.Tensor, fmt: str = "e4m3"):
+def mxfp8_quantize_both(x: torch.Tensor, fmt: str = "e4m3", variant: str | None = None):
     """Rowwise and columnwise MXFP8 from one read of x."""
     _mx._check_args(x, -1, fmt, "te")
     _mx._check_args(x, 0, fmt, "te")
-    return _mx_launch(x, fmt, True, True)
+    return _mx_launch(x, fmt, True, True, _variant(variant))
 
 
-def global_amax(x: torch.Tensor) -> torch.Tensor:
+def global_amax(x: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     """max |x| ignoring NaN into a fresh float32 0-dim device buffer (no host sync)."""
     impl = _impl()
     flat = x.contiguous().view(-1)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     n = flat.numel()
-    iters = AMAX_ITERS if n >= AMAX_BLOCK * AMAX_ITERS * 64 else 1
-    grid = (triton_cdiv(n, AMAX_BLOCK * iters),)
-    impl.amax_kernel[grid](flat, n, amax, BLOCK=AMAX_BLOCK, ITERS=iters, num_warps=8)
+    if _variant(variant) == "v2":
+        block, iters, kernel = AMAX_V2_BLOCK, AMAX_V2_ITERS, impl.amax_kernel_v2
+    else:
+        block, iters, kernel = AMAX_BLOCK, AMAX_ITERS, impl.amax_kernel
+    iters = iters if n >= block * iters * 64 else 1
+    grid = (triton_cdiv(n, block * iters),)
+    kernel[grid](flat, n, amax, BLOCK=block, ITERS=iters, num_warps=8)
     return amax
 
 
@@ -166,19 +203,21 @@ def nvfp4_quantize(
     rht: bool = False,
     generator: torch.Generator | None = None,
     amax: torch.Tensor | None = None,
+    variant: str | None = None,
 ) -> _nv.NVFP4Tensor:
     """NVFP4 with the Triton kernels; same arguments and bytes as `nvfp4.quantize_reference`.
 
     `amax` may pass a precomputed global amax buffer (valid only without RHT).
     """
     _nv._check_args(x, axis, block_2d, order, rht, generator)
+    variant = _variant(variant)
     impl = _impl()
     src = x.t() if axis == 0 else x
     if rht:
         src = apply_rht(src).contiguous()
-        amax = global_amax(src)
+        amax = global_amax(src, variant)
     elif amax is None:
-        amax = global_amax(x)
+        amax = global_amax(x, variant)
     r, c = src.shape
     dev = x.device
     data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
@@ -187,6 +226,9 @@ def nvfp4_quantize(
         rbits = _nv.random_bits(src.shape, generator, dev)
     else:
         rbits = torch.empty(1, dtype=torch.uint8, device=dev)
+    if variant == "v2":
+        _nv_launch_v2(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator)
+        return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
     br, bc = NV_TILE
     tiles = {} if impl.AUTOTUNED else {"BR": br, "BC": bc, "num_warps": 4}
 
@@ -211,3 +253,29 @@ def nvfp4_quantize(
         **tiles,
     )
     return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
+
+
+def _nv_launch_v2(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator):
+    """v2: the row kernel for rowwise and for the contiguous RHT copy; otherwise the columnwise
+    kernel reads x in its own order (blocks down its columns) and writes the transposed layout."""
+    impl = _impl()
+    common = {
+        "INV_6": _nv.INV_6,
+        "LEGACY": order == "legacy",
+        "BLOCK_2D": block_2d,
+        "SR": generator is not None,
+        "HW_FP8": _hw_fp8_for(x),
+        **_V2_OPTIONS,
+    }
+    if axis == 0 and not rht:
+        m, k = x.shape
+        grid = (triton_cdiv(m, NV_COL_V2["BM"]), triton_cdiv(k, NV_COL_V2["BK"]))
+        impl._nvfp4_col_kernel_v2[grid](
+            x, m, k, x.stride(0), x.stride(1), amax, rbits, data, scale, **common, **NV_COL_V2
+        )
+        return
+    r, c = src.shape
+    grid = (triton_cdiv(r, NV_ROW_V2["BR"]), triton_cdiv(c, NV_ROW_V2["BC"]))
+    impl._nvfp4_row_kernel_v2[grid](
+        src, r, c, src.stride(0), src.stride(1), amax, rbits, data, scale, **common, **NV_ROW_V2
+    )
