@@ -117,6 +117,9 @@ def test_the_result_file_wins_and_a_dead_child_is_named_by_its_signal():
         "illegal memory access"
     )
     assert repro._result_of("", "ValueError: bad\n", 1)["outcome"] == "died (exit 1)"
+    assert repro._result_of("", "CUDA error: device-side assert triggered", -6)["outcome"] == (
+        "device-side assert"
+    )
 
 
 def test_a_child_reports_its_losses_progress_and_startup_phases(monkeypatch, capsys):

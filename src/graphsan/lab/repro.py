@@ -257,7 +257,7 @@ def run_child(n: int, preset: str, reference: bool) -> dict:
         out.update(symptom=str(err), losses=getattr(err, "losses", []))
     except RuntimeError as err:
         text = str(err)
-        kind = "illegal memory access" if "illegal memory access" in text else "error"
+        kind = _crash_kind(text) or "error"
         out.update(outcome=kind, iteration=getattr(err, "iteration", None))
         out["symptom"] = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
     if san is not None and san.findings and not out["finding"]:
@@ -356,13 +356,23 @@ def _spawn(
     return res
 
 
+def _crash_kind(text: str) -> str | None:
+    """The CUDA error a stale replay ends in: a fault on unmapped memory, or a kernel's own
+    bounds check tripping over indices that the replay's stale writes overwrote."""
+    if "illegal memory access" in text:
+        return "illegal memory access"
+    if "device-side assert" in text:
+        return "device-side assert"
+    return None
+
+
 def _result_of(result: str, log: str, rc: int) -> dict:
     """The child's own result (JSON it wrote), or what its log and exit status say."""
     if result:
         with contextlib.suppress(json.JSONDecodeError):
             return json.loads(result)
-    if "illegal memory access" in log:
-        outcome = "illegal memory access"
+    if _crash_kind(log):
+        outcome = _crash_kind(log)
     elif rc < 0:
         outcome = f"killed by signal {-rc}"
     else:
