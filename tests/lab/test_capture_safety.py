@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsan.lab.models import build_model, get_preset
-from graphsan.lab.quant import QuantLinear
+from graphsan.lab.quant import QuantModule
 from graphsan.lab.train import graphs as cuda_graphs
 from graphsan.lab.train.config import TrainConfig
 from graphsan.lab.train.trainer import bind_precision
@@ -59,7 +59,7 @@ def test_graphed_stages_do_nothing_capture_forbids(precision, state):
     _, ambient = bind_precision(model, cfg)
     skip = torch.zeros(())
     for m in model.modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, QuantModule):
             m.skip_weight_update = skip
             m.state_policy = state
     scopes = ("attn", "mamba", "moe_router", "moe_preprocess", "mlp")
@@ -79,3 +79,57 @@ def test_graphed_stages_do_nothing_capture_forbids(precision, state):
                 douts, [x, *st.params], [torch.randn_like(o) for o in douts], allow_unused=True
             )
         assert lint.hits == [], f"{st.name} ({precision}, {state}): {sorted(set(lint.hits))}"
+
+
+def _expert_path_hits(precision, monkeypatch):
+    """Run the routed experts + combine (forward and backward) of the first MoE layer under the
+    lint, with Tensor.tolist / .cpu / .numpy (host reads the dispatch mode cannot see on CPU)
+    made to fail; returns what was found."""
+    cfg = TrainConfig(preset="tiny", precision_config=precision, device="cpu")
+    cfg.validate()
+    model = build_model(get_preset("tiny"), device=torch.device("cpu"), seed=0)
+    bind_precision(model, cfg)
+    layer = next(la for la in model.layers if la.kind == "E")
+    x = torch.randn(2, 32, model.args.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+
+    def front():  # router and preprocess: checked with the graphed stages above
+        return layer.mixer.preprocess(*layer.router_stage(x))
+
+    layer.mixer.experts_and_combine(*front(), num_tokens=64).float().sum().backward()  # warm-up
+    pre = front()
+    found = []
+
+    def host_read(name):
+        def read(self, *args, **kwargs):
+            found.append(f"Tensor.{name}")
+            raise AssertionError(f"Tensor.{name} in the expert path")
+
+        return read
+
+    for name in ("tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, host_read(name))
+    lint = CaptureLint()
+    try:
+        with lint:
+            out = layer.mixer.experts_and_combine(*pre, num_tokens=64)
+            out.float().sum().backward()
+    except AssertionError:
+        pass
+    finally:
+        monkeypatch.undo()
+    return sorted(set(lint.hits)) + found
+
+
+@pytest.mark.parametrize("precision", ["super-mixed", "mxfp8-all", None])
+def test_expert_path_has_no_host_sync(precision, monkeypatch):
+    """The routed experts run eagerly (as in Megatron), but their grouped GEMMs keep the group
+    sizes on the device: no host sync, no data-dependent shape, nothing capture forbids."""
+    assert _expert_path_hits(precision, monkeypatch) == []
+
+
+def test_expert_path_lint_sees_a_host_sync(monkeypatch):
+    """The check above can fail: the per-group fallback GEMM reads the offsets on the host."""
+    from graphsan.lab.quant import grouped
+
+    monkeypatch.setitem(grouped._GROUPED_MM, "cpu", False)
+    assert "Tensor.tolist" in _expert_path_hits(None, monkeypatch)

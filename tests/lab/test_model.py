@@ -36,8 +36,8 @@ def test_module_names_match_the_precision_contract():
                 "mixer.router",
                 "mixer.fc1_latent",
                 "mixer.fc2_latent",
-                "mixer.experts.0.fc1",
-                "mixer.experts.0.fc2",
+                "mixer.experts.fc1",
+                "mixer.experts.fc2",
                 "mixer.shared_expert.fc1",
                 "mixer.shared_expert.fc2",
             ],
@@ -45,6 +45,19 @@ def test_module_names_match_the_precision_contract():
         for e in expected:
             assert f"layers.{i}.{e}" in names
     assert "mtp.eh_proj" in names and "output_layer" in names
+    assert not any(".experts.0" in n for n in names)  # one grouped module per projection
+    experts = model.layers[2].mixer.experts
+    args = get_preset("tiny")
+    assert experts.fc1.weight.shape == (
+        args.num_experts,
+        args.moe_ffn_hidden_size,
+        args.moe_latent_size,
+    )
+    assert experts.fc2.weight.shape == (
+        args.num_experts,
+        args.moe_latent_size,
+        args.moe_ffn_hidden_size,
+    )
     assert model.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
     assert model.embedding.weight.dtype == torch.bfloat16
 
@@ -181,11 +194,13 @@ def test_latent_moe_matches_dense_formula():
         flat = x.reshape(-1, args.hidden_size)
         probs, idx = moe.router(flat)
         latent = moe.fc1_latent(flat)
+        w1, w2 = moe.experts.fc1.weight.float(), moe.experts.fc2.weight.float()
         routed = torch.zeros(flat.shape[0], args.moe_latent_size)
         for t in range(flat.shape[0]):
             for kk in range(args.moe_router_topk):
-                y = moe.experts[int(idx[t, kk])](latent[t : t + 1].repeat(32, 1))[0]
-                routed[t] += probs[t, kk] * y.float()
+                j = int(idx[t, kk])
+                h = torch.relu(latent[t].float() @ w1[j].t()).square()
+                routed[t] += probs[t, kk] * (h.to(torch.bfloat16).float() @ w2[j].t())
         want = moe.fc2_latent(routed.to(torch.bfloat16)).float() + moe.shared_expert(flat).float()
     torch.testing.assert_close(got.reshape_as(want), want, rtol=0.05, atol=0.02)
 

@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 from graphsan.lab.quant import (
+    GroupedQuantLinear,
     PrecisionConfig,
     PrecisionConfigError,
     QuantLinear,
+    QuantModule,
     apply_precision,
     builtin_configs,
     format_precision_table,
@@ -30,7 +32,14 @@ class Mixer(nn.Module):
         else:  # latent MoE
             self.fc1_latent = QuantLinear(32, 16)
             self.fc2_latent = QuantLinear(16, 32)
-            self.experts = nn.ModuleList([QuantLinear(16, 16) for _ in range(2)])
+            self.experts = Experts()
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = GroupedQuantLinear(2, 32, 64)
+        self.fc2 = GroupedQuantLinear(2, 64, 32)
 
 
 class Layer(nn.Module):
@@ -50,7 +59,7 @@ class Toy(nn.Module):
 
 
 def recipes_of(model):
-    return {p: m.recipe.kind for p, m in model.named_modules() if isinstance(m, QuantLinear)}
+    return {p: m.recipe.kind for p, m in model.named_modules() if isinstance(m, QuantModule)}
 
 
 def test_super_mixed():
@@ -65,12 +74,13 @@ def test_super_mixed():
         kinds["layers.3.mixer.fc1_latent"] == "bf16"
         and kinds["layers.3.mixer.fc2_latent"] == "bf16"
     )
-    assert kinds["layers.3.mixer.experts.0"] == "nvfp4"
+    assert kinds["layers.3.mixer.experts.fc1"] == "nvfp4"
+    assert kinds["layers.3.mixer.experts.fc2"] == "nvfp4"
     assert kinds["mtp.0.mixer.out_proj"] == "bf16"  # the MTP rule comes first
     assert kinds["mtp.0.mixer.in_proj"] == "bf16"
     assert dict(table)["layers.0.mixer.out_proj"] == "mxfp8(e4m3) [rule *mixer.out_proj]"
     assert dict(table)["layers.0.mixer.in_proj"].endswith("[base]")
-    assert len(table) == len(kinds)  # every QuantLinear, nothing else (nn.Linear head skipped)
+    assert len(table) == len(kinds)  # every quantized module, nothing else (nn.Linear skipped)
     text = format_precision_table(table)
     assert "layers.0.mixer.out_proj" in text and "mxfp8" in text
 
@@ -81,7 +91,7 @@ def test_first_and_last_layers_bf16_counted_over_the_pattern():
     kinds = recipes_of(model)
     assert kinds["layers.0.mixer.out_proj"] == "bf16"  # first layer wins over the rule
     assert kinds["layers.2.mixer.out_proj"] == "mxfp8"
-    assert kinds["layers.3.mixer.experts.1"] == "nvfp4"
+    assert kinds["layers.3.mixer.experts.fc2"] == "nvfp4"
     assert (
         kinds["layers.4.mixer.in_proj"] == "bf16" and kinds["layers.5.mixer.linear_qkv"] == "bf16"
     )
@@ -208,3 +218,24 @@ def test_applied_recipes_run():
     assert model.layers[0].mixer.out_proj.workspace.kind == "mxfp8"
     assert model.layers[0].mixer.in_proj.workspace.kind == "nvfp4"
     assert model.layers[1].mixer.linear_qkv.workspace is None
+
+
+def test_rules_set_the_grouped_experts_recipe(tmp_path):
+    """One grouped module per projection holds every expert: a glob on its path sets them all."""
+    f = tmp_path / "experts.yaml"
+    f.write_text(
+        """
+base: nvfp4
+rules:
+  - {match: "*.experts.fc1", recipe: mxfp8}
+  - {match: "*.experts.*", recipe: bf16}
+"""
+    )
+    model = Toy()
+    table = dict(apply_precision(model, PrecisionConfig.from_yaml(f)))
+    kinds = recipes_of(model)
+    assert kinds["layers.3.mixer.experts.fc1"] == "mxfp8"
+    assert kinds["layers.3.mixer.experts.fc2"] == "bf16"
+    assert kinds["layers.3.mixer.fc1_latent"] == "nvfp4"
+    assert table["layers.3.mixer.experts.fc1"] == "mxfp8(e4m3) [rule *.experts.fc1]"
+    assert "layers.3.mixer.experts" not in table  # the container is not a quantized module

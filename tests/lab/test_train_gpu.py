@@ -20,7 +20,7 @@ GRADS = ("embedding.weight", "layers.0.norm.weight", "layers.0.mixer.A_log",
          "layers.0.mixer.in_proj.weight", "layers.0.mixer.out_proj.weight",
          "layers.1.mixer.linear_qkv.weight", "layers.2.mixer.router.weight",
          "layers.2.mixer.fc1_latent.weight", "layers.2.mixer.shared_expert.fc1.weight",
-         "layers.2.mixer.experts.0.fc1.weight")
+         "layers.2.mixer.experts.fc1.weight")
 
 def run(**kw):
     base = dict(preset="tiny", quiet=True, device="cuda", train_iters=5, seq_length=64,

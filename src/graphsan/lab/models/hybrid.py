@@ -4,7 +4,8 @@ the output layer.
 
 Module paths (the precision configs match on them): `layers.{i}`, `layers.{i}.mixer` (Mamba:
 `in_proj`, `out_proj`; attention: `linear_qkv`, `linear_proj`; MoE: `router`, `fc1_latent`,
-`fc2_latent`, `experts.{j}.fc1/fc2`, `shared_expert.fc1/fc2`; MLP: `fc1`, `fc2`),
+`fc2_latent`, `experts.fc1/fc2` (each one GroupedQuantLinear holding every expert's weight),
+`shared_expert.fc1/fc2`; MLP: `fc1`, `fc2`),
 `mtp.eh_proj`, `mtp.layers.{i}...`, `output_layer`.
 
 A layer's stages can be replaced by graphed callables (`layer.graphs`, installed by the trainer);
@@ -24,7 +25,7 @@ from graphsan.lab.models.attention import Attention
 from graphsan.lab.models.layers import MLP, RMSNorm
 from graphsan.lab.models.mamba2 import Mamba2Mixer
 from graphsan.lab.models.moe import LatentMoE
-from graphsan.lab.quant import QuantLinear
+from graphsan.lab.quant import QuantLinear, QuantModule
 
 IGNORE_INDEX = -100
 
@@ -122,7 +123,7 @@ class HybridLM(nn.Module):
         scaled = std / math.sqrt(2 * len(self.args.pattern))
         self.embedding.weight.normal_(0, std)
         for name, m in self.named_modules():
-            if isinstance(m, QuantLinear):
+            if isinstance(m, QuantModule):  # QuantLinear and the experts' GroupedQuantLinear
                 last = name.rsplit(".", 1)[-1]
                 is_out = last in ("out_proj", "linear_proj", "fc2", "fc2_latent")
                 m.weight.normal_(0, scaled if is_out else std)
@@ -165,8 +166,8 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     inactive = 0
     for m in model.modules():
         if isinstance(m, LatentMoE):
-            per_expert = sum(p.numel() for p in m.experts[0].parameters())
-            inactive += (len(m.experts) - m.args.moe_router_topk) * per_expert
+            per_expert = sum(p.numel() for p in m.experts.parameters()) // m.args.num_experts
+            inactive += (m.args.num_experts - m.args.moe_router_topk) * per_expert
     return total, total - inactive
 
 

@@ -1,4 +1,5 @@
-"""Small building blocks: RMSNorm, gated RMSNorm (Mamba-2), and the squared-ReLU MLP."""
+"""Small building blocks: RMSNorm, gated RMSNorm (Mamba-2), the squared-ReLU MLP and its grouped
+(routed experts) form."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphsan.lab.quant import QuantLinear
+from graphsan.lab.quant import GroupedQuantLinear, QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -44,7 +45,7 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """fc1 -> squared ReLU -> fc2 (Nemotron-H's MLP; also each expert and the shared expert)."""
+    """fc1 -> squared ReLU -> fc2 (Nemotron-H's MLP; also the MoE's shared expert)."""
 
     def __init__(self, dim: int, ffn: int, *, device=None):
         super().__init__()
@@ -53,3 +54,25 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(squared_relu(self.fc1(x)))
+
+
+class GroupedMLP(nn.Module):
+    """The routed experts: fc1 -> squared ReLU -> fc2 of every expert, each on its own rows.
+
+    fc1, fc2: `GroupedQuantLinear` holding all experts' weights ([E, ffn, dim] and [E, dim, ffn]),
+    one recipe for all experts. forward(x [rows, dim] grouped expert-major, offsets int32 [E]: the
+    cumulative padded row counts) -> [rows, dim]; rows past offsets[-1] give zeros.
+    """
+
+    def __init__(self, num_experts: int, dim: int, ffn: int, *, row_multiple: int, device=None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.fc1 = GroupedQuantLinear(
+            num_experts, dim, ffn, row_multiple=row_multiple, device=device
+        )
+        self.fc2 = GroupedQuantLinear(
+            num_experts, ffn, dim, row_multiple=row_multiple, device=device
+        )
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.fc2(squared_relu(self.fc1(x, offsets)), offsets)

@@ -4,13 +4,17 @@
             normalise, scale)
     preprocess: fc1_latent (hidden -> latent), routing-map padding so each expert's token count is
             a multiple of `moe_pad_multiple`, permutation of token copies grouped by expert
-    experts (squared-ReLU MLPs in the latent space), combine with the routing probabilities,
-    fc2_latent (latent -> hidden); plus a shared expert on the full hidden state.
+    experts (squared-ReLU MLPs in the latent space, all experts in one `GroupedMLP`: grouped GEMMs),
+    combine with the routing probabilities, fc2_latent (latent -> hidden); plus a shared expert on
+    the full hidden state.
 
 Router and preprocess have static shapes and no host sync, so they can be captured in a CUDA
 graph: the permuted buffer has a fixed `capacity` rows (the largest padded total possible), rows
-past the real total are zero with probability 0. The experts read the padded per-expert counts
-on the host (one sync, as Megatron's dropless grouped GEMM does) and run eagerly.
+past the real total are zero with probability 0. The experts take the padded per-expert counts as
+device offsets (their cumulative sum) and run grouped GEMMs over the whole buffer: no host sync
+there either (rows past the total contribute nothing; tests/lab/test_capture_safety.py checks
+the path for syncs). They run eagerly, as Megatron's routed experts do; no sync stands in the way
+of capturing them later.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from torch import nn
 
 from graphsan.lab.models.args import ModelArgs
-from graphsan.lab.models.layers import MLP
+from graphsan.lab.models.layers import MLP, GroupedMLP
 from graphsan.lab.quant import QuantLinear
 
 
@@ -105,9 +109,12 @@ class LatentMoE(nn.Module):
         self.args = args
         self.router = Router(args, device=device)
         self.fc1_latent = QuantLinear(args.hidden_size, args.moe_latent_size, device=device)
-        self.experts = nn.ModuleList(
-            MLP(args.moe_latent_size, args.moe_ffn_hidden_size, device=device)
-            for _ in range(args.num_experts)
+        self.experts = GroupedMLP(
+            args.num_experts,
+            args.moe_latent_size,
+            args.moe_ffn_hidden_size,
+            row_multiple=args.moe_pad_multiple,
+            device=device,
         )
         self.shared_expert = MLP(
             args.hidden_size, args.moe_shared_expert_intermediate_size, device=device
@@ -131,16 +138,10 @@ class LatentMoE(nn.Module):
         return permute(latent, padded, probs_dense, cap)
 
     def experts_and_combine(self, permuted, probs, token, tokens_per_expert, num_tokens: int):
-        """Run each expert on its rows (eager, one host sync), weight by prob, sum per token."""
-        counts = tokens_per_expert.tolist()
-        outs, start = [], 0
-        for expert, count in zip(self.experts, counts, strict=False):
-            if count:
-                outs.append(expert(permuted[start : start + count]))
-            start += count
-        if start < permuted.shape[0]:
-            outs.append(permuted.new_zeros(permuted.shape[0] - start, permuted.shape[1]))
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        """Run the experts on their rows (grouped GEMMs, no host sync), weight by prob, sum per
+        token."""
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        out = self.experts(permuted, offsets)
         combined = torch.zeros(num_tokens, out.shape[1], device=out.device)
         return combined.index_add_(0, token, out.float() * probs.unsqueeze(-1)).to(permuted.dtype)
 

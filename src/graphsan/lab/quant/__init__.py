@@ -14,6 +14,8 @@ Recipes and the quantized Linear:
     lin.weight.main_grad            # float32 weight gradient, accumulated in place
     lin.workspace                   # WeightWorkspace(kind, rowwise, columnwise) or None
     lin.state_policy = "te218"      # TE 2.18's workspace behaviour (the #3316 bug) | "fixed"
+    experts = GroupedQuantLinear(64, 256, 512, row_multiple=32)  # weight [64, 512, 256]
+    y = experts(x_grouped, offsets)  # offsets: int32 [64] cumulative row counts, on the device
 
 Per-module precision:
 
@@ -25,11 +27,13 @@ Built-in precision files: `super-mixed` (base NVFP4; MTP, `*.linear_qkv`, `*.lin
 `*.fc1_latent`, `*.fc2_latent` -> BF16; `*mixer.out_proj` -> MXFP8), `mxfp8-all`,
 `mxfp8-base-nvfp4-outproj` (base MXFP8, `*mixer.out_proj` -> NVFP4). Module names the rules expect
 from the model: attention `linear_qkv` / `linear_proj`, Mamba `mixer.in_proj` / `mixer.out_proj`,
-latent MoE `fc1_latent` / `fc2_latent`, MTP under `mtp.`, layers at `layers.{i}.`.
+latent MoE `fc1_latent` / `fc2_latent`, routed experts `experts.fc1` / `experts.fc2` (one
+GroupedQuantLinear each, all experts), MTP under `mtp.`, layers at `layers.{i}.`.
 """
 
 from . import fp8, mxfp8, nvfp4, rht
-from .linear import QuantLinear, WeightWorkspace
+from .grouped import GroupedQuantLinear
+from .linear import QuantLinear, QuantModule, WeightWorkspace
 from .precision import (
     PrecisionConfig,
     PrecisionConfigError,
@@ -37,15 +41,18 @@ from .precision import (
     builtin_configs,
     format_precision_table,
 )
-from .recipe import Quantizer, Recipe, RecipeError, get_recipe
+from .recipe import Quantizer, Recipe, RecipeError, RowGroups, get_recipe
 
 __all__ = [
     "PrecisionConfig",
     "PrecisionConfigError",
+    "GroupedQuantLinear",
     "QuantLinear",
+    "QuantModule",
     "Quantizer",
     "Recipe",
     "RecipeError",
+    "RowGroups",
     "WeightWorkspace",
     "apply_precision",
     "builtin_configs",

@@ -70,6 +70,27 @@ def nan_to_zero_abs(x32: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(a), torch.zeros_like(a), a)
 
 
+def group_amax(line_amax: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Per-group max of per-line amaxes (a batched reduction, no host sync).
+
+    line_amax: float32 [L], NaN-free (see `nan_to_zero_abs`); groups: int64 [L], the group of each
+    line, `num_groups` for a line in no group. Returns float32 [num_groups + 1]: one amax per
+    group (0 for an empty group), then 0 for the lines in no group, which are ignored.
+    """
+    out = torch.zeros(num_groups + 1, dtype=torch.float32, device=line_amax.device)
+    out = out.scatter_reduce(0, groups, line_amax, "amax", include_self=True)
+    return torch.cat((out[:num_groups], torch.zeros_like(out[num_groups:])))
+
+
+def check_groups(x: torch.Tensor, groups: torch.Tensor, what: str) -> None:
+    """A row-group index fits x: int64, one entry per row, on x's device."""
+    if groups.dtype != torch.int64 or groups.shape != (x.shape[0],) or groups.device != x.device:
+        raise ValueError(
+            f"{what} grouped: groups is {groups.dtype} {tuple(groups.shape)} on {groups.device}; "
+            f"expected int64 ({x.shape[0]},) on {x.device} (the group of each row)"
+        )
+
+
 # --- FP8 elements (E4M3, E5M2) ---------------------------------------------------------------
 
 

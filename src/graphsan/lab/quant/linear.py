@@ -25,6 +25,9 @@ the lab's reproduction of TE #3316 depends on it:
 - `state_policy`: "te218" reproduces TE's behaviour (clear the workspace when the stored recipe
   class differs from the active one; an eval forward then rebuilds it rowwise-only), "fixed" never
   clears on a mismatch and leaves the workspace alone when grad is disabled.
+
+These rules are written once, in `QuantModule`, the base of `QuantLinear` and of the routed
+experts' `GroupedQuantLinear` (grouped.py).
 """
 
 from __future__ import annotations
@@ -186,11 +189,11 @@ class _QuantLinearFn(torch.autograd.Function):
 # --- the module -------------------------------------------------------------------------------
 
 
-class QuantLinear(nn.Module):
-    """y = x W^T (+ b) with the module's recipe; see the module docstring for the state rules.
+class QuantModule(nn.Module):
+    """The per-module state every quantized GEMM module shares (QuantLinear, GroupedQuantLinear).
 
-    weight: Parameter [out, in] in `params_dtype`; `weight.main_grad` (float32, allocated here)
-    accumulates the weight gradient in place.
+    weight: the Parameter whose quantized copy the workspace caches; `weight.main_grad` (float32)
+    accumulates its gradient in place.
     recipe / set_recipe(r): the module's own recipe (default bf16).
     stored_recipe: the recipe the module last recorded (forward writes it).
     state_policy: "fixed" (default) or "te218".
@@ -199,34 +202,16 @@ class QuantLinear(nn.Module):
     re-quantized (a masked in-place copy, so a captured graph can replay it).
     sr_generator: generator for stochastic rounding (None: the device's default generator,
     which CUDA-graph capture handles).
+
+    A subclass creates `weight` (and its `main_grad`) and may override `_weight_source` and
+    `_weight_quantizer` (how the weight is laid out and quantized); the workspace rules below are
+    written once, here.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = False,
-        *,
-        device=None,
-        params_dtype: torch.dtype = torch.bfloat16,
-    ) -> None:
+    weight: nn.Parameter
+
+    def __init__(self) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        weight = torch.empty(out_features, in_features, device=device, dtype=torch.float32)
-        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's default
-        self.weight = nn.Parameter(weight.to(params_dtype))
-        self.weight.main_grad = torch.zeros(
-            out_features, in_features, device=device, dtype=torch.float32
-        )
-        if bias:
-            bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
-            b = torch.empty(out_features, device=device, dtype=torch.float32).uniform_(
-                -bound, bound
-            )
-            self.bias = nn.Parameter(b.to(params_dtype))
-        else:
-            self.register_parameter("bias", None)
         self._recipe = get_recipe("bf16")
         self.quantizers: dict[str, Quantizer] = {}
         self.stored_recipe: Recipe | None = None
@@ -262,23 +247,16 @@ class QuantLinear(nn.Module):
         """Drop the cached quantized weight (its memory is freed once nothing else holds it)."""
         self.workspace = None
 
-    # --- forward ---
+    # --- the state rules of one forward ---
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"QuantLinear: input last dim is {x.shape[-1]}, expected in_features={self.in_features}"
-            )
+    def _begin_forward(self) -> Recipe:
+        """Check the state policy, apply its stored-recipe rule; returns the active recipe."""
         if self.state_policy not in STATE_POLICIES:
             raise ValueError(
-                f"QuantLinear.state_policy={self.state_policy!r}; expected one of {STATE_POLICIES}"
+                f"{type(self).__name__}.state_policy={self.state_policy!r}; expected one of "
+                f"{STATE_POLICIES}"
             )
         recipe = self._recipe
-        grad_enabled = torch.is_grad_enabled()
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        _check_tokens(recipe, x2.shape[0], grad_enabled and self.weight.requires_grad)
-
         # TE `pytorch/module/base.py` init_fp8_metadata (~1541-1585 at 2.20-dev, the same logic at
         # 2.18): it remembers the recipe recorded in fp8_meta before this forward, and if the active
         # recipe's class is not a subclass either way of the recorded one it warns and clears
@@ -291,26 +269,22 @@ class QuantLinear(nn.Module):
         ):
             self.clear_workspace()
         self.stored_recipe = recipe
+        return recipe
 
-        w_row, w_col = self._weight_operands(recipe, grad_enabled)
-        plan = _Plan(
-            recipe=recipe,
-            quantizers=self.quantizers,
-            w_rowwise=w_row,
-            w_columnwise=w_col,
-            main_grad=self.weight.main_grad,
-            generator=self._generator(x) if recipe.quantized else None,
-            save_for_wgrad=grad_enabled and self.weight.requires_grad,
-        )
-        y = _QuantLinearFn.apply(x2, self.weight, self.bias, plan)
-        return y.reshape(*lead, self.out_features)
+    def _weight_source(self) -> torch.Tensor:
+        """The weight as the 2-D tensor its quantizer reads."""
+        return self.weight.detach()
+
+    def _weight_quantizer(self):
+        """What quantizes the weight: anything with `quantize(w, axis)` and `quantize_both(w)`."""
+        return self.quantizers["weight"]
 
     def _weight_operands(self, recipe: Recipe, grad_enabled: bool):
         """The weight's fprop (rowwise) and dgrad (columnwise) operands for this forward."""
         if not recipe.quantized:
             return None, None  # bf16 reads the weight directly; no workspace
-        q = self.quantizers["weight"]
-        w = self.weight.detach()
+        q = self._weight_quantizer()
+        w = self._weight_source()
 
         # "fixed": an eval (no-grad) forward quantizes the weight on the fly and never touches
         # the workspace, so eager evaluation cannot free or re-point memory a graph uses.
@@ -365,6 +339,66 @@ class QuantLinear(nn.Module):
         self.weight.main_grad = main_grad.to(self.weight.device, torch.float32)
         return out
 
+
+class QuantLinear(QuantModule):
+    """y = x W^T (+ b) with the module's recipe; see the module docstring for the state rules
+    and `QuantModule` for the state attributes.
+
+    weight: Parameter [out, in] in `params_dtype`; `weight.main_grad` (float32, allocated here)
+    accumulates the weight gradient in place.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        device=None,
+        params_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        weight = torch.empty(out_features, in_features, device=device, dtype=torch.float32)
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's default
+        self.weight = nn.Parameter(weight.to(params_dtype))
+        self.weight.main_grad = torch.zeros(
+            out_features, in_features, device=device, dtype=torch.float32
+        )
+        if bias:
+            bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+            b = torch.empty(out_features, device=device, dtype=torch.float32).uniform_(
+                -bound, bound
+            )
+            self.bias = nn.Parameter(b.to(params_dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"QuantLinear: input last dim is {x.shape[-1]}, expected in_features={self.in_features}"
+            )
+        grad_enabled = torch.is_grad_enabled()
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        _check_tokens(self._recipe, x2.shape[0], grad_enabled and self.weight.requires_grad)
+        recipe = self._begin_forward()
+
+        w_row, w_col = self._weight_operands(recipe, grad_enabled)
+        plan = _Plan(
+            recipe=recipe,
+            quantizers=self.quantizers,
+            w_rowwise=w_row,
+            w_columnwise=w_col,
+            main_grad=self.weight.main_grad,
+            generator=self._generator(x) if recipe.quantized else None,
+            save_for_wgrad=grad_enabled and self.weight.requires_grad,
+        )
+        y = _QuantLinearFn.apply(x2, self.weight, self.bias, plan)
+        return y.reshape(*lead, self.out_features)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -373,12 +407,12 @@ class QuantLinear(nn.Module):
         )
 
 
-def _alloc_rowwise(w: torch.Tensor, q: Quantizer) -> QTensor:
+def _alloc_rowwise(w: torch.Tensor, q) -> QTensor:
     """New rowwise workspace buffers (the fprop operand), quantized from `w`."""
     return q.quantize(w, axis=-1)
 
 
-def _alloc_columnwise(w: torch.Tensor, q: Quantizer) -> QTensor:
+def _alloc_columnwise(w: torch.Tensor, q) -> QTensor:
     """New columnwise workspace buffers (the dgrad operand), quantized from `w`."""
     return q.quantize(w, axis=0)
 

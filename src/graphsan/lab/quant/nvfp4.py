@@ -23,7 +23,8 @@ generator: graph-capturable, no host sync, no data-dependent shapes). With `bloc
 tile's scale byte is repeated over its 16 rows; rows beyond the tensor count as zeros.
 
 On CUDA, `quantize` uses the Triton kernel when Triton is importable; `quantize_reference` is the
-fallback and the oracle.
+fallback and the oracle. `quantize_grouped` (torch, any device) gives each row group (expert) of
+a stacked tensor its own global amax, for the grouped expert GEMMs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .elements import (
     E2M1_MAX,
     E4M3_MAX,
     FLT_MAX,
+    check_groups,
     div,
     e2m1_decode,
     e2m1_rne,
@@ -43,6 +45,7 @@ from .elements import (
     fp8_decode,
     fp8_encode,
     fp32_reciprocal,
+    group_amax,
     nan_to_zero_abs,
     pack_nibbles,
     unpack_nibbles,
@@ -131,6 +134,50 @@ def quantize_reference(
     rbits = random_bits(x32.shape, generator, x32.device) if generator is not None else None
     codes = encode_elements(x32, enc, rbits)
     return NVFP4Tensor(pack_nibbles(codes), scale, amax, -1 if axis != 0 else 0, block_2d, rht)
+
+
+def quantize_grouped(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    axis: int = -1,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """NVFP4 of a tensor whose rows form consecutive groups (experts), each with its own global
+    amax (step 1 per group): the bytes equal quantizing each group's rows alone and stacking the
+    results, provided no block crosses a group boundary. Rowwise 1x16 blocks never do; columnwise
+    blocks, RHT blocks and 16x16 tiles run over 16 rows, so every group's row count must then be a
+    multiple of 16 (the caller's guarantee: checking it would need a host sync).
+
+    groups: int64 [rows], the group of each row; `num_groups` marks rows in no group (padding:
+    ignored by the amax, quantized with S_enc = 1). The result's `amax` is float32 [num_groups]
+    (post-RHT with `rht`). Stochastic rounding draws the same number of bits as `quantize`, in one
+    call, so it is reproducible but does not repeat a per-group loop's bits.
+    """
+    _check_args(x, axis, block_2d, order, rht, generator)
+    check_groups(x, groups, "NVFP4")
+    src = x.t() if axis == 0 else x  # rows (the groups) run along the last dim when axis == 0
+    if rht:
+        src = apply_rht(src)
+    x32 = src.to(torch.float32)
+    line_amax = nan_to_zero_abs(x32).amax(dim=0 if axis == 0 else 1)
+    amax = group_amax(line_amax, groups, num_groups)  # [num_groups + 1]
+    s_enc, s_dec = global_scales(amax)
+    if axis == 0:  # one group per 16-row block: the block's first row names it
+        s_enc, s_dec = s_enc[groups[::BLOCK]].unsqueeze(0), s_dec[groups[::BLOCK]].unsqueeze(0)
+    else:
+        s_enc, s_dec = s_enc[groups].unsqueeze(1), s_dec[groups].unsqueeze(1)
+    vec_max = block_amax(x32, block_2d)
+    scale = block_scale(vec_max, s_enc, order)
+    enc = encode_factor(scale, s_dec)
+    rbits = random_bits(x32.shape, generator, x32.device) if generator is not None else None
+    codes = encode_elements(x32, enc, rbits)
+    return NVFP4Tensor(
+        pack_nibbles(codes), scale, amax[:num_groups], -1 if axis != 0 else 0, block_2d, rht
+    )
 
 
 # --- the steps, one function each -----------------------------------------------------------

@@ -131,46 +131,76 @@ QTensor = mxfp8.MXFP8Tensor | nvfp4.NVFP4Tensor | fp8.FP8Tensor
 
 
 @dataclass(frozen=True)
+class RowGroups:
+    """The rows of a 2-D tensor split into consecutive groups (the experts of a grouped GEMM).
+
+    index: int64 [rows] device tensor, the group of each row; `count` marks a row in no group
+    (padding past the last group). count: the number of groups.
+
+    Quantizing with groups gives each group its own per-tensor factor (NVFP4 global amax, FP8
+    scale; the QTensor then holds one per group), so the bytes equal quantizing each group's rows
+    alone. MXFP8 has no per-tensor factor and ignores the groups. Blocks along the rows (the
+    columnwise direction, 32 rows MXFP8 / 16 NVFP4) must not cross groups: the caller keeps every
+    group's row count a multiple of the block.
+    """
+
+    index: torch.Tensor
+    count: int
+
+
+@dataclass(frozen=True)
 class Quantizer:
     """Quantizes one GEMM slot ("weight", "input" or "grad_output") of a recipe.
 
     `quantize(x, axis)` gives the rowwise (axis -1) or columnwise (axis 0) copy of a 2-D tensor
-    with the treatment the slot gets in that direction.
+    with the treatment the slot gets in that direction; `groups` (a `RowGroups`) gives each row
+    group its own per-tensor factor.
     """
 
     recipe: Recipe
     role: str
 
     def quantize(
-        self, x: torch.Tensor, axis: int, generator: torch.Generator | None = None
+        self,
+        x: torch.Tensor,
+        axis: int,
+        generator: torch.Generator | None = None,
+        groups: RowGroups | None = None,
     ) -> QTensor:
         r = self.recipe
         if r.kind == "fp8":
+            if groups is not None:
+                return fp8.quantize_grouped(x, groups.index, groups.count, axis=axis)
             return fp8.quantize(x, axis=axis)
         if r.kind == "mxfp8":
             fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
             return mxfp8.quantize(x, axis=axis, fmt=fmt, rule=r.scale_rule)
         if r.kind == "nvfp4":
             weight = self.role == "weight"
-            return nvfp4.quantize(
-                x,
+            options = dict(
                 axis=axis,
                 block_2d=weight and r.weight_2d,
                 order=r.order,
                 rht=r.rht and not weight and axis == 0,
                 generator=generator if (r.sr and self.role == "grad_output") else None,
             )
+            if groups is not None:
+                return nvfp4.quantize_grouped(x, groups.index, groups.count, **options)
+            return nvfp4.quantize(x, **options)
         raise RecipeError(f"recipe {r.kind} does not quantize")
 
     def quantize_both(
-        self, x: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        x: torch.Tensor,
+        generator: torch.Generator | None = None,
+        groups: RowGroups | None = None,
     ) -> tuple[QTensor, QTensor]:
         """(rowwise, columnwise) copies; MXFP8 uses the fused one-pass kernel on CUDA."""
         r = self.recipe
         if r.kind == "mxfp8":
             fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
             return mxfp8.quantize_both(x, fmt=fmt, rule=r.scale_rule)
-        return self.quantize(x, -1, generator), self.quantize(x, 0, generator)
+        return self.quantize(x, -1, generator, groups), self.quantize(x, 0, generator, groups)
 
     @property
     def uses_generator(self) -> bool:

@@ -6,8 +6,8 @@ Scopes (Megatron's `--cuda-graph-scope` names):
     moe_router      each MoE layer's pre-norm + router
     moe_preprocess  additionally fc1_latent, routing-map padding and permutation (needs moe_router)
     mlp             each dense MLP layer and each MoE layer's shared expert
-Routed experts, combine and fc2_latent run eagerly (dynamic per-expert token counts), as do the
-embedding, the output layer and MTP.
+Routed experts (grouped GEMMs over device-side per-expert offsets, no host sync), combine and
+fc2_latent run eagerly, as in Megatron, as do the embedding, the output layer and MTP.
 
 Capture, for every graphed stage:
 1. warm-up: the real modules run eagerly on a side stream (forward + autograd.grad), so buffers a
@@ -28,7 +28,7 @@ training mode with grad enabled; eval runs the modules eagerly (HybridLayer.forw
 
 `graph_state`:
     "te218"  on every training replay the wrapper writes the ambient recipe (the precision config's
-             base recipe) into `stored_recipe` of every QuantLinear in that graphed scope, even
+             base recipe) into `stored_recipe` of every quantized module in that graphed scope, even
              those with their own override. TE 2.18's `transformer_engine/pytorch/graph.py` does
              this in the graphed forward wrapper (around line 1245): for each TE module of the
              callable it sets `fp8_meta["recipe"]` to `FP8GlobalStateManager.get_fp8_recipe()`
@@ -41,13 +41,14 @@ training mode with grad enabled; eval runs the modules eagerly (HybridLayer.forw
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 import graphsan
-from graphsan.lab.quant import QuantLinear
+from graphsan.lab.quant import QuantModule
 
 GRAPH_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess", "mlp")
 
@@ -117,7 +118,7 @@ class GraphedStage:
         seen, self.params, self.quant = set(), [], []
         for m in self.modules:
             for sub in m.modules():
-                if isinstance(sub, QuantLinear) and id(sub) not in seen:
+                if isinstance(sub, QuantModule) and id(sub) not in seen:
                     seen.add(id(sub))
                     self.quant.append(sub)
         qweights = {id(q.weight) for q in self.quant}
@@ -227,33 +228,48 @@ def capture(
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
 
-    for mb in range(num_microbatches):
-        live = []
-        for st in stages:  # forward graphs, in execution order
-            x = sample()
-            g = torch.cuda.CUDAGraph()
-            with graphsan.label(f"{st.name} fwd mb{mb}"), torch.cuda.graph(g, pool=pool):
-                outs = _flat(st.fn(x))
-            live.append((st, x, g, outs))
-        for st, x, g, outs in reversed(live):  # backward graphs, in reverse
-            diff = tuple(o.requires_grad for o in outs)
-            douts = [o for o in outs if o.requires_grad]
-            grad_bufs = tuple(torch.empty_like(o) for o in douts)
-            bg = torch.cuda.CUDAGraph()
-            with graphsan.label(f"{st.name} bwd mb{mb}"), torch.cuda.graph(bg, pool=pool):
-                grads = torch.autograd.grad(douts, [x, *st.params], grad_bufs, allow_unused=True)
-            st.graphs.append(
-                _Graphs(
-                    g,
-                    x.detach().requires_grad_(False),
-                    tuple(o.detach() for o in outs),
-                    diff,
-                    bg,
-                    grad_bufs,
-                    tuple(grads),
+    # No automatic garbage collection while capturing: a collection inside a capture runs the
+    # destructors of whatever became unreachable, and destroying a CUDA graph there (a previous
+    # run's, in the same process) is an operation a capturing stream forbids, which invalidates
+    # the capture. Once on the H200, the GPU scope test (several runs in one process) failed
+    # with "operation failed due to a previous error during capture" next to CUDA graph reset
+    # warnings; the same runs passed alone. This is the likely cause, not a proven one.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for mb in range(num_microbatches):
+            live = []
+            for st in stages:  # forward graphs, in execution order
+                x = sample()
+                g = torch.cuda.CUDAGraph()
+                with graphsan.label(f"{st.name} fwd mb{mb}"), torch.cuda.graph(g, pool=pool):
+                    outs = _flat(st.fn(x))
+                live.append((st, x, g, outs))
+            for st, x, g, outs in reversed(live):  # backward graphs, in reverse
+                diff = tuple(o.requires_grad for o in outs)
+                douts = [o for o in outs if o.requires_grad]
+                grad_bufs = tuple(torch.empty_like(o) for o in douts)
+                bg = torch.cuda.CUDAGraph()
+                with graphsan.label(f"{st.name} bwd mb{mb}"), torch.cuda.graph(bg, pool=pool):
+                    grads = torch.autograd.grad(
+                        douts, [x, *st.params], grad_bufs, allow_unused=True
+                    )
+                st.graphs.append(
+                    _Graphs(
+                        g,
+                        x.detach().requires_grad_(False),
+                        tuple(o.detach() for o in outs),
+                        diff,
+                        bg,
+                        grad_bufs,
+                        tuple(grads),
+                    )
                 )
-            )
-        del live, outs, douts, grads
+            del live, outs, douts, grads
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     for st in stages:
         if st.graph_state == "fixed":
             st.keepalive = [q.workspace for q in st.quant if q.workspace is not None]

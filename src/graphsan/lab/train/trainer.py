@@ -23,7 +23,7 @@ import torch
 
 import graphsan
 from graphsan.lab.models import build_model, count_parameters, get_preset
-from graphsan.lab.quant import PrecisionConfig, QuantLinear, apply_precision, get_recipe
+from graphsan.lab.quant import PrecisionConfig, QuantModule, apply_precision, get_recipe
 from graphsan.lab.train import graphs as cuda_graphs
 from graphsan.lab.train.checkpoint import save_checkpoint
 from graphsan.lab.train.config import TrainConfig
@@ -82,12 +82,11 @@ def bind_precision(model, cfg: TrainConfig):
 
 
 def summarize_table(table: list[tuple[str, str]]) -> str:
-    """The recipe table with layer and expert indices folded: one row per (module kind, recipe)."""
+    """The recipe table with layer indices folded: one row per (module kind, recipe)."""
     rows: dict[tuple[str, str], list[int]] = {}
     for path, desc in table:
         m = re.match(r"^(mtp\.)?layers\.(\d+)\.(.*)$", path)
         key_path = path if not m else f"{m.group(1) or ''}layers.{{i}}.{m.group(3)}"
-        key_path = re.sub(r"experts\.\d+\.", "experts.{j}.", key_path)
         rows.setdefault((key_path, desc), []).append(int(m.group(2)) if m else -1)
     out = []
     width = max(len(p) for p, _ in rows) if rows else 6
@@ -143,7 +142,7 @@ def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
     result.recipe_table, ambient = bind_precision(model, cfg)
     skip = torch.zeros((), device=device)  # the shared weight-workspace skip flag
     for m in model.modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, QuantModule):  # QuantLinear and the experts' GroupedQuantLinear
             m.skip_weight_update = skip
             m.state_policy = cfg.graph_state
     opt = MainGradAdamW(model, cfg.lr)
