@@ -3,7 +3,9 @@
 # part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes, so:
 #   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~5 min)
 #   call 2:  bash scripts/gpu_check.sh example repro bench
-#   (quant: the Triton kernel tests and bench_quant; autotune: bench_quant with autotuned tiles)
+#   (quant: the Triton kernel tests and bench_quant; train: bench_train; trace1: case 1 with
+#   CUDA_LAUNCH_BLOCKING=1, to name the kernel whose assert fires; autotune: bench_quant with
+#   autotuned tiles)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/graphsan-out}; mkdir -p "$OUT"
@@ -24,9 +26,16 @@ for part in ${*:-tests}; do
     quant)
       timeout 150 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py -p no:cacheprovider 2>&1 | tail -5
       timeout 100 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 | tee "$OUT/bench_quant.log" | tail -14 ;;
+    train)
+      timeout 240 python3 bench/bench_train.py --iters 8 --out "$OUT/PERF-train.md" 2>&1 \
+        | tee "$OUT/bench_train.log" | tail -14 ;;
+    trace1)  # which kernel trips case 1's device-side assert (launches made synchronous)
+      CUDA_LAUNCH_BLOCKING=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 \
+        python3 -m graphsan.cli repro --child 1 --preset small --result "$OUT/trace1.json" \
+        > "$OUT/trace1.log" 2>&1; grep -n -m5 -B2 -A25 "Traceback\|device-side assert" "$OUT/trace1.log" | tail -60 ;;
     autotune)
       GRAPHSAN_TRITON_AUTOTUNE=1 timeout 150 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 \
         | tee "$OUT/bench_quant_autotune.log" | tail -30 ;;
-    *) echo "unknown part $part (tests, example, repro, bench, quant, autotune)" ;;
+    *) echo "unknown part $part (tests, example, repro, bench, quant, train, trace1, autotune)" ;;
   esac
 done
