@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 
@@ -256,6 +257,7 @@ def run_child(n: int, preset: str, reference: bool) -> dict:
         out.update(outcome="silent corruption", iteration=getattr(err, "iteration", None))
         out.update(symptom=str(err), losses=getattr(err, "losses", []))
     except RuntimeError as err:
+        traceback.print_exc()  # where it surfaced (the kernel itself with CUDA_LAUNCH_BLOCKING=1)
         text = str(err)
         kind = _crash_kind(text) or "error"
         out.update(outcome=kind, iteration=getattr(err, "iteration", None))
