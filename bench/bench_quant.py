@@ -3,12 +3,14 @@
     PYTHONPATH=src python3 bench/bench_quant.py [--size 8192] [--iters 20]
 
 1. Each Triton quantize kernel on a size x size bf16 tensor, every kernel variant
-   (`triton_kernels.VARIANTS`, "v1" and "v2") side by side on the same input: time per variant,
-   v1/v2 time ratio (> 1: v2 faster), achieved bytes/s (bytes that must move: the bf16 input read
-   once plus the outputs written) as a fraction of a measured device copy bandwidth
-   (`dst.copy_(src)`, read + write), the target check on the faster variant, whether the variants'
-   output bytes (data, scales, amax) are equal, and the torch reference time. Kernel times are
-   device time: the calls replayed from a CUDA graph, so the host's launch cost (Python argument
+   (`triton_kernels.VARIANTS`, "v1", "v2", "v3") side by side on the same input: time per
+   variant, the fastest variant, the time ratio v1/vN of each later variant (> 1: vN faster than
+   v1; where a kernel has no vN of its own, vN runs the previous variant's kernel and the two
+   times differ by noise only), achieved bytes/s (bytes that must move: the bf16 input read once
+   plus the outputs written) as a fraction of a measured device copy bandwidth (`dst.copy_(src)`,
+   read + write), the target check on the fastest variant, whether all the variants' output
+   bytes (data, scales, amax) are equal, and the torch reference time. Kernel times are device
+   time: the calls replayed from a CUDA graph, so the host's launch cost (Python argument
    checks, output allocation, Triton's launcher: tens of microseconds, a large part of a 0.1 ms
    kernel) is not in them; the copy is timed the same way. The "eager ms" columns time one call
    alone, launch included, as an eager caller sees it. The RHT+SR row is timed eagerly only. The NVFP4 quantize
@@ -174,13 +176,15 @@ def main() -> None:
     ]  # fmt: skip
     print()
     head = " | ".join(f"{v} ms" for v in variants)
+    later = variants[1:]
+    ratios = " | ".join(f"{variants[0]}/{v} time" for v in later)
     fracs = " | ".join(f"{v} of copy bw" for v in variants)
     eager = " | ".join(f"{v} eager ms" for v in variants)
     print(
-        f"| kernel | {head} | v1/v2 time | {fracs} | target (best) | bytes equal | {eager} "
+        f"| kernel | {head} | best | {ratios} | {fracs} | target (best) | bytes equal | {eager} "
         "| torch ref ms |"
     )
-    print("|---" * (6 + 3 * len(variants)) + "|")
+    print("|---" * (4 + 4 * len(variants)) + "|")
     for name, fast, ref, nbytes, target in rows:
         eager_t = {v: bench(lambda v=v, fast=fast: fast(v), args.iters) for v in variants}
         times = {}
@@ -192,7 +196,8 @@ def main() -> None:
             if times[v] is None:
                 times[v] = eager_t[v]
         t_ref = bench(ref, max(3, args.iters // 4), warmup=1)
-        best = min(times.values())
+        best_v = min(variants, key=lambda v: times[v])
+        best = times[best_v]
         frac = {v: nbytes / t / copy_bw for v, t in times.items()}
         tgt = "-"
         if target:
@@ -205,7 +210,9 @@ def main() -> None:
         print(
             f"| {name} | "
             + " | ".join(f"{times[v] * 1e3:.3f}" for v in variants)
-            + f" | {times['v1'] / times['v2']:.2f}x | "
+            + f" | {best_v} | "
+            + " | ".join(f"{times[variants[0]] / times[v]:.2f}x" for v in later)
+            + " | "
             + " | ".join(f"{frac[v]:.0%}" for v in variants)
             + f" | {tgt} | {'yes' if equal else 'NO, DIFFERENT BYTES'} | "
             + " | ".join(f"{eager_t[v] * 1e3:.3f}" for v in variants)

@@ -22,10 +22,10 @@ for part in ${*:-tests}; do
     repro)
       timeout 330 python3 -m graphsan.cli repro --timeout 240 --json "$OUT/repro.json" 2>&1 | tee "$OUT/repro.log" | tail -60 ;;
     bench)
-      timeout 150 python3 bench/bench_sanitizer.py --layers 32 --steps 50 --rounds 3 --repeats 1 2>&1 | tee "$OUT/bench_sanitizer.log" | tail -10 ;;
+      timeout 240 python3 bench/bench_sanitizer.py --layers 32 --steps 50 --rounds 3 --repeats 3 2>&1 | tee "$OUT/bench_sanitizer.log" | tail -10 ;;
     quant)
-      timeout 150 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py -p no:cacheprovider 2>&1 | tail -5
-      timeout 100 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 | tee "$OUT/bench_quant.log" | tail -14 ;;
+      timeout 270 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py -p no:cacheprovider 2>&1 | tail -5
+      timeout 160 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 | tee "$OUT/bench_quant.log" | tail -14 ;;
     train)
       timeout 240 python3 bench/bench_train.py --iters 8 --out "$OUT/PERF-train.md" 2>&1 \
         | tee "$OUT/bench_train.log" | tail -14 ;;

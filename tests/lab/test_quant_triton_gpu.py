@@ -13,10 +13,11 @@ from tests.lab.kernel_checks import (
     assert_nvfp4_matches,
     edge_inputs,
     mxfp8_inputs,
+    nvfp4_edge_cases,
 )
 
 pytestmark = pytest.mark.gpu
-VARIANTS = ["v1", "v2"]  # every kernel variant in triton_kernels.VARIANTS
+VARIANTS = ["v1", "v2", "v3"]  # every kernel variant in triton_kernels.VARIANTS
 FP8_PATHS = ["hardware fp8", "bit fields"]
 
 SHAPES = [(32, 32), (96, 160), (1024, 4096), (4096, 96)]
@@ -65,6 +66,42 @@ def test_mxfp8_kernel_matches_reference(tk, shape, fmt, path, variant, monkeypat
         cpu = mxfp8.quantize_reference(x.cpu(), -1, fmt)
         assert torch.equal(cpu.scale, row.scale.cpu())
         assert torch.equal(cpu.data & 0x7F, row.data.cpu() & 0x7F)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("path", FP8_PATHS)
+def test_mxfp8_v3_nan_blocks_and_fallbacks(tk, fmt, path, monkeypatch):
+    """v3's kernel takes NaN out of block maxima with the GPU's NaN-ignoring maximum (the
+    interpreter cannot check that): blocks with NaN, an all-NaN block; and the inputs v3 hands
+    to v2 (float32, a column stride of 2)."""
+    use_fp8_path(tk, path, monkeypatch)
+    x = mxfp8_inputs((256, 1056), 1, "cuda")
+    x[:32, 40:45] = float("nan")
+    x[32:64, 64:96] = float("nan")
+    assert_mxfp8_matches(tk, x, fmt, "v3")
+    assert_mxfp8_matches(tk, mxfp8_inputs((256, 96), 2, "cuda"), fmt, "v3")
+    assert_mxfp8_matches(tk, mxfp8_inputs((64, 192), 0, "cuda")[:, ::2], fmt, "v3")
+
+
+@pytest.mark.parametrize("order", ["current", "legacy"])
+@pytest.mark.parametrize("path", FP8_PATHS)
+def test_nvfp4_v3_row_kernel_edges_and_nan_blocks(tk, order, path, monkeypatch):
+    """v3's row kernel on the named edge cases rounded to bf16 (its input type), and on blocks
+    with NaN and all-NaN blocks (NaN leaves block maxima through the GPU's NaN-ignoring maximum),
+    1D and 2D blocks."""
+    use_fp8_path(tk, path, monkeypatch)
+    cases = {name: x.to(torch.bfloat16) for name, x in nvfp4_edge_cases("cuda").items()}
+    x = inputs((256, 1056), 3)
+    x[:16, 40:45] = float("nan")
+    x[16:32, 64:80] = float("nan")
+    cases["nan blocks"] = x
+    for name, x in cases.items():
+        for block_2d in (False, True):
+            a = tk.nvfp4_quantize(x, -1, block_2d, order, variant="v3")
+            b = nvfp4.quantize_reference(x, -1, block_2d, order)
+            assert torch.equal(a.amax, b.amax), name
+            assert torch.equal(a.scale, b.scale), (name, block_2d)
+            assert torch.equal(a.data, b.data), (name, block_2d)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -5,17 +5,20 @@ emulates) are checked on the GPU by test_quant_triton_gpu.py."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 import torch
 
+from graphsan.lab.quant import mxfp8, nvfp4
 from tests.lab.kernel_checks import (
     assert_mxfp8_matches,
     assert_nvfp4_edges_match,
     assert_nvfp4_matches,
     edge_inputs,
     mxfp8_inputs,
+    nvfp4_edge_cases,
 )
 
 pytestmark = [
@@ -40,7 +43,7 @@ def tk():
     return triton_kernels
 
 
-VARIANTS = ["v1", "v2"]  # triton_kernels.VARIANTS (not imported here: Triton loads lazily)
+VARIANTS = ["v1", "v2", "v3"]  # triton_kernels.VARIANTS (not imported here: Triton loads lazily)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -62,3 +65,46 @@ def test_nvfp4_kernel_matches_reference(tk, shape, order, variant):
 @pytest.mark.parametrize("order", ["current", "legacy"])
 def test_nvfp4_kernel_edge_inputs(tk, order, variant):
     assert_nvfp4_edges_match(tk, order, variant, "cpu")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mxfp8_v3_tiles_and_fallbacks(tk, fmt):
+    """v3's own kernel (bf16, unit column stride) over several programs in both dimensions, blocks
+    with NaN and an all-NaN block, a column slice of a wider tensor, columnwise with K = 100 (not
+    a multiple of 32); and the inputs it hands to v2 (float32, a column stride of 2)."""
+    x = mxfp8_inputs((64, 544), 1, "cpu")
+    x[:32, 40:45] = math.nan
+    x[32:, 64:96] = math.nan
+    assert_mxfp8_matches(tk, x, fmt, "v3")
+    assert_mxfp8_matches(tk, mxfp8_inputs((64, 256), 0, "cpu")[:, 32:160], fmt, "v3")
+    x = mxfp8_inputs((64, 100), 1, "cpu")
+    q, ref = tk.mxfp8_quantize(x, 0, fmt, variant="v3"), mxfp8.quantize_reference(x, 0, fmt)
+    assert torch.equal(q.data, ref.data) and torch.equal(q.scale, ref.scale)
+    assert_mxfp8_matches(tk, mxfp8_inputs((64, 96), 2, "cpu"), fmt, "v3")  # float32
+    assert_mxfp8_matches(tk, mxfp8_inputs((64, 192), 0, "cpu")[:, ::2], fmt, "v3")
+
+
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_v3_row_kernel(tk, order):
+    """v3's row kernel (bf16, unit column stride): several programs along the row, a partial row
+    tile (1D and 2D blocks, with and without SR), and the named edge cases rounded to bf16
+    (given the reference global amax: the interpreter loads bf16 subnormals inexactly in the
+    amax kernel, which v3 shares with v2)."""
+    assert_nvfp4_matches(tk, edge_inputs((48, 544), 3, "cpu"), order, 5, "v3")
+    x = edge_inputs((40, 288), 4, "cpu")
+    for block_2d in (False, True):
+        for sr in (False, True):
+            g1 = torch.Generator().manual_seed(1) if sr else None
+            g2 = torch.Generator().manual_seed(1) if sr else None
+            a = tk.nvfp4_quantize(x, -1, block_2d, order, generator=g1, variant="v3")
+            b = nvfp4.quantize_reference(x, -1, block_2d, order, generator=g2)
+            assert torch.equal(a.scale, b.scale), (block_2d, sr)
+            assert torch.equal(a.data, b.data), (block_2d, sr)
+    for name, x in nvfp4_edge_cases("cpu").items():
+        x = x.to(torch.bfloat16)
+        amax = nvfp4.global_amax(x.float())
+        for block_2d in (False, True):
+            a = tk.nvfp4_quantize(x, -1, block_2d, order, amax=amax, variant="v3")
+            b = nvfp4.quantize_reference(x, -1, block_2d, order)
+            assert torch.equal(a.scale, b.scale), (name, block_2d)
+            assert torch.equal(a.data, b.data), (name, block_2d)

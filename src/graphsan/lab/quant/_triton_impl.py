@@ -589,3 +589,246 @@ if AUTOTUNED:
 else:
     mxfp8_kernel = _mxfp8_kernel
     nvfp4_kernel = _nvfp4_kernel
+
+
+# --- variant "v3" -----------------------------------------------------------------------------
+# MXFP8 with a columnwise part (columnwise alone, and row+col in one pass) and NVFP4 rowwise, for
+# bf16 sources with unit column stride (the launcher runs v2 otherwise). v2's MXFP8 tile put the
+# 32 rows of a column block across two warps: a shared-memory exchange with barriers for every
+# block maximum, and 40 shuffles per thread. v3 reads the source as 64-bit words (4 bf16) and
+# stores 32-bit words (4 FP8 bytes): the load and the store have the same tile shape, so Triton
+# gives them one layout, 4 words (16 columns) per thread, 2 x 16-byte loads and 1 x 16-byte store
+# per row and direction. The tile [SPLIT, G, 32 / SPLIT, CW] puts SPLIT threads of one warp on the
+# 32 rows of a block and the warps on column groups G (Triton fills dimensions in that order), so
+# a column maximum is 32 / SPLIT register maxima plus log2(SPLIT) shuffles, and no barrier. Block
+# maxima take NaN out with the GPU's NaN-ignoring maximum (MAXNUM) instead of a compare and select
+# per element. Counted offline from the sm_90 SASS of the 8192x8192 problem (bench/quant_sass.py;
+# thread instructions per element, v2 -> v3): MXFP8 columnwise 16.2 -> 11.4, row+col 21.2 -> 17.5;
+# NVFP4 rowwise 29.8 -> 21.5 (1D), 30.1 -> 21.3 (2D).
+
+
+@triton.jit
+def _bf16_lanes(w):
+    """The four bf16 of 64-bit words w as float32 (exact), element 0 in the low bits."""
+    lo = w.to(tl.int32)
+    hi = (w >> 32).to(tl.int32)
+    x0 = (lo << 16).to(tl.float32, bitcast=True)
+    x1 = (lo & -65536).to(tl.float32, bitcast=True)
+    x2 = (hi << 16).to(tl.float32, bitcast=True)
+    x3 = (hi & -65536).to(tl.float32, bitcast=True)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _abs_for_max(x, MAXNUM: tl.constexpr):
+    """|x| for a block maximum that ignores NaN. MAXNUM (compiled kernels): `tl.max` and
+    `tl.maximum` are IEEE maxNum there (max.f32 returns the non-NaN operand), so NaN drops out by
+    itself and `_nan_to_0` maps an all-NaN block's NaN to 0; otherwise (Triton's interpreter,
+    whose maximum propagates NaN) NaN is replaced by 0 here, one compare and select more per
+    element."""
+    a = tl.abs(x)
+    if not MAXNUM:
+        a = tl.where(a != a, 0.0, a)
+    return a
+
+
+@triton.jit
+def _nan_to_0(amax, MAXNUM: tl.constexpr):
+    if MAXNUM:
+        amax = tl.maximum(amax, 0.0)
+    return amax
+
+
+@triton.jit
+def _bf16_signs(w):
+    """The sign bits of the four bf16 of 64-bit words w (bits 15, 31, 47, 63) moved to bits 7, 15,
+    23, 31 of an int32: the sign bits of the four FP8 bytes packed the same way."""
+    lo = w.to(tl.int32)
+    hi = (w >> 32).to(tl.int32)
+    sign = ((lo >> 8) & 0x80) | ((lo >> 16) & 0x8000) | ((hi << 8) & 0x800000)
+    return sign | (hi & -2147483648)
+
+
+@triton.jit
+def _fp8_word(
+    signs,
+    x0,
+    x1,
+    x2,
+    x3,
+    f0,
+    f1,
+    f2,
+    f3,
+    MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    SUB: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """The FP8 bytes of x0 * f0 .. x3 * f3 packed into int32 words, x0's byte lowest; NaN ->
+    0x7F | sign. The four are joined in a last dimension that each thread holds in order, so the
+    hardware converts them in pairs; it gives 0x7F for every NaN and keeps every other sign, so
+    the sources' sign bits (`signs`, from `_bf16_signs`) are ORed in afterwards."""
+    s = tl.join(tl.join(x0 * f0, x2 * f2), tl.join(x1 * f1, x3 * f3))
+    if HW_FP8:
+        byte = _fp8_hw_bits(s, MBITS)
+    else:
+        byte, _ = _fp8_bytes(s, MAX, MBITS, EMIN, SUB)
+    byte = tl.reshape(byte, x0.shape + (4,)).to(tl.int32)
+    word = tl.sum(byte << (tl.arange(0, 4) * 8), axis=len(x0.shape))
+    if HW_FP8:
+        word |= signs
+    return word
+
+
+@triton.jit
+def _mxfp8_kernel_v3(
+    xw_ptr,
+    M,
+    KW,
+    stride_mw,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    INV_MAX: tl.constexpr,
+    MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    SUB: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    MAXNUM: tl.constexpr,
+    DO_ROW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    G: tl.constexpr,
+    CW: tl.constexpr,
+):
+    """Columnwise (and with DO_ROW rowwise) MXFP8 of a bf16 [M, K] source seen as int64 words
+    xw [M, KW = K/4] (row stride stride_mw words). Data outputs are int32 views [M, KW] (4 bytes
+    per word, column 4w + j in byte j), the columnwise scales an int32 view [M/32, KW], the
+    rowwise scales uint8 [M, K/32]. A program covers 32 rows x G * CW words."""
+    RS: tl.constexpr = 32 // SPLIT
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    half = tl.arange(0, SPLIT)[:, None, None, None]
+    grp = tl.arange(0, G)[None, :, None, None]
+    row = tl.arange(0, RS)[None, None, :, None]
+    word = tl.arange(0, CW)[None, None, None, :]
+    offs_m = pid_m * 32 + half * RS + row
+    offs_w = pid_n * (G * CW) + grp * CW + word
+    mask = (offs_m < M) & (offs_w < KW)
+    w = tl.load(xw_ptr + offs_m * stride_mw + offs_w, mask=mask, other=0)
+    x0, x1, x2, x3 = _bf16_lanes(w)
+    signs = _bf16_signs(w)
+    a0 = _abs_for_max(x0, MAXNUM)
+    a1 = _abs_for_max(x1, MAXNUM)
+    a2 = _abs_for_max(x2, MAXNUM)
+    a3 = _abs_for_max(x3, MAXNUM)
+    out_offs = offs_m * KW + offs_w
+
+    # columnwise: 32-row maxima, per lane j of the words: [G, CW] each
+    e0 = _e8m0_round_up(_nan_to_0(tl.max(tl.max(a0, axis=2), axis=0), MAXNUM) * INV_MAX)
+    e1 = _e8m0_round_up(_nan_to_0(tl.max(tl.max(a1, axis=2), axis=0), MAXNUM) * INV_MAX)
+    e2 = _e8m0_round_up(_nan_to_0(tl.max(tl.max(a2, axis=2), axis=0), MAXNUM) * INV_MAX)
+    e3 = _e8m0_round_up(_nan_to_0(tl.max(tl.max(a3, axis=2), axis=0), MAXNUM) * INV_MAX)
+    f0 = _exp2_neg_biased(e0)[None, :, None, :]
+    f1 = _exp2_neg_biased(e1)[None, :, None, :]
+    f2 = _exp2_neg_biased(e2)[None, :, None, :]
+    f3 = _exp2_neg_biased(e3)[None, :, None, :]
+    packed = _fp8_word(signs, x0, x1, x2, x3, f0, f1, f2, f3, MAX, MBITS, EMIN, SUB, HW_FP8)
+    tl.store(col_data_ptr + out_offs, packed, mask=mask)
+    sw = pid_n * (G * CW) + tl.arange(0, G)[:, None] * CW + tl.arange(0, CW)[None, :]
+    swords = e0 | (e1 << 8) | (e2 << 16) | (e3 << 24)
+    tl.store(col_scale_ptr + pid_m * KW + sw, swords, mask=(pid_m * 32 < M) & (sw < KW))
+
+    if DO_ROW:
+        # rowwise: 32-column maxima = 8 words, two threads' worth
+        am = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))
+        am = tl.reshape(am, (SPLIT, G, RS, CW // 8, 8))
+        e = _e8m0_round_up(_nan_to_0(tl.max(am, axis=4), MAXNUM) * INV_MAX)
+        f = _exp2_neg_biased(e)
+        f = tl.broadcast_to(f[:, :, :, :, None], (SPLIT, G, RS, CW // 8, 8))
+        f = tl.reshape(f, (SPLIT, G, RS, CW))
+        packed = _fp8_word(signs, x0, x1, x2, x3, f, f, f, f, MAX, MBITS, EMIN, SUB, HW_FP8)
+        tl.store(row_data_ptr + out_offs, packed, mask=mask)
+        sb = (pid_n * (G * CW) + grp * CW) // 8 + tl.arange(0, CW // 8)[None, None, None, :]
+        tl.store(
+            row_scale_ptr + offs_m * (KW // 8) + sb,
+            e.to(tl.uint8),
+            mask=(offs_m < M) & (sb < KW // 8),
+        )
+
+
+# NVFP4 rowwise (and the contiguous RHT copy) for bf16 sources with unit column stride, by the
+# same word trick: 64-bit loads of 4 bf16 and 16-bit stores of their 4 nibbles have one tile
+# shape, so one layout with 8 words (two 16-element blocks) per thread and row: 4 x 16-byte loads
+# and one 16-byte store, block maxima in registers (no shuffle, no shared memory for 1D blocks).
+
+
+@triton.jit
+def _nvfp4_row_kernel_v3(
+    xw_ptr,
+    R,
+    CWT,
+    stride_rw,
+    amax_ptr,
+    rbits_ptr,
+    data_ptr,
+    scale_ptr,
+    INV_6: tl.constexpr,
+    LEGACY: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    SR: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    MAXNUM: tl.constexpr,
+    BR: tl.constexpr,
+    CW: tl.constexpr,
+):
+    """NVFP4 along the last dim of a bf16 [R, C] source seen as int64 words xw [R, CWT = C/4]
+    (row stride stride_rw words). Data is written as an int16 view [R, C/4] (the 4 nibbles of a
+    word, element 0 lowest), scales uint8 [R, C/16]; SR bits are read as an int32 view [R, C/4].
+    A program covers BR rows x CW words."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = pid_r * BR + tl.arange(0, BR)[:, None]
+    offs_w = pid_c * CW + tl.arange(0, CW)[None, :]
+    mask = (offs_r < R) & (offs_w < CWT)
+    w = tl.load(xw_ptr + offs_r * stride_rw + offs_w, mask=mask, other=0)
+    x0, x1, x2, x3 = _bf16_lanes(w)
+    s_enc, s_dec = _nvfp4_global_scales(amax_ptr)
+    am = tl.maximum(
+        tl.maximum(_abs_for_max(x0, MAXNUM), _abs_for_max(x1, MAXNUM)),
+        tl.maximum(_abs_for_max(x2, MAXNUM), _abs_for_max(x3, MAXNUM)),
+    )
+    if BLOCK_2D:
+        t = tl.max(tl.max(tl.reshape(am, (BR // 16, 16, CW // 4, 4)), axis=3), axis=1)
+        vec = tl.broadcast_to(t[:, None, :], (BR // 16, 16, CW // 4))
+        vec = tl.reshape(vec, (BR, CW // 4))
+    else:
+        vec = tl.max(tl.reshape(am, (BR, CW // 4, 4)), axis=2)
+    sbyte, enc = _nvfp4_block_scale(_nan_to_0(vec, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    enc = tl.reshape(tl.broadcast_to(enc[:, :, None], (BR, CW // 4, 4)), (BR, CW))
+    if SR:
+        r = tl.load(rbits_ptr + offs_r * CWT + offs_w, mask=mask, other=0)
+    else:
+        r = 0
+    word = _e2m1_lane(x0 * enc, r, 0, SR)
+    word |= _e2m1_lane(x1 * enc, r, 1, SR)
+    word |= _e2m1_lane(x2 * enc, r, 2, SR)
+    word |= _e2m1_lane(x3 * enc, r, 3, SR)
+    tl.store(data_ptr + offs_r * CWT + offs_w, word.to(tl.int16), mask=mask)
+    sc = pid_c * (CW // 4) + tl.arange(0, CW // 4)[None, :]
+    smask = (offs_r < R) & (sc < CWT // 4)
+    tl.store(scale_ptr + offs_r * (CWT // 4) + sc, sbyte, mask=smask)
+
+
+@triton.jit
+def _e2m1_lane(v, r, J: tl.constexpr, SR: tl.constexpr):
+    """E2M1 code with sign (int32, 0-15) of float32 v, shifted to nibble J; SR with the random
+    byte J of the int32 words r."""
+    if SR:
+        m = _e2m1_sr_grid(v, (r >> (8 * J)) & 0xFF)
+    else:
+        m = tl.abs(v)
+    return (_e2m1_code(m) | tl.where(v < 0.0, 8, 0)) << (4 * J)

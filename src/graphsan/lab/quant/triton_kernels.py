@@ -14,12 +14,14 @@ fallback and the oracle, and the GPU tests compare the two byte for byte.
   bits for SR (`torch.randint` on the caller's generator, exactly as the reference draws them)
   are prepared in torch, so SR stays reproducible and graph-capturable.
 
-Two variants of every kernel compute the same bytes: "v1" (the first kernels, measured in
-docs/PERF.md) and "v2" (fewer instructions per element: arithmetic E2M1 codes, hardware E4M3
-block scales on sm_90, columnwise blocks reduced in registers; see `_triton_impl`). Every entry
-point takes `variant=`; the default is `DEFAULT_VARIANT`, read once from GRAPHSAN_TRITON_VARIANT
-(default "v2", chosen from instruction counts before a GPU timing: `bench/bench_quant.py` times
-both side by side and checks that their bytes are equal).
+Three variants compute the same bytes: "v1" (the first kernels, measured in docs/PERF.md), "v2"
+(fewer instructions per element: arithmetic E2M1 codes, hardware E4M3 block scales on sm_90,
+columnwise blocks reduced in registers) and "v3" (bf16 sources read as 64-bit words of 4 and
+outputs written as packed words, so the load and the store share one layout: MXFP8 columnwise and
+row+col, NVFP4 rowwise and the RHT copy; every other kernel and input runs v2 under "v3"; see
+`_triton_impl`). Every entry point takes `variant=`; the default is `DEFAULT_VARIANT`, read once
+from GRAPHSAN_TRITON_VARIANT (default "v2", chosen from instruction counts before a GPU timing:
+`bench/bench_quant.py` times all of them side by side and checks that their bytes are equal).
 
 Triton is imported lazily, on first use.
 """
@@ -50,7 +52,11 @@ def hw_fp8(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-VARIANTS = ("v1", "v2")
+# "v3" exists for the MXFP8 kernels with a columnwise part (columnwise, row+col) and the NVFP4
+# row kernel (rowwise, and the contiguous RHT copy of columnwise), on bf16 input with unit column
+# stride; every other kernel and input (MXFP8 rowwise alone, NVFP4 columnwise without RHT, the
+# global amax, float32 input) runs its v2 kernel when "v3" is asked for.
+VARIANTS = ("v1", "v2", "v3")
 DEFAULT_VARIANT = os.environ.get("GRAPHSAN_TRITON_VARIANT", "v2")
 if DEFAULT_VARIANT not in VARIANTS:
     raise ValueError(f"GRAPHSAN_TRITON_VARIANT={DEFAULT_VARIANT!r}: expected one of {VARIANTS}")
@@ -64,6 +70,11 @@ AMAX_ITERS = 16
 MX_V2 = {"BM": 32, "BN": 128, "SPLIT": 2, "num_warps": 2}
 NV_ROW_V2 = {"BR": 32, "BC": 128, "num_warps": 4}
 NV_COL_V2 = {"BM": 256, "BK": 64, "num_warps": 4}
+# v3 launch parameters (fixed; chosen from the sm_90 SASS, not yet timed): columnwise alone, and
+# row+col in one pass (more registers per thread: fewer warps per program keep the grid fine)
+MX_COL_V3 = {"SPLIT": 4, "G": 2, "CW": 32, "num_warps": 2}
+MX_BOTH_V3 = {"SPLIT": 4, "G": 2, "CW": 32, "num_warps": 2}
+NV_ROW_V3 = {"BR": 16, "CW": 64, "num_warps": 2}
 AMAX_V2_BLOCK = 16384
 AMAX_V2_ITERS = 2
 # v2 kernels are compiled without fp contraction: no rounding step may be fused away
@@ -126,7 +137,10 @@ def _mx_launch(x, fmt, do_row, do_col, variant):
             0,
             fmt,
         )
-    if variant == "v2":
+    if variant == "v3" and do_col and _words_fit(x):
+        _mx_launch_v3(x, fmt, row, col)
+        return row, col
+    if variant in ("v2", "v3"):
         kernel, tiles = impl._mxfp8_kernel_v2, {**MX_V2, **_V2_OPTIONS}
     else:
         bm, bn = MX_TILE
@@ -159,6 +173,48 @@ def _mx_launch(x, fmt, do_row, do_col, variant):
     return row, col
 
 
+def _words_fit(x: torch.Tensor) -> bool:
+    """Whether a v3 kernel can read x as 64-bit words of 4 bf16 (else v3 runs v2)."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.stride(1) == 1
+        and x.shape[1] % 4 == 0
+        and x.stride(0) % 4 == 0
+        and x.data_ptr() % 8 == 0
+    )
+
+
+def _mx_launch_v3(x, fmt, row, col):
+    """v3: x as int64 words [M, K/4], data and columnwise scales written as int32 words."""
+    impl = _impl()
+    m, k = x.shape
+    mbits, emin, sub = _FP8_PARAMS[fmt]
+    xw = x.view(torch.int64)
+    cfg = MX_BOTH_V3 if row is not None else MX_COL_V3
+    grid = (triton_cdiv(m, 32), triton_cdiv(k // 4, cfg["G"] * cfg["CW"]))
+    dummy = col.scale.new_empty(1)
+    impl._mxfp8_kernel_v3[grid](
+        xw,
+        m,
+        k // 4,
+        x.stride(0) // 4,
+        row.data.view(torch.int32) if row else dummy,
+        row.scale if row else dummy,
+        col.data.view(torch.int32),
+        col.scale.view(torch.int32),
+        INV_MAX=fp32_reciprocal(FP8_MAX[fmt]),
+        MAX=FP8_MAX[fmt],
+        MBITS=mbits,
+        EMIN=emin,
+        SUB=sub,
+        HW_FP8=_hw_fp8_for(x),
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        DO_ROW=row is not None,
+        **cfg,
+        **_V2_OPTIONS,
+    )
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -185,7 +241,7 @@ def global_amax(x: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     flat = x.contiguous().view(-1)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     n = flat.numel()
-    if _variant(variant) == "v2":
+    if _variant(variant) in ("v2", "v3"):  # no v3 amax kernel: "v3" runs v2
         block, iters, kernel = AMAX_V2_BLOCK, AMAX_V2_ITERS, impl.amax_kernel_v2
     else:
         block, iters, kernel = AMAX_BLOCK, AMAX_ITERS, impl.amax_kernel
@@ -226,7 +282,10 @@ def nvfp4_quantize(
         rbits = _nv.random_bits(src.shape, generator, dev)
     else:
         rbits = torch.empty(1, dtype=torch.uint8, device=dev)
-    if variant == "v2":
+    if variant == "v3" and (axis != 0 or rht) and _words_fit(src):
+        _nv_launch_row_v3(x, src, amax, rbits, data, scale, order, block_2d, generator)
+        return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
+    if variant in ("v2", "v3"):  # "v3" of the columnwise kernel (no RHT) is v2
         _nv_launch_v2(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator)
         return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
     br, bc = NV_TILE
@@ -278,4 +337,29 @@ def _nv_launch_v2(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, 
     grid = (triton_cdiv(r, NV_ROW_V2["BR"]), triton_cdiv(c, NV_ROW_V2["BC"]))
     impl._nvfp4_row_kernel_v2[grid](
         src, r, c, src.stride(0), src.stride(1), amax, rbits, data, scale, **common, **NV_ROW_V2
+    )
+
+
+def _nv_launch_row_v3(x, src, amax, rbits, data, scale, order, block_2d, generator):
+    """v3 row kernel: src as int64 words [R, C/4], data written as int16 words (4 nibbles)."""
+    impl = _impl()
+    r, c = src.shape
+    grid = (triton_cdiv(r, NV_ROW_V3["BR"]), triton_cdiv(c // 4, NV_ROW_V3["CW"]))
+    impl._nvfp4_row_kernel_v3[grid](
+        src.view(torch.int64),
+        r,
+        c // 4,
+        src.stride(0) // 4,
+        amax,
+        rbits.view(torch.int32) if generator is not None else rbits,
+        data.view(torch.int16),
+        scale,
+        INV_6=_nv.INV_6,
+        LEGACY=order == "legacy",
+        BLOCK_2D=block_2d,
+        SR=generator is not None,
+        HW_FP8=_hw_fp8_for(x),
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        **NV_ROW_V3,
+        **_V2_OPTIONS,
     )

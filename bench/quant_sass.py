@@ -1,0 +1,149 @@
+"""Instruction counts of the quantize kernels, compiled offline for sm_90 (no GPU needed).
+
+    PYTHONPATH=src python3 bench/quant_sass.py [--size 8192] [--variants v2 v3] [--dump DIR]
+
+Each Triton kernel variant is compiled the way a launch on a size x size bf16 tensor specialises
+it (integer arguments divisible by 16 marked so, a unit stride made a constant, fp contraction off
+as the launcher asks), disassembled with Triton's bundled cuobjdump, and summarised: SASS
+instructions per element (static count x threads per program / elements per program: the kernels
+have no loops, so this is what every thread issues), registers per thread, shared memory, and the
+memory instructions (load/store widths, shared-memory round trips, shuffles, barriers). A proxy
+for the GPU time of instruction-bound kernels, and a check of the access pattern; not a timing.
+--dump writes each kernel's SASS to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from graphsan.lab.quant import _triton_impl as impl
+from graphsan.lab.quant import triton_kernels as tk
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+MEMORY_OPS = re.compile(r"(LDG|STG|LDS|STS|LDSM|STSM|LDL|STL|ATOM|RED|BAR|SHFL)")
+
+
+def compile_sm90(fn, args, consts, num_warps):
+    """args: (name, type, value) per runtime argument, value as at launch (for specialisation)."""
+    signature, constexprs, attrs = {}, {}, {}
+    for name, ty, value in args:
+        idx = (fn.arg_names.index(name),)
+        if ty == "i32" and value == 1:  # Triton makes an integer 1 a constant
+            signature[name], constexprs[idx] = "constexpr", 1
+            continue
+        signature[name] = ty
+        if ty.startswith("*") or value % 16 == 0:
+            attrs[idx] = [["tt.divisibility", 16]]
+    for name, value in consts.items():
+        signature[name] = "constexpr"
+        constexprs[(fn.arg_names.index(name),)] = value
+    options = {"num_warps": num_warps, "enable_fp_fusion": False}
+    return triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options
+    )
+
+
+def summarise(name, kernel, elements, num_warps, dump):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True)
+    lines = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", line).split()[0] for line in lines]
+    ops = [op for op in ops if op != "NOP"]
+    mem = collections.Counter(op for op in ops if MEMORY_OPS.match(op))
+    regs = re.search(r"REG:(\d+)", res.stdout)
+    per_elem = len(ops) * num_warps * 32 / elements
+    print(
+        f"| {name} | {per_elem:.1f} | {elements // (num_warps * 32)} | "
+        f"{regs.group(1) if regs else '?'} | "
+        f"{kernel.metadata.shared} | {', '.join(f'{k} {v}' for k, v in sorted(mem.items()))} |"
+    )
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, re.sub(r"\W+", "_", name) + ".sass"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--variants", nargs="+", default=["v2", "v3"], choices=["v2", "v3"])
+    ap.add_argument("--dump", help="write each kernel's SASS here")
+    args = ap.parse_args()
+    n = args.size
+    mx = {"INV_MAX": 1 / 448, "MAX": 448.0, "MBITS": 3, "EMIN": -6, "SUB": 512.0, "HW_FP8": True}
+    nv = {"INV_6": 1 / 6, "LEGACY": False, "SR": False, "HW_FP8": True}
+    u8 = [("row_data_ptr", "*u8", 0), ("row_scale_ptr", "*u8", 0)]
+    u8 += [("col_data_ptr", "*u8", 0), ("col_scale_ptr", "*u8", 0)]
+    mx_v2 = [("x_ptr", "*bf16", 0), ("M", "i32", n), ("K", "i32", n), ("stride_m", "i32", n)]
+    mx_v2 += [("stride_k", "i32", 1), *u8]
+    mx_v3 = [("xw_ptr", "*i64", 0), ("M", "i32", n), ("KW", "i32", n // 4)]
+    mx_v3 += [
+        ("stride_mw", "i32", n // 4),
+        ("row_data_ptr", "*i32", 0),
+        ("row_scale_ptr", "*u8", 0),
+    ]
+    mx_v3 += [("col_data_ptr", "*i32", 0), ("col_scale_ptr", "*i32", 0)]
+    out = [("amax_ptr", "*fp32", 0), ("rbits_ptr", "*u8", 0), ("data_ptr", "*u8", 0)]
+    out += [("scale_ptr", "*u8", 0)]
+    nv_row = [("src_ptr", "*bf16", 0), ("R", "i32", n), ("C", "i32", n), ("stride_r", "i32", n)]
+    nv_row += [("stride_c", "i32", 1), *out]
+    nv_col = [("x_ptr", "*bf16", 0), ("M", "i32", n), ("K", "i32", n), ("stride_m", "i32", n)]
+    nv_col += [("stride_k", "i32", 1), *out]
+    nv_v3 = [("xw_ptr", "*i64", 0), ("R", "i32", n), ("CWT", "i32", n // 4)]
+    nv_v3 += [("stride_rw", "i32", n // 4), ("amax_ptr", "*fp32", 0), ("rbits_ptr", "*i32", 0)]
+    nv_v3 += [("data_ptr", "*i16", 0), ("scale_ptr", "*u8", 0)]
+
+    jobs = []  # name, kernel fn, args, constexprs, launch parameters, elements per program
+    directions = [("row+col", True, True), ("rowwise", True, False), ("columnwise", False, True)]
+    for name, row, col in directions:
+        flags = {**mx, "DO_ROW": row, "DO_COL": col}
+        p = dict(tk.MX_V2)
+        jobs.append(
+            ("v2", f"mxfp8 {name}", impl._mxfp8_kernel_v2, mx_v2, flags, p, p["BM"] * p["BN"])
+        )
+        if col:
+            p = dict(tk.MX_BOTH_V3 if row else tk.MX_COL_V3)
+            flags = {**mx, "MAXNUM": True, "DO_ROW": row}
+            elems = 32 * p["G"] * p["CW"] * 4
+            jobs.append(("v3", f"mxfp8 {name}", impl._mxfp8_kernel_v3, mx_v3, flags, p, elems))
+    for block_2d in (False, True):
+        d = "2D" if block_2d else "1D"
+        flags = {**nv, "BLOCK_2D": block_2d}
+        p = dict(tk.NV_ROW_V2)
+        fn = impl._nvfp4_row_kernel_v2
+        jobs.append(("v2", f"nvfp4 rowwise {d}", fn, nv_row, flags, p, p["BR"] * p["BC"]))
+        p = dict(tk.NV_COL_V2)
+        fn = impl._nvfp4_col_kernel_v2
+        jobs.append(("v2", f"nvfp4 columnwise {d}", fn, nv_col, flags, p, p["BM"] * p["BK"]))
+        p = dict(tk.NV_ROW_V3)
+        fn = impl._nvfp4_row_kernel_v3
+        flags = {**flags, "MAXNUM": True}
+        jobs.append(("v3", f"nvfp4 rowwise {d}", fn, nv_v3, flags, p, p["BR"] * p["CW"] * 4))
+
+    print(f"# sm_90 SASS, {n}x{n} bf16 specialisation, triton {triton.__version__}")
+    print("| kernel | instr/elem | elem/thread | regs | smem B | memory instructions per thread |")
+    print("|---|---|---|---|---|---|")
+    for variant, name, fn, fn_args, flags, params, elems in jobs:
+        if variant not in args.variants:
+            continue
+        params = dict(params)
+        warps = params.pop("num_warps")
+        kernel = compile_sm90(fn, fn_args, {**flags, **params}, warps)
+        summarise(f"{name} {variant}", kernel, elems, warps, args.dump)
+
+
+if __name__ == "__main__":
+    main()
