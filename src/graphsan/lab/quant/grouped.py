@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import mxfp8, nvfp4
-from .linear import QuantModule, gemm_alpha, gemm_operand
+from .linear import QuantModule, _Plan, gemm_alpha, gemm_operand
 from .recipe import QTensor, Quantizer, Recipe, RowGroups
 
 BLOCKS = {"mxfp8": mxfp8.BLOCK, "nvfp4": nvfp4.BLOCK}  # recipes whose blocks need alignment
@@ -124,16 +124,9 @@ def _stacked(values: torch.Tensor, num_groups: int) -> torch.Tensor:
 
 
 @dataclass
-class _GroupedPlan:
-    """What one forward call hands to its backward (the autograd context keeps it)."""
+class _GroupedPlan(_Plan):
+    """QuantLinear's plan plus the groups of the rows."""
 
-    recipe: Recipe
-    quantizers: dict[str, Quantizer]
-    w_rowwise: QTensor | None
-    w_columnwise: QTensor | None  # the workspace's columnwise buffers: dgrad reads them
-    main_grad: torch.Tensor
-    generator: torch.Generator | None
-    save_for_wgrad: bool
     offsets: torch.Tensor  # int32 [G], the end of each group
     groups: RowGroups  # the group of each row of x
 
