@@ -40,12 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import mxfp8, nvfp4
-from .linear import QuantModule, _Plan, gemm_alpha, gemm_operand
+from .linear import BLOCKS, QuantModule, _check_tokens, _Plan, gemm_alpha, gemm_operand
 from .recipe import QTensor, Quantizer, Recipe, RowGroups
-
-BLOCKS = {"mxfp8": mxfp8.BLOCK, "nvfp4": nvfp4.BLOCK}  # recipes whose blocks need alignment
-
 
 # --- the grouped GEMM -------------------------------------------------------------------------
 
@@ -276,28 +272,10 @@ class GroupedQuantLinear(QuantModule):
             )
         grad_enabled = torch.is_grad_enabled()
         wgrad = grad_enabled and self.weight.requires_grad
-        block = BLOCKS.get(self._recipe.kind)
-        if wgrad and block and x.shape[0] % block:
-            raise ValueError(
-                f"GroupedQuantLinear({self._recipe.kind}): {x.shape[0]} rows; with grad enabled "
-                f"the wgrad operands are quantized in {block}-row blocks, so expected a multiple "
-                f"of {block}"
-            )
-        recipe = self._begin_forward()
+        _check_tokens(self._recipe, x.shape[0], wgrad, "GroupedQuantLinear", "row")
         rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
         groups = RowGroups(torch.searchsorted(offsets, rows, right=True), self.num_groups)
-        w_row, w_col = self._weight_operands(recipe, grad_enabled)
-        plan = _GroupedPlan(
-            recipe=recipe,
-            quantizers=self.quantizers,
-            w_rowwise=w_row,
-            w_columnwise=w_col,
-            main_grad=self.weight.main_grad,
-            generator=self._generator(x) if recipe.quantized else None,
-            save_for_wgrad=wgrad,
-            offsets=offsets,
-            groups=groups,
-        )
+        plan = _GroupedPlan(**self._plan_fields(x, grad_enabled), offsets=offsets, groups=groups)
         return _GroupedLinearFn.apply(x, self.weight, plan)
 
     def extra_repr(self) -> str:

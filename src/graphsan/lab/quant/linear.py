@@ -249,6 +249,20 @@ class QuantModule(nn.Module):
 
     # --- the state rules of one forward ---
 
+    def _plan_fields(self, x: torch.Tensor, grad_enabled: bool) -> dict:
+        """Begin a forward and gather what its backward needs (the fields of `_Plan`)."""
+        recipe = self._begin_forward()
+        w_row, w_col = self._weight_operands(recipe, grad_enabled)
+        return dict(
+            recipe=recipe,
+            quantizers=self.quantizers,
+            w_rowwise=w_row,
+            w_columnwise=w_col,
+            main_grad=self.weight.main_grad,
+            generator=self._generator(x) if recipe.quantized else None,
+            save_for_wgrad=grad_enabled and self.weight.requires_grad,
+        )
+
     def _begin_forward(self) -> Recipe:
         """Check the state policy, apply its stored-recipe rule; returns the active recipe."""
         if self.state_policy not in STATE_POLICIES:
@@ -384,18 +398,7 @@ class QuantLinear(QuantModule):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         _check_tokens(self._recipe, x2.shape[0], grad_enabled and self.weight.requires_grad)
-        recipe = self._begin_forward()
-
-        w_row, w_col = self._weight_operands(recipe, grad_enabled)
-        plan = _Plan(
-            recipe=recipe,
-            quantizers=self.quantizers,
-            w_rowwise=w_row,
-            w_columnwise=w_col,
-            main_grad=self.weight.main_grad,
-            generator=self._generator(x) if recipe.quantized else None,
-            save_for_wgrad=grad_enabled and self.weight.requires_grad,
-        )
+        plan = _Plan(**self._plan_fields(x, grad_enabled))
         y = _QuantLinearFn.apply(x2, self.weight, self.bias, plan)
         return y.reshape(*lead, self.out_features)
 
@@ -430,11 +433,16 @@ def _requantize_into(dst: QTensor, src: QTensor, skip: torch.Tensor | None) -> N
             d.copy_(torch.where(skip.to(torch.bool), d, s))
 
 
-def _check_tokens(recipe: Recipe, tokens: int, wgrad: bool) -> None:
+BLOCKS = {"mxfp8": mxfp8.BLOCK, "nvfp4": nvfp4.BLOCK}  # recipes whose blocks need alignment
+
+
+def _check_tokens(
+    recipe: Recipe, tokens: int, wgrad: bool, who: str = "QuantLinear", unit: str = "token"
+) -> None:
     """The columnwise (wgrad) copies block along the token dim: it must fit the block size."""
-    block = {"mxfp8": mxfp8.BLOCK, "nvfp4": nvfp4.BLOCK}.get(recipe.kind)
+    block = BLOCKS.get(recipe.kind)
     if wgrad and block and tokens % block:
         raise ValueError(
-            f"QuantLinear({recipe.kind}): {tokens} tokens; with grad enabled the wgrad operands are "
-            f"quantized in {block}-token blocks, so expected a multiple of {block}"
+            f"{who}({recipe.kind}): {tokens} {unit}s; with grad enabled the wgrad operands are "
+            f"quantized in {block}-{unit} blocks, so expected a multiple of {block}"
         )
