@@ -3,10 +3,9 @@
     PYTHONPATH=src python3 bench/bench_quant.py [--size 8192] [--iters 20]
 
 1. Each Triton quantize kernel on a size x size bf16 tensor, every kernel variant
-   (`triton_kernels.VARIANTS`, "v1", "v2", "v3") side by side on the same input: time per
-   variant, the fastest variant, the time ratio v1/vN of each later variant (> 1: vN faster than
-   v1; where a kernel has no vN of its own, vN runs the previous variant's kernel and the two
-   times differ by noise only), achieved bytes/s (bytes that must move: the bf16 input read once
+   (`triton_kernels.VARIANTS`, "v2", "v3") side by side on the same input: time per variant, the
+   fastest variant, the time ratio v2/v3 (> 1: v3 faster; where a kernel has no v3 of its own, v3
+   runs v2's kernel and the two times differ by noise only), achieved bytes/s (bytes that must move: the bf16 input read once
    plus the outputs written) as a fraction of a measured device copy bandwidth (`dst.copy_(src)`,
    read + write), the target check on the fastest variant, whether all the variants' output
    bytes (data, scales, amax) are equal, and the torch reference time. Kernel times are device
@@ -139,7 +138,7 @@ def main() -> None:
         mxfp8.quantize_reference(x, 0)
 
     tk = triton_kernels
-    amax = tk.global_amax(x, "v1")
+    amax = tk.global_amax(x)
     row_bytes_mx = 2 * elems + elems + elems // 32
     row_bytes_nv = 2 * elems + elems // 2 + elems // 16
 
@@ -218,11 +217,6 @@ def main() -> None:
             + " | ".join(f"{eager_t[v] * 1e3:.3f}" for v in variants)
             + f" | {t_ref * 1e3:.2f} |"
         )
-    impl = triton_kernels._impl()
-    if impl.AUTOTUNED:  # the v1 tile each problem chose, to pick the fixed defaults from
-        for name, kern in (("mxfp8", impl.mxfp8_kernel), ("nvfp4", impl.nvfp4_kernel)):
-            for key, cfg in kern.cache.items():
-                print(f"# autotuned {name} {key}: {cfg}")
     if args.skip_linear:
         return
 

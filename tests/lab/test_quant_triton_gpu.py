@@ -17,7 +17,7 @@ from tests.lab.kernel_checks import (
 )
 
 pytestmark = pytest.mark.gpu
-VARIANTS = ["v1", "v2", "v3"]  # every kernel variant in triton_kernels.VARIANTS
+VARIANTS = ["v2", "v3"]  # every kernel variant in triton_kernels.VARIANTS
 FP8_PATHS = ["hardware fp8", "bit fields"]
 
 SHAPES = [(32, 32), (96, 160), (1024, 4096), (4096, 96)]
@@ -85,23 +85,31 @@ def test_mxfp8_v3_nan_blocks_and_fallbacks(tk, fmt, path, monkeypatch):
 
 @pytest.mark.parametrize("order", ["current", "legacy"])
 @pytest.mark.parametrize("path", FP8_PATHS)
-def test_nvfp4_v3_row_kernel_edges_and_nan_blocks(tk, order, path, monkeypatch):
-    """v3's row kernel on the named edge cases rounded to bf16 (its input type), and on blocks
-    with NaN and all-NaN blocks (NaN leaves block maxima through the GPU's NaN-ignoring maximum),
-    1D and 2D blocks."""
+def test_nvfp4_v3_kernels_edges_and_nan_blocks(tk, order, path, monkeypatch):
+    """v3's row and column kernels on the named edge cases rounded to bf16 (their input type),
+    and on blocks with NaN and all-NaN blocks in both directions (NaN leaves block maxima through
+    the GPU's NaN-ignoring maximum), 1D and 2D blocks; the column kernel also on a partial tile in
+    both dimensions and on a column slice of a wider tensor."""
     use_fp8_path(tk, path, monkeypatch)
     cases = {name: x.to(torch.bfloat16) for name, x in nvfp4_edge_cases("cuda").items()}
     x = inputs((256, 1056), 3)
     x[:16, 40:45] = float("nan")
     x[16:32, 64:80] = float("nan")
+    x[48:80, 100] = float("nan")
     cases["nan blocks"] = x
+    cases["partial tiles"] = inputs((272, 1040), 4)
+    cases["column slice"] = inputs((144, 1024), 5)[:, 128:896]
     for name, x in cases.items():
-        for block_2d in (False, True):
-            a = tk.nvfp4_quantize(x, -1, block_2d, order, variant="v3")
-            b = nvfp4.quantize_reference(x, -1, block_2d, order)
-            assert torch.equal(a.amax, b.amax), name
-            assert torch.equal(a.scale, b.scale), (name, block_2d)
-            assert torch.equal(a.data, b.data), (name, block_2d)
+        for axis in (-1, 0):
+            if axis == 0 and x.shape[0] % 16:
+                continue
+            for block_2d in (False, True):
+                a = tk.nvfp4_quantize(x, axis, block_2d, order, variant="v3")
+                b = nvfp4.quantize_reference(x, axis, block_2d, order)
+                where = (name, axis, block_2d)
+                assert torch.equal(a.amax, b.amax), where
+                assert torch.equal(a.scale, b.scale), where
+                assert torch.equal(a.data, b.data), where
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -43,7 +43,7 @@ def tk():
     return triton_kernels
 
 
-VARIANTS = ["v1", "v2", "v3"]  # triton_kernels.VARIANTS (not imported here: Triton loads lazily)
+VARIANTS = ["v2", "v3"]  # triton_kernels.VARIANTS (not imported here: Triton loads lazily)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -106,5 +106,25 @@ def test_nvfp4_v3_row_kernel(tk, order):
         for block_2d in (False, True):
             a = tk.nvfp4_quantize(x, -1, block_2d, order, amax=amax, variant="v3")
             b = nvfp4.quantize_reference(x, -1, block_2d, order)
+            assert torch.equal(a.scale, b.scale), (name, block_2d)
+            assert torch.equal(a.data, b.data), (name, block_2d)
+
+
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_v3_col_kernel(tk, order):
+    """v3's column kernel (bf16, unit column stride, no RHT, no SR): two programs down the rows
+    (the second partial), three across the columns (the last partial), a column slice of a wider
+    tensor, 1D and 2D blocks, NaN in a block and an all-NaN block (given the reference global
+    amax, as above); and the input it hands to v2 (a column stride of 2)."""
+    x = edge_inputs((144, 288), 6, "cpu")
+    x[16:32, 7] = math.nan
+    x[40, 9] = math.nan
+    cases = {"random": x, "slice": edge_inputs((32, 640), 7, "cpu")[:, 128:544]}
+    cases["strided"] = edge_inputs((32, 256), 8, "cpu")[:, ::2]
+    for name, x in cases.items():
+        amax = nvfp4.global_amax(x.float())
+        for block_2d in (False, True):
+            a = tk.nvfp4_quantize(x, 0, block_2d, order, amax=amax, variant="v3")
+            b = nvfp4.quantize_reference(x, 0, block_2d, order)
             assert torch.equal(a.scale, b.scale), (name, block_2d)
             assert torch.equal(a.data, b.data), (name, block_2d)

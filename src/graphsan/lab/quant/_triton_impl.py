@@ -1,18 +1,17 @@
 """Triton kernels for the hot quantize paths (imported only where Triton is importable).
 
 Bit-identical to the torch reference by construction: every float operation is one IEEE op in the
-same order as the reference (divisions are `div_rn`; the only fusable multiply-adds have exact
-products). The NVFP4 scale bytes (E4M3) are built from bit fields; on sm_90 and later the MXFP8
-element bytes come from the hardware conversion (`cvt.rn.satfinite`, nearest even, the
-reference's rule) with NaN patched, because the bit-field version made the MXFP8 kernel
-instruction-bound (0.146 -> 0.118 ms rowwise on 8192x8192, H200). Older GPUs keep the bit fields
-(Triton has no FP8 type before sm_89, and converts through fp16 on sm_89). The GPU tests compare every byte with the reference, NaN, inf,
--0.0 and subnormals included. See `triton_kernels.py` for the Python entry points.
+same order as the reference (divisions are `div_rn`; kernels are compiled without fp contraction,
+so no multiply-add is fused). FP8 bytes (MXFP8 elements, NVFP4 E4M3 block scales) come from the
+hardware conversion on sm_90 and later (`cvt.rn.satfinite`, nearest even, the reference's rule;
+NaN patched), because the bit-field version made the kernels instruction-bound; elsewhere
+(Triton's interpreter, older GPUs: no FP8 type before sm_89, and a conversion through fp16 on
+sm_89) from bit fields. Two variants: "v2", for any strides and dtypes, and "v3", for bf16 with
+unit column stride, read as 64-bit words. The GPU tests compare every byte with the reference,
+NaN, inf, -0.0 and subnormals included. See `triton_kernels.py` for the Python entry points.
 """
 
 from __future__ import annotations
-
-import os
 
 import triton
 import triton.language as tl
@@ -52,20 +51,6 @@ def _fp8_bytes(s, MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, SU
 
 
 @triton.jit
-def _fp8_bytes_hw(s, MBITS: tl.constexpr):
-    """The same bytes as `_fp8_bytes` from the hardware conversion (sm_89+: `cvt.rn.satfinite`,
-    nearest even, +-inf and overflow saturate to +-MAX); only NaN is patched, to 0x7F | sign.
-    A few instructions per element instead of some thirty: the MXFP8 kernel is bound by them."""
-    if MBITS == 3:
-        q = s.to(tl.float8e4nv)
-    else:
-        q = s.to(tl.float8e5)
-    byte = q.to(tl.uint8, bitcast=True).to(tl.int32)
-    sign = (s.to(tl.int32, bitcast=True) >> 24) & 0x80
-    return tl.where(s != s, 0x7F | sign, byte)
-
-
-@triton.jit
 def _e8m0_round_up(v):
     """TE's E8M0 byte (int32) of a non-negative float32 v."""
     bits = v.to(tl.int32, bitcast=True)
@@ -85,189 +70,10 @@ def _exp2_neg_biased(e):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _mxfp8_kernel(
-    x_ptr,
-    M,
-    K,
-    stride_m,
-    stride_k,
-    row_data_ptr,
-    row_scale_ptr,
-    col_data_ptr,
-    col_scale_ptr,
-    INV_MAX: tl.constexpr,
-    MAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    SUB: tl.constexpr,
-    HW_FP8: tl.constexpr,
-    DO_ROW: tl.constexpr,
-    DO_COL: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-):
-    """One read of a BM x BN tile; rowwise (1x32) and/or columnwise (32x1) MXFP8 outputs."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < K)
-    x = tl.load(
-        x_ptr + offs_m[:, None] * stride_m + offs_n[None, :] * stride_k, mask=mask, other=0.0
-    ).to(tl.float32)
-    a = tl.abs(x)
-    a = tl.where(a != a, 0.0, a)
-    out_offs = offs_m[:, None] * K + offs_n[None, :]
-    if DO_ROW:
-        amax = tl.max(tl.reshape(a, (BM, BN // 32, 32)), axis=2)
-        e = _e8m0_round_up(amax * INV_MAX)
-        f = _exp2_neg_biased(e)
-        s = tl.reshape(tl.reshape(x, (BM, BN // 32, 32)) * f[:, :, None], (BM, BN))
-        if HW_FP8:
-            byte = _fp8_bytes_hw(s, MBITS)
-        else:
-            byte, _ = _fp8_bytes(s, MAX, MBITS, EMIN, SUB)
-        tl.store(row_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
-        sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
-        smask = (offs_m[:, None] < M) & (sc[None, :] < K // 32)
-        tl.store(
-            row_scale_ptr + offs_m[:, None] * (K // 32) + sc[None, :], e.to(tl.uint8), mask=smask
-        )
-    if DO_COL:
-        amax = tl.max(tl.reshape(a, (BM // 32, 32, BN)), axis=1)
-        e = _e8m0_round_up(amax * INV_MAX)
-        f = _exp2_neg_biased(e)
-        s = tl.reshape(tl.reshape(x, (BM // 32, 32, BN)) * f[:, None, :], (BM, BN))
-        if HW_FP8:
-            byte = _fp8_bytes_hw(s, MBITS)
-        else:
-            byte, _ = _fp8_bytes(s, MAX, MBITS, EMIN, SUB)
-        tl.store(col_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
-        sr = pid_m * (BM // 32) + tl.arange(0, BM // 32)
-        smask = (sr[:, None] < M // 32) & (offs_n[None, :] < K)
-        tl.store(col_scale_ptr + sr[:, None] * K + offs_n[None, :], e.to(tl.uint8), mask=smask)
-
-
-@triton.jit
-def amax_kernel(x_ptr, N, amax_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """amax_ptr[0] = max(amax_ptr[0], max |x| ignoring NaN) over a contiguous tensor.
-
-    Each program reduces ITERS blocks before one atomic max (few atomics on one address).
-    """
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(ITERS):
-        offs = (tl.program_id(0) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-        a = tl.abs(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
-        acc = tl.maximum(acc, tl.where(a != a, 0.0, a))
-    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
-
-
-@triton.jit
-def _nvfp4_kernel(
-    src_ptr,
-    R,
-    C,
-    stride_r,
-    stride_c,
-    amax_ptr,
-    rbits_ptr,
-    data_ptr,
-    scale_ptr,
-    INV_6: tl.constexpr,
-    LEGACY: tl.constexpr,
-    BLOCK_2D: tl.constexpr,
-    SR: tl.constexpr,
-    TRANS_LOAD: tl.constexpr,
-    BR: tl.constexpr,
-    BC: tl.constexpr,
-):
-    """NVFP4 along the last dim of the logical [R, C] view `src` (strides given), steps 1-5.
-
-    TRANS_LOAD (for a transposed view, stride_r == 1): load the tile as [BC, BR] so that
-    neighbouring threads read neighbouring addresses, and transpose it in registers.
-    """
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    offs_r = pid_r * BR + tl.arange(0, BR)
-    offs_c = pid_c * BC + tl.arange(0, BC)
-    mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
-    if TRANS_LOAD:
-        xt = tl.load(
-            src_ptr + offs_c[:, None] * stride_c + offs_r[None, :] * stride_r,
-            mask=(offs_c[:, None] < C) & (offs_r[None, :] < R),
-            other=0.0,
-        )
-        x = tl.trans(xt).to(tl.float32)
-    else:
-        x = tl.load(
-            src_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0
-        ).to(tl.float32)
-
-    # 1. global scales
-    amax = tl.load(amax_ptr)
-    s_enc = tl.minimum(tl.math.div_rn(2688.0, amax), FLT_MAX)
-    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
-    s_dec = tl.math.div_rn(1.0, s_enc)
-
-    # 2. block maxima
-    a = tl.abs(x)
-    a = tl.where(a != a, 0.0, a)
-    if BLOCK_2D:
-        t = tl.max(tl.reshape(a, (BR // 16, 16, BC // 16, 16)), axis=3)
-        t = tl.max(t, axis=1)
-        vec = tl.reshape(tl.broadcast_to(t[:, None, :], (BR // 16, 16, BC // 16)), (BR, BC // 16))
-    else:
-        vec = tl.max(tl.reshape(a, (BR, BC // 16, 16)), axis=2)
-
-    # 3. block scale (E4M3)
-    if LEGACY:
-        s = tl.math.div_rn(vec, 6.0) * s_enc
-    else:
-        s = vec * (s_enc * INV_6)
-    s = tl.minimum(s, FLT_MAX)
-    sbyte, sq = _fp8_bytes(s, 448.0, 3, -6, 512.0)
-
-    # 4. encode factor
-    enc = tl.minimum(tl.math.div_rn(1.0, sq * s_dec), FLT_MAX)
-
-    # 5. elements
-    v = tl.reshape(tl.reshape(x, (BR, BC // 16, 16)) * enc[:, :, None], (BR, BC))
-    v = tl.where(v > 6.0, 6.0, tl.where(v < -6.0, -6.0, v))
-    neg = (v < 0.0).to(tl.int32)
-    m = tl.abs(v)
-    m = tl.where(m != m, 6.0, m)
-    if SR:
-        r = tl.load(rbits_ptr + offs_r[:, None] * C + offs_c[None, :], mask=mask, other=0)
-        u = r.to(tl.float32) * 0.00390625
-        step = tl.where(m < 2.0, 0.5, tl.where(m < 4.0, 1.0, 2.0))
-        t = m + u * step
-        step_t = tl.where(t < 2.0, 0.5, tl.where(t < 4.0, 1.0, 2.0))
-        inv_step_t = tl.where(t < 2.0, 2.0, tl.where(t < 4.0, 1.0, 0.5))
-        m = tl.minimum(tl.floor(t * inv_step_t) * step_t, 6.0)
-    code = (
-        (m > 0.25).to(tl.int32)
-        + (m >= 0.75).to(tl.int32)
-        + (m > 1.25).to(tl.int32)
-        + (m >= 1.75).to(tl.int32)
-        + (m > 2.5).to(tl.int32)
-        + (m >= 3.5).to(tl.int32)
-        + (m > 5.0).to(tl.int32)
-    )
-    code = code | (neg << 3)
-    lo, hi = tl.split(tl.reshape(code, (BR, BC // 2, 2)))
-    packed = (lo | (hi << 4)).to(tl.uint8)
-    dc = pid_c * (BC // 2) + tl.arange(0, BC // 2)
-    dmask = (offs_r[:, None] < R) & (dc[None, :] < C // 2)
-    tl.store(data_ptr + offs_r[:, None] * (C // 2) + dc[None, :], packed, mask=dmask)
-    sc = pid_c * (BC // 16) + tl.arange(0, BC // 16)
-    smask = (offs_r[:, None] < R) & (sc[None, :] < C // 16)
-    tl.store(scale_ptr + offs_r[:, None] * (C // 16) + sc[None, :], sbyte.to(tl.uint8), mask=smask)
-
-
 # --- variant "v2" -----------------------------------------------------------------------------
-# The same bytes with fewer instructions per element (the "v1" kernels above were measured
-# instruction-bound on the H200). Counted offline from the sm_90 SASS of the 8192x8192 problem
+# The same bytes with fewer instructions per element than the first kernels ("v1", measured
+# instruction-bound on the H200 and removed once v2 and v3 beat them on every kernel; their
+# numbers stay in docs/PERF.md). Counted offline from the sm_90 SASS of the 8192x8192 problem
 # (thread instructions per element, v1 -> v2): MXFP8 rowwise 17 -> 11, columnwise 42 -> 16,
 # row+col 54 -> 21; NVFP4 rowwise 54 -> 30, columnwise 103 -> 23. How:
 # - E2M1 codes by arithmetic (`_e2m1_code`), no clamp to +-6 (the code saturates by itself);
@@ -543,54 +349,6 @@ def _nvfp4_col_kernel_v2(
     tl.store(scale_ptr + offs_k[None, :] * (M // 16) + sm, sbyte, mask=smask)
 
 
-# With GRAPHSAN_TRITON_AUTOTUNE=1 tile shapes are tuned per problem shape on first use (eager:
-# before any graph capture). The bytes do not depend on the tile (every reduction stays inside one
-# 16- or 32-element block), but only the fixed tiles have been checked on a GPU so far, so
-# autotuning is opt-in.
-AUTOTUNED = bool(os.environ.get("GRAPHSAN_TRITON_AUTOTUNE")) and not os.environ.get(
-    "TRITON_INTERPRET"
-)
-_MX_CONFIGS = [
-    triton.Config({"BM": bm, "BN": bn}, num_warps=w)
-    for bm, bn, w in [
-        (64, 64, 4),
-        (32, 128, 4),
-        (64, 128, 4),
-        (64, 128, 8),
-        (128, 64, 8),
-        (128, 128, 8),
-        (32, 256, 8),
-        (32, 256, 4),
-        (32, 512, 8),
-    ]
-]
-_NV_CONFIGS = [
-    triton.Config({"BR": br, "BC": bc}, num_warps=w)
-    for br, bc, w in [
-        (32, 128, 4),
-        (16, 128, 4),
-        (32, 256, 8),
-        (64, 128, 8),
-        (64, 64, 4),
-        (128, 64, 8),
-        (64, 256, 8),
-        (16, 256, 4),
-        (64, 128, 4),
-        (128, 128, 8),
-    ]
-]
-if AUTOTUNED:
-    mxfp8_kernel = triton.autotune(_MX_CONFIGS, key=["M", "K", "stride_m", "DO_ROW", "DO_COL"])(
-        _mxfp8_kernel
-    )
-    nvfp4_kernel = triton.autotune(
-        _NV_CONFIGS, key=["R", "C", "stride_r", "BLOCK_2D", "SR", "LEGACY", "TRANS_LOAD"]
-    )(_nvfp4_kernel)
-else:
-    mxfp8_kernel = _mxfp8_kernel
-    nvfp4_kernel = _nvfp4_kernel
-
-
 # --- variant "v3" -----------------------------------------------------------------------------
 # MXFP8 with a columnwise part (columnwise alone, and row+col in one pass) and NVFP4 rowwise, for
 # bf16 sources with unit column stride (the launcher runs v2 otherwise). v2's MXFP8 tile put the
@@ -832,3 +590,86 @@ def _e2m1_lane(v, r, J: tl.constexpr, SR: tl.constexpr):
     else:
         m = tl.abs(v)
     return (_e2m1_code(m) | tl.where(v < 0.0, 8, 0)) << (4 * J)
+
+
+# NVFP4 columnwise (no RHT, no SR) for bf16 sources with unit column stride. v2 read bf16 in
+# [blocks, 16 rows, columns] tiles and transposed its packed bytes through shared memory (each
+# output row takes 8 bytes per block). v3 reads 64-bit words (4 columns) in two [blocks, 8 rows,
+# words] tiles, the top and bottom halves of each 16-row block. Triton lays a tile out from its
+# contiguous dimension (words) and then in index order, the last dimension taking what is left:
+# threads and warps go to words and blocks, and every thread holds whole 8-row columns, so block
+# maxima and nibble packing run in its registers. A column's 16 codes then form one 64-bit word
+# of the transposed output (row 2j in the low nibble of byte j), stored as it is.
+
+
+@triton.jit
+def _e2m1_column_word(x, enc, ROWS: tl.constexpr):
+    """The codes of x * enc [blocks, ROWS, words] (ROWS <= 8) packed down dim 1 into int32
+    nibbles, row 0 lowest."""
+    shift = (tl.arange(0, ROWS) * 4)[None, :, None]
+    return tl.sum(_e2m1_lane(x * enc[:, None, :], 0, 0, False) << shift, axis=1)
+
+
+@triton.jit
+def _nvfp4_col_kernel_v3(
+    xw_ptr,
+    M,
+    KW,
+    stride_mw,
+    amax_ptr,
+    data_ptr,
+    scale_ptr,
+    INV_6: tl.constexpr,
+    LEGACY: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    MAXNUM: tl.constexpr,
+    NB: tl.constexpr,
+    CW: tl.constexpr,
+):
+    """NVFP4 down the columns of a bf16 [M, K] source seen as int64 words xw [M, KW = K/4] (row
+    stride stride_mw words), written transposed: data as an int64 view [K, M/16] (one word per
+    column and 16-row block), scales uint8 [K, M/16]. A program covers NB blocks x CW words."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    blk = pid_m * NB + tl.arange(0, NB)[:, None, None]
+    row = tl.arange(0, 8)[None, :, None]
+    offs_w = pid_n * CW + tl.arange(0, CW)[None, None, :]
+    mask = (blk < M // 16) & (offs_w < KW)
+    top = tl.load(xw_ptr + (blk * 16 + row) * stride_mw + offs_w, mask=mask, other=0)
+    bot = tl.load(xw_ptr + (blk * 16 + 8 + row) * stride_mw + offs_w, mask=mask, other=0)
+    t0, t1, t2, t3 = _bf16_lanes(top)
+    b0, b1, b2, b3 = _bf16_lanes(bot)
+    s_enc, s_dec = _nvfp4_global_scales(amax_ptr)
+    v0 = tl.max(tl.maximum(_abs_for_max(t0, MAXNUM), _abs_for_max(b0, MAXNUM)), axis=1)
+    v1 = tl.max(tl.maximum(_abs_for_max(t1, MAXNUM), _abs_for_max(b1, MAXNUM)), axis=1)
+    v2 = tl.max(tl.maximum(_abs_for_max(t2, MAXNUM), _abs_for_max(b2, MAXNUM)), axis=1)
+    v3 = tl.max(tl.maximum(_abs_for_max(t3, MAXNUM), _abs_for_max(b3, MAXNUM)), axis=1)
+    if BLOCK_2D:  # 16x16 tiles: 16 columns are 4 words, one scale for all four lanes
+        t = tl.maximum(tl.maximum(v0, v1), tl.maximum(v2, v3))
+        t = tl.max(tl.reshape(t, (NB, CW // 4, 4)), axis=2)
+        v = tl.reshape(tl.broadcast_to(t[:, :, None], (NB, CW // 4, 4)), (NB, CW))
+        s0, e0 = _nvfp4_block_scale(_nan_to_0(v, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+        s1, e1, s2, e2, s3, e3 = s0, e0, s0, e0, s0, e0
+    else:
+        s0, e0 = _nvfp4_block_scale(_nan_to_0(v0, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+        s1, e1 = _nvfp4_block_scale(_nan_to_0(v1, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+        s2, e2 = _nvfp4_block_scale(_nan_to_0(v2, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+        s3, e3 = _nvfp4_block_scale(_nan_to_0(v3, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    blk2 = pid_m * NB + tl.arange(0, NB)[:, None]
+    col = 4 * (pid_n * CW + tl.arange(0, CW)[None, :])
+    omask = (blk2 < M // 16) & (col < 4 * KW)
+    _nvfp4_col_store(t0, b0, e0, s0, data_ptr, scale_ptr, col, blk2, M, omask)
+    _nvfp4_col_store(t1, b1, e1, s1, data_ptr, scale_ptr, col + 1, blk2, M, omask)
+    _nvfp4_col_store(t2, b2, e2, s2, data_ptr, scale_ptr, col + 2, blk2, M, omask)
+    _nvfp4_col_store(t3, b3, e3, s3, data_ptr, scale_ptr, col + 3, blk2, M, omask)
+
+
+@triton.jit
+def _nvfp4_col_store(top, bot, enc, sbyte, data_ptr, scale_ptr, col, blk, M, mask):
+    """One lane of the column kernel: its [NB, CW] output words and scale bytes."""
+    lo = _e2m1_column_word(top, enc, 8).to(tl.int64) & 0xFFFFFFFF
+    hi = _e2m1_column_word(bot, enc, 8).to(tl.int64) << 32
+    out = col * (M // 16) + blk
+    tl.store(data_ptr + out, lo | hi, mask=mask)
+    tl.store(scale_ptr + out, sbyte, mask=mask)

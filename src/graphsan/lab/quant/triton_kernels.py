@@ -14,14 +14,15 @@ fallback and the oracle, and the GPU tests compare the two byte for byte.
   bits for SR (`torch.randint` on the caller's generator, exactly as the reference draws them)
   are prepared in torch, so SR stays reproducible and graph-capturable.
 
-Three variants compute the same bytes: "v1" (the first kernels, measured in docs/PERF.md), "v2"
-(fewer instructions per element: arithmetic E2M1 codes, hardware E4M3 block scales on sm_90,
-columnwise blocks reduced in registers) and "v3" (bf16 sources read as 64-bit words of 4 and
-outputs written as packed words, so the load and the store share one layout: MXFP8 columnwise and
-row+col, NVFP4 rowwise and the RHT copy; every other kernel and input runs v2 under "v3"; see
-`_triton_impl`). Every entry point takes `variant=`; the default is `DEFAULT_VARIANT`, read once
-from GRAPHSAN_TRITON_VARIANT (default "v2", chosen from instruction counts before a GPU timing:
-`bench/bench_quant.py` times all of them side by side and checks that their bytes are equal).
+Two variants compute the same bytes: "v2" (arithmetic E2M1 codes, hardware E4M3 block scales on
+sm_90, columnwise blocks reduced in registers; any dtype and strides) and "v3" (bf16 sources with
+unit column stride read as 64-bit words of 4 and outputs written as packed words, so the load and
+the store share one layout: MXFP8 columnwise and row+col, NVFP4 rowwise, columnwise and the RHT
+copy; every other kernel and input runs v2 under "v3"; see `_triton_impl`). The first kernels
+("v1") were removed once v2 and v3 beat them on every kernel (their times stay in docs/PERF.md).
+Every entry point takes `variant=`; the default is `DEFAULT_VARIANT`, read once from
+GRAPHSAN_TRITON_VARIANT (default "v3": as fast or faster on every kernel in
+`bench/bench_quant.py`, which times both side by side and checks that their bytes are equal).
 
 Triton is imported lazily, on first use.
 """
@@ -53,30 +54,28 @@ def hw_fp8(device_index: int) -> bool:
 
 
 # "v3" exists for the MXFP8 kernels with a columnwise part (columnwise, row+col) and the NVFP4
-# row kernel (rowwise, and the contiguous RHT copy of columnwise), on bf16 input with unit column
-# stride; every other kernel and input (MXFP8 rowwise alone, NVFP4 columnwise without RHT, the
-# global amax, float32 input) runs its v2 kernel when "v3" is asked for.
-VARIANTS = ("v1", "v2", "v3")
-DEFAULT_VARIANT = os.environ.get("GRAPHSAN_TRITON_VARIANT", "v2")
+# row kernel (rowwise, and the contiguous RHT copy of columnwise) and column kernel (no RHT, no
+# SR), on bf16 input with unit column stride; every other kernel and input (MXFP8 rowwise alone,
+# NVFP4 columnwise with SR and no RHT, float32 input) runs its v2 kernel when "v3" is asked for,
+# and the global amax runs v2's kernel with a tile of its own.
+VARIANTS = ("v2", "v3")
+DEFAULT_VARIANT = os.environ.get("GRAPHSAN_TRITON_VARIANT", "v3")
 if DEFAULT_VARIANT not in VARIANTS:
     raise ValueError(f"GRAPHSAN_TRITON_VARIANT={DEFAULT_VARIANT!r}: expected one of {VARIANTS}")
 
-# v1 tiles, used unless GRAPHSAN_TRITON_AUTOTUNE=1 asks the v1 kernels to autotune theirs.
-MX_TILE = (64, 64)
-NV_TILE = (32, 128)
-AMAX_BLOCK = 4096
-AMAX_ITERS = 16
 # v2 launch parameters (fixed; chosen from the sm_90 SASS instruction counts, not yet timed)
 MX_V2 = {"BM": 32, "BN": 128, "SPLIT": 2, "num_warps": 2}
 NV_ROW_V2 = {"BR": 32, "BC": 128, "num_warps": 4}
 NV_COL_V2 = {"BM": 256, "BK": 64, "num_warps": 4}
-# v3 launch parameters (fixed; chosen from the sm_90 SASS, not yet timed): columnwise alone, and
-# row+col in one pass (more registers per thread: fewer warps per program keep the grid fine)
+# v3 launch parameters (fixed; the fastest of the tiles bench/tile_sweep.py compares on the H200,
+# docs/PERF.md): MXFP8 columnwise alone, and row+col in one pass
 MX_COL_V3 = {"SPLIT": 4, "G": 2, "CW": 32, "num_warps": 2}
 MX_BOTH_V3 = {"SPLIT": 4, "G": 2, "CW": 32, "num_warps": 2}
 NV_ROW_V3 = {"BR": 16, "CW": 64, "num_warps": 2}
+NV_COL_V3 = {"NB": 8, "CW": 16, "num_warps": 2}
 AMAX_V2_BLOCK = 16384
 AMAX_V2_ITERS = 2
+AMAX_V3 = (4096, 16)  # 0.040 ms against v2's 0.045 ms on 8192x8192 (the first kernel's tile)
 # v2 kernels are compiled without fp contraction: no rounding step may be fused away
 _V2_OPTIONS = {"enable_fp_fusion": False}
 
@@ -140,17 +139,8 @@ def _mx_launch(x, fmt, do_row, do_col, variant):
     if variant == "v3" and do_col and _words_fit(x):
         _mx_launch_v3(x, fmt, row, col)
         return row, col
-    if variant in ("v2", "v3"):
-        kernel, tiles = impl._mxfp8_kernel_v2, {**MX_V2, **_V2_OPTIONS}
-    else:
-        bm, bn = MX_TILE
-        kernel = impl.mxfp8_kernel
-        tiles = {} if impl.AUTOTUNED else {"BM": bm, "BN": bn, "num_warps": 4}
-
-    def grid(meta):
-        return (triton_cdiv(m, meta["BM"]), triton_cdiv(k, meta["BN"]))
-
-    kernel[grid](
+    grid = (triton_cdiv(m, MX_V2["BM"]), triton_cdiv(k, MX_V2["BN"]))
+    impl._mxfp8_kernel_v2[grid](
         x,
         m,
         k,
@@ -168,7 +158,8 @@ def _mx_launch(x, fmt, do_row, do_col, variant):
         HW_FP8=_hw_fp8_for(x),
         DO_ROW=do_row,
         DO_COL=do_col,
-        **tiles,
+        **MX_V2,
+        **_V2_OPTIONS,
     )
     return row, col
 
@@ -241,13 +232,10 @@ def global_amax(x: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     flat = x.contiguous().view(-1)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     n = flat.numel()
-    if _variant(variant) in ("v2", "v3"):  # no v3 amax kernel: "v3" runs v2
-        block, iters, kernel = AMAX_V2_BLOCK, AMAX_V2_ITERS, impl.amax_kernel_v2
-    else:
-        block, iters, kernel = AMAX_BLOCK, AMAX_ITERS, impl.amax_kernel
+    block, iters = (AMAX_V2_BLOCK, AMAX_V2_ITERS) if _variant(variant) == "v2" else AMAX_V3
     iters = iters if n >= block * iters * 64 else 1
     grid = (triton_cdiv(n, block * iters),)
-    kernel[grid](flat, n, amax, BLOCK=block, ITERS=iters, num_warps=8)
+    impl.amax_kernel_v2[grid](flat, n, amax, BLOCK=block, ITERS=iters, num_warps=8)
     return amax
 
 
@@ -267,7 +255,7 @@ def nvfp4_quantize(
     """
     _nv._check_args(x, axis, block_2d, order, rht, generator)
     variant = _variant(variant)
-    impl = _impl()
+    _impl()  # a clear error where Triton is unavailable, before any work
     src = x.t() if axis == 0 else x
     if rht:
         src = apply_rht(src).contiguous()
@@ -284,33 +272,10 @@ def nvfp4_quantize(
         rbits = torch.empty(1, dtype=torch.uint8, device=dev)
     if variant == "v3" and (axis != 0 or rht) and _words_fit(src):
         _nv_launch_row_v3(x, src, amax, rbits, data, scale, order, block_2d, generator)
-        return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
-    if variant in ("v2", "v3"):  # "v3" of the columnwise kernel (no RHT) is v2
+    elif variant == "v3" and axis == 0 and generator is None and _words_fit(x):
+        _nv_launch_col_v3(x, amax, data, scale, order, block_2d)
+    else:
         _nv_launch_v2(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator)
-        return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
-    br, bc = NV_TILE
-    tiles = {} if impl.AUTOTUNED else {"BR": br, "BC": bc, "num_warps": 4}
-
-    def grid(meta):
-        return (triton_cdiv(r, meta["BR"]), triton_cdiv(c, meta["BC"]))
-
-    impl.nvfp4_kernel[grid](
-        src,
-        r,
-        c,
-        src.stride(0),
-        src.stride(1),
-        amax,
-        rbits,
-        data,
-        scale,
-        INV_6=_nv.INV_6,
-        LEGACY=order == "legacy",
-        BLOCK_2D=block_2d,
-        SR=generator is not None,
-        TRANS_LOAD=src.stride(1) != 1 and src.stride(0) == 1,
-        **tiles,
-    )
     return _nv.NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
 
 
@@ -361,5 +326,29 @@ def _nv_launch_row_v3(x, src, amax, rbits, data, scale, order, block_2d, generat
         HW_FP8=_hw_fp8_for(x),
         MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
         **NV_ROW_V3,
+        **_V2_OPTIONS,
+    )
+
+
+def _nv_launch_col_v3(x, amax, data, scale, order, block_2d):
+    """v3 columnwise kernel (no RHT, no SR): x as int64 words [M, K/4], the transposed data
+    written as int64 words [K, M/16] (one per column and 16-row block)."""
+    impl = _impl()
+    m, k = x.shape
+    grid = (triton_cdiv(m // 16, NV_COL_V3["NB"]), triton_cdiv(k // 4, NV_COL_V3["CW"]))
+    impl._nvfp4_col_kernel_v3[grid](
+        x.view(torch.int64),
+        m,
+        k // 4,
+        x.stride(0) // 4,
+        amax,
+        data.view(torch.int64),
+        scale,
+        INV_6=_nv.INV_6,
+        LEGACY=order == "legacy",
+        BLOCK_2D=block_2d,
+        HW_FP8=_hw_fp8_for(x),
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        **NV_COL_V3,
         **_V2_OPTIONS,
     )

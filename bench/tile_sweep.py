@@ -1,0 +1,120 @@
+"""Sweep the v3 kernels' fixed launch parameters on one size x size bf16 tensor (CUDA only).
+
+    PYTHONPATH=src python3 bench/tile_sweep.py [--size 8192] [--iters 10]
+
+For each v3 kernel, the current parameters (`triton_kernels.NV_COL_V3`, `MX_BOTH_V3`, ...) and a
+few alternatives, timed the way bench_quant times them (device time, calls replayed from a CUDA
+graph) and checked byte for byte against the current parameters' output; prints the time and the
+fraction of the device copy bandwidth of each, and the ratio to the current parameters. The
+bytes do not depend on the tile (every reduction stays inside one block), so the fastest correct
+row is a safe default; bench_quant then times it against the other variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_quant import _same_bytes, bench_device  # noqa: E402
+
+from graphsan.lab.quant import triton_kernels as tk  # noqa: E402
+
+SWEEPS = {
+    # name: (parameter dict in triton_kernels, alternatives, call, bytes moved per element)
+    "nvfp4 columnwise 1D": (
+        "NV_COL_V3",
+        [
+            {"NB": 8, "CW": 32, "num_warps": 4},
+            {"NB": 4, "CW": 32, "num_warps": 2},
+            {"NB": 4, "CW": 64, "num_warps": 4},
+            {"NB": 2, "CW": 64, "num_warps": 2},
+            {"NB": 8, "CW": 16, "num_warps": 2},
+            {"NB": 16, "CW": 16, "num_warps": 4},
+            {"NB": 8, "CW": 64, "num_warps": 4},
+            {"NB": 16, "CW": 32, "num_warps": 8},
+        ],
+        lambda x, amax: tk.nvfp4_quantize(x, 0, amax=amax, variant="v3"),
+        2 + 0.5 + 1 / 16,
+    ),
+    "nvfp4 columnwise 2D": (
+        "NV_COL_V3",
+        None,  # the same alternatives
+        lambda x, amax: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax, variant="v3"),
+        2 + 0.5 + 1 / 16,
+    ),
+    "nvfp4 columnwise 1D, v2": (
+        "NV_COL_V2",
+        [
+            {"BM": 256, "BK": 64, "num_warps": 4},
+            {"BM": 128, "BK": 64, "num_warps": 4},
+            {"BM": 256, "BK": 128, "num_warps": 8},
+            {"BM": 256, "BK": 32, "num_warps": 2},
+            {"BM": 512, "BK": 64, "num_warps": 8},
+            {"BM": 128, "BK": 128, "num_warps": 4},
+        ],
+        lambda x, amax: tk.nvfp4_quantize(x, 0, amax=amax, variant="v2"),
+        2 + 0.5 + 1 / 16,
+    ),
+    "mxfp8 row+col": (
+        "MX_BOTH_V3",
+        [
+            {"SPLIT": 4, "G": 2, "CW": 32, "num_warps": 2},
+            {"SPLIT": 8, "G": 2, "CW": 16, "num_warps": 2},
+            {"SPLIT": 4, "G": 4, "CW": 16, "num_warps": 4},
+            {"SPLIT": 2, "G": 2, "CW": 32, "num_warps": 2},
+        ],
+        lambda x, amax: tk.mxfp8_quantize_both(x, variant="v3"),
+        2 + 2 + 2 / 32,
+    ),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tile_sweep: needs CUDA")
+    torch.manual_seed(0)
+    x = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(x)
+    copy_bw = 4 * x.numel() / bench_device(lambda: dst.copy_(x), args.iters)
+    amax = tk.global_amax(x)
+    print(
+        f"# {torch.cuda.get_device_name()}, {args.size}x{args.size} bf16, copy {copy_bw / 1e9:.0f} GB/s"
+    )
+    print("| kernel | parameters | ms | of copy bw | vs current | bytes equal |")
+    print("|---|---|---|---|---|---|")
+    last = None
+    for name, (attr, alts, call, per_elem) in SWEEPS.items():
+        alts = alts or last
+        last = alts
+        current = dict(getattr(tk, attr))
+        ref = call(x, amax)
+        t_cur = None
+        for cfg in [current] + [c for c in alts if c != current]:
+            setattr(tk, attr, cfg)
+            try:
+                out = call(x, amax)
+                t = bench_device(lambda call=call: call(x, amax), args.iters)
+            except Exception as err:  # a tile Triton cannot compile (too many registers, ...)
+                print(f"| {name} | {cfg} | - | - | - | {type(err).__name__}: {str(err)[:80]} |")
+                continue
+            finally:
+                setattr(tk, attr, current)
+            t_cur = t_cur or t
+            frac = per_elem * x.numel() / t / copy_bw
+            tag = " (current)" if cfg == current else ""
+            print(
+                f"| {name} | {cfg}{tag} | {t * 1e3:.3f} | {frac:.0%} | {t_cur / t:.2f}x | "
+                f"{'yes' if _same_bytes(out, ref) else 'NO'} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
