@@ -4,8 +4,8 @@
 #   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~5 min)
 #   call 2:  bash scripts/gpu_check.sh example repro bench
 #   (quant: the Triton kernel tests and bench_quant; train: bench_train; trace1: case 1 with
-#   CUDA_LAUNCH_BLOCKING=1, to name the kernel whose assert fires; autotune: bench_quant with
-#   autotuned tiles)
+#   CUDA_LAUNCH_BLOCKING=1, to name the kernel whose assert fires; sweep: the v3 kernels' launch
+#   parameters; wide: cases 1 and 4 with wider Mamba workspaces)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/graphsan-out}; mkdir -p "$OUT"
@@ -24,8 +24,10 @@ for part in ${*:-tests}; do
     bench)
       timeout 240 python3 bench/bench_sanitizer.py --layers 32 --steps 50 --rounds 3 --repeats 3 2>&1 | tee "$OUT/bench_sanitizer.log" | tail -10 ;;
     quant)
-      timeout 270 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py -p no:cacheprovider 2>&1 | tail -5
-      timeout 160 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 | tee "$OUT/bench_quant.log" | tail -14 ;;
+      timeout 270 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py ${QUANT_K:+-k "$QUANT_K"} \
+        -p no:cacheprovider 2>&1 | tail -5
+      timeout 220 python3 bench/bench_quant.py --iters 10 ${QUANT_SKIP_LINEAR:+--skip-linear} 2>&1 \
+        | tee "$OUT/bench_quant.log" | tail -24 ;;
     train)
       timeout 240 python3 bench/bench_train.py --iters 8 --out "$OUT/PERF-train.md" 2>&1 \
         | tee "$OUT/bench_train.log" | tail -14 ;;
@@ -33,9 +35,13 @@ for part in ${*:-tests}; do
       CUDA_LAUNCH_BLOCKING=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 \
         python3 -m graphsan.cli repro --child 1 --preset small --result "$OUT/trace1.json" \
         > "$OUT/trace1.log" 2>&1; grep -n -m5 -B2 -A25 "Traceback\|device-side assert" "$OUT/trace1.log" | tail -60 ;;
-    autotune)
-      GRAPHSAN_TRITON_AUTOTUNE=1 timeout 150 python3 bench/bench_quant.py --iters 10 --skip-linear 2>&1 \
-        | tee "$OUT/bench_quant_autotune.log" | tail -30 ;;
-    *) echo "unknown part $part (tests, example, repro, bench, quant, train, trace1, autotune)" ;;
+    sweep)  # the v3 kernels' launch parameters side by side
+      timeout 120 python3 bench/tile_sweep.py --iters 10 2>&1 | tee "$OUT/tile_sweep.log" | tail -20 ;;
+    wide)  # cases 1 and 4 with wider Mamba out_proj workspaces (4 and 8 MiB per half)
+      for h in 128 256; do echo "--- mamba heads $h"
+        timeout 150 python3 -m graphsan.cli repro --case 1 --case 4 --mamba-heads $h --timeout 140 \
+          --json "$OUT/wide$h.json" > "$OUT/wide$h.log" 2>&1; sed -n '/^| case/,/^whole/p' "$OUT/wide$h.log"
+      done ;;
+    *) echo "unknown part $part (tests, example, repro, bench, quant, train, trace1, sweep, wide)" ;;
   esac
 done

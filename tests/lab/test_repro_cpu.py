@@ -3,6 +3,7 @@ the tiny preset); the command explains that the cases need CUDA."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -72,11 +73,12 @@ def test_timeline_and_iteration_come_from_the_child_progress_lines():
 
 
 def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkeypatch):
-    spawned, threads_given = [], []
+    spawned, threads_given, heads_given = [], [], []
 
-    def fake_spawn(case, preset, reference=False, timeout=300, threads=0):
+    def fake_spawn(case, preset, reference=False, timeout=300, threads=0, mamba_heads=0):
         spawned.append((case.n, reference))
         threads_given.append(threads)
+        heads_given.append(mamba_heads)
         losses = [5.0 - 0.1 * i for i in range(repro.ITERS)]
         if case.n == 5 and not reference:  # the corrupted case drifts after validation
             losses[repro.EVAL_AT] *= 1.5
@@ -93,6 +95,9 @@ def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkey
     threads_given.clear()
     repro.run_matrix(repro.CASES[:1], "tiny", jobs=0)
     assert set(threads_given) == {16}  # one process alone gets every core
+    heads_given.clear()
+    repro.run_matrix(repro.CASES[4:6], "tiny", jobs=0, mamba_heads=128)
+    assert heads_given == [128, 128, 128]  # --mamba-heads reaches every case and the reference
     assert results[6]["outcome"] == "trained through"
     assert results[6]["comparison"].endswith("0.0e+00 after")
     assert results[5]["outcome"] == "silent corruption"  # 0.5 relative > LOSS_RTOL
@@ -122,13 +127,25 @@ def test_the_result_file_wins_and_a_dead_child_is_named_by_its_signal():
     )
 
 
+def test_mamba_heads_widen_only_the_mamba():
+    case = repro.CASES[0]
+    default = repro._config(case, "small", reference=False).model_overrides
+    wide = repro._config(case, "small", reference=False, mamba_heads=256).model_overrides
+    assert default == {"mamba_num_heads": 64, "mamba_head_dim": 64}
+    assert wide == {"mamba_num_heads": 256, "mamba_head_dim": 64}
+    parser = argparse.ArgumentParser()
+    repro.add_arguments(parser)
+    args = parser.parse_args(["--mamba-heads", "128", "--case", "1"])
+    assert args.mamba_heads == 128
+
+
 def test_a_child_reports_its_losses_progress_and_startup_phases(monkeypatch, capsys):
     from graphsan.lab.train import optim, trainer
 
     config = repro._config
 
-    def cpu_config(case, preset, reference):
-        cfg = config(case, "tiny", reference)
+    def cpu_config(case, preset, reference, mamba_heads=0):
+        cfg = config(case, "tiny", reference, mamba_heads)
         return dataclasses.replace(cfg, device="cpu", seq_length=32, save="/tmp/graphsan-child")
 
     monkeypatch.setattr(repro, "_config", cpu_config)

@@ -46,6 +46,7 @@ LOSS_RTOL = 1e-2
 # empty_cache can unmap it. At `small`'s width (512 KiB per half) it sits in the small pool,
 # whose pages other tensors keep mapped, and the bug stays silent.
 WIDE_MAMBA = {"small": {"mamba_num_heads": 64, "mamba_head_dim": 64}}
+# `--mamba-heads N` widens it further (N heads of 64 channels: N / 32 MiB per workspace half)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes run side by side (default 0: every case and the eager reference at "
         "once, up to the number of CPU cores)",
     )
+    parser.add_argument(
+        "--mamba-heads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Mamba heads (of 64 channels) on the small preset (default 0: 64, so out_proj's MXFP8 "
+        "weight workspace holds 2 MiB per half; the real model's spans many 2 MiB pages)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
         "--timeout", type=float, default=300, help="seconds a case may take (default 300)"
@@ -177,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------- one case (child)
-def _config(case: Case, preset: str, reference: bool):
+def _config(case: Case, preset: str, reference: bool, mamba_heads: int = 0):
     from graphsan.lab.train.config import TrainConfig
 
     return TrainConfig(
@@ -196,7 +205,7 @@ def _config(case: Case, preset: str, reference: bool):
         cuda_graph_warmup_steps=WARMUP,
         graph_state="fixed" if reference else case.state,
         precision_config=case.precision,
-        model_overrides=dict(WIDE_MAMBA.get(preset, {})),
+        model_overrides=_model_overrides(preset, mamba_heads),
         num_layers_at_end_in_bf16=2,
         device="cuda",
         log_interval=1,
@@ -204,7 +213,14 @@ def _config(case: Case, preset: str, reference: bool):
     )
 
 
-def run_child(n: int, preset: str, reference: bool) -> dict:
+def _model_overrides(preset: str, mamba_heads: int) -> dict:
+    out = dict(WIDE_MAMBA.get(preset, {}))
+    if mamba_heads:
+        out["mamba_num_heads"] = mamba_heads
+    return out
+
+
+def run_child(n: int, preset: str, reference: bool, mamba_heads: int = 0) -> dict:
     """Run one case in this process; return what happened (the parent prints it)."""
     import torch
 
@@ -239,7 +255,7 @@ def run_child(n: int, preset: str, reference: bool) -> dict:
     san = None
     if case.graphsan != "off" and not reference:
         san = graphsan.enable(policy=case.graphsan)
-    cfg = _config(case, preset, reference)
+    cfg = _config(case, preset, reference, mamba_heads)
     out = {"outcome": "trained through", "iteration": None, "finding": "", "losses": []}
     out["symptom"] = ""
     out["startup"] = startup
@@ -303,7 +319,12 @@ def _report_progress() -> None:
 
 # ----------------------------------------------------------------------------- the matrix (parent)
 def _spawn(
-    case: Case, preset: str, reference: bool = False, timeout: float = 300, threads: int = 0
+    case: Case,
+    preset: str,
+    reference: bool = False,
+    timeout: float = 300,
+    threads: int = 0,
+    mamba_heads: int = 0,
 ) -> dict:
     """Run one case in a child process; its output is read as it comes, so a case that hangs
     or overruns still reports how far it got. `threads`: the child's CPU threads (0: torch's
@@ -317,6 +338,7 @@ def _spawn(
     cmd = [sys.executable, "-m", "graphsan.cli", "repro", "--child", str(case.n)]
     cmd += ["--preset", preset, "--result", result_path]
     cmd += ["--reference"] if reference else []
+    cmd += ["--mamba-heads", str(mamba_heads)] if mamba_heads else []
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -433,7 +455,7 @@ def _compare(res: dict, ref: dict) -> str:
 
 
 def run_matrix(
-    cases: list[Case], preset: str, jobs: int, timeout: float = 300
+    cases: list[Case], preset: str, jobs: int, timeout: float = 300, mamba_heads: int = 0
 ) -> list[tuple[Case, dict]]:
     """Run the cases side by side; each finished case prints one line at once (a slow or hung
     case never hides the others' results)."""
@@ -448,9 +470,13 @@ def run_matrix(
     threads = max(1, cores // jobs)
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         ref_future = (
-            pool.submit(_spawn, ref_case, preset, True, timeout, threads) if ref_case else None
+            pool.submit(_spawn, ref_case, preset, True, timeout, threads, mamba_heads)
+            if ref_case
+            else None
         )
-        futures = {pool.submit(_spawn, c, preset, False, timeout, threads): c for c in cases}
+        futures = {
+            pool.submit(_spawn, c, preset, False, timeout, threads, mamba_heads): c for c in cases
+        }
         done: dict[int, dict] = {}
         for fut in as_completed(futures):
             c = futures[fut]
@@ -510,7 +536,7 @@ def _cell(text: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if args.child is not None:
-        res = run_child(args.child, args.preset, args.reference)
+        res = run_child(args.child, args.preset, args.reference, args.mamba_heads)
         text = json.dumps(res)
         if args.result:
             with open(args.result, "w") as fh:
@@ -537,7 +563,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return 1
     t0 = time.perf_counter()
-    results = run_matrix(cases, args.preset, args.jobs, args.timeout)
+    results = run_matrix(cases, args.preset, args.jobs, args.timeout, args.mamba_heads)
     print_results(results)
     ref = next((r["reference_outcome"] for _, r in results if "reference_outcome" in r), None)
     if ref:
