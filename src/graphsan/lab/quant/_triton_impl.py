@@ -645,23 +645,25 @@ def _nvfp4_col_kernel_v3(
     v1 = tl.max(tl.maximum(_abs_for_max(t1, MAXNUM), _abs_for_max(b1, MAXNUM)), axis=1)
     v2 = tl.max(tl.maximum(_abs_for_max(t2, MAXNUM), _abs_for_max(b2, MAXNUM)), axis=1)
     v3 = tl.max(tl.maximum(_abs_for_max(t3, MAXNUM), _abs_for_max(b3, MAXNUM)), axis=1)
-    if BLOCK_2D:  # 16x16 tiles: 16 columns are 4 words, one scale for all four lanes
+    if BLOCK_2D:  # 16x16 tiles: 16 columns are 4 words, one maximum for all four lanes
         t = tl.maximum(tl.maximum(v0, v1), tl.maximum(v2, v3))
         t = tl.max(tl.reshape(t, (NB, CW // 4, 4)), axis=2)
-        v = tl.reshape(tl.broadcast_to(t[:, :, None], (NB, CW // 4, 4)), (NB, CW))
-        s0, e0 = _nvfp4_block_scale(_nan_to_0(v, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
-        s1, e1, s2, e2, s3, e3 = s0, e0, s0, e0, s0, e0
-    else:
-        s0, e0 = _nvfp4_block_scale(_nan_to_0(v0, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
-        s1, e1 = _nvfp4_block_scale(_nan_to_0(v1, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
-        s2, e2 = _nvfp4_block_scale(_nan_to_0(v2, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
-        s3, e3 = _nvfp4_block_scale(_nan_to_0(v3, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+        v0 = tl.reshape(tl.broadcast_to(t[:, :, None], (NB, CW // 4, 4)), (NB, CW))
+        v1 = v0
+        v2 = v0
+        v3 = v0
     blk2 = pid_m * NB + tl.arange(0, NB)[:, None]
     col = 4 * (pid_n * CW + tl.arange(0, CW)[None, :])
     omask = (blk2 < M // 16) & (col < 4 * KW)
+    # each lane's scale right before its store: computing all four first keeps more registers
+    # live and cost 20% (0.061 -> 0.074 ms on 8192x8192, H200)
+    s0, e0 = _nvfp4_block_scale(_nan_to_0(v0, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
     _nvfp4_col_store(t0, b0, e0, s0, data_ptr, scale_ptr, col, blk2, M, omask)
+    s1, e1 = _nvfp4_block_scale(_nan_to_0(v1, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
     _nvfp4_col_store(t1, b1, e1, s1, data_ptr, scale_ptr, col + 1, blk2, M, omask)
+    s2, e2 = _nvfp4_block_scale(_nan_to_0(v2, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
     _nvfp4_col_store(t2, b2, e2, s2, data_ptr, scale_ptr, col + 2, blk2, M, omask)
+    s3, e3 = _nvfp4_block_scale(_nan_to_0(v3, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
     _nvfp4_col_store(t3, b3, e3, s3, data_ptr, scale_ptr, col + 3, blk2, M, omask)
 
 
