@@ -105,6 +105,9 @@ def main() -> None:
     nv_v3 = [("xw_ptr", "*i64", 0), ("R", "i32", n), ("CWT", "i32", n // 4)]
     nv_v3 += [("stride_rw", "i32", n // 4), ("amax_ptr", "*fp32", 0), ("rbits_ptr", "*i32", 0)]
     nv_v3 += [("data_ptr", "*i16", 0), ("scale_ptr", "*u8", 0)]
+    nv_col_v3 = [("xw_ptr", "*i64", 0), ("M", "i32", n), ("KW", "i32", n // 4)]
+    nv_col_v3 += [("stride_mw", "i32", n // 4), ("amax_ptr", "*fp32", 0)]
+    nv_col_v3 += [("data_ptr", "*i64", 0), ("scale_ptr", "*u8", 0)]
 
     jobs = []  # name, kernel fn, args, constexprs, launch parameters, elements per program
     directions = [("row+col", True, True), ("rowwise", True, False), ("columnwise", False, True)]
@@ -132,6 +135,12 @@ def main() -> None:
         fn = impl._nvfp4_row_kernel_v3
         flags = {**flags, "MAXNUM": True}
         jobs.append(("v3", f"nvfp4 rowwise {d}", fn, nv_v3, flags, p, p["BR"] * p["CW"] * 4))
+        p = dict(tk.NV_COL_V3)
+        fn = impl._nvfp4_col_kernel_v3
+        flags = {k: v for k, v in flags.items() if k != "SR"}  # the column kernel has no SR
+        jobs.append(
+            ("v3", f"nvfp4 columnwise {d}", fn, nv_col_v3, flags, p, p["NB"] * 16 * p["CW"] * 4)
+        )
 
     print(f"# sm_90 SASS, {n}x{n} bf16 specialisation, triton {triton.__version__}")
     print("| kernel | instr/elem | elem/thread | regs | smem B | memory instructions per thread |")

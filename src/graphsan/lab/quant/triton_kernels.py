@@ -118,7 +118,6 @@ def _hw_fp8_for(x: torch.Tensor) -> bool:
 def _mx_launch(x, fmt, do_row, do_col, variant):
     impl = _impl()
     m, k = x.shape
-    mbits, emin, sub = _FP8_PARAMS[fmt]
     dev = x.device
     row = col = None
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
@@ -150,11 +149,7 @@ def _mx_launch(x, fmt, do_row, do_col, variant):
         row.scale if row else dummy,
         col.data if col else dummy,
         col.scale if col else dummy,
-        INV_MAX=fp32_reciprocal(FP8_MAX[fmt]),
-        MAX=FP8_MAX[fmt],
-        MBITS=mbits,
-        EMIN=emin,
-        SUB=sub,
+        **_fp8_constants(fmt),
         HW_FP8=_hw_fp8_for(x),
         DO_ROW=do_row,
         DO_COL=do_col,
@@ -162,6 +157,13 @@ def _mx_launch(x, fmt, do_row, do_col, variant):
         **_V2_OPTIONS,
     )
     return row, col
+
+
+def _fp8_constants(fmt: str) -> dict:
+    """The MXFP8 kernels' element-format arguments."""
+    mbits, emin, sub = _FP8_PARAMS[fmt]
+    max_ = FP8_MAX[fmt]
+    return {"INV_MAX": fp32_reciprocal(max_), "MAX": max_, "MBITS": mbits, "EMIN": emin, "SUB": sub}
 
 
 def _words_fit(x: torch.Tensor) -> bool:
@@ -179,7 +181,6 @@ def _mx_launch_v3(x, fmt, row, col):
     """v3: x as int64 words [M, K/4], data and columnwise scales written as int32 words."""
     impl = _impl()
     m, k = x.shape
-    mbits, emin, sub = _FP8_PARAMS[fmt]
     xw = x.view(torch.int64)
     cfg = MX_BOTH_V3 if row is not None else MX_COL_V3
     grid = (triton_cdiv(m, 32), triton_cdiv(k // 4, cfg["G"] * cfg["CW"]))
@@ -193,11 +194,7 @@ def _mx_launch_v3(x, fmt, row, col):
         row.scale if row else dummy,
         col.data.view(torch.int32),
         col.scale.view(torch.int32),
-        INV_MAX=fp32_reciprocal(FP8_MAX[fmt]),
-        MAX=FP8_MAX[fmt],
-        MBITS=mbits,
-        EMIN=emin,
-        SUB=sub,
+        **_fp8_constants(fmt),
         HW_FP8=_hw_fp8_for(x),
         MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
         DO_ROW=row is not None,
