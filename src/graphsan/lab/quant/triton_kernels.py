@@ -4,15 +4,13 @@
 importable (set GRAPHSAN_NO_TRITON=1 to force the torch reference); the torch reference stays the
 fallback and the oracle, and the GPU tests compare the two byte for byte.
 
-- MXFP8: one kernel reads each 64x64 tile once and writes rowwise and/or columnwise bytes and
-  scales (`mxfp8_quantize_both` for the pair). The tile barely matters: autotuning over 9
-  tiles found none more than 13% faster on the H200 (docs/PERF.md).
+- MXFP8: one kernel reads each tile once and writes rowwise and/or columnwise bytes and scales
+  (`mxfp8_quantize_both` for the pair).
 - NVFP4: an amax kernel accumulates the global amax into a device buffer (atomic max, no host
-  sync), then the quantize kernel reads it; columnwise reads the source through transposed
-  strides (each tile loaded in the source's own order and transposed in registers, so the
-  reads stay coalesced) and writes the transposed layout. The RHT (bf16, torch) and the random
-  bits for SR (`torch.randint` on the caller's generator, exactly as the reference draws them)
-  are prepared in torch, so SR stays reproducible and graph-capturable.
+  sync), then the quantize kernel reads it; columnwise reads the source in its own order (blocks
+  down its columns, so the reads stay coalesced) and writes the transposed layout. The RHT (bf16,
+  torch) and the random bits for SR (`torch.randint` on the caller's generator, exactly as the
+  reference draws them) are prepared in torch, so SR stays reproducible and graph-capturable.
 
 Two variants compute the same bytes: "v2" (arithmetic E2M1 codes, hardware E4M3 block scales on
 sm_90, columnwise blocks reduced in registers; any dtype and strides) and "v3" (bf16 sources with
@@ -63,7 +61,8 @@ DEFAULT_VARIANT = os.environ.get("GRAPHSAN_TRITON_VARIANT", "v3")
 if DEFAULT_VARIANT not in VARIANTS:
     raise ValueError(f"GRAPHSAN_TRITON_VARIANT={DEFAULT_VARIANT!r}: expected one of {VARIANTS}")
 
-# v2 launch parameters (fixed; chosen from the sm_90 SASS instruction counts, not yet timed)
+# v2 launch parameters (fixed; chosen from the sm_90 SASS instruction counts; the column tile was
+# the fastest of six in bench/tile_sweep.py on the H200)
 MX_V2 = {"BM": 32, "BN": 128, "SPLIT": 2, "num_warps": 2}
 NV_ROW_V2 = {"BR": 32, "BC": 128, "num_warps": 4}
 NV_COL_V2 = {"BM": 256, "BK": 64, "num_warps": 4}
