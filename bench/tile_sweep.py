@@ -23,28 +23,31 @@ from bench_quant import _same_bytes, bench_device  # noqa: E402
 
 from graphsan.lab.quant import triton_kernels as tk  # noqa: E402
 
+NVFP4_BYTES = 2 + 0.5 + 1 / 16  # per element: the bf16 read, the nibble and the scale written
+NV_COL_V3_TILES = [
+    {"NB": 8, "CW": 32, "num_warps": 4},
+    {"NB": 4, "CW": 32, "num_warps": 2},
+    {"NB": 4, "CW": 64, "num_warps": 4},
+    {"NB": 2, "CW": 64, "num_warps": 2},
+    {"NB": 8, "CW": 16, "num_warps": 2},
+    {"NB": 16, "CW": 16, "num_warps": 4},
+    {"NB": 8, "CW": 64, "num_warps": 4},
+    {"NB": 16, "CW": 32, "num_warps": 8},
+]
+
 SWEEPS = {
     # name: (parameter dict in triton_kernels, alternatives, call, bytes moved per element)
     "nvfp4 columnwise 1D": (
         "NV_COL_V3",
-        [
-            {"NB": 8, "CW": 32, "num_warps": 4},
-            {"NB": 4, "CW": 32, "num_warps": 2},
-            {"NB": 4, "CW": 64, "num_warps": 4},
-            {"NB": 2, "CW": 64, "num_warps": 2},
-            {"NB": 8, "CW": 16, "num_warps": 2},
-            {"NB": 16, "CW": 16, "num_warps": 4},
-            {"NB": 8, "CW": 64, "num_warps": 4},
-            {"NB": 16, "CW": 32, "num_warps": 8},
-        ],
+        NV_COL_V3_TILES,
         lambda x, amax: tk.nvfp4_quantize(x, 0, amax=amax, variant="v3"),
-        2 + 0.5 + 1 / 16,
+        NVFP4_BYTES,
     ),
     "nvfp4 columnwise 2D": (
         "NV_COL_V3",
-        None,  # the same alternatives
+        NV_COL_V3_TILES,
         lambda x, amax: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax, variant="v3"),
-        2 + 0.5 + 1 / 16,
+        NVFP4_BYTES,
     ),
     "nvfp4 columnwise 1D, v2": (
         "NV_COL_V2",
@@ -57,7 +60,7 @@ SWEEPS = {
             {"BM": 128, "BK": 128, "num_warps": 4},
         ],
         lambda x, amax: tk.nvfp4_quantize(x, 0, amax=amax, variant="v2"),
-        2 + 0.5 + 1 / 16,
+        NVFP4_BYTES,
     ),
     "mxfp8 row+col": (
         "MX_BOTH_V3",
@@ -90,10 +93,7 @@ def main() -> None:
     )
     print("| kernel | parameters | ms | of copy bw | vs current | bytes equal |")
     print("|---|---|---|---|---|---|")
-    last = None
     for name, (attr, alts, call, per_elem) in SWEEPS.items():
-        alts = alts or last
-        last = alts
         current = dict(getattr(tk, attr))
         ref = call(x, amax)
         t_cur = None
