@@ -442,3 +442,36 @@ def test_allocation_stacks_keep_only_user_frames():
     ]
     m = MemoryMap.from_snapshot(snap, frame_filter=user_frames)
     assert m.locate(A)[1].frames == [("/home/me/train.py", 9, "make_input")]
+
+
+def test_the_vectorized_scan_finds_what_a_word_by_word_scan_finds():
+    rng = random.Random(11)
+    memmap = MemoryMap.from_snapshot(
+        snapshot(
+            (SEG, DEFAULT_POOL, [(0, 4096, "active_allocated"), (4096, 12288, "inactive")]),
+            (SEG + (1 << 21), POOL, [(0, 8192, "active_allocated")]),
+        )
+    )
+    inside = [SEG + 8, SEG + 5000, SEG + (1 << 21) + 64]
+    foreign_ok = {0x5_0000_0000}
+    for _ in range(30):
+        nodes = []
+        for n in range(rng.randrange(1, 6)):
+            words = [
+                rng.choice(inside + list(foreign_ok) + [7, 1 << 40, SEG - 8, 0x6_0000_0000])
+                for _ in range(rng.randrange(0, 12))
+            ]
+            buf = b"".join(struct.pack("<Q", w) for w in words) + bytes(rng.randrange(0, 8))
+            nodes.append(KernelArgs(n, f"k{n}", buf, [0, 16] if len(buf) > 16 else [0]))
+        got = references(nodes, memmap, foreign=lambda v: v in foreign_ok)
+        want = []
+        for node in nodes:  # the rule, word by word
+            seen = set()
+            for off in range(0, len(node.buffer) // 8 * 8, 8):
+                (v,) = struct.unpack_from("<Q", node.buffer, off)
+                if v in seen or not (memmap.locate(v) is not None or v in foreign_ok):
+                    continue
+                seen.add(v)
+                p = 1 if len(node.offsets) > 1 and off >= 16 else 0
+                want.append((node.index, p, off - node.offsets[p], v))
+        assert [(r.node, r.param, r.offset, r.address) for r in got] == want

@@ -1,5 +1,5 @@
 """The Sanitizer's capture -> event -> replay flow and its policies, on CPU: the CUDA-facing
-pieces (`_driver`, the allocator snapshot, the current stream) are replaced by fakes, so what is
+pieces (`_driver`, the allocator view, the current stream) are replaced by fakes, so what is
 tested is the orchestration: pending captures, policy decisions, de-duplication, blocking, and
 disabling itself on an internal error."""
 
@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from graphsan import _driver, sanitizer
+from graphsan import _driver, memory, sanitizer
 from graphsan.analysis import FreeEvent, KernelArgs, MemoryMap, WalkStats
 from graphsan.report import StaleMemoryError
 
@@ -57,7 +57,8 @@ def env(monkeypatch):
     )
     monkeypatch.setattr(_driver, "is_mapped", lambda ptr: True)
     monkeypatch.setattr(_driver, "address_range", lambda ptr: None)
-    monkeypatch.setattr(sanitizer, "snapshot_map", lambda device=None: state["map"])
+    monkeypatch.setattr(memory.AllocatorWatch, "view", lambda self, device, sync=True: state["map"])
+    monkeypatch.setattr(memory.AllocatorWatch, "sync", lambda self, check_pool=None: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=1))
     return state
@@ -83,7 +84,7 @@ def test_capture_registers_the_graph_and_its_reference(env):
     (stats,) = san.report().graphs
     assert stats["nodes"] == 1 and stats["references"] == 1 and stats["pool"] == [1, 3]
     by_stage = stats["analysis_ms_by_stage"]
-    assert set(by_stage) == {"walk", "snapshot", "references", "tracker"}
+    assert set(by_stage) == {"walk", "allocator_view", "references", "tracker"}
     assert sum(by_stage.values()) == pytest.approx(stats["analysis_ms"], abs=0.01)
     san.before_replay(g, state)  # nothing freed: nothing happens
     assert san.findings == []
@@ -131,10 +132,10 @@ def test_internal_error_disables_and_says_so(env, monkeypatch, capsys):
     state = g.__dict__["_graphsan_state"]
     free_block(san)
 
-    def broken(device=None):
+    def broken(self, device, sync=True):
         raise RuntimeError("snapshot failed")
 
-    monkeypatch.setattr(sanitizer, "snapshot_map", broken)
+    monkeypatch.setattr(memory.AllocatorWatch, "view", broken)
     san.hooks.uninstall = lambda: None
     san.memory.stop = lambda: None
     san.context.stop = lambda: None

@@ -49,8 +49,8 @@ def walk(graph) -> tuple[list[KernelArgs | CopyArgs], WalkStats]:
     """Every kernel, memcpy and memset node of `graph`, child and conditional bodies included."""
     stats = WalkStats()
     out: list[KernelArgs | CopyArgs] = []
-    for node in _nodes(graph, stats):
-        rec = _read_node(node, len(out), stats)
+    for node, kind in _nodes(graph, stats):
+        rec = _read_node(node, kind, len(out), stats)
         if rec is not None:
             out.append(rec)
     return out, stats
@@ -79,7 +79,7 @@ def _nodes(graph, stats: WalkStats) -> Iterator:
             except (DriverError, AttributeError, TypeError):
                 stats.unreadable += 1
         else:
-            yield node
+            yield node, kind
 
 
 def _check_pair(result, what):
@@ -89,9 +89,8 @@ def _check_pair(result, what):
     return nodes, count
 
 
-def _read_node(node, index: int, stats: WalkStats) -> KernelArgs | CopyArgs | None:
+def _read_node(node, kind, index: int, stats: WalkStats) -> KernelArgs | CopyArgs | None:
     T = drv.CUgraphNodeType
-    kind = _check(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
     try:
         if kind == T.CU_GRAPH_NODE_TYPE_KERNEL:
             stats.kernels += 1

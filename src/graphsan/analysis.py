@@ -231,31 +231,70 @@ def references(
     (`unaligned=True`, for such packed buffers) cost false alarms: on the H200 a pointer's zero
     high bytes followed by a small int64 (16384, a size) read at offset 13 as an address inside an
     18 MB block of the default pool.
+
+    The aligned words of all kernels are compared in one vectorized pass, so a graph of
+    thousands of nodes costs one numpy scan plus a lookup per candidate.
     """
+    nodes = list(nodes)
     lo, hi = memmap.bounds()
     out: list[Reference] = []
-    for node in nodes:
+    candidates: dict[int, list[tuple[int, int]]] = {}  # node position -> (offset, value)
+    kernels = [(i, n) for i, n in enumerate(nodes) if isinstance(n, KernelArgs)]
+    if unaligned:
+        for i, n in kernels:
+            candidates[i] = scan_words(n.buffer, lo, hi, True)
+            if foreign is not None:
+                candidates[i] += [
+                    (off, v)
+                    for off, v in scan_words(n.buffer, FOREIGN_LO, FOREIGN_HI, unaligned=False)
+                    if not lo <= v < hi
+                ]
+    else:
+        candidates = _aligned_candidates(kernels, lo, hi, foreign is not None)
+    is_foreign: dict[int, bool] = {}
+    for i, node in enumerate(nodes):
         if isinstance(node, CopyArgs):
             out += [Reference(node.index, node.kind, side, 0, a) for side, a in node.addresses]
             continue
         seen = set()
-        candidates = scan_words(node.buffer, lo, hi, unaligned)
-        if foreign is not None:
-            candidates += [
-                (off, v)
-                for off, v in scan_words(node.buffer, FOREIGN_LO, FOREIGN_HI, unaligned=False)
-                if not lo <= v < hi
-            ]
-        for off, value in candidates:
+        for off, value in candidates.get(i, ()):
             if value in seen:
                 continue
-            if memmap.locate(value) is None and (
-                foreign is None or off % 8 or lo <= value < hi or not foreign(value)
-            ):
-                continue
+            if memmap.locate(value) is None:
+                if foreign is None or off % 8 or lo <= value < hi:
+                    continue
+                known = is_foreign.get(value)
+                if known is None:
+                    known = is_foreign[value] = foreign(value)
+                if not known:
+                    continue
             seen.add(value)
             param, inner = _param_of(node.offsets, off)
             out.append(Reference(node.index, node.name, param, inner, value))
+    return out
+
+
+def _aligned_candidates(
+    kernels: list[tuple[int, KernelArgs]], lo: int, hi: int, with_foreign: bool
+) -> dict[int, list[tuple[int, int]]]:
+    """(offset, value) of the 8-byte-aligned words that may be addresses, per node position:
+    inside [lo, hi), or (with_foreign) anywhere device memory can be mapped."""
+    bufs = [(i, n.buffer[: len(n.buffer) // 8 * 8]) for i, n in kernels if len(n.buffer) >= 8]
+    if not bufs:
+        return {}
+    counts = np.array([len(b) // 8 for _, b in bufs])
+    words = np.frombuffer(b"".join(b for _, b in bufs), dtype="<u8")
+    mask = (words >= lo) & (words < hi)
+    if with_foreign:
+        mask |= (words >= FOREIGN_LO) & (words < FOREIGN_HI)
+    hits = np.nonzero(mask)[0]
+    if not len(hits):
+        return {}
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    which = np.searchsorted(starts, hits, side="right") - 1
+    out: dict[int, list[tuple[int, int]]] = {}
+    for h, w in zip(hits.tolist(), which.tolist(), strict=True):
+        out.setdefault(bufs[w][0], []).append((8 * (h - int(starts[w])), int(words[h])))
     return out
 
 

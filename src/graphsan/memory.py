@@ -1,10 +1,20 @@
-"""The caching allocator as graphsan sees it: snapshots, alloc/free events, storage changes and
-cache releases, turned into calls on the pure `Tracker`.
+"""The caching allocator as graphsan sees it: an incremental view of its segments and blocks,
+alloc/free events, storage changes and cache releases, turned into calls on the pure `Tracker`.
 
-- Allocation stacks come from the allocator's own history (`_record_memory_history` in "state"
-  mode: a stack per live block, no event log), read from the snapshot taken at capture end.
+- The view (`allocview.AllocatorView`, one per device) is seeded by one snapshot when graphsan
+  starts and then follows the allocator's own event log (`_record_memory_history(enabled="all",
+  context=None)`: addresses, sizes and streams, no stacks), drained at capture begin and end and
+  before a replay is judged. Each drain costs the events since the last one, not the blocks
+  alive; a log that overflowed between two drains (or contradicts the view) reseeds it.
+- The log carries no pool. A segment created on a stream while a capture (or a
+  `beginAllocate*ToPool` window) routes that stream to a pool belongs to that pool; segments made
+  on other streams during a capture are checked against that pool's own snapshot.
+- Allocation stacks are taken by the GPU-trace allocation callback as raw (code, instruction)
+  pairs, one interned tuple per distinct call path, and turned into frames only for blocks a
+  graph references. (The allocator's own stacks need torch's symbolizer, whose first use in a
+  process costs seconds.)
 - Frees arrive through PyTorch's GPU-trace callbacks. Only frees of *watched* blocks do more than
-  a dict lookup: they record the Python stack, the phase and the step.
+  two dict lookups: they record the Python stack, the phase and the step.
 - Storage changes (`resize_`, `set_`, `.data =`, `untyped_storage().resize_`) are wrapped so a
   free they cause is known to be a *move*.
 - `torch.cuda.empty_cache()` is wrapped to note releases to the driver.
@@ -13,14 +23,27 @@ cache releases, turned into calls on the pure `Tracker`.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable
+from types import CodeType
+from typing import Any
 
 import torch
 
-from graphsan.analysis import FreeEvent, MemoryMap, Tracker
+from graphsan.allocview import AllocatorView, ViewError
+from graphsan.analysis import DEFAULT_POOL, FreeEvent, MemoryMap, PoolId, Tracker
 from graphsan.context import Context, python_stack, user_frames
 from graphsan.report import Frame
+
+# Trace entries kept between two drains; more than this and the oldest are overwritten, which the
+# drain notices (a full buffer) and answers with a fresh snapshot.
+MAX_ENTRIES = 1 << 18
+# A pool id no pool has: a snapshot filtered by it converts no block, only the event log.
+NO_POOL = (1 << 62, 1 << 62)
+# Frames kept per allocation stack (innermost first while walking); user frames are picked later.
+SITE_DEPTH = 48
+Site = tuple  # (code, instruction offset, code, instruction offset, ...), innermost first
 
 _op = threading.local()
 _ABSENT = object()
@@ -46,8 +69,37 @@ def _wrap_op(name: str, orig: Callable) -> Callable:
 
 
 def snapshot_map(device: int | None = None) -> MemoryMap:
-    """The allocator's segments and blocks right now (a few ms; never per replay)."""
-    return MemoryMap.from_snapshot(torch.cuda.memory._snapshot(device), device, user_frames)
+    """The allocator's segments and blocks right now, from a full snapshot (its cost grows with
+    the blocks alive: for tests and checks, not for captures)."""
+    return MemoryMap.from_snapshot(_snapshot(), device, user_frames)
+
+
+def _snapshot(pool: PoolId = (0, 0), traces: bool = False) -> dict[str, Any]:
+    """`torch._C._cuda_memorySnapshot` for one pool ((0, 0): all), with or without the event log;
+    torch releases without the filter give everything."""
+    try:
+        return torch._C._cuda_memorySnapshot((pool[0], pool[1], traces))
+    except (TypeError, RuntimeError):
+        return torch.cuda.memory._snapshot()
+
+
+def _site_frames(site: Site | None) -> list[Frame]:
+    """A recorded allocation stack as frames, outermost first, user frames only."""
+    if not site:
+        return []
+    frames = [
+        (code.co_filename, _line(code, lasti), code.co_name)
+        for code, lasti in zip(site[0::2], site[1::2], strict=True)
+    ]
+    frames.reverse()
+    return user_frames(frames)
+
+
+def _line(code: CodeType, lasti: int) -> int:
+    for start, end, line in code.co_lines():
+        if start <= lasti < end:
+            return line or 0
+    return code.co_firstlineno
 
 
 class AllocatorWatch:
@@ -68,12 +120,103 @@ class AllocatorWatch:
         self.capture_pool: tuple[int, int] | None = None  # set while a capture is in progress
         # (tensor, sizes) -> tensor | None: the pin policy's way around a reallocating resize_
         self.redirect_resize: Callable[[torch.Tensor, tuple], torch.Tensor | None] | None = None
+        self.views: dict[int, AllocatorView] = {}
+        self.sites: dict[int, Site] = {}  # live block address -> its allocation stack
+        self._interned: dict[Site, Site] = {}
+        # streams whose new segments belong to a pool: [stream or None (every stream), pool]
+        self.routes: list[list] = []
+        self.drains = 0
         self._active = False
         self._patches: list[tuple[object, str, object]] = []
 
+    # -- the view ------------------------------------------------------------------------------
+    def view(self, device: int, sync: bool = True) -> AllocatorView:
+        """The allocator of `device` as of now (`sync`: apply the event log since the last
+        drain first)."""
+        if sync:
+            self.sync()
+        view = self.views.get(device)
+        if view is None:
+            view = self.views[device] = AllocatorView(self._frames_of)
+            view.seed(_snapshot(), device)
+        return view
+
+    def sync(self, check_pool: PoolId | None = None) -> None:
+        """Apply the allocator's event log to the views. `check_pool`: a capture into that pool
+        just ended, and segments it made on streams other than its own are looked up there."""
+        if not self.views:
+            self._clear_log()
+            return
+        snap = _snapshot(NO_POOL, traces=True)
+        self._clear_log()
+        self.drains += 1
+        traces = snap.get("device_traces", [])
+        for device, view in self.views.items():
+            entries = traces[device] if device < len(traces) else []
+            if len(entries) >= MAX_ENTRIES:  # the ring buffer may have overwritten entries
+                view.seed(_snapshot(), device)
+                continue
+            unsure: list[int] = []
+            try:
+                view.apply(
+                    entries, self._pool_of if check_pool is None else self._pool_noting(unsure)
+                )
+            except ViewError:
+                view.seed(_snapshot(), device)
+                continue
+            if unsure and check_pool is not None:
+                self._check_pools(view, unsure, check_pool, device)
+
+    def _pool_of(self, stream: int) -> PoolId:
+        for route_stream, pool in reversed(self.routes):
+            if route_stream is None or route_stream == stream:
+                return pool
+        return DEFAULT_POOL
+
+    def _pool_noting(self, unsure: list[int]) -> Callable[[int], PoolId]:
+        def pool_of(stream: int) -> PoolId:
+            if not any(s == stream or s is None for s, _ in self.routes):
+                unsure.append(stream)
+            return self._pool_of(stream)
+
+        return pool_of
+
+    def _check_pools(self, view: AllocatorView, unsure, pool: PoolId, device: int) -> None:
+        """Segments made during a capture on streams the capture forked to may be the pool's."""
+        own = {
+            int(s["address"])
+            for s in _snapshot(pool)["segments"]
+            if s.get("device", device) == device
+        }
+        for seg in view.segments:
+            if seg.address in own:
+                seg.pool = pool
+
+    def _clear_log(self) -> None:
+        self._record(clear=True)
+
+    def _record(self, clear: bool = False) -> None:
+        kwargs: dict[str, Any] = {
+            "context": None,
+            "max_entries": MAX_ENTRIES,
+            "clear_history": clear,
+        }
+        try:
+            torch.cuda.memory._record_memory_history(
+                enabled="all", skip_actions=["free_requested", "snapshot", "oom"], **kwargs
+            )
+        except TypeError:  # torch without skip_actions
+            torch.cuda.memory._record_memory_history(enabled="all", **kwargs)
+
+    def _frames_of(self, address: int) -> list[Frame]:
+        return _site_frames(self.sites.get(address))
+
     # -- callbacks (hot path) ------------------------------------------------------------------
     def _on_free(self, ptr: int) -> None:
-        if not self._active or (ptr not in self.tracker.live and not self.tracker.freed_segments):
+        if not self._active:
+            return
+        self.sites.pop(ptr, None)
+        if ptr not in self.tracker.live and not self.tracker.freed_segments:
             return
         try:
             self.tracker.on_free(ptr, self._free_event)
@@ -85,7 +228,20 @@ class AllocatorWatch:
         return FreeEvent(python_stack(), phase, step, _current_op(), self.capture_pool)
 
     def _on_alloc(self, ptr: int) -> None:
-        if not self._active or not self.tracker.freed_segments:
+        if not self._active:
+            return
+        if self.alloc_stacks:
+            site = []
+            frame = sys._getframe(1)
+            for _ in range(SITE_DEPTH):
+                if frame is None:
+                    break
+                site.append(frame.f_code)
+                site.append(frame.f_lasti)
+                frame = frame.f_back
+            key = tuple(site)
+            self.sites[ptr] = self._interned.setdefault(key, key)
+        if not self.tracker.freed_segments:
             return
         try:
             self.tracker.on_alloc(ptr)
@@ -96,10 +252,7 @@ class AllocatorWatch:
     def start(self) -> None:
         if self._active:
             return
-        if self.alloc_stacks:
-            torch.cuda.memory._record_memory_history(
-                enabled="state", context="alloc", stacks="python"
-            )
+        self._record(clear=True)
         from torch.cuda import _gpu_trace
 
         torch._C._activate_gpu_trace()
@@ -109,7 +262,9 @@ class AllocatorWatch:
             self._registered = True
         self._patch_storage_ops()
         self._patch_empty_cache()
+        self._patch_pool_routing()
         self._active = True
+        self.view(torch.cuda.current_device())  # the one snapshot: the seed
 
     def stop(self) -> None:
         self._active = False  # the gpu-trace callbacks cannot be unregistered; they go idle
@@ -119,9 +274,11 @@ class AllocatorWatch:
             else:
                 setattr(owner, name, orig)
         self._patches.clear()
-        if self.alloc_stacks:
-            with contextlib.suppress(Exception):
-                torch.cuda.memory._record_memory_history(enabled=None)
+        with contextlib.suppress(Exception):
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self.views.clear()
+        self.sites.clear()
+        self._interned.clear()
 
     def _set(self, owner: object, name: str, value: object) -> None:
         self._patches.append((owner, name, vars(owner).get(name, _ABSENT)))
@@ -178,3 +335,50 @@ class AllocatorWatch:
         empty_cache.__doc__ = orig.__doc__
         self._set(torch.cuda.memory, "empty_cache", empty_cache)
         self._set(torch.cuda, "empty_cache", empty_cache)
+
+    def _patch_pool_routing(self) -> None:
+        """Outside captures, eager allocations are routed to a private pool by these calls
+        (torch.compile's CUDA graph trees, `torch.cuda.use_mem_pool`): a segment they make
+        belongs to that pool."""
+        watch = self
+
+        def wrap_begin(orig: Callable, per_thread: bool) -> Callable:
+            def begin(device, pool, *args, **kwargs):
+                if watch._active:
+                    watch.sync()
+                    stream = None if per_thread else torch.cuda.current_stream().cuda_stream
+                    watch.routes.append([stream, (int(pool[0]), int(pool[1]))])
+                return orig(device, pool, *args, **kwargs)
+
+            begin.__wrapped__ = orig
+            return begin
+
+        def wrap_end(orig: Callable) -> Callable:
+            def end(device, pool, *args, **kwargs):
+                out = orig(device, pool, *args, **kwargs)
+                if watch._active:
+                    watch.sync()
+                    key = (int(pool[0]), int(pool[1]))
+                    for i in range(len(watch.routes) - 1, -1, -1):
+                        if watch.routes[i][1] == key:
+                            del watch.routes[i]
+                            break
+                return out
+
+            end.__wrapped__ = orig
+            return end
+
+        for owner in (torch._C, torch.cuda.memory):
+            for name, per_thread in (
+                ("_cuda_beginAllocateCurrentThreadToPool", True),
+                ("_cuda_beginAllocateToPool", True),
+                ("_cuda_beginAllocateCurrentStreamToPool", False),
+            ):
+                if name in vars(owner):
+                    self._set(owner, name, wrap_begin(vars(owner)[name], per_thread))
+            if "_cuda_endAllocateToPool" in vars(owner):
+                self._set(
+                    owner,
+                    "_cuda_endAllocateToPool",
+                    wrap_end(vars(owner)["_cuda_endAllocateToPool"]),
+                )

@@ -1,9 +1,10 @@
 """The sanitizer: wires graph hooks and allocator events to the tracker and applies the policy.
 
 At capture end it reads the graph being captured (`_driver`), finds the device addresses in its
-arguments and confirms them against an allocator snapshot (`analysis.references`), and registers
-the graph's watched blocks. At replay, a graph whose watched memory changed is judged *before*
-launch; the policy decides what happens to findings:
+arguments and confirms them against the allocator's incrementally kept view (`memory`,
+`allocview`; no per-capture snapshot), and registers the graph's watched blocks. At replay, a
+graph whose watched memory changed is judged *before* launch; the policy decides what happens to
+findings:
 
 - "raise": `StaleMemoryError` from `replay()`; the graph is not launched (and stays blocked);
 - "warn": each finding is printed once, the replay goes on;
@@ -27,9 +28,9 @@ from typing import Any
 import torch
 
 from graphsan import capture
-from graphsan.analysis import MemoryMap, Tracker, references
+from graphsan.analysis import Tracker, references
 from graphsan.context import Context, python_stack
-from graphsan.memory import AllocatorWatch, snapshot_map
+from graphsan.memory import AllocatorWatch
 from graphsan.report import (
     Finding,
     GraphInfo,
@@ -136,7 +137,12 @@ class Sanitizer:
                 label = f"{os.path.basename(site[-1][0])}:{site[-1][1]}"
             else:
                 label = f"graph#{gid}"
-            graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device())
+            # what happened before the capture is the default pool's (the capture's own RNG
+            # state included); from here the capture stream's new segments are the graph pool's
+            self.memory.sync()
+            route = [torch.cuda.current_stream().cuda_stream, None]
+            self.memory.routes.append(route)
+            graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device(), route)
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
             self.memory.capture_pool = tuple(int(x) for x in pool) if pool is not None else None
@@ -162,22 +168,33 @@ class Sanitizer:
     def after_capture_end(self, graph, walked) -> None:
         self.memory.capture_pool = None
         pending = graph.__dict__.pop(_PENDING, None)
-        if walked is None or pending is None or not self.active:
+        if pending is None or not self.active:
+            return
+        gid, label, site, device, route = pending
+        try:
+            pool = tuple(int(x) for x in graph.pool())
+            route[1] = pool
+            t0 = time.perf_counter()
+            self.memory.sync(check_pool=pool)
+        except Exception as err:
+            self._internal_error(err)
+            return
+        finally:
+            if route in self.memory.routes:
+                self.memory.routes.remove(route)
+        if walked is None:
             return
         try:
             from graphsan import _driver
 
             young = self.pinner.young_objects() if self.pinner is not None else None
             nodes, stats, walk_s = walked
-            gid, label, site, device = pending
-            t0 = time.perf_counter()
-            memmap = snapshot_map(device)
+            view = self.memory.view(device, sync=False)
             t1 = time.perf_counter()
-            refs = references(nodes, memmap, foreign=lambda v: _driver.address_range(v) is not None)
+            refs = references(nodes, view, foreign=lambda v: _driver.address_range(v) is not None)
             t2 = time.perf_counter()
-            pool = tuple(int(x) for x in graph.pool())
             info = GraphInfo(gid, label, site, pool, device)
-            state = self.tracker.add_graph(info, refs, memmap)
+            state = self.tracker.add_graph(info, refs, view)
             capture.set_graph_state(graph, state)
             t3 = time.perf_counter()
             analyse_s = walk_s + t3 - t0
@@ -193,11 +210,11 @@ class Sanitizer:
                 "child_graphs": stats.child_graphs,
                 **state.stats,
                 "analysis_ms": round(analyse_s * 1e3, 3),
-                # where the analysis time goes: reading the graph through the driver, the
-                # allocator snapshot, confirming addresses, registering the watched blocks
+                # where the analysis time goes: reading the graph through the driver, bringing
+                # the allocator view up to date, confirming addresses, registering the blocks
                 "analysis_ms_by_stage": {
                     "walk": round(walk_s * 1e3, 3),
-                    "snapshot": round((t1 - t0) * 1e3, 3),
+                    "allocator_view": round((t1 - t0) * 1e3, 3),
                     "references": round((t2 - t1) * 1e3, 3),
                     "tracker": round((t3 - t2) * 1e3, 3),
                 },
@@ -232,11 +249,11 @@ class Sanitizer:
             if self.pinner is not None:
                 self.pinner.flush()
             if not any(wb.freed is not None for wb in state.blocks.values()):
-                state.dirty = False  # nothing the graph uses was freed: no snapshot needed
+                state.dirty = False  # nothing the graph uses was freed: nothing to judge
                 return
-            as_of = self.tracker.free_seq  # frees after this are not in the snapshot
-            memmap: MemoryMap = snapshot_map(state.info.device)
-            findings = self.tracker.judge(state.info.id, memmap, _driver.is_mapped, as_of)
+            as_of = self.tracker.free_seq  # frees after this are not in the view yet
+            view = self.memory.view(state.info.device)
+            findings = self.tracker.judge(state.info.id, view, _driver.is_mapped, as_of)
             self.graph_stats[state.info.id]["replays_judged"] += 1
             self._annotate(findings)
         except Exception as err:

@@ -1,0 +1,158 @@
+"""What graphsan adds to capturing CUDA graphs in a process that holds many allocator blocks.
+
+    python bench/bench_capture_scale.py [--blocks 1000,20000,100000] [--graphs 200]
+                                        [--scale-graphs 1000 --scale-nodes 100 --scale-blocks 20000]
+
+Two runs, each variant (off, record, raise) in its own fresh process:
+- the block sweep: N live blocks (small tensors of several sizes, allocated with graphsan already
+  on, as under `graphsan run`), then `--graphs` captures of three kernel nodes each;
+- the scale run: `--scale-graphs` graphs of `--scale-nodes` kernel nodes each (elementwise kernels
+  and cuBLAS matmuls, whose operands sit in packed parameter buffers) over `--scale-blocks` live
+  blocks, then every graph replayed.
+Per variant: the first capture, the median capture, the whole capture phase, the replay round,
+the allocation phase and the resident memory; ratios are to "off". The capture analysis split by
+stage comes from graphsan's own report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("off", "record", "raise")
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    import graphsan
+
+    variant, blocks, graphs, nodes = args.child, args.n_blocks, args.n_graphs, args.n_nodes
+    torch.empty(1, device="cuda")  # the CUDA context, outside every timing
+    t0 = time.perf_counter()
+    san = graphsan.enable(policy=variant) if variant != "off" else None
+    enable_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sizes = (128, 512, 1000, 2048, 4096, 3000)
+    hold = [torch.empty(sizes[i % len(sizes)], device="cuda") for i in range(blocks)]
+    torch.cuda.synchronize()
+    alloc_s = time.perf_counter() - t0
+    w = torch.randn(64, 64, device="cuda")
+    stream = torch.cuda.Stream()
+    captured, times = [], []
+    for i in range(graphs):
+        x = torch.randn(64, 64, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.graph(g, stream=stream):
+            y = x
+            for k in range(nodes):
+                y = y @ w if k % 10 == 9 else y * 1.0001
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        captured.append((g, x, y))
+        if i == 0:
+            del hold[-1]  # one free in the process (not referenced by any graph)
+    for g, _, _ in captured:  # warm the replays
+        g.replay()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for g, _, _ in captured:
+            g.replay()
+        torch.cuda.synchronize()
+        rounds.append(time.perf_counter() - t0)
+    stages: dict[str, float] = {}
+    if san is not None:
+        for st in san.report().graphs:
+            for k, v in st.get("analysis_ms_by_stage", {}).items():
+                stages[k] = stages.get(k, 0.0) + v
+        stages = {k: v / max(len(captured), 1) for k, v in stages.items()}
+    out = {
+        "enable_s": enable_s,
+        "alloc_s": alloc_s,
+        "first_ms": times[0] * 1e3,
+        "median_ms": statistics.median(times[1:] or times) * 1e3,
+        "phase_s": sum(times),
+        "replay_ms": statistics.median(rounds) * 1e3,
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "stages_ms": stages,
+        "disabled": san.disabled_reason if san is not None else None,
+        "findings": len(san.findings) if san is not None else 0,
+        "kernel_nodes": sum(s.get("kernels", 0) for s in san.report().graphs) if san else None,
+    }
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run(variant: str, blocks: int, graphs: int, nodes: int) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, __file__, "--child", variant, "--n-blocks", str(blocks)]
+    cmd += ["--n-graphs", str(graphs), "--n-nodes", str(nodes)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise SystemExit(f"{variant} at {blocks} blocks failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+
+
+def table(title: str, rows: list[tuple[str, dict]]) -> None:
+    base = {k: v for k, v in rows if k.endswith("off")}
+    print(f"\n{title}")
+    print(
+        "| run | first capture ms | median capture ms | vs off | capture phase s | vs off "
+        "| replay round ms | vs off | alloc phase s | RSS MB | analysis ms/graph by stage |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for key, r in rows:
+        off = base[key.rsplit(" ", 1)[0] + " off"]
+        stages = ", ".join(f"{k} {v:.3f}" for k, v in r["stages_ms"].items()) or "-"
+        print(
+            f"| {key} | {r['first_ms']:.2f} | {r['median_ms']:.3f} "
+            f"| {r['median_ms'] / off['median_ms']:.2f}x | {r['phase_s']:.2f} "
+            f"| {r['phase_s'] / off['phase_s']:.2f}x | {r['replay_ms']:.3f} "
+            f"| {r['replay_ms'] / off['replay_ms']:.4f} | {r['alloc_s']:.2f} | {r['rss_mb']:.0f} "
+            f"| {stages} |"
+        )
+        if r["disabled"] or r["findings"]:
+            print(f"  ! {key}: disabled={r['disabled']} findings={r['findings']}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", default="1000,20000,100000", help="live blocks, comma-separated")
+    p.add_argument("--graphs", type=int, default=200, help="captures per block count")
+    p.add_argument("--scale-graphs", type=int, default=1000)
+    p.add_argument("--scale-nodes", type=int, default=100)
+    p.add_argument("--scale-blocks", type=int, default=20000)
+    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--n-blocks", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--n-graphs", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--n-nodes", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    try:
+        counts = [int(x) for x in args.blocks.split(",") if x]
+    except ValueError:
+        p.error(f"--blocks: expected comma-separated integers, got {args.blocks!r}")
+    sweep = [(f"{n} blocks {v}", run(v, n, args.graphs, 3)) for n in counts for v in VARIANTS]
+    table(f"Block sweep: {args.graphs} graphs of 3 kernel nodes", sweep)
+    g, n, b = args.scale_graphs, args.scale_nodes, args.scale_blocks
+    scale = [(f"scale {v}", run(v, b, g, n)) for v in VARIANTS]
+    nodes = scale[1][1]["kernel_nodes"]
+    table(f"Scale: {g} graphs of {n} kernel nodes ({nodes} kernel nodes seen), {b} blocks", scale)
+
+
+if __name__ == "__main__":
+    main()

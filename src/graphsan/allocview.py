@@ -1,0 +1,290 @@
+"""The caching allocator's segments and blocks, kept up to date from its own event log.
+
+A full allocator snapshot converts every live block to Python, so its cost grows with the
+process (tens of thousands of blocks on a rank of a real job). `AllocatorView` is seeded once
+from a snapshot and then follows the allocator's trace entries (`segment_alloc`, `segment_free`,
+`segment_map`, `segment_unmap`, `alloc`, `free_completed`), so bringing it up to date costs the
+events since the last update, not the blocks alive. It answers the same questions as a
+`MemoryMap` built from a snapshot (`locate`, `segment_at`, `segments_in`, `covers`, `bounds`),
+and tests hold the two equal.
+
+Trace entries carry no pool: the caller says which pool a new segment belongs to (the sanitizer
+knows when a capture routes a stream's allocations to a graph pool). An expandable segment is
+shown, like the snapshot shows it, as its runs of mapped pages.
+
+Pure Python: nothing here touches CUDA.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from graphsan.analysis import DEFAULT_POOL, DataPtr, MemoryMap, PoolId
+from graphsan.report import Frame
+
+StreamId = int
+# which pool a segment created on `stream` belongs to
+PoolOf = Callable[[StreamId], PoolId]
+
+
+class ViewBlock:
+    """An allocated block, or (from `block_at`) the free gap at an address."""
+
+    __slots__ = ("address", "size", "allocated", "_frames", "_resolve")
+
+    def __init__(
+        self,
+        address: DataPtr,
+        size: int,
+        allocated: bool = True,
+        resolve: Callable[[DataPtr], list[Frame]] | None = None,
+    ) -> None:
+        self.address = address
+        self.size = size
+        self.allocated = allocated
+        self._frames: list[Frame] | None = None
+        self._resolve = resolve
+
+    @property
+    def state(self) -> str:
+        return "active_allocated" if self.allocated else "inactive"
+
+    @property
+    def frames(self) -> list[Frame]:
+        """The allocation stack, looked up only when someone asks (a block a graph references)."""
+        if self._frames is None:
+            self._frames = self._resolve(self.address) if self._resolve and self.allocated else []
+        return self._frames
+
+    def __repr__(self) -> str:
+        return f"ViewBlock({self.address:#x}, {self.size}, {self.state})"
+
+
+class ViewSegment:
+    """A segment (or a run of mapped pages of an expandable one) and its allocated blocks."""
+
+    __slots__ = ("address", "size", "pool", "expandable", "_starts", "_blocks")
+
+    def __init__(self, address: DataPtr, size: int, pool: PoolId, expandable: bool) -> None:
+        self.address = address
+        self.size = size
+        self.pool = pool
+        self.expandable = expandable
+        self._starts: list[DataPtr] = []
+        self._blocks: list[ViewBlock] = []
+
+    @property
+    def end(self) -> DataPtr:
+        return self.address + self.size
+
+    @property
+    def blocks(self) -> list[ViewBlock]:
+        """Allocated blocks in address order (free space is what lies between them)."""
+        return self._blocks
+
+    def add(self, block: ViewBlock) -> None:
+        i = bisect.bisect_left(self._starts, block.address)
+        self._starts.insert(i, block.address)
+        self._blocks.insert(i, block)
+
+    def remove(self, address: DataPtr) -> ViewBlock | None:
+        i = bisect.bisect_left(self._starts, address)
+        if i < len(self._starts) and self._starts[i] == address:
+            del self._starts[i]
+            return self._blocks.pop(i)
+        return None
+
+    def allocated_in(self, start: DataPtr, end: DataPtr) -> ViewBlock | None:
+        """The first allocated block overlapping [start, end), if any."""
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        for b in self._blocks[i:]:
+            if b.address >= end:
+                break
+            if b.address + b.size > start:
+                return b
+        return None
+
+    def block_at(self, addr: DataPtr) -> ViewBlock | None:
+        """The allocated block holding `addr`, else the free gap around it (as the allocator,
+        which merges neighbouring free blocks, would show it); None outside the segment."""
+        if not self.address <= addr < self.end:
+            return None
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr < self._blocks[i].address + self._blocks[i].size:
+            return self._blocks[i]
+        lo = self._blocks[i].address + self._blocks[i].size if i >= 0 else self.address
+        hi = self._starts[i + 1] if i + 1 < len(self._starts) else self.end
+        return ViewBlock(lo, hi - lo, allocated=False)
+
+
+class ViewError(RuntimeError):
+    """The event log does not fit the view (events were lost): the view must be reseeded."""
+
+
+class AllocatorView:
+    """One device's allocator state, updated from trace entries."""
+
+    def __init__(self, resolve: Callable[[DataPtr], list[Frame]] | None = None) -> None:
+        self.resolve = resolve  # allocation stack of a live block's address
+        self.segments: list[ViewSegment] = []  # address order
+        self._starts: list[DataPtr] = []
+        self.events = 0  # trace entries applied since the seed
+        self.seeds = 0  # snapshots taken (the first one, and after any lost event)
+
+    # -- building ----------------------------------------------------------------------------
+    def seed(self, snapshot: dict[str, Any], device: int | None = None) -> None:
+        """Replace the whole state by a snapshot's (`torch.cuda.memory._snapshot()` shape)."""
+        self.segments, self._starts = [], []
+        for seg in snapshot.get("segments", ()):
+            if device is not None and seg.get("device", device) != device:
+                continue
+            pool = tuple(seg.get("segment_pool_id", DEFAULT_POOL))
+            vs = ViewSegment(
+                int(seg["address"]),
+                int(seg["total_size"]),
+                (int(pool[0]), int(pool[1])),
+                bool(seg.get("is_expandable", False)),
+            )
+            for b in seg.get("blocks", ()):
+                if str(b["state"]).startswith("active"):
+                    vs.add(ViewBlock(int(b["address"]), int(b["size"]), True, self.resolve))
+            self._insert(vs)
+        self.seeds += 1
+
+    def apply(self, entries: Iterable[dict[str, Any]], pool_of: PoolOf) -> None:
+        """Apply trace entries in order. Raises `ViewError` when one contradicts the view."""
+        for e in entries:
+            action = e["action"]
+            addr, size = int(e["addr"]), int(e["size"])
+            if action == "alloc":
+                seg = self.segment_at(addr)
+                if seg is None or addr + size > seg.end or seg.allocated_in(addr, addr + size):
+                    raise ViewError(f"alloc of {size} B at {addr:#x} outside free segment space")
+                seg.add(ViewBlock(addr, size, True, self.resolve))
+            elif action == "free_completed":
+                seg = self.segment_at(addr)
+                if seg is None or seg.remove(addr) is None:
+                    raise ViewError(f"free of unknown block {addr:#x}")
+            elif action == "segment_alloc":
+                if self.segments_in(addr, addr + size):
+                    raise ViewError(f"segment at {addr:#x} overlaps a known one")
+                self._insert(ViewSegment(addr, size, pool_of(int(e["stream"])), False))
+            elif action == "segment_free":
+                seg = self.segment_at(addr)
+                if seg is None or seg.address != addr or seg.blocks:
+                    raise ViewError(f"free of unknown or busy segment {addr:#x}")
+                self._remove(seg)
+            elif action == "segment_map":
+                self._map(addr, size, pool_of(int(e["stream"])))
+            elif action == "segment_unmap":
+                self._unmap(addr, size)
+            else:
+                continue  # free_requested, snapshot, oom: no change to what is allocated
+            self.events += 1
+
+    # -- expandable segments -----------------------------------------------------------------
+    def _map(self, addr: DataPtr, size: int, pool: PoolId) -> None:
+        if self.segments_in(addr, addr + size):
+            raise ViewError(f"mapped pages at {addr:#x} overlap a known segment")
+        vs = ViewSegment(addr, size, pool, True)
+        before = self.segment_at(addr - 1) if addr else None
+        after = self.segment_at(addr + size)
+        # neighbouring runs of mapped pages of the same reservation are one segment
+        if before is not None and before.expandable and before.pool == pool:
+            self._remove(before)
+            vs = self._joined(before, vs)
+        if after is not None and after.expandable and after.pool == pool:
+            self._remove(after)
+            vs = self._joined(vs, after)
+        self._insert(vs)
+
+    @staticmethod
+    def _joined(a: ViewSegment, b: ViewSegment) -> ViewSegment:
+        out = ViewSegment(a.address, b.end - a.address, a.pool, True)
+        for blk in a.blocks + b.blocks:
+            out.add(blk)
+        return out
+
+    def _unmap(self, addr: DataPtr, size: int) -> None:
+        end = addr + size
+        seg = self.segment_at(addr)
+        if seg is None or not seg.expandable or end > seg.end or seg.allocated_in(addr, end):
+            raise ViewError(f"unmap of {size} B at {addr:#x} that is not free mapped memory")
+        self._remove(seg)
+        for lo, hi in ((seg.address, addr), (end, seg.end)):
+            if hi > lo:
+                part = ViewSegment(lo, hi - lo, seg.pool, True)
+                for blk in seg.blocks:
+                    if lo <= blk.address < hi:
+                        part.add(blk)
+                self._insert(part)
+
+    # -- the segment index -------------------------------------------------------------------
+    def _insert(self, seg: ViewSegment) -> None:
+        i = bisect.bisect_left(self._starts, seg.address)
+        self._starts.insert(i, seg.address)
+        self.segments.insert(i, seg)
+
+    def _remove(self, seg: ViewSegment) -> None:
+        i = bisect.bisect_left(self._starts, seg.address)
+        del self._starts[i]
+        del self.segments[i]
+
+    # -- questions (the MemoryMap interface) -------------------------------------------------
+    def segment_at(self, addr: DataPtr) -> ViewSegment | None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr < self.segments[i].end:
+            return self.segments[i]
+        return None
+
+    def segments_in(self, start: DataPtr, end: DataPtr) -> list[ViewSegment]:
+        """The segments overlapping [start, end), in address order."""
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        out = []
+        for seg in self.segments[i:]:
+            if seg.address >= end:
+                break
+            if seg.end > start:
+                out.append(seg)
+        return out
+
+    def covers(self, start: DataPtr, end: DataPtr) -> bool:
+        """Whether segments cover all of [start, end) (pages unmapped since are not covered)."""
+        pos = start
+        while pos < end:
+            seg = self.segment_at(pos)
+            if seg is None:
+                return False
+            pos = seg.end
+        return True
+
+    def locate(self, addr: DataPtr) -> tuple[ViewSegment, ViewBlock] | None:
+        seg = self.segment_at(addr)
+        if seg is None:
+            return None
+        return seg, seg.block_at(addr)
+
+    def bounds(self) -> tuple[int, int]:
+        if not self.segments:
+            return (0, 0)
+        return (self.segments[0].address, self.segments[-1].end)
+
+    def __len__(self) -> int:
+        return sum(len(s.blocks) for s in self.segments)
+
+
+def layout(memmap: MemoryMap | AllocatorView) -> list[tuple]:
+    """What the allocator holds, in a form two views can be compared by: each segment's
+    extent, pool and kind, and its allocated blocks. (Free space is what lies between.)"""
+    return [
+        (
+            seg.address,
+            seg.size,
+            tuple(seg.pool),
+            bool(seg.expandable),
+            tuple((b.address, b.size) for b in seg.blocks if b.allocated),
+        )
+        for seg in memmap.segments
+    ]

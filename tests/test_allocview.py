@@ -1,0 +1,283 @@
+"""The incremental allocator view against snapshots, on CPU.
+
+A small model of the caching allocator (segments per pool, block splitting and merging, segments
+returned by empty_cache, expandable segments that map and unmap 2 MiB pages) produces both the
+event log the real allocator writes and the snapshot it would give. After every step of a random
+sequence of allocations, frees and empty_cache calls, the view fed with the log must equal a
+`MemoryMap` built from the snapshot: the same segments, pools and allocated blocks, and the same
+answer for any address (the block there, or the free gap around it).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from graphsan.allocview import AllocatorView, ViewError, layout
+from graphsan.analysis import DEFAULT_POOL, MemoryMap
+
+PAGE = 2 << 20
+ALIGN = 512
+STREAM_POOL = {11: DEFAULT_POOL, 22: (1, 0), 33: (2, 0)}
+
+
+class ModelAllocator:
+    """Just enough of the caching allocator to write its event log and its snapshot."""
+
+    def __init__(self, rng: random.Random, expandable: bool) -> None:
+        self.rng = rng
+        self.expandable = expandable
+        self.next_segment = 0x7F00_0000_0000
+        self.segments: list[dict] = []  # fixed segments: address, size, pool, stream, blocks
+        self.reserve = 0x7E00_0000_0000  # the default pool's expandable reservation
+        self.mapped: set[int] = set()  # page indices mapped in the reservation
+        self.exp_blocks: dict[int, int] = {}  # allocated blocks in the reservation
+        self.log: list[dict] = []
+
+    def _entry(self, action: str, addr: int, size: int, stream: int) -> None:
+        self.log.append({"action": action, "addr": addr, "size": size, "stream": stream})
+
+    # -- allocation ----------------------------------------------------------------------------
+    def malloc(self, nbytes: int, stream: int) -> int:
+        size = -(-nbytes // ALIGN) * ALIGN
+        pool = STREAM_POOL[stream]
+        if self.expandable and pool == DEFAULT_POOL:
+            return self._malloc_expandable(size, stream)
+        for seg in self.segments:
+            if seg["pool"] != pool:
+                continue
+            for blk in seg["blocks"]:
+                if not blk[2] and blk[1] >= size:
+                    return self._split(seg, blk, size, stream)
+        seg_size = max(PAGE, -(-size // PAGE) * PAGE)
+        addr = self.next_segment
+        self.next_segment += seg_size + PAGE * self.rng.choice([0, 1, 3])
+        seg = {"address": addr, "size": seg_size, "pool": pool, "blocks": [[addr, seg_size, False]]}
+        self.segments.append(seg)
+        self.segments.sort(key=lambda s: s["address"])
+        self._entry("segment_alloc", addr, seg_size, stream)
+        return self._split(seg, seg["blocks"][0], size, stream)
+
+    def _split(self, seg: dict, blk: list, size: int, stream: int) -> int:
+        i = seg["blocks"].index(blk)
+        if blk[1] > size:
+            seg["blocks"].insert(i + 1, [blk[0] + size, blk[1] - size, False])
+        blk[1], blk[2] = size, True
+        self._entry("alloc", blk[0], size, stream)
+        return blk[0]
+
+    def _malloc_expandable(self, size: int, stream: int) -> int:
+        for lo, hi in self._free_ranges():
+            start = -(-lo // ALIGN) * ALIGN
+            if start + size <= hi:
+                return self._take(start, size, stream)
+        pages = -(-size // PAGE)
+        p = 0
+        while any(q in self.mapped for q in range(p, p + pages)):
+            p += 1
+        for q in range(p, p + pages):
+            self.mapped.add(q)
+        addr = self.reserve + p * PAGE
+        self._entry("segment_map", addr, pages * PAGE, stream)
+        return self._take(addr, size, stream)
+
+    def _take(self, addr: int, size: int, stream: int) -> int:
+        self.exp_blocks[addr] = size
+        self._entry("alloc", addr, size, stream)
+        return addr
+
+    def _runs(self) -> list[tuple[int, int]]:
+        """Runs of mapped pages, as addresses."""
+        runs, pages = [], sorted(self.mapped)
+        for p in pages:
+            if runs and runs[-1][1] == self.reserve + p * PAGE:
+                runs[-1][1] += PAGE
+            else:
+                runs.append([self.reserve + p * PAGE, self.reserve + (p + 1) * PAGE])
+        return [tuple(r) for r in runs]
+
+    def _free_ranges(self) -> list[tuple[int, int]]:
+        out = []
+        for lo, hi in self._runs():
+            pos = lo
+            for a in sorted(a for a in self.exp_blocks if lo <= a < hi):
+                if a > pos:
+                    out.append((pos, a))
+                pos = a + self.exp_blocks[a]
+            if hi > pos:
+                out.append((pos, hi))
+        return out
+
+    # -- free / empty_cache --------------------------------------------------------------------
+    def free(self, addr: int, stream: int) -> None:
+        if addr in self.exp_blocks:
+            size = self.exp_blocks.pop(addr)
+            self._entry("free_requested", addr, size, stream)
+            self._entry("free_completed", addr, size, stream)
+            return
+        for seg in self.segments:
+            for i, blk in enumerate(seg["blocks"]):
+                if blk[0] == addr and blk[2]:
+                    self._entry("free_requested", addr, blk[1], stream)
+                    self._entry("free_completed", addr, blk[1], stream)
+                    blk[2] = False
+                    self._merge(seg)
+                    return
+        raise AssertionError(f"free of unknown {addr:#x}")
+
+    @staticmethod
+    def _merge(seg: dict) -> None:
+        merged: list[list] = []
+        for blk in seg["blocks"]:
+            if merged and not merged[-1][2] and not blk[2]:
+                merged[-1][1] += blk[1]
+            else:
+                merged.append(list(blk))
+        seg["blocks"] = merged
+
+    def empty_cache(self) -> None:
+        for seg in list(self.segments):
+            if not any(b[2] for b in seg["blocks"]):
+                self.segments.remove(seg)
+                self._entry("segment_free", seg["address"], seg["size"], 0)
+        busy = set()
+        for a, size in self.exp_blocks.items():
+            for p in range((a - self.reserve) // PAGE, (a + size - 1 - self.reserve) // PAGE + 1):
+                busy.add(p)
+        idle = sorted(p for p in self.mapped if p not in busy)
+        run: list[int] = []
+        for p in idle + [None]:
+            if run and (p is None or p != run[-1] + 1):
+                self._entry("segment_unmap", self.reserve + run[0] * PAGE, len(run) * PAGE, 0)
+                self.mapped -= set(run)
+                run = []
+            if p is not None:
+                run.append(p)
+
+    # -- what a snapshot shows -----------------------------------------------------------------
+    def snapshot(self) -> dict:
+        segs = []
+        for seg in self.segments:
+            segs.append(
+                {
+                    "address": seg["address"],
+                    "total_size": seg["size"],
+                    "segment_pool_id": seg["pool"],
+                    "is_expandable": False,
+                    "blocks": [
+                        {"address": a, "size": s, "state": "active_allocated" if used else "inactive"}
+                        for a, s, used in seg["blocks"]
+                    ],
+                }
+            )
+        for lo, hi in self._runs():
+            blocks, pos = [], lo
+            for a in sorted(a for a in self.exp_blocks if lo <= a < hi):
+                if a > pos:
+                    blocks.append({"address": pos, "size": a - pos, "state": "inactive"})
+                blocks.append({"address": a, "size": self.exp_blocks[a], "state": "active_allocated"})
+                pos = a + self.exp_blocks[a]
+            if hi > pos:
+                blocks.append({"address": pos, "size": hi - pos, "state": "inactive"})
+            segs.append(
+                {
+                    "address": lo,
+                    "total_size": hi - lo,
+                    "segment_pool_id": DEFAULT_POOL,
+                    "is_expandable": True,
+                    "blocks": blocks,
+                }
+            )
+        return {"segments": sorted(segs, key=lambda s: s["address"])}
+
+
+def pool_of(stream: int):
+    return STREAM_POOL[stream]
+
+
+def same_answers(view: AllocatorView, snap: MemoryMap, rng: random.Random) -> None:
+    assert layout(view) == layout(snap)
+    assert view.bounds() == snap.bounds()
+    lo, hi = snap.bounds()
+    probes = [rng.randrange(lo - PAGE, hi + PAGE) for _ in range(40)] if hi else [0]
+    probes += [b.address + b.size // 2 for s in snap.segments for b in s.blocks][:40]
+    for addr in probes:
+        a, b = view.locate(addr), snap.locate(addr)
+        assert (a is None) == (b is None), hex(addr)
+        if a is not None:
+            assert a[0].address == b[0].address
+            assert (a[1].address, a[1].size, a[1].allocated) == (
+                b[1].address,
+                b[1].size,
+                b[1].allocated,
+            ), hex(addr)
+        end = addr + rng.choice([8, 4096, 3 * PAGE])
+        assert view.covers(addr, end) == snap.covers(addr, end)
+        assert [s.address for s in view.segments_in(addr, end)] == [
+            s.address for s in snap.segments_in(addr, end)
+        ]
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_view_equals_a_snapshot_after_every_event(seed, expandable):
+    rng = random.Random(seed * 7919 + expandable)
+    model = ModelAllocator(rng, expandable)
+    live: list[tuple[int, int]] = []
+    for _ in range(rng.randrange(0, 12)):  # memory allocated before the seed
+        stream = rng.choice(list(STREAM_POOL))
+        live.append((model.malloc(rng.choice([100, 4096, 70_000, 3 << 20]), stream), stream))
+    view = AllocatorView()
+    view.seed(model.snapshot())
+    model.log.clear()
+    for _ in range(300):
+        r = rng.random()
+        if r < 0.5 or not live:
+            stream = rng.choice(list(STREAM_POOL))
+            size = rng.choice([8, 512, 1000, 4096, 65_536, 1 << 20, 3 << 20, 5 << 20])
+            live.append((model.malloc(size, stream), stream))
+        elif r < 0.93:
+            addr, stream = live.pop(rng.randrange(len(live)))
+            model.free(addr, stream)
+        else:
+            model.empty_cache()
+        if rng.random() < 0.3:  # the sanitizer drains the log now and then, not after each event
+            view.apply(model.log, pool_of)
+            model.log.clear()
+            same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
+    view.apply(model.log, pool_of)
+    same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
+
+
+def test_a_lost_event_is_noticed_so_the_view_can_be_reseeded():
+    rng = random.Random(5)
+    model = ModelAllocator(rng, expandable=False)
+    view = AllocatorView()
+    view.seed(model.snapshot())
+    a = model.malloc(4096, 11)
+    del model.log[-1]  # the alloc entry was lost (overwritten, or raced with a drain)
+    model.free(a, 11)
+    with pytest.raises(ViewError, match="free of unknown block"):
+        view.apply(model.log, pool_of)
+
+
+def test_allocation_stacks_are_looked_up_only_when_asked():
+    asked = []
+
+    def resolve(addr):
+        asked.append(addr)
+        return [("train.py", 3, "step")]
+
+    model = ModelAllocator(random.Random(1), expandable=False)
+    view = AllocatorView(resolve)
+    view.seed(model.snapshot())
+    addrs = [model.malloc(4096, 11) for _ in range(1000)]
+    model.free(addrs[10], 11)
+    view.apply(model.log, pool_of)
+    assert asked == []
+    seg, blk = view.locate(addrs[500] + 8)
+    assert blk.frames == [("train.py", 3, "step")] and asked == [addrs[500]]
+    free_gap = seg.block_at(addrs[10] + 8)
+    assert (free_gap.address, free_gap.size, free_gap.allocated) == (addrs[10], 4096, False)
+    assert free_gap.frames == [] and asked == [addrs[500]]
