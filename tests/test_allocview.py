@@ -117,7 +117,7 @@ class ModelAllocator:
             self._entry("free_completed", addr, size, stream)
             return
         for seg in self.segments:
-            for i, blk in enumerate(seg["blocks"]):
+            for blk in seg["blocks"]:
                 if blk[0] == addr and blk[2]:
                     self._entry("free_requested", addr, blk[1], stream)
                     self._entry("free_completed", addr, blk[1], stream)
