@@ -33,6 +33,7 @@ class ModelAllocator:
         self.reserve = 0x7E00_0000_0000  # the default pool's expandable reservation
         self.mapped: set[int] = set()  # page indices mapped in the reservation
         self.exp_blocks: dict[int, int] = {}  # allocated blocks in the reservation
+        self.requested: dict[int, int] = {}  # what each live block was allocated for
         self.log: list[dict] = []
 
     def _entry(self, action: str, addr: int, size: int, stream: int) -> None:
@@ -40,16 +41,16 @@ class ModelAllocator:
 
     # -- allocation ----------------------------------------------------------------------------
     def malloc(self, nbytes: int, stream: int) -> int:
-        size = -(-nbytes // ALIGN) * ALIGN
+        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         pool = STREAM_POOL[stream]
         if self.expandable and pool == DEFAULT_POOL:
-            return self._malloc_expandable(size, stream)
+            return self._malloc_expandable(nbytes, size, stream)
         for seg in self.segments:
             if seg["pool"] != pool:
                 continue
             for blk in seg["blocks"]:
                 if not blk[2] and blk[1] >= size:
-                    return self._split(seg, blk, size, stream)
+                    return self._split(seg, blk, nbytes, size, stream)
         seg_size = max(PAGE, -(-size // PAGE) * PAGE)
         addr = self.next_segment
         self.next_segment += seg_size + PAGE * self.rng.choice([0, 1, 3])
@@ -57,21 +58,26 @@ class ModelAllocator:
         self.segments.append(seg)
         self.segments.sort(key=lambda s: s["address"])
         self._entry("segment_alloc", addr, seg_size, stream)
-        return self._split(seg, seg["blocks"][0], size, stream)
+        return self._split(seg, seg["blocks"][0], nbytes, size, stream)
 
-    def _split(self, seg: dict, blk: list, size: int, stream: int) -> int:
+    def _split(self, seg: dict, blk: list, nbytes: int, size: int, stream: int) -> int:
+        """The allocator splits a free block only when the rest is worth keeping: 512 B in the
+        small pool, more than 1 MiB in the large one; else the block keeps it all. The log
+        records the requested size."""
         i = seg["blocks"].index(blk)
-        if blk[1] > size:
-            seg["blocks"].insert(i + 1, [blk[0] + size, blk[1] - size, False])
-        blk[1], blk[2] = size, True
-        self._entry("alloc", blk[0], size, stream)
+        rest = blk[1] - size
+        if rest >= ALIGN if nbytes <= (1 << 20) else rest > (1 << 20):
+            seg["blocks"].insert(i + 1, [blk[0] + size, rest, False])
+            blk[1] = size
+        blk[2] = True
+        self.requested[blk[0]] = nbytes
+        self._entry("alloc", blk[0], nbytes, stream)
         return blk[0]
 
-    def _malloc_expandable(self, size: int, stream: int) -> int:
+    def _malloc_expandable(self, nbytes: int, size: int, stream: int) -> int:
         for lo, hi in self._free_ranges():
-            start = -(-lo // ALIGN) * ALIGN
-            if start + size <= hi:
-                return self._take(start, size, stream)
+            if lo + size <= hi:
+                return self._take(lo, nbytes, size if hi - lo - size >= ALIGN else hi - lo, stream)
         pages = -(-size // PAGE)
         p = 0
         while any(q in self.mapped for q in range(p, p + pages)):
@@ -80,11 +86,15 @@ class ModelAllocator:
             self.mapped.add(q)
         addr = self.reserve + p * PAGE
         self._entry("segment_map", addr, pages * PAGE, stream)
-        return self._take(addr, size, stream)
+        lo, hi = next((lo, hi) for lo, hi in self._free_ranges() if lo <= addr < hi)
+        # the free block may begin before the new pages (the end of a mapped run)
+        block = size if hi - lo - size >= ALIGN else hi - lo
+        return self._take(lo, nbytes, block, stream)
 
-    def _take(self, addr: int, size: int, stream: int) -> int:
-        self.exp_blocks[addr] = size
-        self._entry("alloc", addr, size, stream)
+    def _take(self, addr: int, nbytes: int, block: int, stream: int) -> int:
+        self.exp_blocks[addr] = block
+        self.requested[addr] = nbytes
+        self._entry("alloc", addr, nbytes, stream)
         return addr
 
     def _runs(self) -> list[tuple[int, int]]:
@@ -111,16 +121,17 @@ class ModelAllocator:
 
     # -- free / empty_cache --------------------------------------------------------------------
     def free(self, addr: int, stream: int) -> None:
+        nbytes = self.requested.pop(addr)
         if addr in self.exp_blocks:
-            size = self.exp_blocks.pop(addr)
-            self._entry("free_requested", addr, size, stream)
-            self._entry("free_completed", addr, size, stream)
+            self.exp_blocks.pop(addr)
+            self._entry("free_requested", addr, nbytes, stream)
+            self._entry("free_completed", addr, nbytes, stream)
             return
         for seg in self.segments:
             for blk in seg["blocks"]:
                 if blk[0] == addr and blk[2]:
-                    self._entry("free_requested", addr, blk[1], stream)
-                    self._entry("free_completed", addr, blk[1], stream)
+                    self._entry("free_requested", addr, nbytes, stream)
+                    self._entry("free_completed", addr, nbytes, stream)
                     blk[2] = False
                     self._merge(seg)
                     return
@@ -192,8 +203,8 @@ class ModelAllocator:
         return {"segments": sorted(segs, key=lambda s: s["address"])}
 
 
-def pool_of(stream: int):
-    return STREAM_POOL[stream]
+def pool_of(entry, following):
+    return STREAM_POOL[entry["stream"]]
 
 
 def same_answers(view: AllocatorView, snap: MemoryMap, rng: random.Random) -> None:

@@ -24,9 +24,10 @@ from typing import Any
 from graphsan.analysis import DEFAULT_POOL, DataPtr, MemoryMap, PoolId
 from graphsan.report import Frame
 
-StreamId = int
-# which pool a segment created on `stream` belongs to
-PoolOf = Callable[[StreamId], PoolId]
+Entry = dict[str, Any]  # one trace entry: action, addr, size, stream, user_metadata, ...
+# which pool a new segment belongs to, from its trace entry and the allocation that follows it
+# (the block the segment was made for), if any
+PoolOf = Callable[[Entry, Entry | None], PoolId]
 
 
 class ViewBlock:
@@ -119,6 +120,25 @@ class ViewSegment:
         return ViewBlock(lo, hi - lo, allocated=False)
 
 
+# The caching allocator's sizes: blocks are multiples of MIN_BLOCK; requests up to SMALL_SIZE
+# come from the small pool
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+
+
+def block_size(requested: int, free: int, expandable: bool) -> int:
+    """The size of the block the allocator carves for `requested` bytes out of a free block of
+    `free` bytes: the request rounded up to 512 B, or the whole free block when the remainder is
+    too small to split off (under 512 B; in the large pool of fixed segments, up to 1 MiB). The
+    event log records only the requested size. (A `roundup_power2_divisions` setting rounds
+    otherwise; the view then holds smaller blocks than the allocator.)"""
+    rounded = max(MIN_BLOCK, -(-requested // MIN_BLOCK) * MIN_BLOCK)
+    remaining = free - rounded
+    if requested <= SMALL_SIZE or expandable:
+        return rounded if remaining >= MIN_BLOCK else free
+    return rounded if remaining > SMALL_SIZE else free
+
+
 class ViewError(RuntimeError):
     """The event log does not fit the view (events were lost): the view must be reseeded."""
 
@@ -153,16 +173,20 @@ class AllocatorView:
             self._insert(vs)
         self.seeds += 1
 
-    def apply(self, entries: Iterable[dict[str, Any]], pool_of: PoolOf) -> None:
+    def apply(self, entries: Iterable[Entry], pool_of: PoolOf) -> None:
         """Apply trace entries in order. Raises `ViewError` when one contradicts the view."""
-        for e in entries:
+        entries = list(entries)
+        for i, e in enumerate(entries):
             action = e["action"]
             addr, size = int(e["addr"]), int(e["size"])
             if action == "alloc":
                 seg = self.segment_at(addr)
-                if seg is None or addr + size > seg.end or seg.allocated_in(addr, addr + size):
+                gap = seg.block_at(addr) if seg is not None else None
+                if gap is None or gap.allocated or addr + size > gap.address + gap.size:
                     raise ViewError(f"alloc of {size} B at {addr:#x} outside free segment space")
-                seg.add(ViewBlock(addr, size, True, self.resolve))
+                free = gap.address + gap.size - addr
+                block = block_size(size, free, seg.expandable)
+                seg.add(ViewBlock(addr, block, True, self.resolve))
             elif action == "free_completed":
                 seg = self.segment_at(addr)
                 if seg is None or seg.remove(addr) is None:
@@ -170,14 +194,15 @@ class AllocatorView:
             elif action == "segment_alloc":
                 if self.segments_in(addr, addr + size):
                     raise ViewError(f"segment at {addr:#x} overlaps a known one")
-                self._insert(ViewSegment(addr, size, pool_of(int(e["stream"])), False))
+                pool = pool_of(e, _next_alloc(entries, i))
+                self._insert(ViewSegment(addr, size, pool, False))
             elif action == "segment_free":
                 seg = self.segment_at(addr)
                 if seg is None or seg.address != addr or seg.blocks:
                     raise ViewError(f"free of unknown or busy segment {addr:#x}")
                 self._remove(seg)
             elif action == "segment_map":
-                self._map(addr, size, pool_of(int(e["stream"])))
+                self._map(addr, size, pool_of(e, _next_alloc(entries, i)))
             elif action == "segment_unmap":
                 self._unmap(addr, size)
             else:
@@ -273,6 +298,14 @@ class AllocatorView:
 
     def __len__(self) -> int:
         return sum(len(s.blocks) for s in self.segments)
+
+
+def _next_alloc(entries: list[Entry], i: int) -> Entry | None:
+    """The allocation a new segment was made for: the allocator records it right after."""
+    for e in entries[i + 1 : i + 4]:
+        if e["action"] == "alloc":
+            return e
+    return None
 
 
 def layout(memmap: MemoryMap | AllocatorView) -> list[tuple]:

@@ -21,6 +21,7 @@ class Listener(Protocol):
     def capture_begin(self, graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> None: ...
     def before_capture_end(self, graph: torch.cuda.CUDAGraph) -> object: ...
     def after_capture_end(self, graph: torch.cuda.CUDAGraph, walked: object) -> None: ...
+    def capture_failed(self, graph: torch.cuda.CUDAGraph) -> None: ...
     def before_replay(self, graph: torch.cuda.CUDAGraph, state: object) -> None: ...
     def reset(self, graph: torch.cuda.CUDAGraph) -> None: ...
 
@@ -62,7 +63,11 @@ class GraphHooks:
         @functools.wraps(orig["capture_end"])
         def capture_end(self, *args, **kwargs):
             walked = listener.before_capture_end(self)
-            result = orig["capture_end"](self, *args, **kwargs)
+            try:
+                result = orig["capture_end"](self, *args, **kwargs)
+            except BaseException:
+                listener.capture_failed(self)
+                raise
             listener.after_capture_end(self, walked)
             return result
 

@@ -6,9 +6,12 @@ alloc/free events, storage changes and cache releases, turned into calls on the 
   context=None)`: addresses, sizes and streams, no stacks), drained at capture begin and end and
   before a replay is judged. Each drain costs the events since the last one, not the blocks
   alive; a log that overflowed between two drains (or contradicts the view) reseeds it.
-- The log carries no pool. A segment created on a stream while a capture (or a
-  `beginAllocate*ToPool` window) routes that stream to a pool belongs to that pool; segments made
-  on other streams during a capture are checked against that pool's own snapshot.
+- The log carries no pool. While a graph is captured, the allocator's user metadata names the
+  capture, so its log entries carry the tag: a new segment made for a tagged allocation on the
+  capture stream is the graph pool's (capture_begin's own allocations come before the tag);
+  one made on another stream during the capture is looked up in that pool's snapshot. Segments
+  made inside a `beginAllocate*ToPool` window (torch.compile's graph trees, `use_mem_pool`)
+  belong to that window's pool.
 - Allocation stacks are taken by the GPU-trace allocation callback as raw (code, instruction)
   pairs, one interned tuple per distinct call path, and turned into frames only for blocks a
   graph references. (The allocator's own stacks need torch's symbolizer, whose first use in a
@@ -23,6 +26,7 @@ alloc/free events, storage changes and cache releases, turned into calls on the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -39,8 +43,6 @@ from graphsan.report import Frame
 # Trace entries kept between two drains; more than this and the oldest are overwritten, which the
 # drain notices (a full buffer) and answers with a fresh snapshot.
 MAX_ENTRIES = 1 << 18
-# A pool id no pool has: a snapshot filtered by it converts no block, only the event log.
-NO_POOL = (1 << 62, 1 << 62)
 # Frames kept per allocation stack (innermost first while walking); user frames are picked later.
 SITE_DEPTH = 48
 Site = tuple  # (code, instruction offset, code, instruction offset, ...), innermost first
@@ -81,6 +83,34 @@ def _snapshot(pool: PoolId = (0, 0), traces: bool = False) -> dict[str, Any]:
         return torch._C._cuda_memorySnapshot((pool[0], pool[1], traces))
     except (TypeError, RuntimeError):
         return torch.cuda.memory._snapshot()
+
+
+_EMPTY_POOL: list = []
+
+
+def _empty_pool_id() -> PoolId:
+    """A pool that never holds memory, made once and kept for the process (a pool must not be
+    destroyed while a capture runs): a snapshot filtered by it converts no block, only the log.
+    Torch releases without `MemPool` get no filter."""
+    if not _EMPTY_POOL:
+        try:
+            _EMPTY_POOL.append(torch.cuda.MemPool())
+        except (AttributeError, RuntimeError):
+            _EMPTY_POOL.append(None)
+    pool = _EMPTY_POOL[0]
+    return tuple(int(x) for x in pool.id) if pool is not None else (0, 0)
+
+
+def _metadata() -> str:
+    try:
+        return torch.cuda.memory._get_memory_metadata()
+    except (AttributeError, RuntimeError):
+        return ""
+
+
+def _set_metadata(text: str) -> None:
+    with contextlib.suppress(AttributeError, RuntimeError):
+        torch.cuda.memory._set_memory_metadata(text)
 
 
 def _site_frames(site: Site | None) -> list[Frame]:
@@ -126,6 +156,9 @@ class AllocatorWatch:
         # streams whose new segments belong to a pool: [stream or None (every stream), pool]
         self.routes: list[list] = []
         self.drains = 0
+        self.captures: dict[str, tuple[int, PoolId | None]] = {}  # tag -> (stream, pool)
+        self._saved_metadata: list[str] = []
+        self._reseed = False
         self._active = False
         self._patches: list[tuple[object, str, object]] = []
 
@@ -141,56 +174,89 @@ class AllocatorWatch:
             view.seed(_snapshot(), device)
         return view
 
-    def sync(self, check_pool: PoolId | None = None) -> None:
-        """Apply the allocator's event log to the views. `check_pool`: a capture into that pool
-        just ended, and segments it made on streams other than its own are looked up there."""
+    def sync(self) -> None:
+        """Apply the allocator's event log to the views."""
+        if torch.cuda.is_current_stream_capturing():
+            return  # the allocator's history must not be touched mid-capture; the next sync will
         if not self.views:
             self._clear_log()
             return
-        snap = _snapshot(NO_POOL, traces=True)
+        snap = _snapshot(_empty_pool_id(), traces=True)
         self._clear_log()
         self.drains += 1
         traces = snap.get("device_traces", [])
+        reseed, self._reseed = self._reseed, False
         for device, view in self.views.items():
             entries = traces[device] if device < len(traces) else []
             if len(entries) >= MAX_ENTRIES:  # the ring buffer may have overwritten entries
                 view.seed(_snapshot(), device)
                 continue
-            unsure: list[int] = []
+            unsure: list[tuple[int, PoolId]] = []
             try:
-                view.apply(
-                    entries, self._pool_of if check_pool is None else self._pool_noting(unsure)
-                )
+                if reseed:
+                    raise ViewError("a capture failed: where its segments went is not known")
+                view.apply(entries, functools.partial(self._pool_of, unsure=unsure))
             except ViewError:
                 view.seed(_snapshot(), device)
                 continue
-            if unsure and check_pool is not None:
-                self._check_pools(view, unsure, check_pool, device)
+            if unsure:
+                self._check_pools(view, unsure, device)
 
-    def _pool_of(self, stream: int) -> PoolId:
+    def _pool_of(self, entry, following, unsure: list) -> PoolId:
+        """The pool of a new segment (see the module docstring)."""
+        stream = int(entry["stream"])
+        tag = (following or entry).get("user_metadata", "")
+        capture = self.captures.get(tag)
+        if capture is not None:
+            capture_stream, pool = capture
+            if stream != capture_stream:
+                unsure.append((int(entry["addr"]), pool))
+            return pool
         for route_stream, pool in reversed(self.routes):
             if route_stream is None or route_stream == stream:
                 return pool
         return DEFAULT_POOL
 
-    def _pool_noting(self, unsure: list[int]) -> Callable[[int], PoolId]:
-        def pool_of(stream: int) -> PoolId:
-            if not any(s == stream or s is None for s, _ in self.routes):
-                unsure.append(stream)
-            return self._pool_of(stream)
+    def _check_pools(self, view: AllocatorView, unsure: list, device: int) -> None:
+        """Segments a capture made on streams other than its own: the pool's if its snapshot
+        has them (streams the capture forked to), else the default pool's."""
+        for pool in {p for _, p in unsure}:
+            own = {
+                int(s["address"])
+                for s in _snapshot(pool)["segments"]
+                if s.get("device", device) == device and tuple(s["segment_pool_id"]) == pool
+            }
+            for addr, p in unsure:
+                seg = view.segment_at(addr)
+                if p == pool and seg is not None and seg.address == addr:
+                    seg.pool = pool if addr in own else DEFAULT_POOL
 
-        return pool_of
+    # -- captures ---------------------------------------------------------------------------
+    def capture_started(self, gid: int, stream: int) -> str:
+        """Tag the allocator's log entries of this capture; returns the tag."""
+        tag = f"graphsan capture {gid}"
+        self._saved_metadata.append(_metadata())
+        _set_metadata(tag)
+        self.captures[tag] = (stream, None)
+        return tag
 
-    def _check_pools(self, view: AllocatorView, unsure, pool: PoolId, device: int) -> None:
-        """Segments made during a capture on streams the capture forked to may be the pool's."""
-        own = {
-            int(s["address"])
-            for s in _snapshot(pool)["segments"]
-            if s.get("device", device) == device
-        }
-        for seg in view.segments:
-            if seg.address in own:
-                seg.pool = pool
+    def capture_ended(self, tag: str, pool: PoolId) -> None:
+        """The capture's pool is known now: apply the log, then forget the tag."""
+        if self._saved_metadata:
+            _set_metadata(self._saved_metadata.pop())
+        stream, _ = self.captures[tag]
+        self.captures[tag] = (stream, pool)
+        try:
+            self.sync()
+        finally:
+            self.captures.pop(tag, None)
+
+    def capture_failed(self, tag: str) -> None:
+        """The capture was invalidated: its tag goes, and the views are seeded afresh."""
+        if self._saved_metadata:
+            _set_metadata(self._saved_metadata.pop())
+        self.captures.pop(tag, None)
+        self._reseed = True
 
     def _clear_log(self) -> None:
         self._record(clear=True)
@@ -275,7 +341,8 @@ class AllocatorWatch:
                 setattr(owner, name, orig)
         self._patches.clear()
         with contextlib.suppress(Exception):
-            torch.cuda.memory._record_memory_history(enabled=None)
+            if not torch.cuda.is_current_stream_capturing():
+                torch.cuda.memory._record_memory_history(enabled=None)
         self.views.clear()
         self.sites.clear()
         self._interned.clear()

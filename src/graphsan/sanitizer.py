@@ -137,12 +137,8 @@ class Sanitizer:
                 label = f"{os.path.basename(site[-1][0])}:{site[-1][1]}"
             else:
                 label = f"graph#{gid}"
-            # what happened before the capture is the default pool's (the capture's own RNG
-            # state included); from here the capture stream's new segments are the graph pool's
-            self.memory.sync()
-            route = [torch.cuda.current_stream().cuda_stream, None]
-            self.memory.routes.append(route)
-            graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device(), route)
+            tag = self.memory.capture_started(gid, torch.cuda.current_stream().cuda_stream)
+            graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device(), tag)
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
             self.memory.capture_pool = tuple(int(x) for x in pool) if pool is not None else None
@@ -170,18 +166,14 @@ class Sanitizer:
         pending = graph.__dict__.pop(_PENDING, None)
         if pending is None or not self.active:
             return
-        gid, label, site, device, route = pending
+        gid, label, site, device, tag = pending
         try:
             pool = tuple(int(x) for x in graph.pool())
-            route[1] = pool
             t0 = time.perf_counter()
-            self.memory.sync(check_pool=pool)
+            self.memory.capture_ended(tag, pool)
         except Exception as err:
             self._internal_error(err)
             return
-        finally:
-            if route in self.memory.routes:
-                self.memory.routes.remove(route)
         if walked is None:
             return
         try:
@@ -224,6 +216,16 @@ class Sanitizer:
                 self.pinner.pin(state, young)
         except Exception as err:
             self._internal_error(err)
+
+    def capture_failed(self, graph) -> None:
+        """capture_end raised (an invalidated capture): no graph to watch."""
+        self.memory.capture_pool = None
+        pending = graph.__dict__.pop(_PENDING, None)
+        if pending is not None:
+            try:
+                self.memory.capture_failed(pending[4])
+            except Exception as err:
+                self._internal_error(err)
 
     def reset(self, graph) -> None:
         state = capture.graph_state(graph)
