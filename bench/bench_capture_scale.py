@@ -73,6 +73,12 @@ def child(args: argparse.Namespace) -> None:
             g.replay()
         torch.cuda.synchronize()
         rounds.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20_000):  # what every eager allocation pays: an alloc/free pair
+        del_me = torch.empty(1024, device="cuda")
+        del del_me
+    pair_us = (time.perf_counter() - t0) / 20_000 * 1e6
     stages: dict[str, float] = {}
     if san is not None:
         for st in san.report().graphs:
@@ -82,6 +88,7 @@ def child(args: argparse.Namespace) -> None:
     out = {
         "enable_s": enable_s,
         "alloc_s": alloc_s,
+        "pair_us": pair_us,
         "first_ms": times[0] * 1e3,
         "median_ms": statistics.median(times[1:] or times) * 1e3,
         "phase_s": sum(times),
@@ -112,9 +119,10 @@ def table(title: str, rows: list[tuple[str, dict]]) -> None:
     print(f"\n{title}")
     print(
         "| run | first capture ms | median capture ms | vs off | capture phase s | vs off "
-        "| replay round ms | vs off | alloc phase s | RSS MB | analysis ms/graph by stage |"
+        "| replay round ms | vs off | alloc phase s | alloc+free us | RSS MB "
+        "| analysis ms/graph by stage |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, r in rows:
         off = base[key.rsplit(" ", 1)[0] + " off"]
         stages = ", ".join(f"{k} {v:.3f}" for k, v in r["stages_ms"].items()) or "-"
@@ -122,7 +130,8 @@ def table(title: str, rows: list[tuple[str, dict]]) -> None:
             f"| {key} | {r['first_ms']:.2f} | {r['median_ms']:.3f} "
             f"| {r['median_ms'] / off['median_ms']:.2f}x | {r['phase_s']:.2f} "
             f"| {r['phase_s'] / off['phase_s']:.2f}x | {r['replay_ms']:.3f} "
-            f"| {r['replay_ms'] / off['replay_ms']:.4f} | {r['alloc_s']:.2f} | {r['rss_mb']:.0f} "
+            f"| {r['replay_ms'] / off['replay_ms']:.4f} | {r['alloc_s']:.2f} | {r['pair_us']:.1f} "
+            f"| {r['rss_mb']:.0f} "
             f"| {stages} |"
         )
         if r["disabled"] or r["findings"]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -309,9 +309,8 @@ def _param_of(offsets: list[int], off: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- graph references
-@dataclass(frozen=True)
-class Reference:
-    """One device address found in one node's arguments."""
+class Reference(NamedTuple):
+    """One device address found in one node's arguments (a tuple: graphs hold many)."""
 
     node: int
     kernel: str  # demangled kernel name, or "memcpy" / "memset"

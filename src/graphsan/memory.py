@@ -43,6 +43,9 @@ from graphsan.report import Frame
 # Trace entries kept between two drains; more than this and the oldest are overwritten, which the
 # drain notices (a full buffer) and answers with a fresh snapshot.
 MAX_ENTRIES = 1 << 18
+# Below this many new entries a drain applies them; above it (and above twice the blocks the view
+# holds) a fresh snapshot is cheaper.
+RESEED_ENTRIES = 20_000
 # Frames kept per allocation stack (innermost first while walking); user frames are picked later.
 SITE_DEPTH = 48
 Site = tuple  # (code, instruction offset, code, instruction offset, ...), innermost first
@@ -188,7 +191,9 @@ class AllocatorWatch:
         reseed, self._reseed = self._reseed, False
         for device, view in self.views.items():
             entries = traces[device] if device < len(traces) else []
-            if len(entries) >= MAX_ENTRIES:  # the ring buffer may have overwritten entries
+            # a full ring buffer may have overwritten entries; and past RESEED_ENTRIES a snapshot
+            # (about 1.5 us a block, in C++) is cheaper than applying the entries in Python
+            if len(entries) >= min(MAX_ENTRIES, max(RESEED_ENTRIES, 2 * len(view))):
                 view.seed(_snapshot(), device)
                 continue
             unsure: list[tuple[int, PoolId]] = []
