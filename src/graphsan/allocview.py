@@ -18,6 +18,7 @@ Pure Python: nothing here touches CUDA.
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -64,17 +65,26 @@ class ViewBlock:
 
 
 class ViewSegment:
-    """A segment (or a run of mapped pages of an expandable one) and its allocated blocks."""
+    """A segment (or a run of mapped pages of an expandable one) and its allocated blocks, kept
+    as two arrays of 64-bit integers (16 bytes a block: a rank holds tens of thousands)."""
 
-    __slots__ = ("address", "size", "pool", "expandable", "_starts", "_blocks")
+    __slots__ = ("address", "size", "pool", "expandable", "resolve", "_starts", "_sizes")
 
-    def __init__(self, address: DataPtr, size: int, pool: PoolId, expandable: bool) -> None:
+    def __init__(
+        self,
+        address: DataPtr,
+        size: int,
+        pool: PoolId,
+        expandable: bool,
+        resolve: Callable[[DataPtr], list[Frame]] | None = None,
+    ) -> None:
         self.address = address
         self.size = size
         self.pool = pool
         self.expandable = expandable
-        self._starts: list[DataPtr] = []
-        self._blocks: list[ViewBlock] = []
+        self.resolve = resolve
+        self._starts = array("Q")
+        self._sizes = array("Q")
 
     @property
     def end(self) -> DataPtr:
@@ -83,28 +93,36 @@ class ViewSegment:
     @property
     def blocks(self) -> list[ViewBlock]:
         """Allocated blocks in address order (free space is what lies between them)."""
-        return self._blocks
+        return [self._block(i) for i in range(len(self._starts))]
 
-    def add(self, block: ViewBlock) -> None:
-        i = bisect.bisect_left(self._starts, block.address)
-        self._starts.insert(i, block.address)
-        self._blocks.insert(i, block)
+    def spans(self) -> list[tuple[DataPtr, int]]:
+        """(address, size) of the allocated blocks, in address order."""
+        return list(zip(self._starts, self._sizes, strict=True))
 
-    def remove(self, address: DataPtr) -> ViewBlock | None:
+    def _block(self, i: int) -> ViewBlock:
+        return ViewBlock(self._starts[i], self._sizes[i], True, self.resolve)
+
+    def add(self, address: DataPtr, size: int) -> None:
+        i = bisect.bisect_left(self._starts, address)
+        self._starts.insert(i, address)
+        self._sizes.insert(i, size)
+
+    def remove(self, address: DataPtr) -> bool:
         i = bisect.bisect_left(self._starts, address)
         if i < len(self._starts) and self._starts[i] == address:
             del self._starts[i]
-            return self._blocks.pop(i)
-        return None
+            del self._sizes[i]
+            return True
+        return False
 
     def allocated_in(self, start: DataPtr, end: DataPtr) -> ViewBlock | None:
         """The first allocated block overlapping [start, end), if any."""
-        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
-        for b in self._blocks[i:]:
-            if b.address >= end:
+        starts, sizes = self._starts, self._sizes
+        for i in range(max(bisect.bisect_right(starts, start) - 1, 0), len(starts)):
+            if starts[i] >= end:
                 break
-            if b.address + b.size > start:
-                return b
+            if starts[i] + sizes[i] > start:
+                return self._block(i)
         return None
 
     def block_at(self, addr: DataPtr) -> ViewBlock | None:
@@ -112,12 +130,16 @@ class ViewSegment:
         which merges neighbouring free blocks, would show it); None outside the segment."""
         if not self.address <= addr < self.end:
             return None
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i >= 0 and addr < self._blocks[i].address + self._blocks[i].size:
-            return self._blocks[i]
-        lo = self._blocks[i].address + self._blocks[i].size if i >= 0 else self.address
-        hi = self._starts[i + 1] if i + 1 < len(self._starts) else self.end
+        starts, sizes = self._starts, self._sizes
+        i = bisect.bisect_right(starts, addr) - 1
+        if i >= 0 and addr < starts[i] + sizes[i]:
+            return self._block(i)
+        lo = starts[i] + sizes[i] if i >= 0 else self.address
+        hi = starts[i + 1] if i + 1 < len(starts) else self.end
         return ViewBlock(lo, hi - lo, allocated=False)
+
+    def __len__(self) -> int:
+        return len(self._starts)
 
 
 # The caching allocator's sizes: blocks are multiples of MIN_BLOCK; requests up to SMALL_SIZE
@@ -166,10 +188,11 @@ class AllocatorView:
                 int(seg["total_size"]),
                 (int(pool[0]), int(pool[1])),
                 bool(seg.get("is_expandable", False)),
+                self.resolve,
             )
             for b in seg.get("blocks", ()):
                 if str(b["state"]).startswith("active"):
-                    vs.add(ViewBlock(int(b["address"]), int(b["size"]), True, self.resolve))
+                    vs.add(int(b["address"]), int(b["size"]))
             self._insert(vs)
         self.seeds += 1
 
@@ -186,19 +209,19 @@ class AllocatorView:
                     raise ViewError(f"alloc of {size} B at {addr:#x} outside free segment space")
                 free = gap.address + gap.size - addr
                 block = block_size(size, free, seg.expandable)
-                seg.add(ViewBlock(addr, block, True, self.resolve))
+                seg.add(addr, block)
             elif action == "free_completed":
                 seg = self.segment_at(addr)
-                if seg is None or seg.remove(addr) is None:
+                if seg is None or not seg.remove(addr):
                     raise ViewError(f"free of unknown block {addr:#x}")
             elif action == "segment_alloc":
                 if self.segments_in(addr, addr + size):
                     raise ViewError(f"segment at {addr:#x} overlaps a known one")
                 pool = pool_of(e, _next_alloc(entries, i))
-                self._insert(ViewSegment(addr, size, pool, False))
+                self._insert(ViewSegment(addr, size, pool, False, self.resolve))
             elif action == "segment_free":
                 seg = self.segment_at(addr)
-                if seg is None or seg.address != addr or seg.blocks:
+                if seg is None or seg.address != addr or len(seg):
                     raise ViewError(f"free of unknown or busy segment {addr:#x}")
                 self._remove(seg)
             elif action == "segment_map":
@@ -213,7 +236,7 @@ class AllocatorView:
     def _map(self, addr: DataPtr, size: int, pool: PoolId) -> None:
         if self.segments_in(addr, addr + size):
             raise ViewError(f"mapped pages at {addr:#x} overlap a known segment")
-        vs = ViewSegment(addr, size, pool, True)
+        vs = ViewSegment(addr, size, pool, True, self.resolve)
         before = self.segment_at(addr - 1) if addr else None
         after = self.segment_at(addr + size)
         # neighbouring runs of mapped pages of the same reservation are one segment
@@ -225,11 +248,10 @@ class AllocatorView:
             vs = self._joined(vs, after)
         self._insert(vs)
 
-    @staticmethod
-    def _joined(a: ViewSegment, b: ViewSegment) -> ViewSegment:
-        out = ViewSegment(a.address, b.end - a.address, a.pool, True)
-        for blk in a.blocks + b.blocks:
-            out.add(blk)
+    def _joined(self, a: ViewSegment, b: ViewSegment) -> ViewSegment:
+        out = ViewSegment(a.address, b.end - a.address, a.pool, True, self.resolve)
+        for address, size in a.spans() + b.spans():
+            out.add(address, size)
         return out
 
     def _unmap(self, addr: DataPtr, size: int) -> None:
@@ -240,10 +262,10 @@ class AllocatorView:
         self._remove(seg)
         for lo, hi in ((seg.address, addr), (end, seg.end)):
             if hi > lo:
-                part = ViewSegment(lo, hi - lo, seg.pool, True)
-                for blk in seg.blocks:
-                    if lo <= blk.address < hi:
-                        part.add(blk)
+                part = ViewSegment(lo, hi - lo, seg.pool, True, self.resolve)
+                for address, size in seg.spans():
+                    if lo <= address < hi:
+                        part.add(address, size)
                 self._insert(part)
 
     # -- the segment index -------------------------------------------------------------------
@@ -297,7 +319,7 @@ class AllocatorView:
         return (self.segments[0].address, self.segments[-1].end)
 
     def __len__(self) -> int:
-        return sum(len(s.blocks) for s in self.segments)
+        return sum(len(s) for s in self.segments)
 
 
 def _next_alloc(entries: list[Entry], i: int) -> Entry | None:
