@@ -131,7 +131,7 @@ def main() -> None:
         " 'eager ms' is one call alone, host launch included"
     )
     variants = triton_kernels.VARIANTS
-    print(f"# variants {', '.join(variants)}; default {triton_kernels.DEFAULT_VARIANT}")
+    print(f"# variants {', '.join(variants)}; default {triton_kernels.default_variant()}")
 
     def ref_both():
         mxfp8.quantize_reference(x, -1)

@@ -1,16 +1,18 @@
 """Benchmark of the lab trainer: eager vs per-scope CUDA graphs, per recipe mix, and the cost of
 the fixed graph-state handling vs TE 2.18's (te218, no validation so it cannot fault).
 
-    PYTHONPATH=src python3 bench/bench_train.py [--preset small] [--iters 10] [--out docs/PERF-train.md]
+    PYTHONPATH=src python3 bench/bench_train.py [--preset small] [--iters 10] [--out FILE]
 
-Prints a table of step times and ratios (graphed speed-up over eager of the same recipe mix) and
-writes it, with date, GPU, torch and the command, to --out. Never asserts timings.
+Prints a table of step times and ratios (graphed speed-up over eager of the same recipe mix);
+with --out, also writes it, with date, GPU, torch and the command, to FILE (the numbers go into
+docs/PERF.md's "Trainer" section by hand). Never asserts timings.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 
@@ -58,6 +60,22 @@ def write_table(a, rows) -> None:
             f.write(header + table + "\n")
 
 
+def out_problem(path: str | None) -> str | None:
+    """Why --out cannot be written, or None."""
+    if path is None:
+        return None
+    if not path:
+        return "empty; expected a file path"
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        return "is a directory; expected a file path"
+    if not os.path.isdir(folder):
+        return f"folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"folder {folder} is not writable"
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small")
@@ -67,8 +85,12 @@ def main() -> int:
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--global-batch-size", type=int, default=4)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-    ap.add_argument("--out", default="docs/PERF-train.md")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
     a = ap.parse_args()
+    problem = out_problem(a.out)
+    if problem:  # before the runs, which take minutes
+        print(f"bench_train: --out {a.out!r}: {problem}", file=sys.stderr)
+        return 2
     names = [v for v in a.variants.split(",") if v]
     bad = [v for v in names if v not in VARIANTS]
     if bad:

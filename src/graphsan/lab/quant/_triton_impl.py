@@ -498,7 +498,11 @@ def _mxfp8_kernel_v3(
     tl.store(col_data_ptr + out_offs, packed, mask=mask)
     sw = pid_n * (G * CW) + tl.arange(0, G)[:, None] * CW + tl.arange(0, CW)[None, :]
     swords = e0 | (e1 << 8) | (e2 << 16) | (e3 << 24)
-    tl.store(col_scale_ptr + pid_m * KW + sw, swords, mask=(pid_m * 32 < M) & (sw < KW))
+    # The scale row as a block, not a scalar compare joined to a block mask: Triton 3.9's
+    # interpreter materialises a broadcast scalar compare as int32 and rejects it as a mask.
+    srow = pid_m + tl.zeros((G, CW), dtype=tl.int32)
+    smask = (srow < M // 32) & (sw < KW)
+    tl.store(col_scale_ptr + srow * KW + sw, swords, mask=smask)
 
     if DO_ROW:
         # rowwise: 32-column maxima = 8 words, two threads' worth

@@ -6,9 +6,10 @@ GEMMs (docs/numerics.md, "The quantized Linear"):
     dgrad  dX = dY W     W columnwise, read from the cached weight workspace; dY rowwise (NVFP4: SR)
     wgrad  dW = dY^T X   X columnwise and dY columnwise (NVFP4: both RHT, dY SR)
 
-Each GEMM is emulated exactly the way Hopper must: dequantize the operands exactly to bf16
-(without the per-tensor factor), bf16 GEMM with float32 accumulation, then one float32 alpha
-(NVFP4: amax_A * amax_B / (6^2 * 448^2); FP8 per-tensor: the product of the scale_invs; MXFP8: 1).
+Each GEMM is emulated the way Hopper must: dequantize the operands exactly to bf16 (without the
+per-tensor factor; MXFP8 blocks with the tiniest scales excepted, see docs/numerics.md), bf16
+GEMM with float32 accumulation, then one float32 alpha (NVFP4: amax_A * amax_B / (6^2 * 448^2);
+FP8 per-tensor: the product of the scale_invs; MXFP8: 1).
 The weight gradient is accumulated in place into the float32 `weight.main_grad`; `weight.grad`
 stays None.
 
@@ -79,7 +80,9 @@ def gemm_operand(q: QTensor) -> torch.Tensor:
         values = nvfp4.block_values(q)  # E2M1 x E4M3: exact in bf16
         values = values.t() if q.axis == 0 else values
     elif isinstance(q, mxfp8.MXFP8Tensor):
-        values = mxfp8.dequantize(q)  # element x 2^k: exact in bf16 (same exponent range)
+        # element x 2^k: exact in bf16 for scale bytes >= 3 (E4M3) or 10 (E5M2); below that the
+        # smallest elements fall under bf16's subnormal grid (docs/numerics.md)
+        values = mxfp8.dequantize(q)
     elif isinstance(q, fp8.FP8Tensor):
         values = fp8.fp8_decode(q.data, "e4m3")
         values = values.t() if q.axis == 0 else values

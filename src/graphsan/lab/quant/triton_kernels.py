@@ -1,8 +1,8 @@
 """Fast path: Triton kernels for MXFP8 and NVFP4 quantization on CUDA.
 
 `mxfp8.quantize` and `nvfp4.quantize` call these automatically for CUDA tensors when Triton is
-importable (set GRAPHSAN_NO_TRITON=1 to force the torch reference); the torch reference stays the
-fallback and the oracle, and the GPU tests compare the two byte for byte.
+importable (GRAPHSAN_NO_TRITON=1, true, yes or on forces the torch reference); the torch
+reference stays the fallback and the oracle, and the GPU tests compare the two byte for byte.
 
 - MXFP8: one kernel reads each tile once and writes rowwise and/or columnwise bytes and scales
   (`mxfp8_quantize_both` for the pair).
@@ -18,11 +18,13 @@ unit column stride read as 64-bit words of 4 and outputs written as packed words
 the store share one layout: MXFP8 columnwise and row+col, NVFP4 rowwise, columnwise and the RHT
 copy; every other kernel and input runs v2 under "v3"; see `_triton_impl`). The first kernels
 ("v1") were removed once v2 and v3 beat them on every kernel (their times stay in docs/PERF.md).
-Every entry point takes `variant=`; the default is `DEFAULT_VARIANT`, read once from
-GRAPHSAN_TRITON_VARIANT (default "v3": as fast or faster on every kernel in
-`bench/bench_quant.py`, which times both side by side and checks that their bytes are equal).
+Every entry point takes `variant=`; the default is `default_variant()`: GRAPHSAN_TRITON_VARIANT,
+else "v3" (as fast or faster on every kernel in `bench/bench_quant.py`, which times both side by
+side and checks that their bytes are equal).
 
-Triton is imported lazily, on first use.
+Triton is imported lazily, on first use, and the two environment switches are read where the
+kernels are chosen (not at import): a bad value is a `TritonSettingError`, one line naming the
+variable and the values it accepts.
 """
 
 from __future__ import annotations
@@ -57,9 +59,43 @@ def hw_fp8(device_index: int) -> bool:
 # NVFP4 columnwise with SR and no RHT, float32 input) runs its v2 kernel when "v3" is asked for,
 # and the global amax runs v2's kernel with a tile of its own.
 VARIANTS = ("v2", "v3")
-DEFAULT_VARIANT = os.environ.get("GRAPHSAN_TRITON_VARIANT", "v3")
-if DEFAULT_VARIANT not in VARIANTS:
-    raise ValueError(f"GRAPHSAN_TRITON_VARIANT={DEFAULT_VARIANT!r}: expected one of {VARIANTS}")
+DEFAULT_VARIANT = "v3"  # when GRAPHSAN_TRITON_VARIANT is unset or empty
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+class TritonSettingError(ValueError):
+    """GRAPHSAN_NO_TRITON or GRAPHSAN_TRITON_VARIANT holds a value that means nothing."""
+
+
+def triton_disabled() -> bool:
+    """Whether GRAPHSAN_NO_TRITON turns the kernels off: 1/true/yes/on do, 0/false/no/off or
+    unset/empty do not (any case); anything else is a `TritonSettingError`."""
+    raw = os.environ.get("GRAPHSAN_NO_TRITON", "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise TritonSettingError(
+        f"GRAPHSAN_NO_TRITON={raw!r}: expected 1, true, yes or on (Triton off: the torch "
+        "reference runs) or 0, false, no, off or empty (Triton on)"
+    )
+
+
+def default_variant() -> str:
+    """The variant that runs when none is passed: GRAPHSAN_TRITON_VARIANT, else DEFAULT_VARIANT;
+    an unknown name is a `TritonSettingError`."""
+    raw = os.environ.get("GRAPHSAN_TRITON_VARIANT", "")
+    value = raw.strip() or DEFAULT_VARIANT
+    if value not in VARIANTS:
+        raise TritonSettingError(
+            f"GRAPHSAN_TRITON_VARIANT={raw!r}: expected one of {', '.join(VARIANTS)} "
+            f"(or unset: {DEFAULT_VARIANT})"
+        )
+    return value
+
 
 # v2 launch parameters (fixed; chosen from the sm_90 SASS instruction counts; the column tile was
 # the fastest of six in bench/tile_sweep.py on the H200)
@@ -80,16 +116,16 @@ _V2_OPTIONS = {"enable_fp_fusion": False}
 
 
 def _variant(variant: str | None) -> str:
-    variant = DEFAULT_VARIANT if variant is None else variant
+    variant = default_variant() if variant is None else variant
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
     return variant
 
 
 def available() -> bool:
-    """True when Triton can be imported (and GRAPHSAN_NO_TRITON is not set)."""
+    """True when Triton can be imported and GRAPHSAN_NO_TRITON does not turn it off."""
     global _AVAILABLE, _IMPL
-    if os.environ.get("GRAPHSAN_NO_TRITON"):
+    if triton_disabled():
         return False
     if _AVAILABLE is None:
         try:
@@ -104,7 +140,7 @@ def available() -> bool:
 
 def _impl():
     if not available():
-        raise RuntimeError("Triton is not available (not installed, or GRAPHSAN_NO_TRITON is set)")
+        raise RuntimeError("Triton is not available (not installed, or GRAPHSAN_NO_TRITON=1)")
     return _IMPL
 
 
