@@ -13,7 +13,9 @@ cache releases, turned into calls on the pure `Tracker`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -21,6 +23,7 @@ import torch
 from graphsan.analysis import FreeEvent, MemoryMap, Tracker
 from graphsan.context import Context, python_stack, user_frames
 from graphsan.report import Frame
+from graphsan.timeline import Timeline
 
 _op = threading.local()
 _ABSENT = object()
@@ -68,6 +71,7 @@ class AllocatorWatch:
         self.capture_pool: tuple[int, int] | None = None  # set while a capture is in progress
         # (tensor, sizes) -> tensor | None: the pin policy's way around a reallocating resize_
         self.redirect_resize: Callable[[torch.Tensor, tuple], torch.Tensor | None] | None = None
+        self.timeline: Timeline | None = None  # gets watched frees and empty_cache releases
         self._active = False
         self._patches: list[tuple[object, str, object]] = []
 
@@ -76,13 +80,17 @@ class AllocatorWatch:
         if not self._active or (ptr not in self.tracker.live and not self.tracker.freed_segments):
             return
         try:
-            self.tracker.on_free(ptr, self._free_event)
+            self.tracker.on_free(ptr, functools.partial(self._free_event, ptr))
         except Exception as err:  # never let a callback break the user's free
             self.on_error(err)
 
-    def _free_event(self) -> FreeEvent:
+    def _free_event(self, ptr: int) -> FreeEvent:
         phase, step = self.context.current()
-        return FreeEvent(python_stack(), phase, step, _current_op(), self.capture_pool)
+        ev = FreeEvent(python_stack(), phase, step, _current_op(), self.capture_pool)
+        ev.time = time.time()
+        if self.timeline is not None:
+            self.timeline.free(ptr, ev.time, ev.stack, phase, step, ev.op)
+        return ev
 
     def _on_alloc(self, ptr: int) -> None:
         if not self._active or not self.tracker.freed_segments:
@@ -170,6 +178,8 @@ class AllocatorWatch:
                 try:
                     phase, step = watch.context.current()
                     watch.last_release = (python_stack(), phase, step)
+                    if watch.timeline is not None:
+                        watch.timeline.release(*watch.last_release)
                     watch.tracker.on_release()
                 except Exception as err:
                     watch.on_error(err)
