@@ -13,7 +13,6 @@ cache releases, turned into calls on the pure `Tracker`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
 from collections.abc import Callable
@@ -80,16 +79,17 @@ class AllocatorWatch:
         if not self._active or (ptr not in self.tracker.live and not self.tracker.freed_segments):
             return
         try:
-            self.tracker.on_free(ptr, functools.partial(self._free_event, ptr))
+            if self.tracker.on_free(ptr, self._free_event) and self.timeline is not None:
+                ev = _op.freed  # the event _free_event just made, on this thread
+                self.timeline.free(ptr, ev.time, ev.stack, ev.phase, ev.step, ev.op)
         except Exception as err:  # never let a callback break the user's free
             self.on_error(err)
 
-    def _free_event(self, ptr: int) -> FreeEvent:
+    def _free_event(self) -> FreeEvent:
         phase, step = self.context.current()
         ev = FreeEvent(python_stack(), phase, step, _current_op(), self.capture_pool)
         ev.time = time.time()
-        if self.timeline is not None:
-            self.timeline.free(ptr, ev.time, ev.stack, phase, step, ev.op)
+        _op.freed = ev
         return ev
 
     def _on_alloc(self, ptr: int) -> None:
