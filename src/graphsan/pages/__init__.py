@@ -80,6 +80,11 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     return out
 
 
+def replay_index(events: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """Judged-replay events by (graph id, time): a finding's `found_at` is its replay's time."""
+    return {(e.get("graph"), e.get("t")): e for e in events if e.get("kind") == "replay"}
+
+
 def render(template: str, **context: Any) -> str:
     """Render one of graphsan's templates (autoescaped HTML)."""
     import jinja2

@@ -10,7 +10,7 @@ import datetime
 import os
 from typing import Any
 
-from graphsan.pages import nice_ticks, render
+from graphsan.pages import nice_ticks, render, replay_index
 from graphsan.ranks import finding_signature
 from graphsan.report import (
     FREED_BEFORE_CAPTURE,
@@ -70,7 +70,20 @@ def _title(sources, findings) -> str:
 def _source(report: Report, path: str, index: int) -> dict[str, Any]:
     name = f"rank {report.rank}" if report.rank is not None else os.path.basename(path)
     graphs = {g.get("id"): g for g in report.graphs}
-    return {"report": report, "name": name, "path": path, "index": index, "graphs": graphs}
+    by_kind: dict[str, list[dict[str, Any]]] = {"phase": [], "release": []}
+    for e in report.events:
+        if e.get("kind") in by_kind:
+            by_kind[e["kind"]].append(e)
+    return {
+        "report": report,
+        "name": name,
+        "path": path,
+        "index": index,
+        "graphs": graphs,
+        "phases": by_kind["phase"],
+        "releases": by_kind["release"],
+        "replays": replay_index(report.events),
+    }
 
 
 def _source_view(src: dict[str, Any], t0: float | None) -> dict[str, Any]:
@@ -106,7 +119,6 @@ def _source_view(src: dict[str, Any], t0: float | None) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- one finding
 def _finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict[str, Any]:
-    report: Report = src["report"]
     free_site = _frame(f.free_stack[-1]) if f.free_stack else _no_free(f)
     head, params, tail = kernel_signature(f.kernel)
     return {
@@ -142,7 +154,7 @@ def _finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict
         "also": [_also_view(u, src, t0) for u in f.also_used_by],
         "ranks": list(seen),
         "nodes": _nodes_view(f, src["graphs"].get(f.graph.id)),
-        "life": _life(f, report, src["graphs"], t0),
+        "life": _life(f, src, t0),
     }
 
 
@@ -228,9 +240,10 @@ def _split_params(inner: str) -> list[str]:
     return out
 
 
-def _life(f: Finding, report: Report, graphs: dict, t0: float | None) -> dict[str, Any]:
+def _life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
     """The block's life, in order: allocation, each capture that references it, the free, what
     became of the memory, the replay that was judged; with an SVG strip when times exist."""
+    report, graphs = src["report"], src["graphs"]
     stopped = report.policy in ("raise", "pin")
     own = graphs.get(f.graph.id, {})
     steps: list[dict[str, Any]] = [
@@ -272,8 +285,8 @@ def _life(f: Finding, report: Report, graphs: dict, t0: float | None) -> dict[st
         {"kind": "free", "t": f.freed_at, "what": free_what, "detail": "", "site": free_site}
     )
     if f.kind == "unmapped" and f.freed_at is not None and f.found_at is not None:
-        for ev in report.events:
-            if ev.get("kind") == "release" and f.freed_at <= ev.get("t", 0) <= f.found_at:
+        for ev in src["releases"]:
+            if f.freed_at <= ev.get("t", 0) <= f.found_at:
                 steps.append(
                     {
                         "kind": "release",
@@ -303,7 +316,7 @@ def _life(f: Finding, report: Report, graphs: dict, t0: float | None) -> dict[st
         s["clock"] = _clock(s["t"]) if s["t"] is not None else ""
         s.setdefault("detail", "")
         s.setdefault("site", "")
-    return {"steps": ordered, "svg": _life_svg(ordered, report.events, t0) if timed else None}
+    return {"steps": ordered, "svg": _life_svg(ordered, src["phases"], t0) if timed else None}
 
 
 def _now_title(f: Finding) -> str:
@@ -320,7 +333,7 @@ MARK = {"capture": "#2f6fb0", "free": "#c0392b", "release": "#8e44ad", "now": "#
 MARK |= {"stop": "#b00020", "judged": "#b7791f", "alloc": "#555"}
 
 
-def _life_svg(steps: list[dict[str, Any]], events: list[dict[str, Any]], t0) -> dict[str, Any]:
+def _life_svg(steps: list[dict[str, Any]], phases: list[dict[str, Any]], t0) -> dict[str, Any]:
     """Marker positions for the block's life strip: x by time, untimed steps at the left edge,
     markers of nearly equal time stacked so their numbers stay readable."""
     times = [s["t"] for s in steps if s["t"] is not None]
@@ -348,7 +361,6 @@ def _life_svg(steps: list[dict[str, Any]], events: list[dict[str, Any]], t0) -> 
         )
     height = max(m["y"] for m in marks) + 30
     bands = []
-    phases = [e for e in events if e.get("kind") == "phase"]
     for i, e in enumerate(phases):
         start = max(e["t"], lo)
         end = min(phases[i + 1]["t"], hi) if i + 1 < len(phases) else hi
@@ -422,6 +434,7 @@ def _overview(sources, findings, t0: float | None) -> dict[str, Any] | None:
     def x_of(t: float) -> float:
         return round(left + (t - t0) / span * (right - left), 1)
 
+    views = {(rank, v["graph_id"], v["block"]): v for v in findings for rank in v["ranks"]}
     lanes, marks, bands, y = [], [], [], 10.0
     lane_h = 22.0
     for s in sources:
@@ -436,7 +449,7 @@ def _overview(sources, findings, t0: float | None) -> dict[str, Any] | None:
             lane_y[ln] = y + lane_h / 2
             y += lane_h
         y += 8
-        phases = [e for e in r.events if e.get("kind") == "phase"]
+        phases = s["phases"]
         for i, e in enumerate(phases):
             end = phases[i + 1]["t"] if i + 1 < len(phases) else hi
             bands.append(
@@ -469,17 +482,8 @@ def _overview(sources, findings, t0: float | None) -> dict[str, Any] | None:
         for f in r.findings:
             if f.found_at is None:
                 continue
-            fv = next((v for v in findings if s["name"] in v["ranks"] and _same(v, f)), None)
-            replay = next(
-                (
-                    e
-                    for e in r.events
-                    if e.get("kind") == "replay"
-                    and e.get("graph") == f.graph.id
-                    and e.get("t") == f.found_at
-                ),
-                None,
-            )
+            fv = views.get((s["name"], f.graph.id, f"{f.block_address:#x}"))
+            replay = s["replays"].get((f.graph.id, f.found_at))
             lane = f"stream {replay['stream']:#x}" if replay and "stream" in replay else None
             if lane not in lane_y:  # no replay recorded for it: the first stream's lane
                 lane = names[2] if len(names) > 2 else "allocator"
@@ -506,10 +510,6 @@ def _overview(sources, findings, t0: float | None) -> dict[str, Any] | None:
         "bands": bands,
         "ticks": ticks,
     }
-
-
-def _same(view: dict[str, Any], f: Finding) -> bool:
-    return view["graph_id"] == f.graph.id and view["block"] == f"{f.block_address:#x}"
 
 
 def _event_title(e: dict[str, Any], t0: float) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from graphsan.pages import replay_index
 from graphsan.report import Finding, Report, short_kernel
 
 PHASE_TID, ALLOC_TID, UNKNOWN_STREAM_TID = 1, 2, 3
@@ -123,19 +124,11 @@ def _process(report: Report, pid: int, pname: str, t0: float | None) -> list[dic
                     _args(e, "phase", "step", "site"),
                 )
             )
+    replays = replay_index(report.events)
     for f in report.findings:
         if f.found_at is None:
             continue
-        replay = next(
-            (
-                e
-                for e in report.events
-                if e.get("kind") == "replay"
-                and e.get("graph") == f.graph.id
-                and e.get("t") == f.found_at
-            ),
-            {},
-        )
+        replay = replays.get((f.graph.id, f.found_at), {})
         out.append(
             _instant(
                 f"{f.kind.upper()}: #{f.graph.id} {f.graph.label} node {f.node} "
