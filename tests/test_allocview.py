@@ -177,7 +177,11 @@ class ModelAllocator:
                     "segment_pool_id": seg["pool"],
                     "is_expandable": False,
                     "blocks": [
-                        {"address": a, "size": s, "state": "active_allocated" if used else "inactive"}
+                        {
+                            "address": a,
+                            "size": s,
+                            "state": "active_allocated" if used else "inactive",
+                        }
                         for a, s, used in seg["blocks"]
                     ],
                 }
@@ -187,7 +191,9 @@ class ModelAllocator:
             for a in sorted(a for a in self.exp_blocks if lo <= a < hi):
                 if a > pos:
                     blocks.append({"address": pos, "size": a - pos, "state": "inactive"})
-                blocks.append({"address": a, "size": self.exp_blocks[a], "state": "active_allocated"})
+                blocks.append(
+                    {"address": a, "size": self.exp_blocks[a], "state": "active_allocated"}
+                )
                 pos = a + self.exp_blocks[a]
             if hi > pos:
                 blocks.append({"address": pos, "size": hi - pos, "state": "inactive"})

@@ -329,6 +329,7 @@ class FreeEvent:
     op: str | None = None  # "resize_", "set_", ".data =", ... when a storage change freed it
     capture_pool: PoolId | None = None  # the pool a capture in progress was allocating from
     seq: int = 0  # the Tracker's count of watched frees when this one was recorded
+    time: float | None = None  # time.time() of the free, for the report's timeline
 
 
 @dataclass

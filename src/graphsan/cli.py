@@ -72,7 +72,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
             reports.append(Report.load(path))
         except ValueError as err:
             raise CliError(str(err)) from None
-    if len(reports) == 1:
+    if args.html or args.trace:
+        from graphsan.pages import OutputError, write_report_outputs
+
+        try:
+            said = write_report_outputs(reports, args.paths, args.html, args.trace)
+        except OutputError as err:
+            raise CliError(f"graphsan report: {err}") from None
+        sys.stderr.write("".join(f"{line}\n" for line in said))
+    elif len(reports) == 1:
         print(reports[0].render())
     else:
         print(merge_reports(reports, args.paths))
@@ -111,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="render saved reports (several: merged by rank)")
     rep.add_argument("paths", nargs="+")
+    rep.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
+    rep.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto)")
     rep.set_defaults(func=_cmd_report)
 
     try:

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import CodeType
 from typing import Any
@@ -39,6 +40,7 @@ from graphsan.allocview import AllocatorView, ViewError
 from graphsan.analysis import DEFAULT_POOL, FreeEvent, MemoryMap, PoolId, Tracker
 from graphsan.context import Context, python_stack, user_frames
 from graphsan.report import Frame
+from graphsan.timeline import Timeline
 
 # Trace entries kept between two drains; more than this and the oldest are overwritten, which the
 # drain notices (a full buffer) and answers with a fresh snapshot.
@@ -162,6 +164,7 @@ class AllocatorWatch:
         self.captures: dict[str, tuple[int, PoolId | None]] = {}  # tag -> (stream, pool)
         self._saved_metadata: list[str] = []
         self._reseed = False
+        self.timeline: Timeline | None = None  # gets watched frees and empty_cache releases
         self._active = False
         self._patches: list[tuple[object, str, object]] = []
 
@@ -269,6 +272,7 @@ class AllocatorWatch:
     def _record(self, clear: bool = False) -> None:
         kwargs: dict[str, Any] = {
             "context": None,
+            "stacks": "python",
             "max_entries": MAX_ENTRIES,
             "clear_history": clear,
         }
@@ -290,13 +294,18 @@ class AllocatorWatch:
         if ptr not in self.tracker.live and not self.tracker.freed_segments:
             return
         try:
-            self.tracker.on_free(ptr, self._free_event)
+            if self.tracker.on_free(ptr, self._free_event) and self.timeline is not None:
+                ev = _op.freed  # the event _free_event just made, on this thread
+                self.timeline.free(ptr, ev.time, ev.stack, ev.phase, ev.step, ev.op)
         except Exception as err:  # never let a callback break the user's free
             self.on_error(err)
 
     def _free_event(self) -> FreeEvent:
         phase, step = self.context.current()
-        return FreeEvent(python_stack(), phase, step, _current_op(), self.capture_pool)
+        ev = FreeEvent(python_stack(), phase, step, _current_op(), self.capture_pool)
+        ev.time = time.time()
+        _op.freed = ev
+        return ev
 
     def _on_alloc(self, ptr: int) -> None:
         if not self._active:
@@ -399,6 +408,8 @@ class AllocatorWatch:
                 try:
                     phase, step = watch.context.current()
                     watch.last_release = (python_stack(), phase, step)
+                    if watch.timeline is not None:
+                        watch.timeline.release(*watch.last_release)
                     watch.tracker.on_release()
                 except Exception as err:
                     watch.on_error(err)

@@ -14,8 +14,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SCHEMA = "graphsan.report"
-SCHEMA_VERSION = 2  # 2 added Finding.also_used_by
-READABLE_VERSIONS = (1, 2)  # version 1 reports read with also_used_by empty
+# 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
+# captured_at and node summary, and the process's events (see graphsan.timeline)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # older reports read with the newer fields empty
 
 Frame = tuple[str, int, str]  # (filename, line, function)
 
@@ -82,6 +84,9 @@ class Finding:
     # "kernel", "param", "offset"} (their first reference): the replay that was stopped is only the
     # first to run; these would touch the memory next
     also_used_by: list[dict[str, Any]] = field(default_factory=list)
+    # time.time() of the watched free, and of the replay that was judged and found this
+    freed_at: float | None = None
+    found_at: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -246,6 +251,10 @@ class Report:
     rank: int | None = None
     policy: str = "raise"
     pinned: dict[str, Any] = field(default_factory=dict)
+    # the process's timeline (graphsan.timeline.Event dicts, the first MAX_EVENTS) and how many
+    # later events were only counted
+    events: list[dict[str, Any]] = field(default_factory=list)
+    events_dropped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -256,6 +265,8 @@ class Report:
             "findings": [finding_to_dict(f) for f in self.findings],
             "graphs": self.graphs,
             "pinned": self.pinned,
+            "events": self.events,
+            "events_dropped": self.events_dropped,
         }
 
     def save(self, path: str) -> None:
@@ -284,6 +295,8 @@ class Report:
             rank=data.get("rank"),
             policy=data.get("policy", "raise"),
             pinned=data.get("pinned", {}),
+            events=data.get("events", []),
+            events_dropped=data.get("events_dropped", 0),
         )
 
     def render(self) -> str:

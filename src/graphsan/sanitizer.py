@@ -17,6 +17,7 @@ Any internal error disables the sanitizer with one message; the user's program r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -39,6 +40,7 @@ from graphsan.report import (
     display_path,
     format_finding,
 )
+from graphsan.timeline import Timeline, node_summary
 
 POLICIES = ("raise", "warn", "record", "pin")
 _PENDING = "_graphsan_pending"
@@ -50,6 +52,14 @@ def check_policy(policy: str) -> str:
             f"graphsan: unknown policy {policy!r}; expected one of {', '.join(POLICIES)}"
         )
     return policy
+
+
+def _stream() -> int | None:
+    """The current CUDA stream's handle (the timeline's track), None where it cannot be read."""
+    try:
+        return int(torch.cuda.current_stream().cuda_stream)
+    except Exception:
+        return None
 
 
 def rank_from_env() -> int | None:
@@ -78,6 +88,8 @@ class Sanitizer:
         self.disabled_reason: str | None = None
         self.report_path: str | None = None
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
+        self.timeline = Timeline(self.rank)
+        self.memory.timeline = self.timeline
         self.hooks = capture.GraphHooks(self)
         self.pinner = None  # set by the pin policy
         self._ids = itertools.count(1)
@@ -95,6 +107,7 @@ class Sanitizer:
             )
             return self
         self.context.start()
+        self.context.on_phase_change.append(self._phase_changed)
         self.memory.start()
         self.hooks.install()
         self.active = True
@@ -108,12 +121,17 @@ class Sanitizer:
             self.pinner.detach()
         self.hooks.uninstall()
         self.memory.stop()
+        with contextlib.suppress(ValueError):
+            self.context.on_phase_change.remove(self._phase_changed)
         self.context.stop()
 
     def report(self) -> Report:
         pinned = self.pinner.summary() if self.pinner is not None else {}
         graphs = list(self.graph_stats.values())
-        return Report(list(self.findings), graphs, self.rank, self.policy, pinned)
+        tl = self.timeline
+        return Report(
+            list(self.findings), graphs, self.rank, self.policy, pinned, list(tl.events), tl.dropped
+        )
 
     # -- labels -----------------------------------------------------------------------------
     def push_label(self, label: str) -> None:
@@ -139,6 +157,7 @@ class Sanitizer:
                 label = f"graph#{gid}"
             tag = self.memory.capture_started(gid, torch.cuda.current_stream().cuda_stream)
             graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device(), tag)
+            self.timeline.capture_begun(gid)
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
             self.memory.capture_pool = tuple(int(x) for x in pool) if pool is not None else None
@@ -189,6 +208,7 @@ class Sanitizer:
             state = self.tracker.add_graph(info, refs, view)
             capture.set_graph_state(graph, state)
             t3 = time.perf_counter()
+            captured_at = self.timeline.captured(gid, label, device, _stream())
             analyse_s = walk_s + t3 - t0
             self.graph_stats[gid] = {
                 "id": gid,
@@ -211,6 +231,8 @@ class Sanitizer:
                     "tracker": round((t3 - t2) * 1e3, 3),
                 },
                 "replays_judged": 0,
+                "captured_at": captured_at,
+                "node_summary": node_summary(nodes),
             }
             if self.pinner is not None:
                 self.pinner.pin(state, young)
@@ -258,6 +280,14 @@ class Sanitizer:
             findings = self.tracker.judge(state.info.id, view, _driver.is_mapped, as_of)
             self.graph_stats[state.info.id]["replays_judged"] += 1
             self._annotate(findings)
+            info, stop = state.info, bool(findings) and self.policy in ("raise", "pin")
+            t = self.timeline.replay(
+                info.id, info.label, info.device, _stream(), len(findings), stop
+            )
+            for f in findings:
+                wb = state.blocks.get(f.block_address)
+                f.freed_at = wb.freed.time if wb is not None and wb.freed is not None else None
+                f.found_at = t
         except Exception as err:
             self._internal_error(err)
             return
@@ -287,6 +317,12 @@ class Sanitizer:
         if self.policy == "warn":
             for f in new:
                 self._say(format_finding(f))
+
+    def _phase_changed(self) -> None:
+        try:
+            self.timeline.phase(*self.context.current())
+        except Exception as err:
+            self._internal_error(err)
 
     # -- errors and messages -----------------------------------------------------------------
     def _say(self, text: str) -> None:

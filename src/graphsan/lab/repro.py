@@ -29,6 +29,8 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 
+from graphsan.pages import OutputPathAction, write_matrix_page
+
 SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 NO_MAMBA = ("attn", "moe_router", "moe_preprocess")
 # iterations: 1-3 eager warm-up, 4 capture, validation + save + GC at 5, first backward after it
@@ -178,6 +180,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "weight workspace holds 2 MiB per half; the real model's spans many 2 MiB pages)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--html",
+        metavar="PATH",
+        action=OutputPathAction,
+        help="also write the matrix and per-case loss curves as one self-contained HTML page",
+    )
     parser.add_argument(
         "--timeout", type=float, default=300, help="seconds a case may take (default 300)"
     )
@@ -496,6 +504,8 @@ def run_matrix(
         if c.compare and ref is not None:
             res["comparison"] = _compare(res, ref)
             res["reference_timeline"] = ref.get("timeline")
+            res["reference_losses"] = ref.get("losses")
+            res["reference_eval_losses"] = ref.get("eval_losses")
             res["reference_outcome"] = f"{ref.get('outcome')}, {ref.get('wall_s', math.nan):.0f} s"
             after = res.get("rel_diff_after_eval")
             if res["outcome"] == "trained through" and after is not None and after > LOSS_RTOL:
@@ -580,4 +590,8 @@ def main(args: argparse.Namespace) -> int:
             json.dump(
                 [{"case": asdict(c), "result": r} for c, r in results], fh, indent=1, default=str
             )
+    if args.html and not write_matrix_page(
+        args.html, [{"case": asdict(c), "result": r} for c, r in results]
+    ):
+        return 2
     return 0 if all(math.isfinite(r.get("wall_s", 0)) for _, r in results) else 1

@@ -1,0 +1,157 @@
+"""Pages for people and viewers: the HTML report, the Chrome trace, the matrix page.
+
+Every page is one self-contained file (inline CSS, JS and SVG; nothing fetched), so it opens
+from a laptop's disk. The HTML comes from Jinja2 templates (`graphsan/templates/`); this module
+imports Jinja2 only when a page is rendered, so the CLI's parser stays light.
+
+    write_report_outputs(reports, names, html="out.html", trace="out.json")
+    write_matrix_page("matrix.html", [{"case": {...}, "result": {...}}, ...])
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written; the message is one line for the user."""
+
+
+def check_output(path: str, what: str) -> str:
+    """Fail early, with one line, for a path that cannot take a file: a folder that does not
+    exist or is a file, a directory given as the file, or a folder we may not write in."""
+    if not path:
+        raise OutputError(f"{what}: expected a file path, got an empty one")
+    if os.path.isdir(path):
+        raise OutputError(f"{what} {path}: is a directory; expected a file path inside one")
+    folder = os.path.dirname(path) or "."
+    if not os.path.exists(folder):
+        raise OutputError(f"{what} {path}: folder {folder} does not exist")
+    if not os.path.isdir(folder):
+        raise OutputError(f"{what} {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise OutputError(f"{what} {path}: cannot write there (permission denied)")
+    return path
+
+
+def write_text(path: str, text: str, what: str) -> None:
+    """Write `text` to `path` whole (a temporary file, then a rename) or raise OutputError."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise OutputError(f"{what} {path}: cannot write ({err.strerror or err})") from None
+
+
+class OutputPathAction(argparse.Action):
+    """`--html PATH` for argparse: the path is checked when the command line is read, so a long
+    run never ends in a page that cannot be written; a bad one is one line and exit status 2."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            check_output(values, option_string or self.dest)
+        except OutputError as err:
+            parser.exit(2, f"error: {parser.prog}: {err}\n")
+        setattr(namespace, self.dest, values)
+
+
+def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """About `count` round values (1, 2 or 5 times a power of ten apart) inside [lo, hi]."""
+    span = hi - lo
+    if span <= 0:
+        return [lo]
+    raw = span / max(count - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    out, k = [], 0
+    while first + k * step <= hi + step * 1e-9:
+        out.append(first + k * step)
+        k += 1
+    return out
+
+
+def replay_index(events: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """Judged-replay events by (graph id, time): a finding's `found_at` is its replay's time."""
+    return {(e.get("graph"), e.get("t")): e for e in events if e.get("kind") == "replay"}
+
+
+def render(template: str, **context: Any) -> str:
+    """Render one of graphsan's templates (autoescaped HTML)."""
+    import jinja2
+
+    env = _environment()
+    try:
+        return env.get_template(template).render(**context)
+    except jinja2.TemplateError as err:  # a packaging fault, not the user's
+        raise RuntimeError(f"graphsan: template {template} failed: {err}") from err
+
+
+_ENV = None
+
+
+def _environment():
+    global _ENV
+    if _ENV is None:
+        import jinja2
+
+        _ENV = jinja2.Environment(
+            loader=jinja2.PackageLoader("graphsan", "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,  # a misspelt field fails the tests, not silently
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+    return _ENV
+
+
+def write_report_outputs(
+    reports: list, names: list[str], html: str | None = None, trace: str | None = None
+) -> list[str]:
+    """Write the HTML report and/or the Chrome trace of `reports` (one per rank); returns the
+    lines to tell the user. Raises OutputError for a path that cannot be written."""
+    for path, what in ((html, "--html"), (trace, "--trace")):
+        if path:
+            check_output(path, what)
+    said = []
+    if html:
+        from graphsan.pages.report_page import render_report
+
+        write_text(html, render_report(reports, names), "--html")
+        said.append(f"graphsan: HTML report written to {html}")
+    if trace:
+        from graphsan.pages.trace import chrome_trace
+
+        data = chrome_trace(reports, names)
+        write_text(trace, json.dumps(data, separators=(",", ":")), "--trace")
+        n = sum(1 for e in data["traceEvents"] if e["ph"] != "M")
+        said.append(f"graphsan: trace of {n} event(s) written to {trace} (open it in Perfetto)")
+        if n == 0:
+            said.append(
+                "graphsan: these reports hold no times (written before report schema v3): "
+                "the trace has only its tracks"
+            )
+    return said
+
+
+def write_matrix_page(path: str, entries: list[dict[str, Any]], reference=None) -> bool:
+    """The matrix page for `graphsan repro --html`; False (and one line on stderr) when the file
+    cannot be written."""
+    from graphsan.pages.matrix import render_matrix
+
+    try:
+        write_text(check_output(path, "--html"), render_matrix(entries, reference), "--html")
+    except OutputError as err:
+        sys.stderr.write(f"error: graphsan repro: {err}\n")
+        return False
+    sys.stderr.write(f"graphsan: matrix page written to {path}\n")
+    return True
