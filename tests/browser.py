@@ -27,7 +27,7 @@ _TRAMPOLINE = (
     "os.close(r); os.close(w); os.execv(sys.argv[3], sys.argv[3:])"
 )
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-TIMEOUT_S = 60.0
+TIMEOUT_S = 120.0
 
 
 def find_chromium() -> str | None:
