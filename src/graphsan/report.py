@@ -19,7 +19,7 @@ READABLE_VERSIONS = (1, 2)  # version 1 reports read with also_used_by empty
 
 Frame = tuple[str, int, str]  # (filename, line, function)
 
-KINDS = ("freed", "reowned", "moved", "unmapped", "pool-reuse", "escaped")
+KINDS = ("freed", "reowned", "moved", "unmapped", "pool-reuse")
 
 LIKELY_CAUSE = {
     "freed": "eager code dropped the last reference to memory this graph still uses; the replay "
@@ -32,7 +32,6 @@ LIKELY_CAUSE = {
     "expandable segment unmapping pages); the replay would fault with 'an illegal memory access'",
     "pool-reuse": "a later capture re-carved memory of a shared graph pool that this graph still "
     "uses; the graphs now overwrite each other's data",
-    "escaped": "graph-written static memory is held by eager code and is overwritten by replays",
 }
 
 
