@@ -1,4 +1,5 @@
-"""CPU: the pytest plugin's options, the CLI's errors, report round trips and multi-rank merge."""
+"""CPU: the pytest plugin's options, the Python API's contract (enable, phase, step), report round
+trips and multi-rank merge."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def test_report_path_per_rank():
     assert report_path_for("dir/out.json", 3) == "dir/out.rank3.json"
 
 
-def _write_rank_report(path: str, rank: int, with_finding: bool) -> None:
+def _rank_report_process(path: str, rank: int, with_finding: bool) -> subprocess.Popen:
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
         "from graphsan.report import Report\n"
@@ -127,25 +128,14 @@ def _write_rank_report(path: str, rank: int, with_finding: bool) -> None:
         "Report([finding(rank=r)] if sys.argv[4] == '1' else [], [], rank=r).save(sys.argv[3])\n"
     )
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2")
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            code,
-            os.path.join(ROOT, "src"),
-            ROOT,
-            path,
-            "1" if with_finding else "0",
-        ],
-        check=True,
-        env=env,
-    )
+    argv = [os.path.join(ROOT, "src"), ROOT, path, "1" if with_finding else "0"]
+    return subprocess.Popen([sys.executable, "-c", code, *argv], env=env)
 
 
 def test_two_processes_merge(tmp_path, capsys):
     paths = [str(tmp_path / f"out.rank{r}.json") for r in range(3)]
-    for r, p in enumerate(paths):
-        _write_rank_report(p, r, with_finding=r != 1)
+    procs = [_rank_report_process(p, r, with_finding=r != 1) for r, p in enumerate(paths)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]  # side by side: each loads torch
     assert main(["report", *paths]) == 0
     out = capsys.readouterr().out
     assert "3 report(s)" in out and "1 distinct" in out
@@ -157,16 +147,6 @@ def test_merge_keeps_different_bugs_apart():
     b = Report([finding(rank=1, kind="freed", node=2)], [], rank=1)
     text = merge_reports([a, b])
     assert "2 distinct" in text and "seen on rank 0:" in text and "seen on rank 1:" in text
-
-
-def test_cli_errors_are_one_line(tmp_path, capsys):
-    assert main(["run", str(tmp_path / "missing.py")]) == 2
-    assert main(["report", str(tmp_path / "missing.json")]) == 2
-    bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    assert main(["report", str(bad)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
 
 
 def test_enable_without_cuda_says_it_is_idle(capsys):
@@ -186,6 +166,83 @@ def test_enable_without_cuda_says_it_is_idle(capsys):
     graphsan.disable()
 
 
+def test_enable_is_idempotent_until_disable(capsys):
+    import graphsan
+
+    san = graphsan.enable("raise")
+    capsys.readouterr()
+    assert graphsan.enable("warn") is san and san.policy == "warn"
+    assert graphsan.current() is san
+    assert capsys.readouterr().err == ""  # said once, by the first call
+    with graphsan.watch("record") as inner:
+        assert inner is san and san.policy == "record"
+    assert san.policy == "warn" and graphsan.enable("warn") is san  # watch left it on
+    graphsan.disable()
+    again = graphsan.enable("raise")
+    assert again is not san
+    graphsan.disable()
+
+
+def test_a_phase_object_is_reusable_and_nests():
+    import graphsan
+
+    ctx = graphsan._context
+    before = ctx.current()
+    evaluation = graphsan.phase("eval", step=7)
+    for _ in range(2):
+        with evaluation as entered:
+            assert entered is evaluation and ctx.current() == ("eval", 7)
+            with graphsan.phase("save"), evaluation:
+                assert ctx.current() == ("eval", 7)
+            assert ctx.current() == ("eval", 7)
+        assert ctx.current() == before
+
+    @graphsan.phase("checkpoint", step=3)
+    def save():
+        return ctx.current()
+
+    assert save() == ("checkpoint", 3) and save() == ("checkpoint", 3)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda g: g.step(-5), ValueError, "graphsan.step: count must be an integer >= 0, got -5"),
+        (lambda g: g.step(1.5), TypeError, "graphsan.step: count must be an integer >= 0, got 1.5"),
+        (lambda g: g.step("2"), TypeError, "graphsan.step: count must be an integer >= 0"),
+        (lambda g: g.step(True), TypeError, "graphsan.step: count must be an integer >= 0"),
+        (
+            lambda g: g.phase("eval", step="ten"),
+            TypeError,
+            "graphsan.phase: step must be None or an integer >= 0, got 'ten'",
+        ),
+        (lambda g: g.phase("eval", step=-1), ValueError, "step must be None or an integer >= 0"),
+        (lambda g: g.phase("eval", step=2.0), TypeError, "step must be None or an integer >= 0"),
+        (lambda g: g.phase(""), ValueError, "graphsan.phase: name must be a non-empty string"),
+        (lambda g: g.phase(3), TypeError, "graphsan.phase: name must be a string, got 3"),
+    ],
+)
+def test_bad_steps_and_phases_are_refused_naming_the_argument(call, error, message):
+    import graphsan
+
+    steps = graphsan._context.steps
+    with pytest.raises(error) as info:
+        call(graphsan)
+    assert message in str(info.value)
+    assert graphsan._context.steps == steps
+
+
+def test_step_counts_and_returns_the_step():
+    import numpy as np
+
+    import graphsan
+
+    start = graphsan._context.steps
+    assert graphsan.step() == start + 1
+    assert graphsan.step(np.int64(2)) == start + 3
+    assert graphsan.step(0) == start + 3
+
+
 def test_pytest_plugin_option(pytester):
     pytester.makepyfile("def test_ok():\n    assert True\n")
     result = pytester.runpytest("--graphsan=record")
@@ -194,6 +251,33 @@ def test_pytest_plugin_option(pytester):
     bad = pytester.runpytest("--graphsan=loud")
     assert bad.ret != 0
     bad.stderr.fnmatch_lines(["*unknown policy 'loud'*"])
+
+
+def test_pytest_plugin_option_does_not_swallow_a_test_path(pytester):
+    pytester.makepyfile(test_x="def test_x():\n    pass\n", test_y="def test_y():\n    pass\n")
+    sub = pytester.mkdir("sub")
+    (sub / "test_z.py").write_text("def test_z():\n    pass\n")
+    for argv in (
+        ["--graphsan", "test_x.py"],
+        ["--graphsan", "sub/test_z.py::test_z"],
+        ["--graphsan", "record", "test_x.py"],
+    ):
+        result = pytester.runpytest(*argv)
+        result.assert_outcomes(passed=1)
+        policy = "record" if "record" in argv else "raise"
+        result.stdout.fnmatch_lines([f"graphsan: *policy {policy}"])
+    bad = pytester.runpytest("--graphsan", "loud", "test_x.py")
+    assert bad.ret != 0
+    bad.stderr.fnmatch_lines(["*unknown policy 'loud'*"])
+
+
+def test_pytest_plugin_help_names_every_policy(pytester):
+    from graphsan.sanitizer import POLICIES
+
+    help_text = " ".join(pytester.runpytest("--help").outlines)
+    start = help_text.index("--graphsan=[POLICY]")
+    for policy in POLICIES:
+        assert policy in help_text[start : start + 300], policy
 
 
 def test_a_long_kernel_name_prints_short_and_stays_whole_in_json():

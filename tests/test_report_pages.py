@@ -289,7 +289,7 @@ def test_bad_output_paths_are_one_line_errors(tmp_path, capsys, option):
     for path, why in cases.items():
         assert main(["report", option, path, rep]) == 2, path
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: graphsan report:"), err
+        assert len(err) == 1 and err[0].startswith("graphsan report: error:"), err
         assert option in err[0] and why in err[0], err
 
 

@@ -15,16 +15,22 @@ Turn it on for a whole program with ``graphsan run script.py`` (or ``-m module``
         ...
     with graphsan.phase("eval", step=100):    # optional; train/eval is tracked automatically
         ...
+
+``import graphsan`` itself loads neither torch nor the sanitizer: they load on first use, so the
+command line answers quickly and ``graphsan run`` adds nothing to the user's process up front.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from graphsan.context import Context
 from graphsan.report import Finding, StaleMemoryError
-from graphsan.sanitizer import POLICIES, Sanitizer, check_policy
+
+if TYPE_CHECKING:
+    from graphsan.context import Context, Phase
+    from graphsan.sanitizer import Sanitizer
 
 __all__ = [
     "POLICIES",
@@ -41,21 +47,46 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_context = Context()
 _current: Sanitizer | None = None
+_enabled = False  # enable() was called and disable() was not called since
+_context_obj: Context | None = None
+
+
+def __getattr__(name: str):
+    # the sanitizer's names load torch: only when asked for
+    if name in ("POLICIES", "Sanitizer"):
+        from graphsan import sanitizer
+
+        return getattr(sanitizer, name)
+    if name == "_context":  # the process-wide phase and step
+        return _get_context()
+    raise AttributeError(f"module 'graphsan' has no attribute {name!r}")
+
+
+def _get_context() -> Context:
+    global _context_obj
+    if _context_obj is None:
+        from graphsan.context import Context
+
+        _context_obj = Context()
+    return _context_obj
 
 
 def enable(policy: str = "raise", *, alloc_stacks: bool = True) -> Sanitizer:
-    """Start watching every CUDA graph captured from now on. Idempotent: a second call returns
-    the running sanitizer with the new policy. Without CUDA it says so and stays idle."""
-    global _current
+    """Start watching every CUDA graph captured from now on. Idempotent: until `disable()`, a
+    second call returns the same sanitizer with the new policy (`alloc_stacks` stays as it was).
+    Without CUDA it says so once and stays idle."""
+    global _current, _enabled
+    from graphsan.sanitizer import Sanitizer, check_policy
+
     check_policy(policy)
-    if _current is not None and _current.active:
+    if _enabled and _current is not None:
         _current.policy = policy
         _apply_pin(_current)
         return _current
-    _current = Sanitizer(policy, _context, alloc_stacks)
+    _current = Sanitizer(policy, _get_context(), alloc_stacks)
     _apply_pin(_current)
+    _enabled = True
     return _current.start()
 
 
@@ -68,6 +99,8 @@ def _apply_pin(san: Sanitizer) -> None:
 
 def disable() -> None:
     """Stop watching. Findings stay available on the Sanitizer that `enable` returned."""
+    global _enabled
+    _enabled = False
     if _current is not None:
         _current.stop()
 
@@ -80,7 +113,7 @@ def current() -> Sanitizer | None:
 @contextlib.contextmanager
 def watch(policy: str = "warn", **kwargs) -> Iterator[Sanitizer]:
     """Watch graphs inside the block; the previous state (on or off, policy) is restored after."""
-    was = _current if (_current is not None and _current.active) else None
+    was = _current if _enabled else None
     old_policy = was.policy if was is not None else None
     san = enable(policy, **kwargs)
     try:
@@ -92,16 +125,20 @@ def watch(policy: str = "warn", **kwargs) -> Iterator[Sanitizer]:
             was.policy = old_policy
 
 
-def phase(name: str, step: int | None = None):
-    """Tag frees inside the block with a phase name (and a step, else the optimizer step count)."""
-    return _context.phase(name, step)
+def phase(name: str, step: int | None = None) -> Phase:
+    """Tag frees inside the block with a phase name (and a step, else the optimizer step count).
+    The returned object is a reusable context manager (and decorator)."""
+    return _get_context().phase(name, step)
 
 
 def step(count: int = 1) -> int:
     """Count training steps for optimizers that are not `torch.optim.Optimizer` (those are
     counted automatically). Returns the step number that frees are now tagged with."""
-    _context.steps += count
-    return _context.steps
+    from graphsan.context import check_count
+
+    ctx = _get_context()
+    ctx.steps += check_count(count, "graphsan.step: count")
+    return ctx.steps
 
 
 @contextlib.contextmanager

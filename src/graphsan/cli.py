@@ -2,26 +2,60 @@
 
     graphsan run [--policy P] [--report out.json] script.py [args...]
     graphsan run [--policy P] [--report out.json] -m package.module [args...]
-    graphsan report out.json [more.json ...]
+    graphsan report [--html OUT.html] [--trace OUT.json] out.json [more.json ...]
     graphsan train [...]      the lab trainer (see `graphsan train --help`)
     graphsan repro [...]      the Transformer Engine #3316 scenario matrix
 
-Every error is one line on stderr and a non-zero exit.
+Every user mistake is one line on stderr and a non-zero exit. Each command builds its own parser
+when it is chosen: `graphsan --help` loads neither torch nor the lab, `graphsan run` never loads
+the lab.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import runpy
 import sys
+import tempfile
+
+from graphsan import __version__
 
 EXIT_USAGE = 2
 EXIT_FINDINGS = 3
 
+COMMANDS = {
+    "run": "run a script or module with the sanitizer on",
+    "report": "render saved reports (several: merged by rank)",
+    "train": "train the lab's hybrid model",
+    "repro": "the Transformer Engine #3316 scenario matrix",
+}
+
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (what was wrong, where to look)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` shows each option's default, unless there is none or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, [], (), argparse.SUPPRESS)
+            and "default" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
 
 
 def report_path_for(path: str, rank: int | None) -> str:
@@ -32,37 +66,224 @@ def report_path_for(path: str, rank: int | None) -> str:
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def check_output_file(path: str, option: str) -> None:
+    """Raise CliError unless a file can be written at `path`. Checked before the work starts, so
+    that a typo costs nothing and the results of a long run are not lost at the end."""
+    if not path.strip():
+        raise CliError(f"{option} {path!r}: expected a file path")
+    if os.path.isdir(path):
+        raise CliError(f"{option} {path}: is a directory; expected a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise CliError(f"{option} {path}: {folder} is not a folder")
+    if not os.path.isdir(folder):
+        raise CliError(f"{option} {path}: the folder {folder} does not exist")
+    try:  # a real write: permissions, read-only mounts and quotas all show here
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".graphsan-probe-")
+    except OSError as err:
+        raise CliError(f"{option} {path}: cannot write in {folder} ({err.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise CliError(f"{option} {path}: the file is not writable")
+
+
+# ----------------------------------------------------------------------------- graphsan run
+def _run_parser() -> OneLineParser:
+    from graphsan.sanitizer import POLICIES
+
+    p = OneLineParser(
+        prog="graphsan run",
+        usage="graphsan run [options] (script.py | -m MODULE) [args ...]",
+        description="Run a Python script or module with the sanitizer on, as `python` would "
+        "(sys.argv, sys.path, __main__, exit status); options after the script or module "
+        "are its own.",
+        formatter_class=DefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "--policy",
+        default="raise",
+        choices=POLICIES,
+        help="raise: stop the replay (StaleMemoryError); warn: print each finding, replay; "
+        "record: only collect; pin: keep the memory alive, raise for what cannot be pinned",
+    )
+    p.add_argument(
+        "--report",
+        metavar="PATH",
+        help="write a JSON report here, also when the program fails (per rank under torchrun: "
+        "out.rank{N}.json)",
+    )
+    p.add_argument(
+        "--fail-on-findings",
+        action="store_true",
+        help=f"exit {EXIT_FINDINGS} when the program finishes with findings (warn/record)",
+    )
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a library module as a script")
+    return p
+
+
+def _split_run_argv(parser: argparse.ArgumentParser, argv: list[str]):
+    """graphsan's options, then the program's: everything from the script (or from the module
+    after -m) on belongs to the program, options included, as with `python`."""
+    actions = parser._option_string_actions
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return argv[:i], argv[i + 1 :]
+        if not tok.startswith("-") or tok == "-":
+            return argv[:i], argv[i:]
+        name = tok.split("=", 1)[0]
+        if name not in actions and tok.startswith("-m"):  # -mpackage.module
+            return argv[: i + 1], argv[i + 1 :]
+        action = actions.get(name)
+        takes_value = action is not None and action.nargs != 0 and "=" not in tok
+        end = i + (2 if takes_value else 1)
+        if action is not None and action.dest == "module":
+            return argv[:end], argv[end:]
+        i = end
+    return argv, []
+
+
+class _NoSuchModule(Exception):
+    pass
+
+
+def _run_program(module: str | None, target: list[str]) -> None:
+    """Run the program as `python script.py` / `python -m module` would."""
+    import runpy
+
+    if module is None:
+        runpy.run_path(target[0], run_name="__main__")
+        return
+    from importlib.util import find_spec
+
+    try:
+        spec = find_spec(module)  # imports the parent packages, as `python -m` does
+    except ModuleNotFoundError as err:
+        if err.name and (module == err.name or module.startswith(err.name + ".")):
+            raise _NoSuchModule(f"no module named {err.name!r}") from None
+        raise
+    if spec is None:
+        raise _NoSuchModule(f"no module named {module!r}")
+    if spec.submodule_search_locations is not None and find_spec(f"{module}.__main__") is None:
+        raise _NoSuchModule(f"{module!r} is a package without a __main__ module")
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _exit_status(code) -> int:
+    """What `python` makes of `sys.exit(code)`: None 0, an int itself, anything else is printed
+    to stderr and gives 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return int(code)
+    sys.stderr.write(f"{code}\n")
+    return 1
+
+
+_OWN_FILES = {os.path.abspath(__file__)}
+
+
+def _print_user_traceback(exc: BaseException) -> None:
+    """The program's traceback as `python` prints it: graphsan's and runpy's frames, which lead
+    into the program, are left out."""
+    import runpy
+
+    own = _OWN_FILES | {os.path.abspath(runpy.__file__)}
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name in own or name.startswith("<frozen ") or name.endswith("importlib/util.py")):
+            break
+        tb = tb.tb_next
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the hook prints exc's own traceback
+
+
+def _write_report(san, path: str) -> bool:
+    try:
+        san.report().save(path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(f"{path}.tmp")
+        sys.stderr.write(
+            f"graphsan run: error: could not write the report to {path} ({err.strerror}); "
+            "here it is instead:\n"
+        )
+        sys.stderr.write(san.report().render() + "\n")
+        return False
+    sys.stderr.write(f"graphsan: report written to {path}\n")
+    return True
+
+
+def cmd_run(argv: list[str]) -> int:
+    parser = _run_parser()
+    ours, target = _split_run_argv(parser, argv)
+    args = parser.parse_args(ours)
+    module = args.module
+    if module is not None and not module.strip():
+        raise CliError("-m '': expected a module name")
+    if module is None:
+        if not target:
+            raise CliError("expected a script path or -m MODULE (see graphsan run --help)")
+        script = target[0]
+        if not os.path.exists(script):
+            raise CliError(f"no such script: {script}")
+        if os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
+            raise CliError(f"{script} is a directory without __main__.py; expected a script")
+    from graphsan.sanitizer import rank_from_env
+
+    path = None
+    if args.report is not None:
+        path = report_path_for(args.report, rank_from_env())
+        check_output_file(path, "--report")
+
     import graphsan
 
-    target = args.target
-    if args.module is None and not target:
-        raise CliError("graphsan run: expected a script path or -m MODULE")
-    if args.module is None and not os.path.isfile(target[0]):
-        raise CliError(f"graphsan run: no such script: {target[0]}")
     san = graphsan.enable(policy=args.policy)
-    path = report_path_for(args.report, san.rank) if args.report else None
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    # sys.path[0] is the script's folder, or the current one for -m, as with `python`
+    if module is None:
+        sys.argv = list(target)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+    else:
+        sys.argv = [module, *target]
+        sys.path.insert(0, os.getcwd())
     code = 0
-    sys.argv = list(target) if args.module is None else [args.module, *target]
     try:
-        if args.module is not None:
-            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
-        else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
-            runpy.run_path(target[0], run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
+        _run_program(module, target)
+    except _NoSuchModule as err:
         graphsan.disable()
-        if path:
-            san.report().save(path)
-            sys.stderr.write(f"graphsan: report written to {path}\n")
-    if code == 0 and san.findings and args.policy != "pin":
-        code = EXIT_FINDINGS if args.fail_on_findings else 0
+        raise CliError(f"-m {module}: {err}") from None
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    except BaseException as exc:  # the program's own error, KeyboardInterrupt included
+        _print_user_traceback(exc)
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    graphsan.disable()
+    if path and not _write_report(san, path) and code == 0:
+        code = 1
+    if code == 0 and san.findings and args.policy != "pin" and args.fail_on_findings:
+        code = EXIT_FINDINGS
     return code
 
 
-def _cmd_report(args: argparse.Namespace) -> int:
+# ----------------------------------------------------------------------------- graphsan report
+def cmd_report(argv: list[str]) -> int:
+    p = OneLineParser(
+        prog="graphsan report",
+        description="Print saved reports; several (one per rank) are merged into one summary.",
+    )
+    p.add_argument("paths", nargs="+", metavar="REPORT.json")
+    p.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto)")
+    args = p.parse_args(argv)
+    for path, option in ((args.html, "--html"), (args.trace, "--trace")):
+        if path is not None:
+            check_output_file(path, option)
     from graphsan.ranks import merge_reports
     from graphsan.report import Report
 
@@ -87,73 +308,64 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from graphsan.lab.train import cli as train_cli
-
-    return train_cli.main(args)
-
-
-def _cmd_repro(args: argparse.Namespace) -> int:
-    from graphsan.lab import repro
-
-    return repro.main(args)
+# ----------------------------------------------------------------------------- the lab
+def _lab_import_error(err: ImportError) -> CliError:
+    return CliError(f"the lab cannot be imported here ({err}); `graphsan run` does not need it")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="graphsan", description="Catch stale memory in CUDA graphs before they replay."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    run = sub.add_parser("run", help="run a script or module with the sanitizer on")
-    run.add_argument("--policy", default="raise", choices=["raise", "warn", "record", "pin"])
-    run.add_argument("--report", help="write a JSON report here (per rank under torchrun)")
-    run.add_argument(
-        "--fail-on-findings",
-        action="store_true",
-        help=f"exit {EXIT_FINDINGS} when the program finishes with findings (warn/record)",
-    )
-    run.add_argument("-m", dest="module", help="run a library module as a script")
-    run.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...]")
-    run.set_defaults(func=_cmd_run)
-
-    rep = sub.add_parser("report", help="render saved reports (several: merged by rank)")
-    rep.add_argument("paths", nargs="+")
-    rep.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
-    rep.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto)")
-    rep.set_defaults(func=_cmd_report)
-
+def cmd_train(argv: list[str]) -> int:
     try:
         from graphsan.lab.train import cli as train_cli
-    except ImportError:
-        train_cli = None
-    train = sub.add_parser("train", help="train the lab's hybrid model")
-    if train_cli is not None:
-        train_cli.add_arguments(train)
-    train.set_defaults(func=_cmd_train)
+    except ImportError as err:
+        raise _lab_import_error(err) from None
+    return train_cli.run(argv)
 
+
+def cmd_repro(argv: list[str]) -> int:
     try:
         from graphsan.lab import repro
-    except ImportError:
-        repro = None
-    rp = sub.add_parser("repro", help="the Transformer Engine #3316 scenario matrix")
-    if repro is not None:
-        repro.add_arguments(rp)
-    rp.set_defaults(func=_cmd_repro)
-    return parser
+    except ImportError as err:
+        raise _lab_import_error(err) from None
+    return repro.run(argv)
+
+
+_HANDLERS = {"run": cmd_run, "report": cmd_report, "train": cmd_train, "repro": cmd_repro}
+
+
+def _top_parser() -> OneLineParser:
+    width = max(map(len, COMMANDS))
+    listing = "\n".join(f"  {name:<{width}}  {text}" for name, text in COMMANDS.items())
+    p = OneLineParser(
+        prog="graphsan",
+        usage="graphsan [--version] COMMAND [args ...]",
+        description="Catch stale memory in CUDA graphs before they replay.",
+        epilog=f"commands:\n{listing}\n\n`graphsan COMMAND --help` describes each.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"graphsan {__version__}")
+    p.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help=argparse.SUPPRESS)
+    p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        top = _top_parser()
+        if not argv:
+            top.error(f"expected a command: {', '.join(COMMANDS)}")
+        ns = top.parse_args(argv)  # --help, --version and mistakes end here
+        argv = [ns.command, *ns.args]
+    command, rest = argv[0], argv[1:]
     try:
-        return int(args.func(args) or 0)
+        return int(_HANDLERS[command](rest) or 0)
     except CliError as err:
-        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.write(f"graphsan {command}: error: {err}\n")
         return EXIT_USAGE
-    except ImportError as err:
-        sys.stderr.write(f"error: graphsan {args.command}: not available ({err})\n")
-        return EXIT_USAGE
+    except BrokenPipeError:  # `graphsan ... | head`: the reader is gone, nothing to report
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

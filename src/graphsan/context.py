@@ -9,9 +9,9 @@ when gradients are off. The step counts optimizer steps (a global optimizer post
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import traceback
-from collections.abc import Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -46,6 +46,37 @@ def python_stack(limit: int = MAX_FRAMES) -> list[Frame]:
     return user_frames(frames, limit)
 
 
+def check_count(value, what: str, expected: str = "an integer >= 0") -> int:
+    """`value` as an int >= 0; TypeError or ValueError naming `what` and `expected` otherwise."""
+    if isinstance(value, bool):  # an int to Python, never a count
+        raise TypeError(f"{what} must be {expected}, got {value!r}")
+    try:
+        n = operator.index(value)  # ints and numpy integers, not floats or strings
+    except TypeError:
+        raise TypeError(f"{what} must be {expected}, got {value!r}") from None
+    if n < 0:
+        raise ValueError(f"{what} must be {expected}, got {n}")
+    return n
+
+
+class Phase(contextlib.ContextDecorator):
+    """A `with graphsan.phase(...)` block; the same object may be entered again, or nested."""
+
+    def __init__(self, context: Context, name: str, step: int | None) -> None:
+        self.context, self.name, self.step = context, name, step
+
+    def __enter__(self) -> Phase:
+        self.context._explicit.append((self.name, self.step))
+        self.context._notify()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.context._explicit.pop()
+
+    def __repr__(self) -> str:
+        return f"graphsan.phase({self.name!r}, step={self.step!r})"
+
+
 class Context:
     """Process-wide phase and step (frees can happen on autograd's threads, so not thread-local)."""
 
@@ -76,16 +107,14 @@ class Context:
         for fn in self.on_phase_change:
             fn()
 
-    @contextlib.contextmanager
-    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"graphsan.phase: expected a non-empty phase name, got {name!r}")
-        self._explicit.append((name, step))
-        self._notify()
-        try:
-            yield
-        finally:
-            self._explicit.pop()
+    def phase(self, name: str, step: int | None = None) -> Phase:
+        if not isinstance(name, str):
+            raise TypeError(f"graphsan.phase: name must be a string, got {name!r}")
+        if not name:
+            raise ValueError("graphsan.phase: name must be a non-empty string, got ''")
+        if step is not None:
+            step = check_count(step, "graphsan.phase: step", "None or an integer >= 0")
+        return Phase(self, name, step)
 
     def start(self) -> None:
         if self._orig_train is not None:

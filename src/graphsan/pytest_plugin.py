@@ -4,35 +4,88 @@ With "raise" (the default) or "pin", a test during which a replay was stopped fa
 report, even if the test swallowed the `StaleMemoryError`. With "warn" or "record" the findings
 are attached to the test's report as a section and the test's outcome is left alone. The
 terminal summary counts graphs and findings.
+
+The plugin loads with every pytest run of the environment, so it imports nothing heavy (torch,
+the sanitizer) unless `--graphsan` is given.
 """
 
 from __future__ import annotations
 
+import copy
+import os
+
 import pytest
 
-POLICIES = ("raise", "warn", "record", "pin")
+OPTION = "--graphsan"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("graphsan", "CUDA graph memory sanitizer")
     group.addoption(
-        "--graphsan",
+        OPTION,
         nargs="?",
         const="raise",
         default=None,
         metavar="POLICY",
-        help=f"watch every CUDA graph for stale memory; POLICY one of {', '.join(POLICIES)} "
-        "(default raise)",
+        help="watch every CUDA graph for stale memory; POLICY one of raise (the default), warn, "
+        "record, pin (write --graphsan=POLICY)",
     )
+
+
+def _policies() -> tuple[str, ...]:
+    from graphsan.sanitizer import POLICIES
+
+    return POLICIES
+
+
+def _is_test_path(arg: str) -> bool:
+    """Whether a word after `--graphsan` names tests (a path or a node id), not a policy."""
+    path = arg.split("::", 1)[0]
+    return (
+        "::" in arg or "/" in arg or os.sep in arg or path.endswith(".py") or os.path.exists(path)
+    )
+
+
+def rewrite_args(args: list[str]) -> bool:
+    """`--graphsan tests/x.py` means the default policy and the path, not the policy
+    'tests/x.py': argparse would hand the path to the option (its value is optional), so the
+    option gets its default spelled out. Changes `args` in place; True when it did."""
+    if OPTION not in args:
+        return False
+    changed = False
+    policies = None
+    for i, arg in enumerate(args[:-1]):
+        nxt = args[i + 1]
+        if arg != OPTION or nxt.startswith("-"):
+            continue
+        policies = policies or _policies()
+        if nxt not in policies and _is_test_path(nxt):
+            args[i] = f"{OPTION}=raise"
+            changed = True
+    return changed
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser, args: list[str]) -> None:
+    if rewrite_args(args):
+        # the early parse already ran on the old words: parse again, so the initial conftests
+        # are looked up next to the tests
+        known = early_config.known_args_namespace
+        again = parser.parse_known_args(args, namespace=copy.copy(early_config.option))
+        if again.confcutdir is None:
+            again.confcutdir = known.confcutdir
+        early_config.known_args_namespace = again
 
 
 def pytest_configure(config: pytest.Config) -> None:
     policy = config.getoption("graphsan", None)
     if policy is None:
         return
-    if policy not in POLICIES:
+    policies = _policies()
+    if policy not in policies:
         raise pytest.UsageError(
-            f"--graphsan: unknown policy {policy!r}; expected one of {', '.join(POLICIES)}"
+            f"--graphsan: unknown policy {policy!r}; expected one of {', '.join(policies)} "
+            "(write --graphsan=POLICY)"
         )
     import graphsan
 
@@ -60,7 +113,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if san is None:
         return
     if not san.active and san.disabled_reason:
-        terminalreporter.write_line(f"graphsan: idle ({san.disabled_reason})")
+        terminalreporter.write_line(f"graphsan: idle ({san.disabled_reason}), policy {san.policy}")
         return
     nodes = sum(g.get("nodes", 0) for g in san.graph_stats.values())
     terminalreporter.write_line(

@@ -1,39 +1,100 @@
-"""CPU checks of the scenario matrix: every case's configuration is valid and trains (eagerly, on
-the tiny preset); the command explains that the cases need CUDA."""
+"""CPU checks of the scenario matrix: every case builds a valid configuration (checked without
+training it; one case trains eagerly, through the child's own code path), each case's expected
+outcome matches what the H200 showed and nothing else, the exit status says whether every case
+matched, and the command explains that the cases need CUDA."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import sys
 
 import pytest
 import torch
 
 from graphsan.cli import main
 from graphsan.lab import repro
-from graphsan.lab.train.trainer import train
+from graphsan.lab.models import build_model
+from graphsan.lab.repro import Outcome
+from graphsan.lab.train.trainer import bind_precision, model_args
 
 
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
-def test_case_configuration_is_valid_and_trains_eagerly_on_cpu(case):
-    cfg = dataclasses.replace(
-        repro._config(case, "tiny", reference=False),
-        device="cpu",
-        seq_length=32,
-        save=f"/tmp/graphsan-repro-test-{case.n}",
-    )
-    cfg.validate()
-    assert cfg.cuda_graph_modules == case.scopes
-    assert cfg.eval_interval == cfg.save_interval == cfg.manual_gc_interval == repro.EVAL_AT
-    result = train(cfg)
-    assert len(result.losses) == repro.ITERS and all(x == x for x in result.losses)
-    assert [it for it, _ in result.eval_losses] == [repro.EVAL_AT]
+def test_each_case_builds_the_configuration_it_names(case):
+    for reference in (False, True):
+        cfg = dataclasses.replace(repro._config(case, "small", reference), device="cpu")
+        cfg.validate()
+        assert cfg.cuda_graph_modules == (() if reference else case.scopes)
+        assert cfg.graph_state == ("fixed" if reference else case.state)
+        assert cfg.precision_config == case.precision
+        assert cfg.empty_cache_on_save == case.empty_cache
+        assert cfg.eval_interval == cfg.save_interval == cfg.manual_gc_interval == repro.EVAL_AT
+        assert cfg.cuda_graph_warmup_steps == repro.WARMUP < repro.EVAL_AT < cfg.train_iters
+        assert cfg.model_overrides == repro.WIDE_MAMBA["small"]
+        # the recipes bind to the model the matrix builds (on the meta device: no memory)
+        model = build_model(model_args(cfg), device="meta")
+        table = dict(bind_precision(model, cfg)[0])
+        out_proj = table["layers.0.mixer.out_proj"]
+        assert out_proj.startswith("nvfp4" if "nvfp4-outproj" in case.precision else "mxfp8")
+        last = f"layers.{len(model.args.pattern) - 1}.mixer"
+        assert all(d.startswith("bf16") for p, d in table.items() if p.startswith(last))
+    assert case.graphsan in ("off", "raise", "record", "pin")
 
 
-def test_list_needs_no_gpu(capsys):
+def test_a_child_trains_case_1_eagerly_and_reports_losses_progress_and_startup(monkeypatch, capsys):
+    """Case 1's configuration (super-mixed, te218, validation + save + GC at iteration 5) on
+    the tiny preset, run by the child's code as the matrix runs it (graphs run eagerly here)."""
+    from graphsan.lab.train import optim, trainer
+
+    config = repro._config
+
+    def cpu_config(case, preset, reference, mamba_heads=0):
+        cfg = config(case, "tiny", reference, mamba_heads)
+        return dataclasses.replace(cfg, device="cpu", seq_length=32, save="/tmp/graphsan-child")
+
+    monkeypatch.setattr(repro, "_config", cpu_config)
+    monkeypatch.setattr(optim.MainGradAdamW, "step", optim.MainGradAdamW.step)  # restored after
+    monkeypatch.setattr(trainer, "build_model", trainer.build_model)
+    monkeypatch.setitem(repro._progress, "done", 0)
+    res = repro.run_child(1, "tiny", reference=False)
+    assert res["outcome"] == "trained through" and len(res["losses"]) == repro.ITERS
+    assert all(x == x for x in res["losses"])
+    assert [it for it, _ in res["eval_losses"]] == [repro.EVAL_AT]
+    phases = res["startup"]
+    assert list(phases)[-3:] == ["model built", "first forward", "first backward"]
+    assert phases["imports"] <= phases["model built"] <= phases["first forward"]
+    assert len(repro._iteration_times(capsys.readouterr().out)) == repro.ITERS
+
+
+def test_list_needs_no_gpu_and_shows_each_expectation(capsys):
     assert main(["repro", "--list"]) == 0
     out = capsys.readouterr().out
     assert all(f"| {c.n} |" in out for c in repro.CASES)
+    assert "| illegal memory access or device-side assert or silent corruption: " in out
+
+
+def test_list_json_writes_the_case_table(capsys, tmp_path):
+    assert main(["repro", "--list", "--json"]) == 0
+    captured = capsys.readouterr()
+    cases = json.loads(captured.out)  # the JSON alone on stdout; the table went to stderr
+    assert "| case |" in captured.err
+    assert [c["case"] for c in cases] == [c.n for c in repro.CASES]
+    assert cases[0]["expected"] == [
+        "illegal memory access",
+        "device-side assert",
+        "silent corruption",
+    ]
+    assert cases[1]["expected"] == ["trained through"] and cases[3]["expected"] == [
+        "StaleMemoryError"
+    ]
+    assert cases[3]["finding_freed_in"] == "clear_workspace"
+    assert cases[2]["graphed_modules"] == list(repro.NO_MAMBA)
+    path = tmp_path / "cases.json"
+    assert main(["repro", "--list", "--case", "4", "--json", str(path)]) == 0
+    assert [c["case"] for c in json.loads(path.read_text())] == [4]
+    assert main(["repro", "--list", "--json", str(tmp_path / "no" / "x.json")]) == 2
+    assert "the folder" in capsys.readouterr().err
 
 
 def test_without_cuda_it_explains_and_fails(capsys):
@@ -43,15 +104,33 @@ def test_without_cuda_it_explains_and_fails(capsys):
     assert "need an NVIDIA GPU" in capsys.readouterr().err
 
 
-def test_unknown_case_is_one_clear_error(capsys):
-    assert main(["repro", "--case", "42"]) == 2
-    assert f"no case 42; expected 1-{len(repro.CASES)}" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--case", "42"], f"no case 42; expected 1-{len(repro.CASES)}"),
+        (["--timeout", "0"], "--timeout 0.0: expected a number of seconds > 0"),
+        (["--timeout", "nan"], "--timeout nan: expected"),
+        (["--jobs", "-1"], "--jobs -1: expected >= 0"),
+        (["--preset", "huge"], "--preset huge: expected one of tiny, small, super"),
+        (["--mamba-heads", "3"], "--mamba-heads 3: mamba_num_heads=3 must be a multiple"),
+        (["--json", "/nonexistent/r.json"], "--json /nonexistent/r.json: the folder"),
+    ],
+)
+def test_bad_options_are_one_clear_error(argv, needle, capsys):
+    assert main(["repro", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
 
 
-def test_a_case_that_overruns_its_time_is_reported_not_waited_for():
-    res = repro._spawn(repro.CASES[0], "tiny", timeout=0.5)
-    assert res["outcome"] == "timed out after 0 s" or res["outcome"].startswith("timed out")
-    assert res["wall_s"] < 30
+def test_a_case_that_overruns_its_time_is_reported_not_waited_for(monkeypatch):
+    """The child reports one iteration, then hangs far longer than the test allows."""
+    hang = "print('ITERATION 1 t=0.1', flush=True); import time; time.sleep(120)"
+    monkeypatch.setattr(repro, "child_command", lambda *a: [sys.executable, "-c", hang])
+    res = repro._spawn(repro.CASES[0], "tiny", timeout=5)
+    assert res["outcome"] == "timed out after 5 s"  # killed, not left to finish its sleep
+    assert res["iteration"] == 2  # how far it got: the iteration after the last one logged
+    assert res["timeline"] == [0.1]
+    assert Outcome.of(res["outcome"]) is Outcome.OTHER
 
 
 def test_compare_covers_iterations_both_runs_have_and_counts_nan_as_infinite():
@@ -72,35 +151,119 @@ def test_timeline_and_iteration_come_from_the_child_progress_lines():
     assert repro._first_error_line(log) == "CUDA error: an illegal x"
 
 
-def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkeypatch):
-    spawned, threads_given, heads_given = [], [], []
-
+def _fake_spawn(outcomes: dict[int, dict], spawned: list | None = None):
     def fake_spawn(case, preset, reference=False, timeout=300, threads=0, mamba_heads=0):
-        spawned.append((case.n, reference))
-        threads_given.append(threads)
-        heads_given.append(mamba_heads)
+        if spawned is not None:
+            spawned.append((case.n, reference, threads, mamba_heads))
         losses = [5.0 - 0.1 * i for i in range(repro.ITERS)]
-        if case.n == 5 and not reference:  # the corrupted case drifts after validation
-            losses[repro.EVAL_AT] *= 1.5
-        return {"outcome": "trained through", "losses": losses, "wall_s": 1.0}
+        res = {"outcome": "trained through", "losses": losses, "wall_s": 1.0, "finding": ""}
+        if not reference:
+            res.update(outcomes.get(case.n, {}))
+        return res
 
-    monkeypatch.setattr(repro, "_spawn", fake_spawn)
+    return fake_spawn
+
+
+def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkeypatch):
+    spawned = []
+    drifted = [5.0 - 0.1 * i for i in range(repro.ITERS)]
+    drifted[repro.EVAL_AT] *= 1.5  # the corrupted case drifts after validation
+    monkeypatch.setattr(repro, "_spawn", _fake_spawn({5: {"losses": drifted}}, spawned))
     results = dict((c.n, r) for c, r in repro.run_matrix(repro.CASES, "tiny", jobs=0))
-    assert sorted(spawned) == sorted([(c.n, False) for c in repro.CASES] + [(5, True)])
+    assert sorted((n, ref) for n, ref, *_ in spawned) == sorted(
+        [(c.n, False) for c in repro.CASES] + [(5, True)]
+    )
     # the cores are shared out, so the processes' CPU threads do not oversubscribe the machine
     monkeypatch.setattr(repro.os, "cpu_count", lambda: 16)
-    threads_given.clear()
+    spawned.clear()
     repro.run_matrix(repro.CASES, "tiny", jobs=0)
-    assert set(threads_given) == {1}
-    threads_given.clear()
+    assert {threads for *_, threads, _ in spawned} == {1}
+    spawned.clear()
     repro.run_matrix(repro.CASES[:1], "tiny", jobs=0)
-    assert set(threads_given) == {16}  # one process alone gets every core
-    heads_given.clear()
+    assert {threads for *_, threads, _ in spawned} == {16}  # one process alone gets every core
+    spawned.clear()
     repro.run_matrix(repro.CASES[4:6], "tiny", jobs=0, mamba_heads=128)
-    assert heads_given == [128, 128, 128]  # --mamba-heads reaches every case and the reference
+    assert [heads for *_, heads in spawned] == [128, 128, 128]  # every case and the reference
     assert results[6]["outcome"] == "trained through"
     assert results[6]["comparison"].endswith("0.0e+00 after")
     assert results[5]["outcome"] == "silent corruption"  # 0.5 relative > LOSS_RTOL
+
+
+# What each case showed on the H200 (docs/te-3316.md, the matrix at 126beb4), and the other
+# symptoms docs/te-3316.md reports for the same mechanism (b4cc33f, wider workspaces).
+FINDING = (
+    "reowned: layers.0:layer fwd mb0 node 209 at::native::elementwise_kernel<> "
+    "[where_kernel_impl] param 1+720 -> 2097152 B block at 0x2a92370000 (default pool), freed "
+    "at src/graphsan/lab/quant/linear.py:248 in clear_workspace (phase eval, step 5)"
+)
+SEEN = {
+    1: [
+        {"outcome": "device-side assert", "iteration": 6},
+        {"outcome": "illegal memory access", "iteration": 6},
+        {"outcome": "silent corruption", "iteration": 6},
+    ],
+    2: [{"outcome": "trained through"}],
+    3: [{"outcome": "trained through"}],
+    4: [{"outcome": "StaleMemoryError", "iteration": 6, "finding": FINDING}],
+    5: [
+        {"outcome": "device-side assert", "iteration": 6, "finding": FINDING},
+        {"outcome": "silent corruption", "iteration": 6, "finding": FINDING},
+    ],
+    6: [{"outcome": "trained through", "rel_diff_after_eval": 3.1e-3}],
+    7: [{"outcome": "trained through"}],
+    8: [{"outcome": "silent corruption", "iteration": 7}],
+    9: [{"outcome": "StaleMemoryError", "iteration": 6, "finding": FINDING}],
+}
+
+
+@pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
+def test_what_the_h200_showed_matches_and_other_outcomes_do_not(case):
+    for res in SEEN[case.n]:
+        assert repro.judge(case, res) == "", res
+    seen = {Outcome(r["outcome"]) for r in SEEN[case.n]}
+    assert seen <= case.expected
+    for other in set(Outcome) - case.expected:
+        res = dict(SEEN[case.n][0], outcome=other.value)
+        assert repro.judge(case, res).startswith("expected "), other
+
+
+def test_a_match_needs_the_right_iteration_finding_and_comparison():
+    by = repro.BY_NUMBER
+    early = {"outcome": "device-side assert", "iteration": repro.EVAL_AT}
+    assert "expected after validation" in repro.judge(by[1], early)
+    elsewhere = {"outcome": "StaleMemoryError", "iteration": 6, "finding": "freed: x, freed at a"}
+    assert "freed in clear_workspace" in repro.judge(by[4], elsewhere)
+    unrecorded = {"outcome": "device-side assert", "iteration": 6, "finding": ""}
+    assert "freed in clear_workspace" in repro.judge(by[5], unrecorded)
+    inconclusive = {"outcome": "trained through", "comparison": "inconclusive: the eager x"}
+    assert "inconclusive" in repro.judge(by[6], inconclusive)
+    assert repro.judge(by[1], {"outcome": "timed out after 300 s", "iteration": 6}) != ""
+
+
+def test_the_exit_status_says_whether_every_case_matched(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a fake GPU")
+    as_seen = {n: dict(seen[0], wall_s=1.0) for n, seen in SEEN.items()}
+    as_seen[5]["losses"] = []  # it crashed: nothing to compare after validation
+    monkeypatch.setattr(repro, "_spawn", _fake_spawn(as_seen))
+    path = tmp_path / "results.json"
+    assert main(["repro", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| yes |") == len(repro.CASES)
+    results = json.loads(path.read_text())
+    assert all(r["result"]["matched"] for r in results)
+    assert results[0]["case"]["expected"][0] == "illegal memory access"
+
+    as_seen[2] = {"outcome": "device-side assert", "iteration": 6}  # a control that crashed
+    monkeypatch.setattr(repro, "_spawn", _fake_spawn(as_seen))
+    assert main(["repro", "--case", "2", "--case", "4"]) == 1
+    captured = capsys.readouterr()
+    assert "| device-side assert | NO: expected trained through |" in captured.out
+    assert captured.out.count("| yes |") == 1
+    assert captured.err.strip().splitlines() == [
+        "graphsan repro: case 2 (control: MXFP8 everywhere) did not end as expected: "
+        "device-side assert; expected trained through"
+    ]
 
 
 def test_a_broken_reference_makes_the_comparison_inconclusive_not_clean():
@@ -137,24 +300,3 @@ def test_mamba_heads_widen_only_the_mamba():
     repro.add_arguments(parser)
     args = parser.parse_args(["--mamba-heads", "128", "--case", "1"])
     assert args.mamba_heads == 128
-
-
-def test_a_child_reports_its_losses_progress_and_startup_phases(monkeypatch, capsys):
-    from graphsan.lab.train import optim, trainer
-
-    config = repro._config
-
-    def cpu_config(case, preset, reference, mamba_heads=0):
-        cfg = config(case, "tiny", reference, mamba_heads)
-        return dataclasses.replace(cfg, device="cpu", seq_length=32, save="/tmp/graphsan-child")
-
-    monkeypatch.setattr(repro, "_config", cpu_config)
-    monkeypatch.setattr(optim.MainGradAdamW, "step", optim.MainGradAdamW.step)  # restored after
-    monkeypatch.setattr(trainer, "build_model", trainer.build_model)
-    monkeypatch.setitem(repro._progress, "done", 0)
-    res = repro.run_child(2, "tiny", reference=True)
-    assert res["outcome"] == "trained through" and len(res["losses"]) == repro.ITERS
-    phases = res["startup"]
-    assert list(phases)[-3:] == ["model built", "first forward", "first backward"]
-    assert phases["imports"] <= phases["model built"] <= phases["first forward"]
-    assert repro._iteration_times(capsys.readouterr().out) != []

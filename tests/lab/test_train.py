@@ -1,6 +1,7 @@
 """CPU tests of the lab trainer (eager): loss falls, gradient accumulation, validation / save / GC
 transitions, data determinism, bad options, `--dry-run` for `super` on the meta device."""
 
+import re
 import subprocess
 import sys
 
@@ -101,13 +102,89 @@ def test_byte_file_data(tmp_path):
         (["--precision-config", "nope"], "no such precision file"),
         (["--seq-length", "30", "--micro-batch-size", "1"], "expected a multiple of 32"),
         (["--data-path", "/nonexistent/file"], "no such file"),
+        (["--data-path", ""], "--data-path '': expected a file"),
+        (["--precision-config", ""], "--precision-config '': expected a file"),
+        (["--device", "cudaXYZ"], "--device cudaXYZ: expected auto, cpu, cuda or cuda:N"),
+        (["--device", "cuda:-1"], "--device cuda:-1: expected auto, cpu, cuda or cuda:N"),
+        (["--lr", "inf"], "--lr inf: expected a finite number >= 0"),
+        (["--lr", "nan"], "--lr nan: expected a finite number >= 0"),
+        (["--lr", "-0.1"], "--lr -0.1: expected a finite number >= 0"),
+        (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+        (
+            ["--eval-interval", "2", "--eval-iters", "0"],
+            "--eval-iters 0 with --eval-interval 2: validation needs --eval-iters >= 1",
+        ),
+        (
+            ["--num-layers-at-end-in-bf16", "99"],
+            "--num-layers-at-end-in-bf16 99: the tiny model has 4 layers; expected at most 4",
+        ),
+        (
+            ["--num-layers-at-start-in-bf16", "5"],
+            "--num-layers-at-start-in-bf16 5: the tiny model has 4 layers",
+        ),
+        (["--save-interval", "1", "--save", ""], "--save '': expected a directory"),
+        (
+            ["--save-interval", "1", "--save", __file__ + "/ckpt"],
+            f"--save {__file__}/ckpt: {__file__} is a file; expected a directory",
+        ),
+        # the dry run's size against this machine's memory, before anything is allocated
+        (["--preset", "super"], "--preset super: training needs at least 2,072.4 GiB"),
+        (["--train-iters"], "argument --train-iters: expected one argument"),
     ],
 )
 def test_bad_options_give_one_error_line(argv, needle, capsys):
-    rc = run(["--device", "cpu", "--quiet", "--train-iters", "1", *argv])
+    try:
+        rc = run(["--device", "cpu", "--quiet", "--train-iters", "1", *argv])
+    except SystemExit as exc:  # argparse's own checks
+        rc = exc.code
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_an_unwritable_save_folder_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    from graphsan.lab.train import trainer
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:  # root writes anyway: use a folder no one can create files in
+        (ro / "probe").mkdir()
+        ro = "/proc"
+    except OSError:
+        pass
+    monkeypatch.setattr(trainer, "build_model", None)  # training must not start
+    rc = run(["--device", "cpu", "--quiet", "--save-interval", "1", "--save", f"{ro}/ckpt"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith(f"graphsan train: error: --save {ro}/ckpt: cannot write in {ro}")
+
+
+def test_a_precision_rule_that_matches_no_module_is_refused(tmp_path, capsys):
+    path = tmp_path / "typo.yaml"
+    path.write_text(
+        "base: bf16\nrules:\n  - {match: '*.linear_qkv', recipe: mxfp8}\n"
+        "  - {match: '*.linaer_proj', recipe: mxfp8}\n"
+    )
+    for extra in ([], ["--dry-run"]):
+        assert run(["--device", "cpu", "--quiet", "--precision-config", str(path), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"graphsan train: error: {path}: key 'rules[1].match' '*.linaer_proj' (recipe "
+            "mxfp8) matches no module of the tiny model; expected a glob over module paths"
+        ), err
+
+
+def test_a_run_that_diverges_ends_in_one_line(capsys):
+    argv = ["--device", "cpu", "--quiet", "--lr", "1e9", "--seq-length", "32"]
+    rc = run([*argv, "--train-iters", "4", "--log-interval", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert re.fullmatch(
+        r"graphsan train: error: training diverged: loss is (nan|inf) at iteration \d "
+        r"\(a lower --lr may help\)",
+        err[0],
+    ), err
 
 
 def test_module_entry_point_rejects_unknown_option():

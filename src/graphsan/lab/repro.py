@@ -10,13 +10,18 @@ the buggy policy unchanged); 8 is a prediction the report did not test, and 9 is
 
     graphsan repro              # every case, a table at the end
     graphsan repro --case 4     # one case (repeatable)
-    graphsan repro --list       # the cases, no GPU needed
+    graphsan repro --list       # the cases, no GPU needed (--json: as JSON)
+
+Each case has a typed expected outcome (a set where the H200 runs legitimately showed more than
+one, see docs/te-3316.md); the table says whether each case matched, and the command exits 1
+when one did not.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import json
 import math
 import os
@@ -27,7 +32,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from graphsan.pages import OutputPathAction, write_matrix_page
 
@@ -51,6 +56,37 @@ WIDE_MAMBA = {"small": {"mamba_num_heads": 64, "mamba_head_dim": 64}}
 # `--mamba-heads N` widens it further (N heads of 64 channels: N / 32 MiB per workspace half)
 
 
+class Outcome(str, enum.Enum):
+    """How a case ended, as the matrix classifies it."""
+
+    TRAINED_THROUGH = "trained through"
+    STALE_MEMORY_ERROR = "StaleMemoryError"  # graphsan stopped a replay before launch
+    ILLEGAL_MEMORY_ACCESS = "illegal memory access"
+    DEVICE_SIDE_ASSERT = "device-side assert"  # a kernel's bounds check, on indices overwritten
+    SILENT_CORRUPTION = "silent corruption"  # a NaN or infinite loss, or losses off eager's
+    OTHER = "other"  # any other error, a process that died or overran its time
+
+    @classmethod
+    def of(cls, outcome: str) -> Outcome:
+        """The class of a result's outcome text ("timed out after 300 s" is OTHER)."""
+        try:
+            return cls(outcome)
+        except ValueError:
+            return cls.OTHER
+
+
+# What a stale replay ends in: which one a run shows depends on whether the freed memory was
+# unmapped or belongs to live tensors again by the replay (docs/te-3316.md, "Case 1's symptom").
+STALE_REPLAY = frozenset(
+    {Outcome.ILLEGAL_MEMORY_ACCESS, Outcome.DEVICE_SIDE_ASSERT, Outcome.SILENT_CORRUPTION}
+)
+TRAINS_THROUGH = frozenset({Outcome.TRAINED_THROUGH})
+STOPPED = frozenset({Outcome.STALE_MEMORY_ERROR})
+# where the lab frees the weight workspace (te218's recipe-class check in validation): the free
+# site a StaleMemoryError case must name
+WORKSPACE_FREE = "clear_workspace"
+
+
 @dataclass(frozen=True)
 class Case:
     n: int
@@ -61,7 +97,28 @@ class Case:
     graphsan: str  # "off" | "raise" | "record" | "pin"
     empty_cache: bool = True
     compare: bool = False  # compare losses with an eager reference run
-    expected: str = ""
+    expected: frozenset[Outcome] = TRAINS_THROUGH  # any of these matches
+    about: str = ""  # the expectation in words
+    finding_freed_in: str = ""  # a finding must name this free site (graphsan on)
+
+    def to_dict(self) -> dict:
+        return {
+            "case": self.n,
+            "title": self.title,
+            "recipe": self.precision,
+            "graphed_modules": list(self.scopes),
+            "state": self.state,
+            "graphsan": self.graphsan,
+            "empty_cache": self.empty_cache,
+            "compare_with_eager": self.compare,
+            "expected": _expected_values(self),
+            "finding_freed_in": self.finding_freed_in or None,
+            "about": self.about,
+        }
+
+
+def _expected_values(case: Case) -> list[str]:
+    return [o.value for o in Outcome if o in case.expected]  # in the enum's order
 
 
 CASES = [
@@ -72,8 +129,10 @@ CASES = [
         SCENARIO_SCOPES,
         "te218",
         "off",
-        expected="a crash in the first step after validation (the report: an illegal memory "
-        "access; here the stale writes may trip an index check instead, see docs/te-3316.md)",
+        expected=STALE_REPLAY,
+        about="a crash in the first step after validation (the report: an illegal memory "
+        "access; here the stale writes may trip an index check or give a NaN loss instead, see "
+        "docs/te-3316.md)",
     ),
     Case(
         2,
@@ -82,7 +141,7 @@ CASES = [
         SCENARIO_SCOPES,
         "te218",
         "off",
-        expected="trains through",
+        about="the override and the ambient recipe agree: nothing is freed",
     ),
     Case(
         3,
@@ -91,7 +150,7 @@ CASES = [
         NO_MAMBA,
         "te218",
         "off",
-        expected="trains through",
+        about="out_proj runs eagerly: no graph holds its workspace",
     ),
     Case(
         4,
@@ -100,7 +159,9 @@ CASES = [
         SCENARIO_SCOPES,
         "te218",
         "raise",
-        expected="StaleMemoryError before the replay, naming out_proj's weight workspace",
+        expected=STOPPED,
+        about="stopped before the replay, naming out_proj's weight workspace",
+        finding_freed_in=WORKSPACE_FREE,
     ),
     Case(
         5,
@@ -111,7 +172,10 @@ CASES = [
         "record",
         empty_cache=False,
         compare=True,
-        expected="corrupted training (wrong or NaN loss); graphsan records it",
+        expected=STALE_REPLAY,
+        about="corrupted training (wrong or NaN loss, or a crash on overwritten indices); "
+        "graphsan records it",
+        finding_freed_in=WORKSPACE_FREE,
     ),
     Case(
         6,
@@ -121,7 +185,7 @@ CASES = [
         "fixed",
         "off",
         compare=True,
-        expected=f"trains through, losses within {LOSS_RTOL:g} (relative) of eager",
+        about=f"losses within {LOSS_RTOL:g} (relative) of eager",
     ),
     Case(
         7,
@@ -130,7 +194,7 @@ CASES = [
         SCENARIO_SCOPES,
         "te218",
         "pin",
-        expected="trains through with te218 unchanged",
+        about="pin keeps the workspace alive, te218 unchanged",
     ),
     Case(
         8,
@@ -139,7 +203,8 @@ CASES = [
         SCENARIO_SCOPES,
         "te218",
         "off",
-        expected="fails after validation like case 1",
+        expected=STALE_REPLAY,
+        about="fails after validation like case 1",
     ),
     Case(
         9,
@@ -148,7 +213,9 @@ CASES = [
         SCENARIO_SCOPES,
         "te218",
         "raise",
-        expected="StaleMemoryError naming out_proj's NVFP4 weight workspace",
+        expected=STOPPED,
+        about="stopped before the replay, naming out_proj's NVFP4 weight workspace",
+        finding_freed_in=WORKSPACE_FREE,
     ),
 ]
 BY_NUMBER = {c.n: c for c in CASES}
@@ -163,12 +230,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"run only case N (1-{len(CASES)}; repeatable)",
     )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
-    parser.add_argument("--preset", default="small", help="model preset (default small)")
+    parser.add_argument("--preset", default="small", help="model preset")
     parser.add_argument(
         "--jobs",
         type=int,
         default=0,
-        help="processes run side by side (default 0: every case and the eager reference at "
+        help="processes run side by side (0: every case and the eager reference at "
         "once, up to the number of CPU cores)",
     )
     parser.add_argument(
@@ -176,10 +243,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="Mamba heads (of 64 channels) on the small preset (default 0: 64, so out_proj's MXFP8 "
+        help="Mamba heads (of 64 channels) on the small preset (0: 64, so out_proj's MXFP8 "
         "weight workspace holds 2 MiB per half; the real model's spans many 2 MiB pages)",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
         "--html",
         metavar="PATH",
@@ -187,11 +253,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also write the matrix and per-case loss curves as one self-contained HTML page",
     )
     parser.add_argument(
-        "--timeout", type=float, default=300, help="seconds a case may take (default 300)"
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="also write the cases (--list) or the results as JSON to PATH; without PATH "
+        "(or with -) to stdout, the tables then go to stderr",
     )
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a case may take")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from graphsan.cli import DefaultsHelpFormatter, OneLineParser
+
+    parser = OneLineParser(
+        prog="graphsan repro",
+        description="The Transformer Engine #3316 scenario matrix: each case in its own process "
+        "on one NVIDIA GPU; exits 1 when a case does not end as expected.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    add_arguments(parser)
+    return parser
+
+
+def run(argv: list[str] | None = None) -> int:
+    return main(build_parser().parse_args(argv))
 
 
 # ----------------------------------------------------------------------------- one case (child)
@@ -344,10 +433,7 @@ def _spawn(
     # the result goes to a file of its own: merged stdout and stderr may interleave in a line
     fd, result_path = tempfile.mkstemp(prefix=f"graphsan-repro-{case.n}-", suffix=".json")
     os.close(fd)
-    cmd = [sys.executable, "-m", "graphsan.cli", "repro", "--child", str(case.n)]
-    cmd += ["--preset", preset, "--result", result_path]
-    cmd += ["--reference"] if reference else []
-    cmd += ["--mamba-heads", str(mamba_heads)] if mamba_heads else []
+    cmd = child_command(case, preset, reference, mamba_heads, result_path)
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -387,6 +473,17 @@ def _spawn(
     res["timeline"] = _iteration_times(log)
     res["log_tail"] = log[-3000:]
     return res
+
+
+def child_command(
+    case: Case, preset: str, reference: bool, mamba_heads: int, result_path: str
+) -> list[str]:
+    """The command line of one case's process."""
+    cmd = [sys.executable, "-m", "graphsan.cli", "repro", "--child", str(case.n)]
+    cmd += ["--preset", preset, "--result", result_path]
+    cmd += ["--reference"] if reference else []
+    cmd += ["--mamba-heads", str(mamba_heads)] if mamba_heads else []
+    return cmd
 
 
 def _crash_kind(text: str) -> str | None:
@@ -464,10 +561,17 @@ def _compare(res: dict, ref: dict) -> str:
 
 
 def run_matrix(
-    cases: list[Case], preset: str, jobs: int, timeout: float = 300, mamba_heads: int = 0
+    cases: list[Case],
+    preset: str,
+    jobs: int,
+    timeout: float = 300,
+    mamba_heads: int = 0,
+    out=None,
 ) -> list[tuple[Case, dict]]:
     """Run the cases side by side; each finished case prints one line at once (a slow or hung
-    case never hides the others' results)."""
+    case never hides the others' results). Every result is judged against its case's
+    expectation (`matched`, and `mismatch` says why not)."""
+    out = out or sys.stdout
     needs_ref = any(c.compare for c in cases)
     ref_case = next(c for c in cases if c.compare) if needs_ref else None
     cores = os.cpu_count() or 1
@@ -496,6 +600,7 @@ def run_matrix(
                 f"case {c.n} ({c.title}): {r['outcome']}, iteration "
                 f"{r.get('iteration') or '-'}, {r['wall_s']:.0f} s (seconds after start: "
                 f"{phases + ', ' if phases else ''}first iteration {first[0]})",
+                file=out,
                 flush=True,
             )
         results = [(c, done[c.n]) for c in cases]
@@ -510,39 +615,91 @@ def run_matrix(
             after = res.get("rel_diff_after_eval")
             if res["outcome"] == "trained through" and after is not None and after > LOSS_RTOL:
                 res["outcome"] = "silent corruption"
+    for c, res in results:
+        mismatch = judge(c, res)
+        res["matched"], res["mismatch"] = not mismatch, mismatch
     return results
 
 
-def print_cases(cases: list[Case]) -> None:
-    print("| case | title | recipe | graphed modules | state | graphsan | empty_cache | expected |")
-    print("|---|---|---|---|---|---|---|---|")
+def judge(case: Case, res: dict) -> str:
+    """Why the result does not match the case's expectation ("" when it does)."""
+    kind = Outcome.of(res.get("outcome", ""))
+    if kind not in case.expected:
+        return f"expected {' or '.join(_expected_values(case))}"
+    it = res.get("iteration")
+    if kind is not Outcome.TRAINED_THROUGH and it is not None and it <= EVAL_AT:
+        return f"ended in iteration {it}; expected after validation (iteration {EVAL_AT})"
+    if case.finding_freed_in and f"in {case.finding_freed_in}" not in res.get("finding", ""):
+        return f"expected graphsan's finding to name memory freed in {case.finding_freed_in}"
+    if case.compare and kind is Outcome.TRAINED_THROUGH and "rel_diff_after_eval" not in res:
+        return f"expected a comparison with eager; {res.get('comparison') or 'there was none'}"
+    return ""
+
+
+def print_cases(cases: list[Case], out=None) -> None:
+    out = out or sys.stdout
+    print(
+        "| case | title | recipe | graphed modules | state | graphsan | empty_cache | expected |",
+        file=out,
+    )
+    print("|---|---|---|---|---|---|---|---|", file=out)
     for c in cases:
+        expected = " or ".join(_expected_values(c))
         print(
             f"| {c.n} | {c.title} | {c.precision} | {','.join(c.scopes)} | {c.state} | "
-            f"{c.graphsan} | {'yes' if c.empty_cache else 'no'} | {c.expected} |"
+            f"{c.graphsan} | {'yes' if c.empty_cache else 'no'} | {expected}: {c.about} |",
+            file=out,
         )
 
 
-def print_results(results: list[tuple[Case, dict]]) -> None:
+def print_results(results: list[tuple[Case, dict]], out=None) -> None:
+    out = out or sys.stdout
     print(
-        "| case | recipe | graphed modules | state | graphsan | outcome | iteration | "
-        "evidence | graphsan's finding | wall s |"
+        "| case | recipe | graphed modules | state | graphsan | outcome | as expected | "
+        "iteration | evidence | graphsan's finding | wall s |",
+        file=out,
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", file=out)
     for c, r in results:
         evidence = "; ".join(x for x in (r.get("symptom"), r.get("comparison")) if x)
         finding = r.get("finding", "")
         if len(r.get("kinds", [])) > 1:
             finding += f" (kinds: {', '.join(r['kinds'])})"
+        matched = "yes" if r.get("matched") else f"NO: {r.get('mismatch', '')}"
         print(
             f"| {c.n} | {c.precision} | {','.join(c.scopes)} | {c.state} | {c.graphsan} | "
-            f"{r['outcome']} | {r.get('iteration') or '-'} | {_cell(evidence)} | "
-            f"{_cell(finding)} | {r['wall_s']:.1f} |"
+            f"{r['outcome']} | {_cell(matched)} | {r.get('iteration') or '-'} | "
+            f"{_cell(evidence)} | {_cell(finding)} | {r['wall_s']:.1f} |",
+            file=out,
         )
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ") or "-"
+
+
+def _error(msg: str) -> int:
+    sys.stderr.write(f"graphsan repro: error: {msg}\n")
+    return 2
+
+
+def _check_args(args: argparse.Namespace) -> str:
+    """What is wrong with the options of a matrix run ("" when nothing)."""
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout {args.timeout}: expected a number of seconds > 0"
+    if args.jobs < 0:
+        return f"--jobs {args.jobs}: expected >= 0 (0: as many as the cases need)"
+    if args.mamba_heads < 0:
+        return f"--mamba-heads {args.mamba_heads}: expected >= 0 (0: the default width)"
+    from graphsan.lab.models import PRESETS, get_preset
+
+    if args.preset not in PRESETS:
+        return f"--preset {args.preset}: expected one of {', '.join(PRESETS)}"
+    try:
+        get_preset(args.preset).replace(**_model_overrides(args.preset, args.mamba_heads))
+    except ValueError as err:
+        return f"--mamba-heads {args.mamba_heads}: {err}"
+    return ""
 
 
 def main(args: argparse.Namespace) -> int:
@@ -557,41 +714,67 @@ def main(args: argparse.Namespace) -> int:
         return 0
     unknown = [n for n in args.case or [] if n not in BY_NUMBER]
     if unknown:
-        sys.stderr.write(f"error: graphsan repro: no case {unknown[0]}; expected 1-{len(CASES)}\n")
-        return 2
+        return _error(f"no case {unknown[0]}; expected 1-{len(CASES)}")
     cases = [BY_NUMBER[n] for n in args.case] if args.case else CASES
+    to_stdout = args.json == "-"
+    if args.json is not None and not to_stdout:
+        from graphsan.cli import CliError, check_output_file
+
+        try:
+            check_output_file(args.json, "--json")
+        except CliError as err:
+            return _error(str(err))
+    out = sys.stderr if to_stdout else sys.stdout  # the JSON alone goes to stdout
     if args.list:
-        print_cases(cases)
+        print_cases(cases, out)
+        if args.json is not None:
+            _write_json([c.to_dict() for c in cases], args.json)
         return 0
+    problem = _check_args(args)
+    if problem:
+        return _error(problem)
     import torch
 
     if not torch.cuda.is_available():
-        print_cases(cases)
+        print_cases(cases, out)
         sys.stderr.write(
-            "error: graphsan repro: these cases train with CUDA graphs and need an NVIDIA GPU "
+            "graphsan repro: error: these cases train with CUDA graphs and need an NVIDIA GPU "
             "(torch.cuda.is_available() is False here); `graphsan repro --list` shows them, "
             "`graphsan train --preset tiny` runs the lab eagerly on CPU\n"
         )
         return 1
     t0 = time.perf_counter()
-    results = run_matrix(cases, args.preset, args.jobs, args.timeout, args.mamba_heads)
-    print_results(results)
+    results = run_matrix(cases, args.preset, args.jobs, args.timeout, args.mamba_heads, out)
+    print_results(results, out)
     ref = next((r["reference_outcome"] for _, r in results if "reference_outcome" in r), None)
     if ref:
-        print(f"\neager reference run (for the comparisons): {ref}")
+        print(f"\neager reference run (for the comparisons): {ref}", file=out)
     print(
-        f"\nwhole matrix: {time.perf_counter() - t0:.0f} s wall on {torch.cuda.get_device_name()}"
+        f"\nwhole matrix: {time.perf_counter() - t0:.0f} s wall on {torch.cuda.get_device_name()}",
+        file=out,
     )
     for c, r in results:
         if r.get("report"):
-            print(f"\ncase {c.n}, graphsan's report:\n{r['report']}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                [{"case": asdict(c), "result": r} for c, r in results], fh, indent=1, default=str
-            )
+            print(f"\ncase {c.n}, graphsan's report:\n{r['report']}", file=out)
+    if args.json is not None:
+        _write_json([{"case": c.to_dict(), "result": r} for c, r in results], args.json)
     if args.html and not write_matrix_page(
-        args.html, [{"case": asdict(c), "result": r} for c, r in results]
+        args.html, [{"case": c.to_dict(), "result": r} for c, r in results]
     ):
         return 2
-    return 0 if all(math.isfinite(r.get("wall_s", 0)) for _, r in results) else 1
+    missed = [(c, r) for c, r in results if not r["matched"]]
+    for c, r in missed:
+        sys.stderr.write(
+            f"graphsan repro: case {c.n} ({c.title}) did not end as expected: "
+            f"{r['outcome']}; {r['mismatch']}\n"
+        )
+    return 1 if missed else 0
+
+
+def _write_json(data, path: str) -> None:
+    if path == "-":
+        json.dump(data, sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+        return
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=1, default=str)

@@ -5,7 +5,7 @@
         --precision-config super-mixed --num-layers-at-end-in-bf16 2 --graph-state te218
     graphsan train --preset super --dry-run       # meta device: counts and recipe table only
 
-`add_arguments(parser)` and `main(args) -> int` are what `graphsan/cli.py` wires in;
+`run(argv) -> int` is what `graphsan train` calls (the parser is built only then);
 `python -m graphsan.lab.train ...` runs the same thing on its own.
 """
 
@@ -27,16 +27,22 @@ def _scopes(values: list[str]) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     a = parser.add_argument
-    a("--preset", default=d.preset, help=f"model preset: {', '.join(PRESETS)} (default {d.preset})")
+    a("--preset", default=d.preset, help=f"model preset: {', '.join(PRESETS)}")
     a("--dry-run", action="store_true", help="build on the meta device; print counts and recipes")
-    a("--train-iters", type=int, default=d.train_iters)
-    a("--micro-batch-size", type=int, default=d.micro_batch_size)
-    a("--global-batch-size", type=int, default=None, help="default: --micro-batch-size")
-    a("--seq-length", type=int, default=d.seq_length)
-    a("--lr", type=float, default=d.lr)
-    a("--lr-warmup-iters", type=int, default=d.lr_warmup_iters)
+    a("--train-iters", type=int, default=d.train_iters, help="training iterations")
+    a("--micro-batch-size", type=int, default=d.micro_batch_size, help="sequences per microbatch")
+    a(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="sequences per iteration, a multiple of --micro-batch-size (default: "
+        "--micro-batch-size, one microbatch)",
+    )
+    a("--seq-length", type=int, default=d.seq_length, help="tokens per sequence")
+    a("--lr", type=float, default=d.lr, help="AdamW learning rate (finite, >= 0)")
+    a("--lr-warmup-iters", type=int, default=d.lr_warmup_iters, help="linear warm-up; 0: none")
     a("--eval-interval", type=int, default=d.eval_interval, help="0: no validation")
-    a("--eval-iters", type=int, default=d.eval_iters)
+    a("--eval-iters", type=int, default=d.eval_iters, help="iterations per validation")
     a(
         "--manual-gc-interval",
         type=int,
@@ -44,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="> 0: disable automatic GC and gc.collect() every N iterations",
     )
     a("--save-interval", type=int, default=d.save_interval, help="0: no checkpoints")
-    a("--save", default=d.save, help=f"checkpoint directory (default {d.save})")
+    a("--save", default=d.save, help="checkpoint directory")
     a(
         "--empty-cache-on-save",
         action="store_true",
@@ -56,9 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="SCOPE",
-        help=f"graphed scopes: {', '.join(GRAPH_SCOPES)}",
+        help=f"graphed scopes: {', '.join(GRAPH_SCOPES)} (default: none, all eager)",
     )
-    a("--cuda-graph-warmup-steps", type=int, default=d.cuda_graph_warmup_steps)
+    a(
+        "--cuda-graph-warmup-steps",
+        type=int,
+        default=d.cuda_graph_warmup_steps,
+        help="eager iterations before the graphs are captured",
+    )
     a(
         "--graph-state",
         default=d.graph_state,
@@ -68,14 +79,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--precision-config",
         default=None,
         metavar="FILE",
-        help="precision YAML or built-in name (super-mixed, mxfp8-all, ...); default BF16",
+        help="precision YAML or built-in name (super-mixed, mxfp8-all, ...) (default: BF16)",
     )
-    a("--num-layers-at-start-in-bf16", type=int, default=d.num_layers_at_start_in_bf16)
-    a("--num-layers-at-end-in-bf16", type=int, default=d.num_layers_at_end_in_bf16)
-    a("--seed", type=int, default=d.seed)
+    a(
+        "--num-layers-at-start-in-bf16",
+        type=int,
+        default=d.num_layers_at_start_in_bf16,
+        help="the first N layers run in BF16, whatever the precision file says",
+    )
+    a(
+        "--num-layers-at-end-in-bf16",
+        type=int,
+        default=d.num_layers_at_end_in_bf16,
+        help="the last N layers run in BF16, whatever the precision file says",
+    )
+    a("--seed", type=int, default=d.seed, help="weights and data")
     a("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
-    a("--data-path", default=None, help="a local text file (bytes); default synthetic tokens")
-    a("--log-interval", type=int, default=d.log_interval)
+    a(
+        "--data-path",
+        default=None,
+        help="a local text file, read as bytes (default: synthetic tokens)",
+    )
+    a("--log-interval", type=int, default=d.log_interval, help="a log line every N iterations")
     a("--quiet", action="store_true", help="no progress bar or log lines")
 
 
@@ -109,15 +134,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     ).validate()
 
 
-def _error(msg: str) -> int:
+def _error(msg: str, status: int = 2) -> int:
     print(f"graphsan train: error: {msg}", file=sys.stderr)
-    return 2
+    return status
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run `graphsan train`; bad options give one error line and exit status 2."""
+    """Run `graphsan train`: a bad option gives one error line and exit status 2, a run that
+    diverges one line and exit status 1."""
     from graphsan.lab.quant import PrecisionConfigError, RecipeError
-    from graphsan.lab.train.trainer import train
+    from graphsan.lab.train.trainer import TrainingDiverged, train
 
     try:
         cfg = config_from_args(args)
@@ -127,18 +153,25 @@ def main(args: argparse.Namespace) -> int:
         train(cfg)
     except (ConfigError, PrecisionConfigError, RecipeError) as e:
         return _error(str(e))
+    except TrainingDiverged as e:
+        return _error(f"training diverged: {e} (a lower --lr may help)", status=1)
     except ValueError as e:
         # bad input found while building (model shape, data file, device): one line, no traceback
         return _error(str(e))
     return 0
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+def build_parser() -> argparse.ArgumentParser:
+    from graphsan.cli import DefaultsHelpFormatter, OneLineParser
+
+    parser = OneLineParser(
+        prog="graphsan train",
+        description=__doc__.split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
+    )
+    add_arguments(parser)
+    return parser
 
 
 def run(argv: list[str] | None = None) -> int:
-    parser = _OneLineParser(prog="graphsan train", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return main(parser.parse_args(argv))
+    return main(build_parser().parse_args(argv))

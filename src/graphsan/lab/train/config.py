@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
+import tempfile
 from dataclasses import dataclass, field
 
-from graphsan.lab.models import PRESETS
+from graphsan.lab.models import PRESETS, get_preset
 from graphsan.lab.train.graphs import check_scopes
 
 GRAPH_STATES = ("fixed", "te218")
+_DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
 
 class ConfigError(ValueError):
@@ -97,9 +102,58 @@ class TrainConfig:
             raise ConfigError(
                 f"--graph-state {self.graph_state}: expected one of {', '.join(GRAPH_STATES)}"
             )
-        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
-            raise ConfigError(f"--device {self.device}: expected auto, cpu, cuda or cuda:N")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ConfigError(
+                f"--device {self.device}: expected auto, cpu, cuda or cuda:N (N a GPU index >= 0)"
+            )
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)):
+            raise ConfigError(f"--lr {self.lr!r}: expected a finite number >= 0")
+        if not math.isfinite(self.lr) or self.lr < 0:
+            raise ConfigError(f"--lr {self.lr}: expected a finite number >= 0")
+        if self.eval_interval and not self.eval_iters:
+            raise ConfigError(
+                f"--eval-iters 0 with --eval-interval {self.eval_interval}: validation needs "
+                "--eval-iters >= 1 (--eval-interval 0 turns validation off)"
+            )
+        try:
+            layers = len(get_preset(self.preset).replace(**self.model_overrides).pattern)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"model_overrides {self.model_overrides}: {err}") from None
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(self, name) > layers:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: the {self.preset} model "
+                    f"has {layers} layers; expected at most {layers}"
+                )
+        for name in ("data_path", "precision_config"):
+            value = getattr(self, name)
+            if value is not None and not str(value).strip():
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} '': expected a file (or leave it out)"
+                )
+        if self.save_interval and not self.dry_run:
+            _check_writable_dir(self.save, "--save")
         return self
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes).validate()
+
+
+def _check_writable_dir(path: str, option: str) -> None:
+    """Raise ConfigError unless a directory can be created (or written) at `path`: checked up
+    front, so that a typo fails before training rather than at the first checkpoint. Leaves
+    nothing behind."""
+    if not str(path).strip():
+        raise ConfigError(f"{option} '': expected a directory")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{option} {path}: is a file; expected a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{option} {path}: {existing} is a file; expected a directory")
+    try:  # a real write: permissions, read-only mounts and quotas all show here
+        with tempfile.TemporaryDirectory(dir=existing, prefix=".graphsan-probe-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{option} {path}: cannot write in {existing} ({err.strerror})") from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -23,10 +24,17 @@ import torch
 
 import graphsan
 from graphsan.lab.models import build_model, count_parameters, get_preset
-from graphsan.lab.quant import PrecisionConfig, QuantModule, apply_precision, get_recipe
+from graphsan.lab.quant import (
+    PrecisionConfig,
+    PrecisionConfigError,
+    QuantModule,
+    apply_precision,
+    get_recipe,
+)
+from graphsan.lab.quant.precision import CONFIG_DIR
 from graphsan.lab.train import graphs as cuda_graphs
 from graphsan.lab.train.checkpoint import save_checkpoint
-from graphsan.lab.train.config import TrainConfig
+from graphsan.lab.train.config import ConfigError, TrainConfig
 from graphsan.lab.train.data import build_data
 from graphsan.lab.train.metrics import Metrics, memory_gib
 from graphsan.lab.train.optim import MainGradAdamW
@@ -48,13 +56,76 @@ class TrainResult:
     peak_mem_gib: float = 0.0
 
 
+class TrainingDiverged(FloatingPointError):
+    """The loss became NaN or infinite; `iteration` and `losses` say when and what came before."""
+
+    def __init__(self, loss: float, iteration: int, losses: list[float]):
+        super().__init__(f"loss is {loss} at iteration {iteration}")
+        self.iteration, self.losses = iteration, losses
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ValueError(f"--device {name}: this machine has {n} GPU(s); expected cuda:0-{n - 1}")
     return dev
+
+
+# Bytes per trainable parameter besides the weight itself: fp32 main_grad, fp32 master copy and
+# AdamW's two fp32 moments (activations and workspaces come on top).
+TRAIN_STATE_BYTES = 16
+
+
+def memory_needed(cfg: TrainConfig) -> tuple[int, int, int]:
+    """(bytes needed on the device at least, bytes of the weights, trainable parameters), from
+    the model built on the meta device, as `--dry-run` does."""
+    model = build_model(model_args(cfg), device="meta")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return weights + TRAIN_STATE_BYTES * trainable, weights, trainable
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free bytes on a CUDA device, or the RAM available to a new allocation (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def check_memory(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse a model the machine cannot hold before allocating any of it (a too-large build
+    would run for a long time and then die)."""
+    need, weights, trainable = memory_needed(cfg)
+    # the weights are drawn on the CPU and then moved, so CPU memory must hold them too
+    places = [(device, need)] + ([(torch.device("cpu"), weights)] if device.type != "cpu" else [])
+    for where, nbytes in places:
+        free = free_memory(where)
+        if free is not None and nbytes > free:
+            what = "training" if where == device else "building the weights (on the CPU)"
+            raise ConfigError(
+                f"--preset {cfg.preset}: {what} needs at least {_gib(nbytes)} "
+                f"({trainable / 1e9:.2f} B trainable parameters); {where} has {_gib(free)} free. "
+                "`--dry-run` shows its counts without allocating; try a smaller --preset"
+            )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB"
 
 
 def model_args(cfg: TrainConfig):
@@ -76,9 +147,26 @@ def bind_precision(model, cfg: TrainConfig):
         first_bf16=cfg.num_layers_at_start_in_bf16 or None,
         last_bf16=cfg.num_layers_at_end_in_bf16 or None,
     )
+    check_rules_match(config, [p for p, _ in table], cfg.preset)
     model.output_layer.set_recipe(get_recipe("bf16"))
     table = [(p, "bf16 [output layer]" if p == "output_layer" else d) for p, d in table]
     return table, config.base
+
+
+def check_rules_match(config: PrecisionConfig, paths: list[str], preset: str) -> None:
+    """A rule that matches no module is a typo or a file written for another model: refuse it.
+    The built-in files are exempt: `super-mixed` keeps Megatron's `*.mtp.*` rule, which no
+    module path of the lab's model has."""
+    if config.source.startswith(str(CONFIG_DIR)):
+        return
+    for i, rule in enumerate(config.rules):
+        if not any(rule.matches(p) for p in paths):
+            examples = ", ".join(paths[:2] + paths[-1:])
+            raise PrecisionConfigError(
+                f"{config.source}: key 'rules[{i}].match' {rule.pattern!r} (recipe {rule.name}) "
+                f"matches no module of the {preset} model; expected a glob over module paths "
+                f"such as {examples}"
+            )
 
 
 def summarize_table(table: list[tuple[str, str]]) -> str:
@@ -137,6 +225,7 @@ def train(cfg: TrainConfig, console=None) -> TrainResult:
 
 def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
     device = resolve_device(cfg.device)
+    check_memory(cfg, device)
     result = TrainResult(device=str(device))
     model = build_model(model_args(cfg), device=device, seed=cfg.seed)
     result.recipe_table, ambient = bind_precision(model, cfg)
@@ -262,10 +351,7 @@ def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
                 n = it - interval_first + 1
                 loss = step_losses[-1].item()
                 if not math.isfinite(loss):
-                    err = FloatingPointError(f"loss is {loss} at iteration {it}")
-                    err.iteration = it  # for callers that report where training went wrong
-                    err.losses = [float(x) for x in step_losses]
-                    raise err
+                    raise TrainingDiverged(loss, it, [float(x) for x in step_losses])
                 metrics.log(
                     it,
                     cfg.train_iters,

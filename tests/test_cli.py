@@ -1,0 +1,319 @@
+"""CPU: the command line as a newcomer meets it. `graphsan run` runs a program as `python` would
+(argv, sys.path, tracebacks, exit status), checks its --report path before the program starts and
+writes the report however the program ends; `graphsan report` names what is wrong in a broken
+file; `--help` and `--version` load neither torch nor the lab, and `graphsan run` never loads the
+lab. Every mistake is one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import graphsan
+from graphsan.cli import main
+from graphsan.report import Report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+# `python -P`: nothing put before sys.path, like the `graphsan` console script (whose folder is
+# sys.path[0], not the current directory)
+CONSOLE = [
+    sys.executable,
+    "-P",
+    "-c",
+    "import sys; from graphsan.cli import main; sys.exit(main())",
+]
+
+
+def status(argv: list[str]) -> int:
+    """main's exit status, whether it returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def lines(text: str) -> list[str]:
+    return [ln for ln in text.strip().splitlines() if ln and not ln.startswith("graphsan: CUDA")]
+
+
+def test_help_and_version_load_neither_torch_nor_the_lab():
+    code = (
+        "import contextlib, io, sys\n"
+        "from graphsan.cli import main\n"
+        "for argv in (['--help'], ['--version'], ['report', '--help']):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "    print(repr(out.getvalue()))\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('graphsan.lab')))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    help_text, version, report_help, loaded = p.stdout.strip().splitlines()
+    for command in ("run", "report", "train", "repro"):
+        assert command in help_text
+    assert eval(version) == f"graphsan {graphsan.__version__}\n"
+    assert "REPORT.json" in report_help
+    assert loaded == "[]"
+
+
+def test_the_version_is_the_package_version():
+    with open(os.path.join(ROOT, "pyproject.toml")) as fh:
+        text = fh.read()
+    assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == graphsan.__version__
+
+
+def test_run_m_finds_modules_in_the_current_folder_and_loads_no_lab(tmp_path):
+    pkg = tmp_path / "mymod"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tool.py").write_text(
+        "import json, sys\n"
+        "loaded = [m for m in sys.modules if m.startswith('graphsan.lab')]\n"
+        "heavy = [m for m in ('rich', 'yaml') if m in sys.modules]\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'lab': loaded, 'heavy': heavy,\n"
+        "                  'name': __name__}))\n"
+    )
+    p = subprocess.run(
+        [*CONSOLE, "run", "-m", "mymod.tool", "-x", "--policy", "y"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    assert seen == {"argv": ["-x", "--policy", "y"], "lab": [], "heavy": [], "name": "__main__"}
+
+
+@pytest.fixture
+def prog(tmp_path):
+    """Write a script; returns its path (the script leaves `ran` beside it when it starts)."""
+
+    def write(body: str, name: str = "prog.py") -> str:
+        path = tmp_path / name
+        path.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n{body}")
+        return str(path)
+
+    return write
+
+
+def test_an_import_error_in_the_program_shows_the_programs_traceback(prog, capsys):
+    script = prog("import no_such_module_of_yours\n")
+    assert main(["run", script]) == 1
+    err = capsys.readouterr().err
+    assert lines(err) == [
+        "Traceback (most recent call last):",
+        f'  File "{script}", line 2, in <module>',
+        "    import no_such_module_of_yours",
+        "ModuleNotFoundError: No module named 'no_such_module_of_yours'",
+    ]
+
+
+def test_the_programs_own_error_is_its_traceback_and_exit_1(prog, capsys):
+    script = prog("def f():\n    raise KeyError('k')\nf()\n")
+    assert main(["run", script]) == 1
+    err = lines(capsys.readouterr().err)
+    assert err[0] == "Traceback (most recent call last):" and err[-1] == "KeyError: 'k'"
+    assert not any("cli.py" in ln or "runpy" in ln for ln in err), err
+    script = prog("x = (\n", name="syntax.py")
+    assert main(["run", script]) == 1
+    assert lines(capsys.readouterr().err)[-1] == "SyntaxError: '(' was never closed"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "stderr"),
+    [
+        ("import sys; sys.exit('the input is empty')\n", 1, ["the input is empty"]),
+        ("import sys; sys.exit(4)\n", 4, []),
+        ("import sys; sys.exit()\n", 0, []),
+        ("import sys; sys.exit(None)\n", 0, []),
+        ("print('done')\n", 0, []),
+    ],
+)
+def test_sys_exit_works_as_with_python(prog, capsys, body, status, stderr):
+    assert main(["run", prog(body)]) == status
+    assert lines(capsys.readouterr().err) == stderr
+
+
+def test_the_program_gets_its_own_arguments_and_options(prog, capsys):
+    script = prog("import sys; print(sys.argv)\n")
+    assert main(["run", "--policy", "warn", script, "--policy", "x", "-m", "y"]) == 0
+    assert capsys.readouterr().out.strip() == repr([script, "--policy", "x", "-m", "y"])
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["raise RuntimeError('boom')\n", "import sys; sys.exit('stop')\n", "raise KeyboardInterrupt\n"],
+)
+def test_the_report_is_written_however_the_program_ends(prog, tmp_path, capsys, body):
+    report = tmp_path / "out.json"
+    assert main(["run", "--policy", "record", "--report", str(report), prog(body)]) != 0
+    assert Report.load(str(report)).policy == "record"
+    assert f"report written to {report}" in capsys.readouterr().err
+
+
+def test_a_report_that_cannot_be_written_at_the_end_is_printed_instead(prog, tmp_path, capsys):
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    script = prog(f"import shutil; shutil.rmtree({str(folder)!r})\n")
+    assert main(["run", "--report", str(folder / "out.json"), script]) == 1
+    err = lines(capsys.readouterr().err)
+    assert err[0].startswith(f"graphsan run: error: could not write the report to {folder}")
+    assert err[1].startswith("graphsan report: 0 graph(s), 0 node(s) analysed, 0 finding(s)")
+
+
+def _read_only_folder(tmp_path) -> str:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:  # root writes anyway: use a folder no one can create files in
+        (ro / "probe").touch()
+    except OSError:
+        return str(ro)
+    return "/proc"
+
+
+@pytest.mark.parametrize("where", ["missing folder", "read-only folder", "a directory", "empty"])
+def test_a_bad_report_path_is_refused_before_the_program_starts(prog, tmp_path, capsys, where):
+    script = prog("print('ran')\n")
+    path = {
+        "missing folder": str(tmp_path / "no" / "out.json"),
+        "read-only folder": os.path.join(_read_only_folder(tmp_path), "out.json"),
+        "a directory": str(tmp_path),
+        "empty": "",
+    }[where]
+    assert main(["run", "--report", path, script]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"graphsan run: error: --report {path or repr('')}")
+    assert not (tmp_path / "ran").exists()
+    assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([], "expected a script path or -m MODULE"),
+        (["missing.py"], "no such script: missing.py"),
+        (["-m", "no_such_pkg.tool"], "-m no_such_pkg.tool: no module named 'no_such_pkg'"),
+        (["-m", "json"], "-m json: 'json' is a package without a __main__ module"),
+        (["-m"], "argument -m: expected one argument"),
+        (["--policy", "loud", "x.py"], "argument --policy: invalid choice: 'loud'"),
+        (["--pol", "warn", "x.py"], "unrecognized arguments: --pol"),
+    ],
+)
+def test_run_mistakes_are_one_line(argv, needle, capsys):
+    assert status(["run", *argv]) == 2
+    err = lines(capsys.readouterr().err)
+    assert len(err) == 1 and err[0].startswith("graphsan run: error: ") and needle in err[0], err
+
+
+def test_top_level_mistakes_are_one_line(capsys):
+    for argv, needle in (([], "expected a command: run, report"), (["rnu"], "invalid choice")):
+        assert status(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("graphsan: error: ") and needle in err[0]
+
+
+# ----------------------------------------------------------------------------- graphsan report
+def _saved_report(tmp_path) -> dict:
+    from tests.test_plugin_and_ranks import finding
+
+    path = tmp_path / "good.json"
+    Report([finding(rank=0)], [{"id": 3, "nodes": 12}], rank=0, policy="record").save(str(path))
+    return json.loads(path.read_text())
+
+
+def _breakages():
+    def finding(d):
+        return d["findings"][0]
+
+    return {
+        "findings is not a list": (lambda d: d.update(findings={}), "findings is {}"),
+        "a finding without its graph": (
+            lambda d: finding(d).pop("graph"),
+            "findings[0]: key 'graph' is missing",
+        ),
+        "an unknown kind": (
+            lambda d: finding(d).update(kind="escaped"),
+            "findings[0].kind is 'escaped'; expected one of freed, reowned",
+        ),
+        "an address as text": (
+            lambda d: finding(d).update(address="0x10"),
+            "findings[0].address is '0x10'; expected an integer",
+        ),
+        "a bad frame": (
+            lambda d: finding(d).update(free_stack=[["train.py", "x", "f"]]),
+            "findings[0].free_stack[0] is ['train.py', 'x', 'f']; expected [file, line, function]",
+        ),
+        "a bad capture site": (
+            lambda d: finding(d)["graph"].update(capture_site="train.py:1"),
+            "findings[0].graph.capture_site is 'train.py:1'; expected a list",
+        ),
+        "an unknown field": (
+            lambda d: finding(d).update(colour="red"),
+            "findings[0]: unknown key 'colour'",
+        ),
+        "a graph that is not a mapping": (lambda d: d.update(graphs=[3]), "graphs[0] is 3"),
+        "a rank as text": (lambda d: d.update(rank="0"), "rank is '0'; expected an integer"),
+        "pinned bytes as text": (
+            lambda d: d.update(pinned={"bytes": "many"}),
+            "pinned.bytes is 'many'",
+        ),
+        "also_used_by without a kernel": (
+            lambda d: finding(d).update(
+                also_used_by=[{"graph": 1, "label": "g", "node": 2, "param": 0, "offset": 8}]
+            ),
+            "findings[0].also_used_by[0]: key 'kernel' is missing",
+        ),
+    }
+
+
+@pytest.mark.parametrize("broken", list(_breakages()))
+def test_report_on_a_broken_file_names_the_file_and_what_is_wrong(tmp_path, capsys, broken):
+    data = _saved_report(tmp_path)
+    assert main(["report", str(tmp_path / "good.json")]) == 0
+    capsys.readouterr()
+    change, needle = _breakages()[broken]
+    change(data)
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(data))
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"graphsan report: error: {path}: not a valid graphsan report: ")
+    assert needle in err[0], err
+
+
+def test_report_mistakes_are_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing.json")]) == 2
+    (tmp_path / "list.json").write_text("[]")
+    assert main(["report", str(tmp_path / "list.json")]) == 2
+    (tmp_path / "trunc.json").write_text('{"schema": "graphsan.report", "vers')
+    assert main(["report", str(tmp_path / "trunc.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(ln.startswith("graphsan report: error: ") for ln in err)
+    assert status(["report"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_train_help_shows_the_defaults(capsys):
+    assert status(["train", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for needle in (
+        "--preset PRESET model preset: tiny, small, super (default: tiny)",
+        "--lr LR AdamW learning rate (finite, >= 0) (default: 0.003)",
+        "--train-iters TRAIN_ITERS training iterations (default: 20)",
+        "--save SAVE checkpoint directory (default: out/checkpoints)",
+        "--graph-state GRAPH_STATE fixed | te218",
+    ):
+        assert needle in out, needle
