@@ -20,6 +20,16 @@ from graphsan.lab.repro import Outcome
 from graphsan.lab.train.trainer import bind_precision, model_args
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    """The tiny model's operations are too small to share out between threads, and on a shared
+    machine threads that wait for each other slow every step down."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
 def test_each_case_builds_the_configuration_it_names(case):
     for reference in (False, True):
@@ -126,8 +136,8 @@ def test_a_case_that_overruns_its_time_is_reported_not_waited_for(monkeypatch):
     """The child reports one iteration, then hangs far longer than the test allows."""
     hang = "print('ITERATION 1 t=0.1', flush=True); import time; time.sleep(120)"
     monkeypatch.setattr(repro, "child_command", lambda *a: [sys.executable, "-c", hang])
-    res = repro._spawn(repro.CASES[0], "tiny", timeout=5)
-    assert res["outcome"] == "timed out after 5 s"  # killed, not left to finish its sleep
+    res = repro._spawn(repro.CASES[0], "tiny", timeout=3)
+    assert res["outcome"] == "timed out after 3 s"  # killed, not left to finish its sleep
     assert res["iteration"] == 2  # how far it got: the iteration after the last one logged
     assert res["timeline"] == [0.1]
     assert Outcome.of(res["outcome"]) is Outcome.OTHER
