@@ -310,3 +310,17 @@ def test_mamba_heads_widen_only_the_mamba():
     repro.add_arguments(parser)
     args = parser.parse_args(["--mamba-heads", "128", "--case", "1"])
     assert args.mamba_heads == 128
+
+
+def test_a_kernel_assertion_is_a_device_side_assert_even_when_python_lost_the_message():
+    # seen on the H200: a GPU-trace hook ran while the CUDA error was being raised, so the log
+    # holds a SystemError from the hook and the kernel's own assertion lines, not PyTorch's text
+    log = (
+        "[E1201 00:57:14.8 PyInterpreter.cpp:132] cuda trace hook execution failed: SystemError: "
+        "<built-in function __import__> returned a result with an exception set\n"
+        "/pytorch/aten/src/ATen/native/cuda/ScatterGatherKernel.cu:163: operator(): block: [1,0,0],"
+        ' thread: [18,0,0] Assertion `idx_dim >= 0 && idx_dim < index_size && "scatter gather '
+        'kernel index out of bounds"` failed.\n'
+    )
+    assert repro._result_of("", log, 1)["outcome"] == "device-side assert"
+    assert repro._result_of("", log.splitlines()[0], 1)["outcome"] == "died (exit 1)"

@@ -25,6 +25,7 @@ import enum
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -491,9 +492,14 @@ def _crash_kind(text: str) -> str | None:
     bounds check tripping over indices that the replay's stale writes overwrote."""
     if "illegal memory access" in text:
         return "illegal memory access"
-    if "device-side assert" in text:
+    # the kernel's own message counts too: PyTorch's "device-side assert triggered" can be lost
+    # when a GPU-trace hook runs while the error is being raised (SystemError in the hook)
+    if "device-side assert" in text or _KERNEL_ASSERT.search(text):
         return "device-side assert"
     return None
+
+
+_KERNEL_ASSERT = re.compile(r"\.cuh?:\d+: .*Assertion `.*` failed")
 
 
 def _result_of(result: str, log: str, rc: int) -> dict:
