@@ -314,22 +314,14 @@ def matrix_entries() -> list[dict]:
     ref = [10.4, 9.8, 9.1, 8.7, 8.3, 8.0, 7.8]
     ref_eval = [[5, 8.6]]
 
-    def case(n, title, graphsan="off", state="te218", expected="trains through"):
-        return {
-            "n": n,
-            "title": title,
-            "precision": "super-mixed",
-            "scopes": ["attn", "mamba", "moe_router", "moe_preprocess"],
-            "state": state,
-            "graphsan": graphsan,
-            "empty_cache": True,
-            "compare": n in (5, 6),
-            "expected": expected,
-        }
+    from graphsan.lab.repro import CASES
+
+    def case(n):
+        return CASES[n - 1].to_dict()  # as `graphsan repro --json` writes it
 
     return [
         {
-            "case": case(1, "reported failure", expected="a crash after validation"),
+            "case": case(1),
             "result": {
                 "outcome": "illegal memory access",
                 "iteration": 6,
@@ -340,7 +332,7 @@ def matrix_entries() -> list[dict]:
             },
         },
         {
-            "case": case(4, "graphsan raise", "raise", expected="StaleMemoryError"),
+            "case": case(4),
             "result": {
                 "outcome": "StaleMemoryError",
                 "iteration": 6,
@@ -351,7 +343,7 @@ def matrix_entries() -> list[dict]:
             },
         },
         {
-            "case": case(5, "no empty_cache", "record", expected="corrupted training"),
+            "case": case(5),
             "result": {
                 "outcome": "silent corruption",
                 "iteration": 6,
@@ -365,7 +357,7 @@ def matrix_entries() -> list[dict]:
             },
         },
         {
-            "case": case(6, "fixed state policy", state="fixed"),
+            "case": case(6),
             "result": {
                 "outcome": "trained through",
                 "iteration": None,

@@ -31,15 +31,15 @@ def matrix_view(entries: list[dict[str, Any]], reference: dict[str, Any] | None 
     for e in entries:
         ref = _reference(e.get("result", {}), None)
         if ref is not None:
-            by_recipe.setdefault(e.get("case", {}).get("precision"), ref)
+            by_recipe.setdefault(e.get("case", {}).get("recipe"), ref)
     for e in entries:
         case, res = e.get("case", {}), e.get("result", {})
-        ref = _reference(res, reference) or by_recipe.get(case.get("precision"))
+        ref = _reference(res, reference) or by_recipe.get(case.get("recipe"))
         matched = res.get("matched", case.get("matched"))
         outcome = str(res.get("outcome", "?"))
         rows.append(
             {
-                "n": case.get("n", "?"),
+                "n": case.get("case", "?"),
                 "title": case.get("title", ""),
                 "config": _config(case),
                 "expected": _expected(case),
@@ -50,7 +50,7 @@ def matrix_view(entries: list[dict[str, Any]], reference: dict[str, Any] | None 
                 "evidence": "; ".join(x for x in (res.get("symptom"), res.get("comparison")) if x),
                 "finding": res.get("finding", ""),
                 "wall_s": res.get("wall_s"),
-                "anchor": f"case-{case.get('n', len(rows) + 1)}",
+                "anchor": f"case-{case.get('case', len(rows) + 1)}",
             }
         )
         plots.append(_plot(rows[-1], res, ref))
@@ -73,9 +73,10 @@ def _reference(res: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
 
 
 def _config(case: dict[str, Any]) -> list[tuple[str, str]]:
-    scopes = case.get("scopes") or ()
+    """The configuration columns of a case as `graphsan repro --json` writes it (`Case.to_dict`)."""
+    scopes = case.get("graphed_modules") or ()
     out = [
-        ("recipe", case.get("precision", "")),
+        ("recipe", case.get("recipe", "")),
         ("graphed", ", ".join(scopes) if not isinstance(scopes, str) else scopes),
         ("state", case.get("state", "")),
         ("graphsan", case.get("graphsan", "")),
@@ -86,11 +87,11 @@ def _config(case: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _expected(case: dict[str, Any]) -> str:
-    text = str(case.get("expected", ""))
-    outcomes = case.get("expected_outcomes") or case.get("outcomes")
-    if outcomes and not isinstance(outcomes, str):
-        text = f"{text} [{' | '.join(map(str, outcomes))}]".strip()
-    return text
+    """The outcomes a case may legitimately end in, as words ("a or b")."""
+    expected = case.get("expected", "")
+    if isinstance(expected, (list, tuple)):
+        return " or ".join(map(str, expected))
+    return str(expected)
 
 
 def _finite(xs) -> list[float]:
