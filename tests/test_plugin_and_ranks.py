@@ -3,6 +3,7 @@ trips and multi-rank merge."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,6 @@ import sys
 import pytest
 
 from graphsan.cli import main, report_path_for
-from graphsan.ranks import merge_reports
 from graphsan.report import (
     Finding,
     GraphInfo,
@@ -20,6 +20,7 @@ from graphsan.report import (
     format_finding,
     short_kernel,
 )
+from graphsan.report.ranks import merge_reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest_plugins = ["pytester"]
@@ -281,13 +282,12 @@ def test_pytest_plugin_help_names_every_policy(pytester):
 
 
 def test_a_long_kernel_name_prints_short_and_stays_whole_in_json():
-    f = finding()
-    f.kernel = WHERE
+    f = dataclasses.replace(finding(), kernel=WHERE)
     text = format_finding(f)
     assert (
         f"  node 7: at::native::elementwise_kernel<> [where_kernel_impl] ({len(WHERE)}-character "
         "name in the JSON report)" in text
     )
     assert Report([f]).to_dict()["findings"][0]["kernel"] == WHERE
-    f.kernel = "void dequant<float>(float const*, float*)"
+    f = dataclasses.replace(f, kernel="void dequant<float>(float const*, float*)")
     assert "  node 7: void dequant<float>(float const*, float*)\n" in format_finding(f)

@@ -105,7 +105,7 @@ def _environment():
         import jinja2
 
         _ENV = jinja2.Environment(
-            loader=jinja2.PackageLoader("graphsan", "templates"),
+            loader=jinja2.PackageLoader("graphsan.report", "templates"),
             autoescape=True,
             undefined=jinja2.StrictUndefined,  # a misspelt field fails the tests, not silently
             trim_blocks=True,
@@ -124,12 +124,12 @@ def write_report_outputs(
             check_output(path, what)
     said = []
     if html:
-        from graphsan.pages.report_page import render_report
+        from graphsan.report.pages.report_page import render_report
 
         write_text(html, render_report(reports, names), "--html")
         said.append(f"graphsan: HTML report written to {html}")
     if trace:
-        from graphsan.pages.trace import chrome_trace
+        from graphsan.report.pages.trace import chrome_trace
 
         data = chrome_trace(reports, names)
         write_text(trace, json.dumps(data, separators=(",", ":")), "--trace")
@@ -146,7 +146,7 @@ def write_report_outputs(
 def write_matrix_page(path: str, entries: list[dict[str, Any]], reference=None) -> bool:
     """The matrix page for `graphsan repro --html`; False (and one line on stderr) when the file
     cannot be written."""
-    from graphsan.pages.matrix import render_matrix
+    from graphsan.report.pages.matrix import render_matrix
 
     try:
         write_text(check_output(path, "--html"), render_matrix(entries, reference), "--html")
