@@ -12,7 +12,7 @@ from typing import Any
 
 from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, OtherUse, frame_text
 from graphsan.report.json_report import Report
-from graphsan.report.pages import nice_ticks, render, replay_index
+from graphsan.report.pages.templating import nice_ticks, render, replay_index
 from graphsan.report.ranks import finding_signature
 from graphsan.report.text import NO_FREE_FRAMES, no_free_stack, short_kernel, when
 

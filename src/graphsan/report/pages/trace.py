@@ -13,7 +13,7 @@ from typing import Any
 
 from graphsan.core.records import Finding
 from graphsan.report.json_report import Report
-from graphsan.report.pages import replay_index
+from graphsan.report.pages.templating import replay_index
 from graphsan.report.text import short_kernel
 
 PHASE_TID, ALLOC_TID, UNKNOWN_STREAM_TID = 1, 2, 3
