@@ -49,9 +49,8 @@ def references(
 
     Kernel parameters follow the C++ ABI, so a pointer sits at an 8-byte-aligned offset of the
     parameter buffer (inside structs too) unless a struct is declared packed. Unaligned words
-    (`unaligned=True`, for such packed buffers) cost false alarms: on the H200 a pointer's zero
-    high bytes followed by a small int64 (16384, a size) read at offset 13 as an address inside an
-    18 MB block of the default pool.
+    (`unaligned=True`, for such packed buffers) cost false alarms: a pointer's zero high bytes
+    followed by a small integer read, at an odd offset, as an address inside a large block.
 
     The aligned words of all kernels are compared in one vectorized pass, so a graph of
     thousands of nodes costs one numpy scan plus a lookup per candidate.

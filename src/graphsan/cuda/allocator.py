@@ -48,9 +48,9 @@ MAX_ENTRIES = 1 << 18
 # Below this many new entries a drain applies them; above it (and above twice the blocks the view
 # holds) a fresh snapshot is cheaper.
 RESEED_ENTRIES = 20_000
-# Frames kept per allocation stack (innermost first while walking); user frames are picked later.
-# Walking a frame costs about 0.3 us, paid by every allocation: the innermost 24 reach the user's
-# module code through torch's call wrappers.
+# Frames kept per allocation stack (innermost first while walking; user frames are picked later):
+# every allocation pays for the walk, and the innermost 24 reach the user's code through torch's
+# call wrappers.
 SITE_DEPTH = 24
 Site = tuple  # (code, instruction offset, code, instruction offset, ...), innermost first
 
