@@ -15,9 +15,8 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from graphsan.pin import Pinner  # noqa: E402
-from test_pin_cpu import capture, fake_san  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.pin_helpers import capture, fake_san, pinner_for  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +33,7 @@ def main() -> None:
     for n in args.objects:
         clutter = [[i] for i in range(n)]  # gc-tracked containers, like a large program's
         san = fake_san()
-        pinner = Pinner(san, device_type="cpu")
+        pinner = pinner_for(san)
         owners = types.SimpleNamespace(t=[])
         for gid in range(1, args.graphs + 1):
             ts = [torch.empty(16) for _ in range(args.blocks_per_graph)]

@@ -204,7 +204,7 @@ finish()
 """,
     # the sanitizer breaks internally: it must disable itself and let the program run
     "internal_error": """
-import graphsan._driver as d
+import graphsan.cuda.driver as d
 def broken(*a, **k):
     raise RuntimeError("simulated driver failure")
 d.walk = broken

@@ -14,8 +14,8 @@ import random
 
 import pytest
 
-from graphsan.allocview import AllocatorView, ViewError, layout
-from graphsan.analysis import DEFAULT_POOL, MemoryMap
+from graphsan.core.memory_map import AllocatorView, MemoryMap, ViewError, layout
+from graphsan.core.records import DEFAULT_POOL
 
 PAGE = 2 << 20
 ALIGN = 512

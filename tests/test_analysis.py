@@ -9,18 +9,19 @@ import struct
 
 import pytest
 
-from graphsan.analysis import (
+from graphsan.core.memory_map import MemoryMap
+from graphsan.core.records import (
     DEFAULT_POOL,
     CopyArgs,
     FreeEvent,
+    GraphInfo,
     KernelArgs,
-    MemoryMap,
+    OtherUse,
     Reference,
-    Tracker,
-    references,
-    scan_words,
 )
-from graphsan.report import GraphInfo, finding_from_dict, finding_to_dict, format_finding
+from graphsan.core.scan import references, scan_words
+from graphsan.core.tracker import Tracker
+from graphsan.report import finding_from_dict, finding_to_dict, format_finding, one_line
 
 SEG = 0x7F00_0000_0000
 POOL = (1, 0)
@@ -94,8 +95,8 @@ def tracker_with(refs, gid=1):
 
 def test_classifies_references_at_capture():
     t, state = tracker_with([ref(A + 16), ref(B, node=3), ref(P), ref(Q), ref(0x1234_5678_0000)])
-    s = state.stats
-    assert (s["default"], s["own"], s["temporary"], s["foreign"]) == (2, 1, 1, 1)
+    c = state.counts
+    assert (c.default, c.own, c.temporary, c.foreign, c.references) == (2, 1, 1, 1, 5)
     assert set(state.blocks) == {A, B, P}
     assert not state.dirty
 
@@ -132,15 +133,13 @@ def test_a_finding_names_the_other_graphs_that_use_the_block():
     t.on_free(A, event())
     now = MemoryMap.from_snapshot(snapshot((SEG, DEFAULT_POOL, [(0, 16384, "inactive")])))
     (f,) = t.judge(1, now)
-    assert f.also_used_by == [
-        {"graph": 2, "label": "g2", "node": 7, "kernel": "gemm_dgrad", "param": 1, "offset": 8}
-    ]
+    assert f.also_used_by == (OtherUse(2, "g2", 7, "gemm_dgrad", 1, 8),)
     text = format_finding(f)
     assert "also used by:\n      graph #2 'g2' node 7: gemm_dgrad param 1+8" in text
     assert finding_from_dict(json.loads(json.dumps(finding_to_dict(f)))) == f
     t.forget(2)
     t.graphs[1].dirty = True
-    assert t.judge(1, now)[0].also_used_by == []
+    assert t.judge(1, now)[0].also_used_by == ()
 
 
 def test_a_free_after_the_snapshot_waits_for_the_next_judgement():
@@ -308,7 +307,7 @@ def test_default_pool_memory_already_free_at_capture_end():
     assert state.dirty
     (f,) = t.judge(1, MemoryMap.from_snapshot(snap))
     assert f.kind == "freed" and f.free_op == "freed before capture ended"
-    assert "already free when the capture ended" in f.one_line()
+    assert "already free when the capture ended" in one_line(f)
     assert "freed: before the capture ended" in format_finding(f)
 
 
@@ -318,7 +317,7 @@ def test_a_free_without_user_frames_is_said_to_come_from_torch():
     (f,) = t.judge(
         1, MemoryMap.from_snapshot(snapshot((SEG, DEFAULT_POOL, [(0, 16384, "inactive")])))
     )
-    assert "freed at torch internals (no Python frames of yours" in f.one_line()
+    assert "freed at torch internals (no Python frames of yours" in one_line(f)
     assert "      <torch internals (no Python frames" in format_finding(f)
 
 

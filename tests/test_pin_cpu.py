@@ -3,60 +3,16 @@ device-independent; the GPU tests check it on real graphs)."""
 
 from __future__ import annotations
 
-import types
-
 import torch
 
-from graphsan.analysis import MemoryMap, Reference, Tracker
-from graphsan.context import Context
-from graphsan.pin import Pinner
-from graphsan.report import GraphInfo
-
-
-def fake_san():
-    def fail(err):
-        raise err
-
-    return types.SimpleNamespace(
-        tracker=Tracker(),
-        memory=types.SimpleNamespace(redirect_resize=None),
-        context=Context(),
-        _internal_error=fail,
-    )
-
-
-def memmap_for(*tensors):
-    segs = []
-    for t in tensors:
-        st = t.untyped_storage()
-        segs.append(
-            {
-                "address": st.data_ptr(),
-                "total_size": st.nbytes(),
-                "segment_pool_id": (0, 0),
-                "blocks": [
-                    {"address": st.data_ptr(), "size": st.nbytes(), "state": "active_allocated"}
-                ],
-            }
-        )
-    return MemoryMap.from_snapshot({"segments": segs})
-
-
-class Holder:
-    pass
-
-
-def capture(san, pinner, gid, tensors):
-    m = memmap_for(*tensors)
-    refs = [Reference(i, "k", 0, 0, t.data_ptr()) for i, t in enumerate(tensors)]
-    state = san.tracker.add_graph(GraphInfo(gid, f"g{gid}", [], (1, gid), 0), refs, m)
-    pinner.pin(state)
-    return state
+from graphsan.core.memory_map import MemoryMap
+from graphsan.core.records import GraphInfo, Reference
+from tests.pin_helpers import Holder, capture, fake_san, memmap_for, pinner_for
 
 
 def test_owners_anywhere_are_found_and_held_after_the_user_drops_them():
     san = fake_san()
-    pinner = Pinner(san, device_type="cpu")
+    pinner = pinner_for(san)
     obj, box = Holder(), {}
     obj.workspace = torch.randn(4096)
     box["cache"] = [torch.randn(2048)]
@@ -82,7 +38,7 @@ def test_owners_anywhere_are_found_and_held_after_the_user_drops_them():
 
 def test_memory_without_a_python_owner_is_unpinnable():
     san = fake_san()
-    pinner = Pinner(san, device_type="cpu")
+    pinner = pinner_for(san)
     t = torch.randn(1024)
     m = memmap_for(t)
     fake = MemoryMap.from_snapshot(
@@ -109,7 +65,7 @@ def test_memory_without_a_python_owner_is_unpinnable():
 
 def test_one_scan_serves_every_graph_captured_since_the_last():
     san = fake_san()
-    pinner = Pinner(san, device_type="cpu")
+    pinner = pinner_for(san)
     keep = [torch.randn(256) for _ in range(6)]
     for gid in range(1, 4):
         capture(san, pinner, gid, keep[2 * gid - 2 : 2 * gid])
@@ -120,7 +76,7 @@ def test_one_scan_serves_every_graph_captured_since_the_last():
 
 def test_a_growing_resize_of_pinned_memory_gets_a_fresh_storage():
     san = fake_san()
-    pinner = Pinner(san, device_type="cpu")
+    pinner = pinner_for(san)
     ws = torch.arange(64, dtype=torch.float32)
     old_ptr = ws.untyped_storage().data_ptr()
     capture(san, pinner, 1, [ws])
@@ -137,7 +93,7 @@ def test_a_growing_resize_of_pinned_memory_gets_a_fresh_storage():
 
 def test_an_eval_switch_pins_before_validation_can_free():
     san = fake_san()
-    pinner = Pinner(san, device_type="cpu")
+    pinner = pinner_for(san)
     model = torch.nn.Linear(4, 4)
     model.cache = torch.randn(512)
     ptr = model.cache.data_ptr()
@@ -156,7 +112,7 @@ def test_an_eval_switch_pins_before_validation_can_free():
 
 def test_inputs_made_just_before_capture_are_pinned_at_capture_end():
     san = fake_san()
-    pinner = Pinner(san, device_type="cpu")
+    pinner = pinner_for(san)
     x = torch.randn(1000)
     ptr = x.data_ptr()
     young = pinner.young_objects()

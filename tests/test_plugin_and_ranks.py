@@ -3,12 +3,12 @@ trips and multi-rank merge."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from graphsan.cli import main, report_path_for
-from graphsan.ranks import merge_reports
 from graphsan.report import (
     Finding,
     GraphInfo,
@@ -17,6 +17,7 @@ from graphsan.report import (
     format_finding,
     short_kernel,
 )
+from graphsan.report.ranks import merge_reports
 
 pytest_plugins = ["pytester"]
 
@@ -269,13 +270,12 @@ def test_pytest_plugin_help_names_every_policy(pytester):
 
 
 def test_a_long_kernel_name_prints_short_and_stays_whole_in_json():
-    f = finding()
-    f.kernel = WHERE
+    f = dataclasses.replace(finding(), kernel=WHERE)
     text = format_finding(f)
     assert (
         f"  node 7: at::native::elementwise_kernel<> [where_kernel_impl] ({len(WHERE)}-character "
         "name in the JSON report)" in text
     )
     assert Report([f]).to_dict()["findings"][0]["kernel"] == WHERE
-    f.kernel = "void dequant<float>(float const*, float*)"
+    f = dataclasses.replace(f, kernel="void dequant<float>(float const*, float*)")
     assert "  node 7: void dequant<float>(float const*, float*)\n" in format_finding(f)

@@ -17,10 +17,10 @@ from html import unescape
 import pytest
 
 from graphsan.cli import main
-from graphsan.pages import check_output
-from graphsan.pages.matrix import matrix_view, render_matrix
-from graphsan.pages.report_page import kernel_signature, render_report, report_view
 from graphsan.report import Finding, GraphInfo, Report, short_kernel
+from graphsan.report.pages import check_output
+from graphsan.report.pages.matrix import matrix_view, render_matrix
+from graphsan.report.pages.report_page import kernel_signature, render_report, report_view
 from tests.browser import find_chromium, open_page
 
 T0 = 1_780_000_000.0  # a fixed wall-clock start, so pages render the same every run

@@ -11,8 +11,11 @@ import types
 import pytest
 import torch
 
-from graphsan import _driver, memory, sanitizer
-from graphsan.analysis import FreeEvent, KernelArgs, MemoryMap, WalkStats
+from graphsan import sanitizer
+from graphsan.core.memory_map import MemoryMap
+from graphsan.core.records import FreeEvent, KernelArgs, Release, WalkStats
+from graphsan.cuda import allocator as memory
+from graphsan.cuda import driver as _driver
 from graphsan.report import StaleMemoryError
 
 SEG = 0x7F00_0000_0000
@@ -80,7 +83,7 @@ def free_block(san, ptr=SEG):
 def test_capture_registers_the_graph_and_its_reference(env):
     san, g = captured("raise")
     state = g.__dict__["_graphsan_state"]
-    assert state.stats["default"] == 1 and not state.dirty
+    assert state.counts.default == 1 and not state.dirty
     (stats,) = san.report().graphs
     assert stats["nodes"] == 1 and stats["references"] == 1 and stats["pool"] == [1, 3]
     by_stage = stats["analysis_ms_by_stage"]
@@ -149,7 +152,7 @@ def test_an_unmapped_finding_names_the_empty_cache_call_relative_to_the_cwd(env)
     state = g.__dict__["_graphsan_state"]
     assert free_block(san)
     here = os.path.join(os.getcwd(), "train.py")
-    san.memory.last_release = ([(here, 21, "validate")], "eval", 5)
+    san.memory.last_release = Release(((here, 21, "validate"),), "eval", 5)
     env["map"] = MemoryMap.from_snapshot({"segments": []})  # the segment went back
     with pytest.raises(StaleMemoryError) as err:
         san.before_replay(g, state)

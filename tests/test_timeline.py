@@ -9,9 +9,12 @@ import types
 import pytest
 import torch
 
-from graphsan import _driver, sanitizer
-from graphsan.analysis import KernelArgs, MemoryMap, WalkStats
-from graphsan.timeline import Timeline, node_summary
+from graphsan import sanitizer
+from graphsan.core.memory_map import MemoryMap
+from graphsan.core.records import KernelArgs, WalkStats
+from graphsan.cuda import driver as _driver
+from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.report.timeline import Timeline, node_summary
 
 T0 = 1_780_000_000.0
 MUL = "void at::native::vectorized_elementwise_kernel<4, at::native::MulFunctor<float> >(int)"
@@ -89,7 +92,8 @@ def fake_cuda(monkeypatch):
     )
     monkeypatch.setattr(_driver, "is_mapped", lambda ptr: True)
     monkeypatch.setattr(_driver, "address_range", lambda ptr: None)
-    monkeypatch.setattr(sanitizer, "snapshot_map", lambda device=None: state["map"])
+    monkeypatch.setattr(AllocatorWatch, "view", lambda self, device, sync=True: state["map"])
+    monkeypatch.setattr(AllocatorWatch, "sync", lambda self, check_pool=None: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(
         torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0xAB)

@@ -14,8 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from graphsan.analysis import DEFAULT_POOL, FreeEvent, MemoryMap, Reference, Tracker
-from graphsan.report import GraphInfo
+from graphsan.core.memory_map import MemoryMap
+from graphsan.core.records import DEFAULT_POOL, FreeEvent, GraphInfo, Reference
+from graphsan.core.tracker import Tracker
 
 SLOT = 4096
 SLOTS = 4

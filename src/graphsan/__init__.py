@@ -26,7 +26,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from graphsan.report import Finding, StaleMemoryError
+from graphsan.core.records import Finding
+from graphsan.policies import POLICIES, Policy
+from graphsan.report import StaleMemoryError
 
 if TYPE_CHECKING:
     from graphsan.context import Context, Phase
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "POLICIES",
     "Finding",
+    "Policy",
     "Sanitizer",
     "StaleMemoryError",
     "current",
@@ -54,7 +57,7 @@ _context_obj: Context | None = None
 
 def __getattr__(name: str):
     # the sanitizer's names load torch: only when asked for
-    if name in ("POLICIES", "Sanitizer"):
+    if name == "Sanitizer":
         from graphsan import sanitizer
 
         return getattr(sanitizer, name)
@@ -72,29 +75,20 @@ def _get_context() -> Context:
     return _context_obj
 
 
-def enable(policy: str = "raise", *, alloc_stacks: bool = True) -> Sanitizer:
+def enable(policy: str | Policy = Policy.RAISE, *, alloc_stacks: bool = True) -> Sanitizer:
     """Start watching every CUDA graph captured from now on. Idempotent: until `disable()`, a
     second call returns the same sanitizer with the new policy (`alloc_stacks` stays as it was).
     Without CUDA it says so once and stays idle."""
     global _current, _enabled
-    from graphsan.sanitizer import Sanitizer, check_policy
+    policy = Policy.parse(policy)
+    from graphsan.sanitizer import Sanitizer
 
-    check_policy(policy)
     if _enabled and _current is not None:
         _current.policy = policy
-        _apply_pin(_current)
         return _current
     _current = Sanitizer(policy, _get_context(), alloc_stacks)
-    _apply_pin(_current)
     _enabled = True
     return _current.start()
-
-
-def _apply_pin(san: Sanitizer) -> None:
-    if san.policy == "pin" and san.pinner is None:
-        from graphsan.pin import Pinner
-
-        san.pinner = Pinner(san)
 
 
 def disable() -> None:
@@ -111,7 +105,7 @@ def current() -> Sanitizer | None:
 
 
 @contextlib.contextmanager
-def watch(policy: str = "warn", **kwargs) -> Iterator[Sanitizer]:
+def watch(policy: str | Policy = Policy.WARN, **kwargs) -> Iterator[Sanitizer]:
     """Watch graphs inside the block; the previous state (on or off, policy) is restored after."""
     was = _current if _enabled else None
     old_policy = was.policy if was is not None else None

@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 from graphsan import __version__
+from graphsan.policies import Policy
 
 EXIT_USAGE = 2
 EXIT_FINDINGS = 3
@@ -90,7 +91,7 @@ def check_output_file(path: str, option: str) -> None:
 
 # ----------------------------------------------------------------------------- graphsan run
 def _run_parser() -> OneLineParser:
-    from graphsan.sanitizer import POLICIES
+    from graphsan.policies import POLICIES
 
     p = OneLineParser(
         prog="graphsan run",
@@ -103,7 +104,7 @@ def _run_parser() -> OneLineParser:
     )
     p.add_argument(
         "--policy",
-        default="raise",
+        default=Policy.RAISE.value,
         choices=POLICIES,
         help="raise: stop the replay (StaleMemoryError); warn: print each finding, replay; "
         "record: only collect; pin: keep the memory alive, raise for what cannot be pinned",
@@ -266,7 +267,12 @@ def cmd_run(argv: list[str]) -> int:
     graphsan.disable()
     if path and not _write_report(san, path) and code == 0:
         code = 1
-    if code == 0 and san.findings and args.policy != "pin" and args.fail_on_findings:
+    if (
+        code == 0
+        and san.findings
+        and Policy(args.policy) is not Policy.PIN
+        and args.fail_on_findings
+    ):
         code = EXIT_FINDINGS
     return code
 
@@ -284,8 +290,8 @@ def cmd_report(argv: list[str]) -> int:
     for path, option in ((args.html, "--html"), (args.trace, "--trace")):
         if path is not None:
             check_output_file(path, option)
-    from graphsan.ranks import merge_reports
     from graphsan.report import Report
+    from graphsan.report.ranks import merge_reports
 
     reports = []
     for path in args.paths:
@@ -294,7 +300,7 @@ def cmd_report(argv: list[str]) -> int:
         except ValueError as err:
             raise CliError(str(err)) from None
     if args.html or args.trace:
-        from graphsan.pages import OutputError, write_report_outputs
+        from graphsan.report.pages import OutputError, write_report_outputs
 
         try:
             said = write_report_outputs(reports, args.paths, args.html, args.trace)

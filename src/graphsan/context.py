@@ -16,7 +16,7 @@ import traceback
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from graphsan.report import Frame
+from graphsan.core.records import Frame
 
 _GRAPHSAN_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))

@@ -16,6 +16,8 @@ import os
 
 import pytest
 
+from graphsan.policies import POLICIES, Policy
+
 OPTION = "--graphsan"
 
 
@@ -24,18 +26,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         OPTION,
         nargs="?",
-        const="raise",
+        const=Policy.RAISE.value,
         default=None,
         metavar="POLICY",
-        help="watch every CUDA graph for stale memory; POLICY one of raise (the default), warn, "
-        "record, pin (write --graphsan=POLICY)",
+        help=f"watch every CUDA graph for stale memory; POLICY one of {', '.join(POLICIES)} "
+        f"(default {Policy.RAISE}; write --graphsan=POLICY)",
     )
-
-
-def _policies() -> tuple[str, ...]:
-    from graphsan.sanitizer import POLICIES
-
-    return POLICIES
 
 
 def _is_test_path(arg: str) -> bool:
@@ -53,14 +49,12 @@ def rewrite_args(args: list[str]) -> bool:
     if OPTION not in args:
         return False
     changed = False
-    policies = None
     for i, arg in enumerate(args[:-1]):
         nxt = args[i + 1]
         if arg != OPTION or nxt.startswith("-"):
             continue
-        policies = policies or _policies()
-        if nxt not in policies and _is_test_path(nxt):
-            args[i] = f"{OPTION}=raise"
+        if nxt not in POLICIES and _is_test_path(nxt):
+            args[i] = f"{OPTION}={Policy.RAISE}"
             changed = True
     return changed
 
@@ -81,10 +75,9 @@ def pytest_configure(config: pytest.Config) -> None:
     policy = config.getoption("graphsan", None)
     if policy is None:
         return
-    policies = _policies()
-    if policy not in policies:
+    if policy not in POLICIES:
         raise pytest.UsageError(
-            f"--graphsan: unknown policy {policy!r}; expected one of {', '.join(policies)} "
+            f"--graphsan: unknown policy {policy!r}; expected one of {', '.join(POLICIES)} "
             "(write --graphsan=POLICY)"
         )
     import graphsan
@@ -104,7 +97,7 @@ def pytest_runtest_call(item: pytest.Item):
     new = san.findings[before:]
     text = "\n\n".join(format_finding(f) for f in new)
     item.add_report_section("call", "graphsan", text)
-    if san.policy in ("raise", "pin") and outcome.excinfo is None:
+    if san.policy.stops_replay and outcome.excinfo is None:
         pytest.fail(f"graphsan: {len(new)} stale graph reference(s)\n\n{text}", pytrace=False)
 
 

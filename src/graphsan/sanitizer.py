@@ -1,8 +1,9 @@
 """The sanitizer: wires graph hooks and allocator events to the tracker and applies the policy.
 
-At capture end it reads the graph being captured (`_driver`), finds the device addresses in its
-arguments and confirms them against the allocator's incrementally kept view (`memory`,
-`allocview`; no per-capture snapshot), and registers the graph's watched blocks. At replay, a
+At capture end it reads the graph being captured (`cuda.driver`), finds the device addresses in
+its arguments (`core.scan`) and confirms them against the allocator view (`cuda.allocator`,
+`core.memory_map`; no per-capture snapshot), and registers the graph's watched blocks
+(`core.tracker`). At replay, a
 graph whose watched memory changed is judged *before* launch; the policy decides what happens to
 findings:
 
@@ -10,7 +11,10 @@ findings:
 - "warn": each finding is printed once, the replay goes on;
 - "record": findings are only collected (`san.findings`, `san.report()`);
 - "pin": referenced memory with a Python-visible owner is kept alive for the graph's lifetime;
-  what cannot be pinned falls back to "raise" (see `graphsan.pin`).
+  what cannot be pinned falls back to "raise" (see `graphsan.policies.pin`).
+
+The sanitizer owns its policy's objects: setting `policy` to "pin" attaches a `Pinner`, setting
+it to anything else detaches and drops it.
 
 Any internal error disables the sanitizer with one message; the user's program runs on.
 """
@@ -24,34 +28,27 @@ import sys
 import time
 import traceback
 import weakref
-from typing import Any
 
 import torch
 
-from graphsan import capture
-from graphsan.analysis import Tracker, references
 from graphsan.context import Context, python_stack
-from graphsan.memory import AllocatorWatch
-from graphsan.report import (
-    Finding,
-    GraphInfo,
-    Report,
-    StaleMemoryError,
-    display_path,
-    format_finding,
-)
-from graphsan.timeline import Timeline, node_summary
+from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
+from graphsan.core.scan import references
+from graphsan.core.tracker import Tracker
+from graphsan.cuda import hooks
+from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.policies import POLICIES, Policy
+from graphsan.policies.pin import Pinner
+from graphsan.report import Report, StaleMemoryError, format_finding
+from graphsan.report.timeline import Timeline, node_summary
 
-POLICIES = ("raise", "warn", "record", "pin")
+__all__ = ["POLICIES", "Policy", "Sanitizer", "check_policy", "rank_from_env"]
+
 _PENDING = "_graphsan_pending"
 
 
-def check_policy(policy: str) -> str:
-    if policy not in POLICIES:
-        raise ValueError(
-            f"graphsan: unknown policy {policy!r}; expected one of {', '.join(POLICIES)}"
-        )
-    return policy
+def check_policy(policy: str | Policy) -> Policy:
+    return Policy.parse(policy)
 
 
 def _stream() -> int | None:
@@ -76,13 +73,16 @@ class Sanitizer:
     """One per process (see `graphsan.enable`)."""
 
     def __init__(
-        self, policy: str = "raise", context: Context | None = None, alloc_stacks: bool = True
+        self,
+        policy: str | Policy = Policy.RAISE,
+        context: Context | None = None,
+        alloc_stacks: bool = True,
     ):
-        self.policy = check_policy(policy)
+        policy = Policy.parse(policy)
         self.context = context or Context()
         self.tracker = Tracker()
         self.findings: list[Finding] = []
-        self.graph_stats: dict[int, dict[str, Any]] = {}  # by graph id, in capture order
+        self.graph_stats: dict[int, GraphStats] = {}  # by graph id, in capture order
         self.rank = rank_from_env()
         self.active = False
         self.disabled_reason: str | None = None
@@ -90,11 +90,29 @@ class Sanitizer:
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
         self.timeline = Timeline(self.rank)
         self.memory.timeline = self.timeline
-        self.hooks = capture.GraphHooks(self)
-        self.pinner = None  # set by the pin policy
+        self.hooks = hooks.GraphHooks(self)
+        self.pinner: Pinner | None = None  # while the policy is pin
+        self._policy = Policy.RAISE
+        self.policy = policy
         self._ids = itertools.count(1)
         self._labels: list[str] = []
         self._reported: set[tuple[int, int, str]] = set()
+
+    # -- policy ------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: str | Policy) -> None:
+        policy = Policy.parse(value)
+        self._policy = policy
+        if policy is Policy.PIN and self.pinner is None:
+            self.pinner = Pinner(self.tracker, self.memory, self.context, self._internal_error)
+        elif policy is not Policy.PIN and self.pinner is not None:
+            self.pinner.detach()
+            self.pinner.release_all()
+            self.pinner = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Sanitizer:
@@ -110,6 +128,8 @@ class Sanitizer:
         self.context.on_phase_change.append(self._phase_changed)
         self.memory.start()
         self.hooks.install()
+        if self.pinner is not None:
+            self.pinner.attach()
         self.active = True
         return self
 
@@ -127,7 +147,7 @@ class Sanitizer:
 
     def report(self) -> Report:
         pinned = self.pinner.summary() if self.pinner is not None else {}
-        graphs = list(self.graph_stats.values())
+        graphs = [g.to_dict() for g in self.graph_stats.values()]
         tl = self.timeline
         return Report(
             list(self.findings), graphs, self.rank, self.policy, pinned, list(tl.events), tl.dropped
@@ -143,10 +163,10 @@ class Sanitizer:
     # -- capture (graph hooks) ----------------------------------------------------------------
     def capture_begin(self, graph, pool) -> None:
         try:
-            old = capture.graph_state(graph)
+            old = hooks.graph_state(graph)
             if old is not None:  # re-capture of the same object: the old graph is gone
                 self._forget(old.info.id)
-                capture.set_graph_state(graph, None)
+                hooks.set_graph_state(graph, None)
             gid = next(self._ids)
             site = python_stack(limit=6)
             if self._labels:
@@ -170,11 +190,11 @@ class Sanitizer:
         if pending is None or not self.active:
             return None
         try:
-            from graphsan import _driver
+            from graphsan.cuda import driver
 
             t0 = time.perf_counter()
-            handle = _driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
-            nodes, stats = _driver.walk(handle)
+            handle = driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
+            nodes, stats = driver.walk(handle)
             return nodes, stats, time.perf_counter() - t0
         except Exception as err:
             self._internal_error(err)
@@ -196,44 +216,33 @@ class Sanitizer:
         if walked is None:
             return
         try:
-            from graphsan import _driver
+            from graphsan.cuda import driver
 
             young = self.pinner.young_objects() if self.pinner is not None else None
             nodes, stats, walk_s = walked
             view = self.memory.view(device, sync=False)
             t1 = time.perf_counter()
-            refs = references(nodes, view, foreign=lambda v: _driver.address_range(v) is not None)
+            refs = references(nodes, view, foreign=lambda v: driver.address_range(v) is not None)
             t2 = time.perf_counter()
-            info = GraphInfo(gid, label, site, pool, device)
+            info = GraphInfo(gid, label, tuple(site), pool, device)
             state = self.tracker.add_graph(info, refs, view)
-            capture.set_graph_state(graph, state)
+            hooks.set_graph_state(graph, state)
             t3 = time.perf_counter()
-            captured_at = self.timeline.captured(gid, label, device, _stream())
-            analyse_s = walk_s + t3 - t0
-            self.graph_stats[gid] = {
-                "id": gid,
-                "label": label,
-                "capture_site": [list(f) for f in site],
-                "pool": list(pool),
-                "nodes": stats.nodes,
-                "kernels": stats.kernels,
-                "copies": stats.copies,
-                "unreadable_nodes": stats.unreadable,
-                "child_graphs": stats.child_graphs,
-                **state.stats,
-                "analysis_ms": round(analyse_s * 1e3, 3),
-                # where the analysis time goes: reading the graph through the driver, bringing
-                # the allocator view up to date, confirming addresses, registering the blocks
-                "analysis_ms_by_stage": {
-                    "walk": round(walk_s * 1e3, 3),
-                    "allocator_view": round((t1 - t0) * 1e3, 3),
-                    "references": round((t2 - t1) * 1e3, 3),
-                    "tracker": round((t3 - t2) * 1e3, 3),
-                },
-                "replays_judged": 0,
-                "captured_at": captured_at,
-                "node_summary": node_summary(nodes),
-            }
+            self.graph_stats[gid] = GraphStats(
+                gid,
+                label,
+                info.capture_site,
+                pool,
+                stats,
+                state.counts,
+                len(state.blocks),
+                self.timeline.captured(gid, label, device, _stream()),
+                node_summary(nodes),
+                walk_s=walk_s,
+                allocator_view_s=t1 - t0,
+                references_s=t2 - t1,
+                tracker_s=t3 - t2,
+            )
             if self.pinner is not None:
                 self.pinner.pin(state, young)
         except Exception as err:
@@ -250,10 +259,10 @@ class Sanitizer:
                 self._internal_error(err)
 
     def reset(self, graph) -> None:
-        state = capture.graph_state(graph)
+        state = hooks.graph_state(graph)
         if state is not None:
             self._forget(state.info.id)
-            capture.set_graph_state(graph, None)
+            hooks.set_graph_state(graph, None)
 
     def _forget(self, gid: int) -> None:
         try:
@@ -268,7 +277,7 @@ class Sanitizer:
         if not self.active:
             return
         try:
-            from graphsan import _driver
+            from graphsan.cuda import driver
 
             if self.pinner is not None:
                 self.pinner.flush()
@@ -277,31 +286,19 @@ class Sanitizer:
                 return
             as_of = self.tracker.free_seq  # frees after this are not in the view yet
             view = self.memory.view(state.info.device)
-            findings = self.tracker.judge(state.info.id, view, _driver.is_mapped, as_of)
-            self.graph_stats[state.info.id]["replays_judged"] += 1
-            self._annotate(findings)
-            info, stop = state.info, bool(findings) and self.policy in ("raise", "pin")
-            t = self.timeline.replay(
-                info.id, info.label, info.device, _stream(), len(findings), stop
+            judged = Judged(self.rank, time.time(), self.memory.last_release)
+            info = state.info
+            findings = self.tracker.judge(info.id, view, driver.is_mapped, as_of, judged)
+            self.graph_stats[info.id].replays_judged += 1
+            stop = bool(findings) and self.policy.stops_replay
+            self.timeline.replay(
+                info.id, info.label, info.device, _stream(), len(findings), stop, judged.found_at
             )
-            for f in findings:
-                wb = state.blocks.get(f.block_address)
-                f.freed_at = wb.freed.time if wb is not None and wb.freed is not None else None
-                f.found_at = t
         except Exception as err:
             self._internal_error(err)
             return
         if findings:
             self._apply_policy(state, findings)
-
-    def _annotate(self, findings: list[Finding]) -> None:
-        release = self.memory.last_release
-        for f in findings:
-            f.rank = self.rank
-            if f.kind == "unmapped" and release is not None:
-                stack, phase, step = release
-                where = f"{display_path(stack[-1][0])}:{stack[-1][1]}" if stack else "?"
-                f.now += f"; cached memory was released by empty_cache() at {where} (phase {phase}, step {step})"
 
     def _apply_policy(self, state, findings: list[Finding]) -> None:
         new = []
@@ -311,10 +308,10 @@ class Sanitizer:
                 self._reported.add(key)
                 self.findings.append(f)
                 new.append(f)
-        if self.policy in ("raise", "pin"):
+        if self.policy.stops_replay:
             state.dirty = True  # stays blocked: every later replay raises again
             raise StaleMemoryError(findings)
-        if self.policy == "warn":
+        if self.policy is Policy.WARN:
             for f in new:
                 self._say(format_finding(f))
 

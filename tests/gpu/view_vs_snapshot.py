@@ -12,8 +12,8 @@ import sys
 import torch
 
 import graphsan
-from graphsan.allocview import layout
-from graphsan.memory import snapshot_map
+from graphsan.core.memory_map import layout
+from graphsan.cuda.allocator import snapshot_map
 
 rng = random.Random(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 pre = [torch.empty(rng.choice([256, 4096, 1 << 20]), device="cuda") for _ in range(300)]

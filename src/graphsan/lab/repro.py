@@ -35,7 +35,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
-from graphsan.pages import OutputPathAction, write_matrix_page
+from graphsan.report.pages import OutputPathAction, write_matrix_page
 
 SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 NO_MAMBA = ("attn", "moe_router", "moe_preprocess")

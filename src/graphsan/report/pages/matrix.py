@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from graphsan.pages import nice_ticks, render
+from graphsan.report.pages.templating import nice_ticks, render
 
 PLOT_W, PLOT_H = 440, 220
 PAD_L, PAD_R, PAD_T, PAD_B = 52, 14, 14, 34

@@ -25,18 +25,35 @@ import gc
 import time
 import weakref
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphsan.analysis import GraphState, WatchedBlock
+from graphsan.core.tracker import GraphState, Tracker, WatchedBlock
+
+if TYPE_CHECKING:
+    from graphsan.context import Context
+    from graphsan.cuda.allocator import AllocatorWatch
 
 YOUNG_SCAN_LIMIT = 200_000  # objects; past this (gc off for long) the capture-end scan waits
 
 
 class Pinner:
-    def __init__(self, san, device_type: str = "cuda") -> None:
-        self.san = san
+    """Holds the storages live graphs reference; `attach` routes resizes and phase changes to it."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        allocator: AllocatorWatch,
+        context: Context,
+        on_error: Callable[[BaseException], None],
+        device_type: str = "cuda",
+    ) -> None:
+        self.tracker = tracker
+        self.allocator = allocator
+        self.context = context
+        self.on_error = on_error
         self.device_type = device_type  # tensors on other devices own no graph memory
         self.pending: list[GraphState] = []
         self.held: dict[int, list[tuple[WatchedBlock, torch.UntypedStorage, list]]] = {}
@@ -47,8 +64,7 @@ class Pinner:
         self.objects_scanned = 0
         self._pinned_ptrs: dict[int, int] = defaultdict(int)  # storage data_ptr -> holders
         self._pinned: set[tuple[int, int]] = set()  # (id(watched block), graph id)
-        san.memory.redirect_resize = self.redirect_resize
-        san.context.on_phase_change.append(self._flush_quietly)
+        self.attach()
 
     # -- capture / replay -----------------------------------------------------------------------
     def young_objects(self) -> list | None:
@@ -65,17 +81,32 @@ class Pinner:
         self.pending.append(state)
         state.dirty = True  # its first replay goes through the sanitizer, which flushes
 
+    def attach(self) -> None:
+        """Redirect reallocating resizes of pinned storages, and flush at phase changes."""
+        self.allocator.redirect_resize = self.redirect_resize
+        if self._flush_quietly not in self.context.on_phase_change:
+            self.context.on_phase_change.append(self._flush_quietly)
+
     def detach(self) -> None:
-        """The sanitizer stopped: stop listening for phase changes (pins already held stay)."""
-        if self._flush_quietly in self.san.context.on_phase_change:
-            self.san.context.on_phase_change.remove(self._flush_quietly)
+        """Stop redirecting and listening (pins already held stay until `release_all`)."""
+        if self.allocator.redirect_resize == self.redirect_resize:
+            self.allocator.redirect_resize = None
+        if self._flush_quietly in self.context.on_phase_change:
+            self.context.on_phase_change.remove(self._flush_quietly)
+
+    def release_all(self) -> None:
+        """Drop every pin: the memory goes back to its owners (or to the allocator)."""
+        for gid in list(self.held):
+            self.release(gid)
+        self.pending.clear()
+        self.unpinnable.clear()
 
     def _flush_quietly(self) -> None:
         if self.pending:
             try:
                 self.flush()
             except Exception as err:  # never break the user's train()/eval()
-                self.san._internal_error(err)
+                self.on_error(err)
 
     def flush(self) -> None:
         """The full scan: every live object, for every block still waiting; what no object owns
@@ -93,7 +124,7 @@ class Pinner:
             (
                 (wb, st.info.id)
                 for st in states
-                if st.info.id in self.san.tracker.graphs
+                if st.info.id in self.tracker.graphs
                 for wb in st.blocks.values()
                 if wb.freed is None and (id(wb), st.info.id) not in self._pinned
             ),
@@ -178,7 +209,7 @@ class Pinner:
         retained = 0
         blocks = nbytes = 0
         for gid, entries in self.held.items():
-            st = self.san.tracker.graphs.get(gid)
+            st = self.tracker.graphs.get(gid)
             site = st.info.label if st is not None else f"graph#{gid}"
             for wb, storage, owners in entries:
                 blocks += 1

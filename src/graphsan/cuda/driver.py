@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from cuda.bindings import driver as drv
 
-from graphsan.analysis import CopyArgs, KernelArgs, WalkStats
+from graphsan.core.records import CopyArgs, KernelArgs, WalkStats
 
 CU_LAUNCH_PARAM_END = 0
 CU_LAUNCH_PARAM_BUFFER_POINTER = 1

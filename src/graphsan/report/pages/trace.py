@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from graphsan.pages import replay_index
-from graphsan.report import Finding, Report, short_kernel
+from graphsan.core.records import Finding
+from graphsan.report.json_report import Report
+from graphsan.report.pages.templating import replay_index
+from graphsan.report.text import short_kernel
 
 PHASE_TID, ALLOC_TID, UNKNOWN_STREAM_TID = 1, 2, 3
 FIRST_STREAM_TID = 10

@@ -10,16 +10,11 @@ import datetime
 import os
 from typing import Any
 
-from graphsan.pages import nice_ticks, render, replay_index
-from graphsan.ranks import finding_signature
-from graphsan.report import (
-    FREED_BEFORE_CAPTURE,
-    NO_FREE_FRAMES,
-    Finding,
-    Report,
-    display_path,
-    short_kernel,
-)
+from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, OtherUse, frame_text
+from graphsan.report.json_report import Report
+from graphsan.report.pages.templating import nice_ticks, render, replay_index
+from graphsan.report.ranks import finding_signature
+from graphsan.report.text import NO_FREE_FRAMES, no_free_stack, short_kernel, when
 
 NODE_WINDOW = 6  # nodes shown either side of the offending one (the rest fold away)
 SVG_WIDTH = 960
@@ -101,7 +96,7 @@ def _source_view(src: dict[str, Any], t0: float | None) -> dict[str, Any]:
                 "watched": g.get("watched_blocks", 0),
                 "replays_judged": g.get("replays_judged", 0),
                 "captured": _rel(g.get("captured_at"), t0),
-                "site": _frame(site[-1]) if site else "",
+                "site": frame_text(site[-1]) if site else "",
                 "analysis_ms": g.get("analysis_ms"),
             }
         )
@@ -119,7 +114,7 @@ def _source_view(src: dict[str, Any], t0: float | None) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- one finding
 def _finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict[str, Any]:
-    free_site = _frame(f.free_stack[-1]) if f.free_stack else _no_free(f)
+    free_site = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
     head, params, tail = kernel_signature(f.kernel)
     return {
         "n": n,
@@ -127,7 +122,7 @@ def _finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict
         "kind": f.kind,
         "graph_id": f.graph.id,
         "label": f.graph.label,
-        "capture_site": _frame(f.graph.capture_site[-1]) if f.graph.capture_site else "",
+        "capture_site": frame_text(f.graph.capture_site[-1]) if f.graph.capture_site else "",
         "node": f.node,
         "kernel": f.kernel,
         "kernel_short": short_kernel(f.kernel),
@@ -144,13 +139,13 @@ def _finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict
         "cause": f.likely_cause,
         "phase": f.phase,
         "step": f.step,
-        "when": _when(f.phase, f.step).strip(" ()"),
+        "when": when(f.phase, f.step).strip(" ()"),
         "free_op": f.free_op,
         "free_site": free_site,
-        "alloc_site": _frame(f.alloc_stack[-1]) if f.alloc_stack else "not recorded",
-        "alloc_stack": [_frame(x) for x in f.alloc_stack],
-        "free_stack": [_frame(x) for x in f.free_stack],
-        "capture_stack": [_frame(x) for x in f.graph.capture_site],
+        "alloc_site": frame_text(f.alloc_stack[-1]) if f.alloc_stack else "not recorded",
+        "alloc_stack": [frame_text(x) for x in f.alloc_stack],
+        "free_stack": [frame_text(x) for x in f.free_stack],
+        "capture_stack": [frame_text(x) for x in f.graph.capture_site],
         "also": [_also_view(u, src, t0) for u in f.also_used_by],
         "ranks": list(seen),
         "nodes": _nodes_view(f, src["graphs"].get(f.graph.id)),
@@ -158,16 +153,16 @@ def _finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict
     }
 
 
-def _also_view(u: dict[str, Any], src, t0) -> dict[str, Any]:
-    g = src["graphs"].get(u.get("graph"), {})
+def _also_view(u: OtherUse, src, t0) -> dict[str, Any]:
+    g = src["graphs"].get(u.graph, {})
     return {
-        "graph": u.get("graph"),
-        "label": u.get("label", ""),
-        "node": u.get("node"),
-        "kernel": u.get("kernel", ""),
-        "kernel_short": short_kernel(u.get("kernel", "")),
-        "param": u.get("param"),
-        "offset": u.get("offset"),
+        "graph": u.graph,
+        "label": u.label,
+        "node": u.node,
+        "kernel": u.kernel,
+        "kernel_short": short_kernel(u.kernel),
+        "param": u.param,
+        "offset": u.offset,
         "captured": _rel(g.get("captured_at"), t0),
     }
 
@@ -252,24 +247,23 @@ def _life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
             "t": None,
             "what": "allocated",
             "detail": f"{human_bytes(f.nbytes)} in the {f.pool}",
-            "site": _frame(f.alloc_stack[-1]) if f.alloc_stack else "",
+            "site": frame_text(f.alloc_stack[-1]) if f.alloc_stack else "",
         },
         {
             "kind": "capture",
             "t": own.get("captured_at"),
             "what": f"captured by graph #{f.graph.id} '{f.graph.label}'",
             "detail": f"node {f.node} ({short_kernel(f.kernel)}) param {f.param}+{f.offset}",
-            "site": _frame(f.graph.capture_site[-1]) if f.graph.capture_site else "",
+            "site": frame_text(f.graph.capture_site[-1]) if f.graph.capture_site else "",
         },
     ]
     for u in f.also_used_by:
         steps.append(
             {
                 "kind": "capture",
-                "t": graphs.get(u.get("graph"), {}).get("captured_at"),
-                "what": f"captured by graph #{u.get('graph')} '{u.get('label', '')}'",
-                "detail": f"node {u.get('node')} ({short_kernel(u.get('kernel', ''))}) "
-                f"param {u.get('param')}+{u.get('offset')}",
+                "t": graphs.get(u.graph, {}).get("captured_at"),
+                "what": f"captured by graph #{u.graph} '{u.label}'",
+                "detail": f"node {u.node} ({short_kernel(u.kernel)}) param {u.param}+{u.offset}",
                 "site": "",
             }
         )
@@ -280,7 +274,7 @@ def _life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
         free_what += (f" in phase {f.phase}" if f.phase else "") + (
             f", step {f.step}" if f.step is not None else ""
         )
-        free_site = _frame(f.free_stack[-1]) if f.free_stack else NO_FREE_FRAMES
+        free_site = frame_text(f.free_stack[-1]) if f.free_stack else NO_FREE_FRAMES
     steps.append(
         {"kind": "free", "t": f.freed_at, "what": free_what, "detail": "", "site": free_site}
     )
@@ -292,7 +286,7 @@ def _life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
                         "kind": "release",
                         "t": ev["t"],
                         "what": "empty_cache() released cached memory to the driver",
-                        "detail": _when(ev.get("phase"), ev.get("step")).strip(" ()"),
+                        "detail": when(ev.get("phase"), ev.get("step")).strip(" ()"),
                         "site": ev.get("site", ""),
                     }
                 )
@@ -526,12 +520,10 @@ def _event_title(e: dict[str, Any], t0: float) -> str:
         op = f" by {e['op']}" if e.get("op") else ""
         return (
             f"free of watched block {e.get('block', 0):#x}{op}"
-            f"{_when(e.get('phase'), e.get('step'))} at {e.get('site') or '?'} {rel}"
+            f"{when(e.get('phase'), e.get('step'))} at {e.get('site') or '?'} {rel}"
         )
     if kind == "release":
-        return (
-            f"empty_cache(){_when(e.get('phase'), e.get('step'))} at {e.get('site') or '?'} {rel}"
-        )
+        return f"empty_cache(){when(e.get('phase'), e.get('step'))} at {e.get('site') or '?'} {rel}"
     return f"{kind} {rel}"
 
 
@@ -556,26 +548,6 @@ def _rel(t: float | None, t0: float | None) -> str:
 def _clock(t: float) -> str:
     d = datetime.datetime.fromtimestamp(t, datetime.timezone.utc)
     return d.strftime("%Y-%m-%d %H:%M:%S.") + f"{d.microsecond // 1000:03d} UTC"
-
-
-def _frame(frame) -> str:
-    filename, line, name = frame
-    return f"{display_path(filename)}:{line} in {name}"
-
-
-def _no_free(f: Finding) -> str:
-    if f.free_op == FREED_BEFORE_CAPTURE:
-        return "no free seen: the memory was already free when the capture ended"
-    return NO_FREE_FRAMES
-
-
-def _when(phase: str | None, step: int | None) -> str:
-    parts = []
-    if phase:
-        parts.append(f"phase {phase}")
-    if step is not None:
-        parts.append(f"step {step}")
-    return f" ({', '.join(parts)})" if parts else ""
 
 
 def human_bytes(n: int) -> str:

@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from graphsan.allocview import AllocatorView, ViewError
-from graphsan.analysis import DEFAULT_POOL, FreeEvent, MemoryMap, PoolId, Tracker
 from graphsan.context import Context, python_stack, user_frames
-from graphsan.report import Frame
-from graphsan.timeline import Timeline
+from graphsan.core.memory_map import AllocatorView, MemoryMap, ViewError
+from graphsan.core.records import DEFAULT_POOL, Frame, FreeEvent, PoolId, Release
+from graphsan.core.tracker import Tracker
+from graphsan.report.timeline import Timeline
 
 # Trace entries kept between two drains; more than this and the oldest are overwritten, which the
 # drain notices (a full buffer) and answers with a fresh snapshot.
@@ -48,9 +48,9 @@ MAX_ENTRIES = 1 << 18
 # Below this many new entries a drain applies them; above it (and above twice the blocks the view
 # holds) a fresh snapshot is cheaper.
 RESEED_ENTRIES = 20_000
-# Frames kept per allocation stack (innermost first while walking); user frames are picked later.
-# Walking a frame costs about 0.3 us, paid by every allocation: the innermost 24 reach the user's
-# module code through torch's call wrappers.
+# Frames kept per allocation stack (innermost first while walking; user frames are picked later):
+# every allocation pays for the walk, and the innermost 24 reach the user's code through torch's
+# call wrappers.
 SITE_DEPTH = 24
 Site = tuple  # (code, instruction offset, code, instruction offset, ...), innermost first
 
@@ -153,7 +153,7 @@ class AllocatorWatch:
         self.context = context
         self.on_error = on_error
         self.alloc_stacks = alloc_stacks
-        self.last_release: tuple[list[Frame], str, int] | None = None
+        self.last_release: Release | None = None
         self.capture_pool: tuple[int, int] | None = None  # set while a capture is in progress
         # (tensor, sizes) -> tensor | None: the pin policy's way around a reallocating resize_
         self.redirect_resize: Callable[[torch.Tensor, tuple], torch.Tensor | None] | None = None
@@ -426,9 +426,9 @@ class AllocatorWatch:
             if watch._active:
                 try:
                     phase, step = watch.context.current()
-                    watch.last_release = (python_stack(), phase, step)
+                    watch.last_release = Release(tuple(python_stack()), phase, step)
                     if watch.timeline is not None:
-                        watch.timeline.release(*watch.last_release)
+                        watch.timeline.release(list(watch.last_release.stack), phase, step)
                     watch.tracker.on_release()
                 except Exception as err:
                     watch.on_error(err)

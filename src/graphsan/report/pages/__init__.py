@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import Any
@@ -64,56 +63,6 @@ class OutputPathAction(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About `count` round values (1, 2 or 5 times a power of ten apart) inside [lo, hi]."""
-    span = hi - lo
-    if span <= 0:
-        return [lo]
-    raw = span / max(count - 1, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step - 1e-9) * step
-    out, k = [], 0
-    while first + k * step <= hi + step * 1e-9:
-        out.append(first + k * step)
-        k += 1
-    return out
-
-
-def replay_index(events: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """Judged-replay events by (graph id, time): a finding's `found_at` is its replay's time."""
-    return {(e.get("graph"), e.get("t")): e for e in events if e.get("kind") == "replay"}
-
-
-def render(template: str, **context: Any) -> str:
-    """Render one of graphsan's templates (autoescaped HTML)."""
-    import jinja2
-
-    env = _environment()
-    try:
-        return env.get_template(template).render(**context)
-    except jinja2.TemplateError as err:  # a packaging fault, not the user's
-        raise RuntimeError(f"graphsan: template {template} failed: {err}") from err
-
-
-_ENV = None
-
-
-def _environment():
-    global _ENV
-    if _ENV is None:
-        import jinja2
-
-        _ENV = jinja2.Environment(
-            loader=jinja2.PackageLoader("graphsan", "templates"),
-            autoescape=True,
-            undefined=jinja2.StrictUndefined,  # a misspelt field fails the tests, not silently
-            trim_blocks=True,
-            lstrip_blocks=True,
-        )
-    return _ENV
-
-
 def write_report_outputs(
     reports: list, names: list[str], html: str | None = None, trace: str | None = None
 ) -> list[str]:
@@ -124,12 +73,12 @@ def write_report_outputs(
             check_output(path, what)
     said = []
     if html:
-        from graphsan.pages.report_page import render_report
+        from graphsan.report.pages.report_page import render_report
 
         write_text(html, render_report(reports, names), "--html")
         said.append(f"graphsan: HTML report written to {html}")
     if trace:
-        from graphsan.pages.trace import chrome_trace
+        from graphsan.report.pages.trace import chrome_trace
 
         data = chrome_trace(reports, names)
         write_text(trace, json.dumps(data, separators=(",", ":")), "--trace")
@@ -146,7 +95,7 @@ def write_report_outputs(
 def write_matrix_page(path: str, entries: list[dict[str, Any]], reference=None) -> bool:
     """The matrix page for `graphsan repro --html`; False (and one line on stderr) when the file
     cannot be written."""
-    from graphsan.pages.matrix import render_matrix
+    from graphsan.report.pages.matrix import render_matrix
 
     try:
         write_text(check_output(path, "--html"), render_matrix(entries, reference), "--html")

@@ -1,12 +1,13 @@
-"""The caching allocator's segments and blocks, kept up to date from its own event log.
+"""The caching allocator's segments and blocks, as the analysis asks about them.
 
-A full allocator snapshot converts every live block to Python, so its cost grows with the
-process (tens of thousands of blocks on a rank of a real job). `AllocatorView` is seeded once
-from a snapshot and then follows the allocator's trace entries (`segment_alloc`, `segment_free`,
-`segment_map`, `segment_unmap`, `alloc`, `free_completed`), so bringing it up to date costs the
-events since the last update, not the blocks alive. It answers the same questions as a
-`MemoryMap` built from a snapshot (`locate`, `segment_at`, `segments_in`, `covers`, `bounds`),
-and tests hold the two equal.
+Two sources answer the same questions (`locate`, `segment_at`, `segments_in`, `covers`,
+`bounds`), through the shared `SegmentIndex`:
+- `MemoryMap`, built from one allocator snapshot (`torch.cuda.memory._snapshot()`-shaped dicts);
+  its cost grows with the blocks alive, so it serves tests and checks;
+- `AllocatorView`, the allocator view: seeded once from a snapshot, then kept up to date from the
+  allocator's trace entries (`segment_alloc`, `segment_free`, `segment_map`, `segment_unmap`,
+  `alloc`, `free_completed`), so an update costs the events since the last one. Tests hold the
+  two equal.
 
 Trace entries carry no pool: the caller says which pool a new segment belongs to (the sanitizer
 knows when a capture routes a stream's allocations to a graph pool). An expandable segment is
@@ -20,15 +21,151 @@ from __future__ import annotations
 import bisect
 from array import array
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
-from graphsan.analysis import DEFAULT_POOL, DataPtr, MemoryMap, PoolId
-from graphsan.report import Frame
+from graphsan.core.records import DEFAULT_POOL, DataPtr, Frame, PoolId
 
 Entry = dict[str, Any]  # one trace entry: action, addr, size, stream, user_metadata, ...
 # which pool a new segment belongs to, from its trace entry and the allocation that follows it
 # (the block the segment was made for), if any
 PoolOf = Callable[[Entry, Entry | None], PoolId]
+
+
+@dataclass
+class Block:
+    """One block of the caching allocator, as a snapshot shows it."""
+
+    address: DataPtr
+    size: int
+    state: str  # "active_allocated" | "active_pending_free" | "inactive"
+    frames: list[Frame] = field(default_factory=list)
+
+    @property
+    def allocated(self) -> bool:
+        return self.state.startswith("active")
+
+
+@dataclass
+class Segment:
+    """One segment (a cudaMalloc or an expandable reservation) with its blocks in address order."""
+
+    address: DataPtr
+    size: int
+    pool: PoolId
+    expandable: bool
+    blocks: list[Block]
+
+    def allocated_in(self, start: DataPtr, end: DataPtr) -> Block | None:
+        """The first allocated block overlapping [start, end), if any."""
+        for b in self.blocks:
+            if b.address < end and start < b.address + b.size and b.allocated:
+                return b
+        return None
+
+    def block_at(self, addr: DataPtr) -> Block | None:
+        starts = [b.address for b in self.blocks]
+        i = bisect.bisect_right(starts, addr) - 1
+        if i >= 0 and addr < self.blocks[i].address + self.blocks[i].size:
+            return self.blocks[i]
+        return None
+
+
+def _frames(raw: Iterable[dict[str, Any]] | None) -> list[Frame]:
+    """Allocator frames (innermost first) -> our frames (outermost first, like tracebacks)."""
+    out = [(f.get("filename", "?"), int(f.get("line", 0)), f.get("name", "?")) for f in raw or ()]
+    out.reverse()
+    return out
+
+
+class SegmentIndex:
+    """Address questions over segments kept sorted by address (`segments`, `_starts`); shared by
+    the snapshot's `MemoryMap` and the incremental `AllocatorView`."""
+
+    segments: list
+    _starts: list[DataPtr]
+
+    def segment_at(self, addr: DataPtr):
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr < self.segments[i].address + self.segments[i].size:
+            return self.segments[i]
+        return None
+
+    def segments_in(self, start: DataPtr, end: DataPtr) -> list:
+        """The segments overlapping [start, end), in address order."""
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        out = []
+        for seg in self.segments[i:]:
+            if seg.address >= end:
+                break
+            if seg.address + seg.size > start:
+                out.append(seg)
+        return out
+
+    def covers(self, start: DataPtr, end: DataPtr) -> bool:
+        """Whether segments cover all of [start, end). An expandable segment shows only its
+        mapped ranges, so a block whose pages were partly unmapped is not covered."""
+        pos = start
+        while pos < end:
+            seg = self.segment_at(pos)
+            if seg is None:
+                return False
+            pos = seg.address + seg.size
+        return True
+
+    def bounds(self) -> tuple[int, int]:
+        if not self.segments:
+            return (0, 0)
+        last = self.segments[-1]
+        return (self.segments[0].address, last.address + last.size)
+
+
+class MemoryMap(SegmentIndex):
+    """Address lookup over the segments of an allocator snapshot."""
+
+    def __init__(self, segments: list[Segment]):
+        self.segments = sorted(segments, key=lambda s: s.address)
+        self._starts = [s.address for s in self.segments]
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        snapshot: dict[str, Any],
+        device: int | None = None,
+        frame_filter: Callable[[list[Frame]], list[Frame]] | None = None,
+    ) -> MemoryMap:
+        """`frame_filter` trims allocation stacks (e.g. to the user's own frames)."""
+        segments = []
+        for seg in snapshot.get("segments", ()):
+            if device is not None and seg.get("device", device) != device:
+                continue
+            addr = int(seg["address"])
+            blocks, cursor = [], addr
+            for b in seg.get("blocks", ()):
+                baddr = int(b.get("address", cursor))
+                frames = _frames(b.get("frames"))
+                if frame_filter is not None and frames:
+                    frames = frame_filter(frames)
+                blocks.append(Block(baddr, int(b["size"]), b["state"], frames))
+                cursor = baddr + int(b["size"])
+            pool = tuple(seg.get("segment_pool_id", DEFAULT_POOL))
+            segments.append(
+                Segment(
+                    addr,
+                    int(seg["total_size"]),
+                    (int(pool[0]), int(pool[1])),
+                    bool(seg.get("is_expandable", False)),
+                    blocks,
+                )
+            )
+        return cls(segments)
+
+    def locate(self, addr: DataPtr) -> tuple[Segment, Block] | None:
+        seg = self.segment_at(addr)
+        if seg is None:
+            return None
+        blk = seg.block_at(addr)
+        return (seg, blk) if blk is not None else None
 
 
 class ViewBlock:
@@ -165,7 +302,7 @@ class ViewError(RuntimeError):
     """The event log does not fit the view (events were lost): the view must be reseeded."""
 
 
-class AllocatorView:
+class AllocatorView(SegmentIndex):
     """One device's allocator state, updated from trace entries."""
 
     def __init__(self, resolve: Callable[[DataPtr], list[Frame]] | None = None) -> None:
@@ -279,44 +416,11 @@ class AllocatorView:
         del self._starts[i]
         del self.segments[i]
 
-    # -- questions (the MemoryMap interface) -------------------------------------------------
-    def segment_at(self, addr: DataPtr) -> ViewSegment | None:
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i >= 0 and addr < self.segments[i].end:
-            return self.segments[i]
-        return None
-
-    def segments_in(self, start: DataPtr, end: DataPtr) -> list[ViewSegment]:
-        """The segments overlapping [start, end), in address order."""
-        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
-        out = []
-        for seg in self.segments[i:]:
-            if seg.address >= end:
-                break
-            if seg.end > start:
-                out.append(seg)
-        return out
-
-    def covers(self, start: DataPtr, end: DataPtr) -> bool:
-        """Whether segments cover all of [start, end) (pages unmapped since are not covered)."""
-        pos = start
-        while pos < end:
-            seg = self.segment_at(pos)
-            if seg is None:
-                return False
-            pos = seg.end
-        return True
-
     def locate(self, addr: DataPtr) -> tuple[ViewSegment, ViewBlock] | None:
         seg = self.segment_at(addr)
         if seg is None:
             return None
         return seg, seg.block_at(addr)
-
-    def bounds(self) -> tuple[int, int]:
-        if not self.segments:
-            return (0, 0)
-        return (self.segments[0].address, self.segments[-1].end)
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.segments)

@@ -6,7 +6,9 @@ label, node, kernel and free site) and says which ranks saw each one.
 
 from __future__ import annotations
 
-from graphsan.report import Finding, Report, format_finding
+from graphsan.core.records import Finding
+from graphsan.report.json_report import Report
+from graphsan.report.text import format_finding
 
 
 def finding_signature(f: Finding) -> tuple:

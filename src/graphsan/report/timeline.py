@@ -107,10 +107,11 @@ class Timeline:
         stream: int | None,
         findings: int,
         stopped: bool,
+        t: float | None = None,
     ) -> float:
-        """A dirty graph was judged before its replay; returns the time (for `found_at`).
+        """A dirty graph was judged before its replay at time `t` (default: now); returns it.
         Clean judgements of one graph with nothing else recorded in between fold into one."""
-        t = time.time()
+        t = time.time() if t is None else t
         outcome = "stopped" if stopped else ("findings" if findings else "clean")
         if outcome == "clean":
             with self._lock:

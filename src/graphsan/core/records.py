@@ -1,0 +1,298 @@
+"""The records the analysis reads and writes: graph nodes, references, frees and findings.
+
+Everything here is plain data (no CUDA, no torch). The evidence a finding carries is frozen: a
+`Finding` is built complete once (by `Tracker.judge`) and never changed after; rendering it as
+text lives in `graphsan.report.text`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+DataPtr = int
+GraphId = int
+PoolId = tuple[int, int]
+DEFAULT_POOL: PoolId = (0, 0)
+
+Frame = tuple[str, int, str]  # (filename, line, function)
+Stack = tuple[Frame, ...]  # outermost first, like a traceback
+
+# the free_op of memory that was already free when the capture ended (no free was seen)
+FREED_BEFORE_CAPTURE = "freed before capture ended"
+# storage changes that free a tensor's old memory while the tensor lives on
+MOVE_OPS = ("resize_", "set_", ".data =", "storage.resize_")
+
+
+class Kind(str, Enum):
+    """What became of memory a graph references (a `str`, so JSON and `kind == "freed"` work)."""
+
+    FREED = "freed"
+    REOWNED = "reowned"
+    MOVED = "moved"
+    UNMAPPED = "unmapped"
+    POOL_REUSE = "pool-reuse"
+
+    # print as the bare value, like the strings these replace
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @property
+    def cause(self) -> str:
+        """The likely cause, as a person reads it; `{op}` names the storage change."""
+        return _CAUSES[self]
+
+
+_CAUSES = {
+    Kind.FREED: "eager code dropped the last reference to memory this graph still uses; the "
+    "replay would read stale data or write into memory the allocator may hand out at any time",
+    Kind.REOWNED: "the memory was freed and now belongs to another live tensor; the replay would "
+    "silently corrupt that tensor (and read its data as if it were the graph's)",
+    Kind.MOVED: "a tensor the graph uses changed its storage ({op}); the graph still points at "
+    "the old memory",
+    Kind.UNMAPPED: "the memory was freed and released to the driver (empty_cache, OOM retry or "
+    "an expandable segment unmapping pages); the replay would fault with 'an illegal memory "
+    "access'",
+    Kind.POOL_REUSE: "a later capture re-carved memory of a shared graph pool that this graph "
+    "still uses; the graphs now overwrite each other's data",
+}
+KINDS = tuple(k.value for k in Kind)
+
+
+def display_path(filename: str) -> str:
+    """A frame's file as reports print it: relative to the working directory when absolute."""
+    return os.path.relpath(filename) if os.path.isabs(filename) else filename
+
+
+def frame_text(frame: Frame) -> str:
+    filename, line, name = frame
+    return f"{display_path(filename)}:{line} in {name}"
+
+
+def _stack(frames) -> Stack:
+    return tuple(tuple(f) for f in frames)
+
+
+# ----------------------------------------------------------------------------- graph nodes
+@dataclass
+class KernelArgs:
+    """A kernel node: its name and its device-side parameter block as bytes."""
+
+    index: int
+    name: str
+    buffer: bytes
+    offsets: list[int]  # start of each parameter inside `buffer` (empty when unknown)
+
+
+@dataclass
+class CopyArgs:
+    """A memcpy or memset node: the device addresses it touches."""
+
+    index: int
+    kind: str  # "memcpy" | "memset"
+    addresses: list[tuple[str, int]]  # ("src" | "dst", address)
+
+
+@dataclass
+class WalkStats:
+    nodes: int = 0
+    kernels: int = 0
+    copies: int = 0
+    unreadable: int = 0
+    child_graphs: int = 0
+
+
+class Reference(NamedTuple):
+    """One device address found in one node's arguments (a tuple: graphs hold many)."""
+
+    node: int
+    kernel: str  # demangled kernel name, or "memcpy" / "memset"
+    param: int | str
+    offset: int
+    address: DataPtr
+
+
+# ----------------------------------------------------------------------------- graphs and frees
+@dataclass(frozen=True)
+class GraphInfo:
+    """Identity of one captured graph as a person would look for it."""
+
+    id: int
+    label: str
+    capture_site: Stack
+    pool: PoolId | None = None
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capture_site", _stack(self.capture_site))
+
+    def describe(self) -> str:
+        site = frame_text(self.capture_site[-1]) if self.capture_site else "<unknown site>"
+        return f"graph #{self.id} '{self.label}' captured at {site}"
+
+
+@dataclass
+class FreeEvent:
+    """Where, when and how a watched block was freed."""
+
+    stack: Stack
+    phase: str | None
+    step: int | None
+    op: str | None = None  # "resize_", "set_", ".data =", ... when a storage change freed it
+    capture_pool: PoolId | None = None  # the pool a capture in progress was allocating from
+    seq: int = 0  # the Tracker's count of watched frees when this one was recorded
+    time: float | None = None  # time.time() of the free, for the report's timeline
+
+
+@dataclass(frozen=True)
+class Release:
+    """The last release of cached memory to the driver (`torch.cuda.empty_cache()`)."""
+
+    stack: Stack
+    phase: str | None
+    step: int | None
+
+
+@dataclass(frozen=True)
+class ReferenceCounts:
+    """How a graph's references were classified at capture."""
+
+    default: int = 0  # blocks of the default pool
+    own: int = 0  # persistent blocks of the graph's own pool
+    other: int = 0  # blocks of another graph's pool
+    foreign: int = 0  # memory the caching allocator does not own
+    temporary: int = 0  # free pool memory: the graph's own temporaries
+
+    @property
+    def references(self) -> int:
+        return self.default + self.own + self.other + self.foreign + self.temporary
+
+
+# ----------------------------------------------------------------------------- findings
+@dataclass(frozen=True)
+class OtherUse:
+    """Another live graph's first reference to a finding's block: it would touch it next."""
+
+    graph: int
+    label: str
+    node: int
+    kernel: str
+    param: int | str
+    offset: int
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One graph reference into memory that is no longer what it was at capture.
+
+    `node`, `kernel`, `param` and `offset` name the first node of the graph whose arguments hold
+    `address` (`param` is the parameter index, `offset` the byte offset inside it; for memcpy and
+    memset nodes `param` is "src"/"dst"); `other_nodes` counts further references to the same block.
+    """
+
+    kind: Kind
+    graph: GraphInfo
+    node: int
+    kernel: str
+    param: int | str
+    offset: int
+    address: int
+    nbytes: int
+    block_address: int
+    pool: str
+    alloc_stack: Stack = ()
+    free_stack: Stack = ()
+    phase: str | None = None
+    step: int | None = None
+    free_op: str | None = None
+    now: str = ""
+    other_nodes: int = 0
+    rank: int | None = None
+    # the replay that was stopped is only the first to run; these graphs would touch it next
+    also_used_by: tuple[OtherUse, ...] = ()
+    # time.time() of the watched free, and of the replay that was judged and found this
+    freed_at: float | None = None
+    found_at: float | None = None
+
+    def __post_init__(self) -> None:
+        # callers may hand lists; the evidence is kept as tuples so nobody can change it
+        object.__setattr__(self, "kind", Kind(self.kind))
+        object.__setattr__(self, "alloc_stack", _stack(self.alloc_stack))
+        object.__setattr__(self, "free_stack", _stack(self.free_stack))
+        others = tuple(u if isinstance(u, OtherUse) else OtherUse(**u) for u in self.also_used_by)
+        object.__setattr__(self, "also_used_by", others)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.graph.id, self.block_address)
+
+    @property
+    def likely_cause(self) -> str:
+        return self.kind.cause.format(op=self.free_op or "resize_/set_/.data=")
+
+
+@dataclass(frozen=True)
+class Judged:
+    """What a judgement adds to every finding: who judged (rank), when, and the last release."""
+
+    rank: int | None = None
+    found_at: float | None = None
+    release: Release | None = field(default=None)
+
+
+@dataclass
+class GraphStats:
+    """What capturing and watching one graph cost and found (a report's `graphs` entry)."""
+
+    id: int
+    label: str
+    capture_site: Stack
+    pool: PoolId
+    walk: WalkStats
+    counts: ReferenceCounts
+    watched_blocks: int
+    captured_at: float | None
+    node_summary: dict
+    # seconds per stage: reading the graph through the driver, bringing the allocator view up
+    # to date, confirming addresses, registering the blocks
+    walk_s: float = 0.0
+    allocator_view_s: float = 0.0
+    references_s: float = 0.0
+    tracker_s: float = 0.0
+    replays_judged: int = 0
+
+    def to_dict(self) -> dict:
+        """The JSON form (schema v3's graph entry)."""
+        c, ms = self.counts, (lambda s: round(s * 1e3, 3))
+        stages = (self.walk_s, self.allocator_view_s, self.references_s, self.tracker_s)
+        return {
+            "id": self.id,
+            "label": self.label,
+            "capture_site": [list(f) for f in self.capture_site],
+            "pool": list(self.pool),
+            "nodes": self.walk.nodes,
+            "kernels": self.walk.kernels,
+            "copies": self.walk.copies,
+            "unreadable_nodes": self.walk.unreadable,
+            "child_graphs": self.walk.child_graphs,
+            "references": c.references,
+            "watched_blocks": self.watched_blocks,
+            "default": c.default,
+            "own": c.own,
+            "other": c.other,
+            "foreign": c.foreign,
+            "temporary": c.temporary,
+            "analysis_ms": ms(sum(stages)),
+            "analysis_ms_by_stage": dict(
+                zip(
+                    ("walk", "allocator_view", "references", "tracker"),
+                    map(ms, stages),
+                    strict=True,
+                )
+            ),
+            "replays_judged": self.replays_judged,
+            "captured_at": self.captured_at,
+            "node_summary": self.node_summary,
+        }

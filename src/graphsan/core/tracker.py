@@ -1,0 +1,371 @@
+"""The pure core: graph references x memory events -> findings.
+
+Nothing here touches CUDA. The CUDA-facing adapters (`graphsan.cuda`) feed it plain
+records: the references a captured graph holds (`Reference`), a view of the caching allocator
+(`graphsan.core.memory_map`), and memory events as they
+happen (`on_free`, `on_alloc`, `on_release`). `Tracker.judge` turns a graph's stale references
+into `Finding`s.
+
+The rules, in one place:
+- A reference is *watched* when its block was allocated at capture end and lives outside the
+  graph's own temporaries: the default pool, another graph's pool, or persistent blocks of the
+  graph's own pool. Foreign memory (not the caching allocator's) cannot be watched.
+- A watched block that is freed marks its graphs *dirty*; only dirty graphs are judged, so a
+  replay with nothing new costs one attribute check.
+- Judging looks at where the freed block's memory is now: not mapped -> "unmapped"; freed by a
+  storage change (resize_, set_, .data =) -> "moved"; part of a new allocation -> "pool-reuse" in
+  a private pool, "reowned" in the default pool; free in the default pool -> "freed". Freed but
+  unused memory of a private pool is harmless while the pool lives (nobody else can get it) and
+  is kept under watch instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from graphsan.core.memory_map import MemoryMap, Segment
+from graphsan.core.records import (
+    DEFAULT_POOL,
+    FREED_BEFORE_CAPTURE,
+    MOVE_OPS,
+    DataPtr,
+    Finding,
+    Frame,
+    FreeEvent,
+    GraphId,
+    GraphInfo,
+    Judged,
+    Kind,
+    OtherUse,
+    PoolId,
+    Reference,
+    ReferenceCounts,
+    Release,
+    display_path,
+)
+
+
+@dataclass
+class WatchedBlock:
+    """A block that at least one live graph references."""
+
+    address: DataPtr
+    size: int
+    pool: PoolId
+    segment: tuple[DataPtr, int]
+    alloc_stack: list[Frame]
+    graphs: set[GraphId] = field(default_factory=set)
+    freed: FreeEvent | None = None
+
+
+@dataclass
+class GraphState:
+    info: GraphInfo
+    refs: dict[DataPtr, list[Reference]]  # watched block address -> its references, node order
+    blocks: dict[DataPtr, WatchedBlock]
+    counts: ReferenceCounts
+    dirty: bool = False
+    handed_over: int = 0  # blocks a later capture into the same pool consumed (see _hand_over)
+
+
+# Expandable segments map and unmap whole pages: 2 MiB in the small pool, 20 MiB in the large
+# one. Asking the driver every 2 MiB sees every page of either.
+PAGE = 2 << 20
+
+
+def _all_mapped(
+    wb: WatchedBlock, segs: list[Segment], is_mapped: Callable[[DataPtr], bool]
+) -> bool:
+    """Every page of the block that lies in an expandable segment is mapped: a block can straddle
+    pages, and empty_cache unmaps a page as soon as no live block is left on it, so the first
+    address is not enough. (The driver question only makes sense for expandable segments:
+    cudaMalloc'd memory has no allocation handle to retain.)"""
+    end = wb.address + wb.size
+    for page in range(wb.address - wb.address % PAGE, end, PAGE):
+        addr = max(page, wb.address)
+        seg = next((s for s in segs if s.address <= addr < s.address + s.size), None)
+        if seg is not None and seg.expandable and not is_mapped(addr):
+            return False
+    return True
+
+
+def pool_name(pool: PoolId, own: PoolId | None) -> str:
+    if pool == DEFAULT_POOL:
+        return "default pool"
+    if own is not None and pool == own:
+        return f"graph's own private pool {pool}"
+    return f"private pool {pool} of another graph"
+
+
+class Tracker:
+    """Holds the watched blocks of all live graphs and judges graphs on request."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[GraphId, GraphState] = {}
+        self.live: dict[DataPtr, WatchedBlock] = {}  # watched blocks not yet freed
+        self.freed_segments: dict[tuple[DataPtr, int], set[GraphId]] = {}
+        self._freed_seg_keys: list[tuple[DataPtr, int]] = []  # sorted by start
+        self._freed_seg_starts: list[DataPtr] = []
+        self.free_seq = 0  # watched frees recorded so far (see judge's as_of)
+
+    # -- capture -----------------------------------------------------------------------------
+    def add_graph(
+        self, info: GraphInfo, refs: Iterable[Reference], memmap: MemoryMap
+    ) -> GraphState:
+        """Register a freshly captured graph; returns its state (with capture statistics)."""
+        by_block: dict[DataPtr, list[Reference]] = {}
+        blocks: dict[DataPtr, WatchedBlock] = {}
+        counts = dict.fromkeys(("default", "own", "other", "foreign", "temporary"), 0)
+        stale_at_capture: list[WatchedBlock] = []
+        for ref in refs:
+            hit = memmap.locate(ref.address)
+            if hit is None:
+                counts["foreign"] += 1
+                continue
+            seg, blk = hit
+            cls = (
+                "default"
+                if seg.pool == DEFAULT_POOL
+                else ("own" if info.pool is not None and seg.pool == info.pool else "other")
+            )
+            if not blk.allocated and seg.pool != DEFAULT_POOL:
+                counts["temporary"] += 1  # pool memory the graph owns between replays
+                continue
+            counts[cls] += 1
+            wb = blocks.get(blk.address)
+            if wb is None:
+                wb = self.live.get(blk.address)
+                if wb is None or wb.size != blk.size or wb.freed is not None:
+                    wb = WatchedBlock(
+                        blk.address,
+                        blk.size,
+                        seg.pool,
+                        (seg.address, seg.size),
+                        blk.frames,
+                    )
+                    if blk.allocated:
+                        self.live[blk.address] = wb
+                    else:  # default-pool memory already free when the capture ended
+                        wb.freed = FreeEvent((), None, None, FREED_BEFORE_CAPTURE)
+                        stale_at_capture.append(wb)
+                blocks[blk.address] = wb
+            wb.graphs.add(info.id)
+            by_block.setdefault(blk.address, []).append(ref)
+        for rs in by_block.values():
+            rs.sort(key=lambda r: r.node)
+        state = GraphState(info, by_block, blocks, ReferenceCounts(**counts))
+        self.graphs[info.id] = state
+        for wb in stale_at_capture:
+            self._note_freed_segment(wb)
+        state.dirty = bool(stale_at_capture)
+        return state
+
+    def forget(self, graph_id: GraphId) -> None:
+        """The graph was reset or destroyed: its references no longer matter."""
+        state = self.graphs.pop(graph_id, None)
+        if state is None:
+            return
+        for wb in state.blocks.values():
+            wb.graphs.discard(graph_id)
+            if not wb.graphs and self.live.get(wb.address) is wb:
+                del self.live[wb.address]
+        for key in list(self.freed_segments):
+            self.freed_segments[key].discard(graph_id)
+            if not self.freed_segments[key]:
+                del self.freed_segments[key]
+        self._index_freed_segments()
+
+    # -- memory events (hot: keep them cheap) ----------------------------------------------
+    def on_free(self, ptr: DataPtr, event_factory: Callable[[], FreeEvent]) -> bool:
+        """A block at `ptr` was freed. Returns True when it was watched."""
+        self.on_alloc(ptr)  # the owner of memory near freed watched memory changed
+        wb = self.live.pop(ptr, None)
+        if wb is None:
+            return False
+        self.free_seq += 1
+        wb.freed = event_factory()
+        wb.freed.seq = self.free_seq
+        if wb.freed.capture_pool == wb.pool and wb.pool != DEFAULT_POOL:
+            self._hand_over(wb)
+            return True
+        for gid in wb.graphs:
+            g = self.graphs.get(gid)
+            if g is not None:
+                g.dirty = True
+        self._note_freed_segment(wb)
+        return True
+
+    def _hand_over(self, wb: WatchedBlock) -> None:
+        """A capture into the block's own pool consumed it (autograd freeing saved activations
+        while the backward graph is captured, as make_graphed_callables and TE do): the pool is
+        shared by design, graphs replay in capture order, and the block is no longer watched."""
+        for gid in wb.graphs:
+            g = self.graphs.get(gid)
+            if g is not None:
+                g.blocks.pop(wb.address, None)
+                g.refs.pop(wb.address, None)
+                g.handed_over += 1
+
+    def on_alloc(self, ptr: DataPtr) -> None:
+        """A block was allocated or freed at `ptr`: if that is inside a segment holding freed
+        memory a graph references, the memory's owner changed (re-carved, or given back again)
+        and the graphs concerned must be judged again."""
+        starts = self._freed_seg_starts
+        if not starts:
+            return
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i < 0:
+            return
+        start, size = self._freed_seg_keys[i]
+        if ptr < start + size:
+            for gid in list(self.freed_segments.get((start, size), ())):
+                self._mark_dirty(gid)
+
+    def on_release(self) -> None:
+        """Cached memory went back to the driver (empty_cache): freed references may be unmapped."""
+        for gids in list(self.freed_segments.values()):
+            for gid in list(gids):
+                self._mark_dirty(gid)
+
+    def _mark_dirty(self, gid: GraphId) -> None:
+        g = self.graphs.get(gid)
+        if g is not None:
+            g.dirty = True
+
+    def _index_freed_segments(self) -> None:
+        self._freed_seg_keys = sorted(self.freed_segments)
+        self._freed_seg_starts = [k[0] for k in self._freed_seg_keys]
+
+    def _note_freed_segment(self, wb: WatchedBlock) -> None:
+        self.freed_segments.setdefault(wb.segment, set()).update(wb.graphs)
+        self._index_freed_segments()
+
+    # -- judgement ---------------------------------------------------------------------------
+    def judge(
+        self,
+        graph_id: GraphId,
+        memmap: MemoryMap,
+        is_mapped: Callable[[DataPtr], bool] | None = None,
+        as_of: int | None = None,
+        judged: Judged | None = None,
+    ) -> list[Finding]:
+        """Findings for every freed block the graph references (the graph is clean afterwards).
+        `judged` adds the rank, the time and the last release to memory to each finding.
+
+        `as_of`: `free_seq` read before `memmap` was taken. A free recorded after it (on
+        another thread) is not in the snapshot, whose block would look re-owned by itself; it
+        is left for the next replay, and the graph stays dirty."""
+        judged = judged or Judged()
+        state = self.graphs[graph_id]
+        state.dirty = False
+        findings = []
+        for addr, wb in list(state.blocks.items()):  # frees may arrive from autograd threads
+            if wb.freed is None:
+                continue
+            if as_of is not None and wb.freed.seq > as_of:
+                state.dirty = True
+                continue
+            kind, now = self._classify(wb, memmap, is_mapped, state.info, judged.release)
+            if kind is None:
+                continue
+            refs = state.refs.get(addr)
+            if not refs:
+                continue  # handed over meanwhile
+            first = refs[0]
+            findings.append(
+                Finding(
+                    kind=kind,
+                    graph=state.info,
+                    node=first.node,
+                    kernel=first.kernel,
+                    param=first.param,
+                    offset=first.offset,
+                    address=first.address,
+                    nbytes=wb.size,
+                    block_address=wb.address,
+                    pool=pool_name(wb.pool, state.info.pool),
+                    alloc_stack=wb.alloc_stack,
+                    free_stack=wb.freed.stack,
+                    phase=wb.freed.phase,
+                    step=wb.freed.step,
+                    free_op=wb.freed.op,
+                    now=now,
+                    other_nodes=len({r.node for r in refs}) - 1,
+                    rank=judged.rank,
+                    also_used_by=self._other_users(wb, graph_id),
+                    freed_at=wb.freed.time,
+                    found_at=judged.found_at,
+                )
+            )
+        return findings
+
+    def _other_users(self, wb: WatchedBlock, graph_id: GraphId) -> tuple[OtherUse, ...]:
+        out = []
+        for gid in sorted(wb.graphs - {graph_id}):
+            g = self.graphs.get(gid)
+            refs = g.refs.get(wb.address) if g is not None else None
+            if refs:
+                r = refs[0]
+                out.append(OtherUse(gid, g.info.label, r.node, r.kernel, r.param, r.offset))
+        return tuple(out)
+
+    def _classify(
+        self,
+        wb: WatchedBlock,
+        memmap: MemoryMap,
+        is_mapped: Callable[[DataPtr], bool] | None,
+        info: GraphInfo,
+        release: Release | None = None,
+    ) -> tuple[Kind | None, str]:
+        end = wb.address + wb.size
+        # after empty_cache the range may have been handed out again, as several segments of
+        # several pools: every one of them counts
+        segs = memmap.segments_in(wb.address, end)
+        if (
+            not segs
+            or segs[0].block_at(wb.address) is None
+            or not memmap.covers(wb.address, end)
+            or (is_mapped is not None and not _all_mapped(wb, segs, is_mapped))
+        ):
+            now = "the address is no longer mapped: the replay would fault"
+            if release is not None:
+                where = _file_line(release.stack[-1]) if release.stack else "?"
+                when = f"phase {release.phase}, step {release.step}"
+                now += f"; cached memory was released by empty_cache() at {where} ({when})"
+            return Kind.UNMAPPED, now
+        moved = wb.freed.op in MOVE_OPS if wb.freed else False
+        for seg in segs:
+            blk = seg.allocated_in(wb.address, end)
+            if blk is None:
+                continue
+            where = _frame_line(blk.frames)
+            owner = self._graph_using(blk.address, exclude=info.id)
+            if moved:
+                return Kind.MOVED, f"the old memory now belongs to a {blk.size} B block{where}"
+            if seg.pool != DEFAULT_POOL:
+                by = f" by {owner.describe()}" if owner else ""
+                return Kind.POOL_REUSE, f"re-carved{by} as a {blk.size} B block{where}"
+            return Kind.REOWNED, f"part of a live {blk.size} B allocation{where}"
+        if moved:
+            return Kind.MOVED, "the old memory is free in the allocator's cache"
+        if wb.pool != DEFAULT_POOL and all(seg.pool == wb.pool for seg in segs):
+            return None, ""  # free in its own private pool: nobody else can have it yet
+        return Kind.FREED, "free in the allocator's cache; any allocation may take it"
+
+    def _graph_using(self, addr: DataPtr, exclude: GraphId) -> GraphInfo | None:
+        for gid, g in self.graphs.items():
+            if gid != exclude and addr in g.blocks and g.blocks[addr].freed is None:
+                return g.info
+        return None
+
+
+def _file_line(frame: Frame) -> str:
+    """`file:line` of a frame, the path as the stacks print it."""
+    return f"{display_path(frame[0])}:{frame[1]}"
+
+
+def _frame_line(frames: list[Frame]) -> str:
+    """` allocated at file:line` of the innermost frame."""
+    return f" allocated at {_file_line(frames[-1])}" if frames else ""

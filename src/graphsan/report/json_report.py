@@ -1,0 +1,240 @@
+"""The JSON report: every finding of a process plus per-graph statistics and its timeline.
+
+`Report` round-trips through JSON (`SCHEMA_VERSION`); loading checks every field, so a
+hand-edited or truncated file gets one line naming the wrong field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from graphsan.core.records import KINDS, Finding, GraphInfo
+from graphsan.report.text import format_finding
+
+SCHEMA = "graphsan.report"
+# 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
+# captured_at and node summary, and the process's events (see graphsan.report.timeline)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # older reports read with the newer fields empty
+
+
+def finding_to_dict(f: Finding) -> dict[str, Any]:
+    d = asdict(f)
+    d["kind"] = f.kind.value
+    d["likely_cause"] = f.likely_cause
+    return d
+
+
+def finding_from_dict(d: dict[str, Any]) -> Finding:
+    d = dict(d)
+    d.pop("likely_cause", None)
+    g = d.pop("graph")
+    g["capture_site"] = tuple(tuple(x) for x in g.get("capture_site", []))
+    if g.get("pool") is not None:
+        g["pool"] = tuple(g["pool"])
+    for k in ("alloc_stack", "free_stack"):
+        d[k] = tuple(tuple(x) for x in d.get(k, []))
+    return Finding(graph=GraphInfo(**g), **d)
+
+
+@dataclass
+class Report:
+    """Everything one process saw: findings plus per-graph statistics."""
+
+    findings: list[Finding] = field(default_factory=list)
+    graphs: list[dict[str, Any]] = field(default_factory=list)
+    rank: int | None = None
+    policy: str = "raise"
+    pinned: dict[str, Any] = field(default_factory=dict)
+    # the process's timeline (graphsan.timeline.Event dicts, the first MAX_EVENTS) and how many
+    # later events were only counted
+    events: list[dict[str, Any]] = field(default_factory=list)
+    events_dropped: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "rank": self.rank,
+            "policy": self.policy,
+            "findings": [finding_to_dict(f) for f in self.findings],
+            "graphs": self.graphs,
+            "pinned": self.pinned,
+            "events": self.events,
+            "events_dropped": self.events_dropped,
+        }
+
+    def save(self, path: str) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> Report:
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a readable graphsan report ({err})") from None
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: not a graphsan report (expected schema '{SCHEMA}')")
+        if data.get("version") not in READABLE_VERSIONS:
+            raise ValueError(
+                f"{path}: report schema version {data.get('version')} is not supported "
+                f"(expected one of {', '.join(map(str, READABLE_VERSIONS))})"
+            )
+        try:
+            return _report_from_dict(data)
+        except _BadReport as err:
+            raise ValueError(f"{path}: not a valid graphsan report: {err}") from None
+
+    def render(self) -> str:
+        who = f" (rank {self.rank})" if self.rank is not None else ""
+        nodes = sum(g.get("nodes", 0) for g in self.graphs)
+        head = (
+            f"graphsan report{who}: {len(self.graphs)} graph(s), {nodes} node(s) analysed, "
+            f"{len(self.findings)} finding(s), policy {self.policy}"
+        )
+        body = [format_finding(f) for f in self.findings]
+        if self.pinned:
+            body.append(
+                f"pinned: {self.pinned.get('blocks', 0)} block(s), "
+                f"{self.pinned.get('bytes', 0)} bytes kept alive for live graphs"
+            )
+        return "\n\n".join([head, *body])
+
+
+class _BadReport(Exception):
+    """What is wrong in a report file, as `where: what; expected what`."""
+
+
+# The fields a saved report must have, with the types `render` and `merge_reports` rely on.
+_INT, _STR, _OPT_INT, _OPT_STR = (int,), (str,), (int, type(None)), (str, type(None))
+_FINDING_FIELDS = {
+    "kind": _STR,
+    "graph": (dict,),
+    "node": _INT,
+    "kernel": _STR,
+    "param": (int, str),
+    "offset": _INT,
+    "address": _INT,
+    "nbytes": _INT,
+    "block_address": _INT,
+    "pool": _STR,
+}
+_FINDING_OPTIONAL = {
+    "alloc_stack": (list,),
+    "free_stack": (list,),
+    "phase": _OPT_STR,
+    "step": _OPT_INT,
+    "free_op": _OPT_STR,
+    "now": _STR,
+    "other_nodes": _INT,
+    "rank": _OPT_INT,
+    "also_used_by": (list,),
+    "likely_cause": _STR,
+    "freed_at": (int, float, type(None)),
+    "found_at": (int, float, type(None)),
+}
+_GRAPH_FIELDS = {"id": _INT, "label": _STR, "capture_site": (list,)}
+_GRAPH_OPTIONAL = {"pool": (list, type(None)), "device": _INT}
+_ALSO_FIELDS = {
+    "graph": _INT,
+    "label": _STR,
+    "node": _INT,
+    "kernel": _STR,
+    "param": (int, str),
+    "offset": _INT,
+}
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "a mapping",
+}
+
+
+def _expect(value: Any, types: tuple, where: str) -> None:
+    # bool is an int to Python, never to a report
+    if isinstance(value, bool) or not isinstance(value, types):
+        names = " or ".join(_TYPE_NAMES.get(t, "null") for t in types)
+        raise _BadReport(f"{where} is {value!r:.60}; expected {names}")
+
+
+def _check_fields(d: Any, required: dict, optional: dict, where: str) -> None:
+    _expect(d, (dict,), where)
+    for key, types in required.items():
+        if key not in d:
+            raise _BadReport(f"{where}: key '{key}' is missing")
+        _expect(d[key], types, f"{where}.{key}")
+    for key, value in d.items():
+        if key in optional:
+            _expect(value, optional[key], f"{where}.{key}")
+        elif key not in required:
+            known = ", ".join([*required, *optional])
+            raise _BadReport(f"{where}: unknown key '{key}'; expected some of {known}")
+
+
+def _check_frames(frames: list, where: str) -> None:
+    for i, frame in enumerate(frames):
+        ok = isinstance(frame, list) and len(frame) == 3
+        if ok:
+            file, line, name = frame
+            ok = isinstance(file, str) and isinstance(line, int) and isinstance(name, str)
+        if not ok:
+            raise _BadReport(f"{where}[{i}] is {frame!r:.60}; expected [file, line, function]")
+
+
+def _check_finding(d: Any, where: str) -> None:
+    _check_fields(d, _FINDING_FIELDS, _FINDING_OPTIONAL, where)
+    if d["kind"] not in KINDS:
+        raise _BadReport(f"{where}.kind is {d['kind']!r}; expected one of {', '.join(KINDS)}")
+    g = d["graph"]
+    _check_fields(g, _GRAPH_FIELDS, _GRAPH_OPTIONAL, f"{where}.graph")
+    _check_frames(g["capture_site"], f"{where}.graph.capture_site")
+    pool = g.get("pool")
+    if pool is not None and (len(pool) != 2 or not all(type(x) is int for x in pool)):
+        raise _BadReport(f"{where}.graph.pool is {pool!r:.60}; expected [int, int] or null")
+    for key in ("alloc_stack", "free_stack"):
+        _check_frames(d.get(key, []), f"{where}.{key}")
+    for i, u in enumerate(d.get("also_used_by", [])):
+        _check_fields(u, _ALSO_FIELDS, {}, f"{where}.also_used_by[{i}]")
+
+
+def _report_from_dict(data: dict[str, Any]) -> Report:
+    """A Report from a file's JSON, every field checked (a file may be hand-edited or truncated
+    by a tool): `_BadReport` names the first wrong field."""
+    findings = data.get("findings")
+    _expect(findings, (list,), "findings")
+    for i, f in enumerate(findings):
+        _check_finding(f, f"findings[{i}]")
+    graphs = data.get("graphs", [])
+    _expect(graphs, (list,), "graphs")
+    for i, g in enumerate(graphs):
+        _expect(g, (dict,), f"graphs[{i}]")
+        _expect(g.get("nodes", 0), _INT, f"graphs[{i}].nodes")
+    _expect(data.get("rank"), _OPT_INT, "rank")
+    _expect(data.get("policy", "raise"), _STR, "policy")
+    pinned = data.get("pinned", {})
+    _expect(pinned, (dict,), "pinned")
+    for key in ("blocks", "bytes"):
+        _expect(pinned.get(key, 0), _INT, f"pinned.{key}")
+    events = data.get("events", [])
+    _expect(events, (list,), "events")
+    for i, e in enumerate(events):
+        _expect(e, (dict,), f"events[{i}]")
+    _expect(data.get("events_dropped", 0), _INT, "events_dropped")
+    return Report(
+        findings=[finding_from_dict(f) for f in findings],
+        graphs=graphs,
+        rank=data.get("rank"),
+        policy=data.get("policy", "raise"),
+        pinned=pinned,
+        events=events,
+        events_dropped=data.get("events_dropped", 0),
+    )

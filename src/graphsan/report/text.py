@@ -1,0 +1,122 @@
+"""Findings as people read them: a multi-line bug report, one line, short kernel names."""
+
+from __future__ import annotations
+
+import re
+
+from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, Frame, frame_text
+
+
+def one_line(f: Finding) -> str:
+    """The finding in one line: kind, graph, kernel, buffer, free site."""
+    free = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
+    return (
+        f"{f.kind}: {f.graph.label} node {f.node} {short_kernel(f.kernel)} "
+        f"param {f.param}+{f.offset} -> {f.nbytes} B block at {f.block_address:#x}"
+        f" ({f.pool}), freed at {free}{when(f.phase, f.step)}"
+    )
+
+
+def short_kernel(name: str, limit: int = 60) -> str:
+    """A kernel name short enough for one line: drop template arguments and parameters, keep
+    the names inside them that say what the kernel computes (functors, `*_kernel_impl`)."""
+    base = _strip_templates(name)
+    hints = [h for h in dict.fromkeys(_HINT.findall(name)) if h not in base][:2]
+    text = f"{base} [{', '.join(hints)}]" if hints else base
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# identifiers in template arguments worth keeping: at::native's functors and *_kernel_impl
+_HINT = re.compile(r"\b(\w+Functor|\w+_kernel_impl|\w+_kernel_cuda)\b")
+
+
+def _strip_templates(name: str) -> str:
+    out, depth = [], 0
+    for ch in name:
+        if ch in "<(":
+            if depth == 0:
+                out.append("<>" if ch == "<" else "")
+            depth += 1
+        elif ch in ">)":
+            depth = max(depth - 1, 0)
+        elif depth == 0:
+            out.append(ch)
+    text = "".join(out).strip() or name
+    return text.removeprefix("void ")
+
+
+def when(phase: str | None, step: int | None) -> str:
+    parts = []
+    if phase:
+        parts.append(f"phase {phase}")
+    if step is not None:
+        parts.append(f"step {step}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+# A free with no user frames ran inside torch: on autograd's backward threads, which free saved
+# tensors with no Python on their stack, or in torch code called from outside any user frame.
+NO_FREE_FRAMES = "torch internals (no Python frames of yours: e.g. autograd's backward thread)"
+
+
+def no_free_stack(f: Finding) -> str:
+    if f.free_op == FREED_BEFORE_CAPTURE:
+        return "no free seen: the memory was already free when the capture ended"
+    return NO_FREE_FRAMES
+
+
+def _stack_text(
+    frames: list[Frame], indent: str = "      ", empty: str = "not recorded"
+) -> list[str]:
+    if not frames:
+        return [f"{indent}<{empty}>"]
+    return [f"{indent}{frame_text(f)}" for f in frames]
+
+
+def _node_kernel(name: str) -> str:
+    """Long demangled names (at::native's lambdas run to a thousand characters) print short;
+    the JSON report keeps them whole."""
+    if len(name) <= LONG_KERNEL:
+        return name
+    return (
+        f"{short_kernel(name, limit=LONG_KERNEL)} ({len(name)}-character name in the JSON report)"
+    )
+
+
+LONG_KERNEL = 160
+
+
+def format_finding(f: Finding) -> str:
+    """A multi-line bug report for one finding."""
+    rank = f"[rank {f.rank}] " if f.rank is not None else ""
+    lines = [
+        f"{rank}{f.kind.upper()}: {f.graph.describe()}",
+        f"  node {f.node}: {_node_kernel(f.kernel)}",
+        f"  argument: param {f.param}, byte offset {f.offset} holds address {f.address:#x}",
+        f"  memory: block {f.block_address:#x} of {f.nbytes} bytes in the {f.pool}"
+        + (f" (+{f.other_nodes} more node(s) of this graph use it)" if f.other_nodes else ""),
+    ]
+    if f.now:
+        lines.append(f"  now: {f.now}")
+    lines.append("  allocated at (most recent call last):")
+    lines += _stack_text(f.alloc_stack)
+    if f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
+        lines.append("  freed: before the capture ended (the graph captured memory already free)")
+    else:
+        op = f" by {f.free_op}" if f.free_op else ""
+        lines.append(f"  freed{op}{when(f.phase, f.step)} at (most recent call last):")
+        lines += _stack_text(f.free_stack, empty=NO_FREE_FRAMES)
+    if f.also_used_by:
+        lines.append("  also used by:")
+        for u in f.also_used_by[:MAX_ALSO]:
+            lines.append(
+                f"      graph #{u.graph} '{u.label}' node {u.node}: "
+                f"{short_kernel(u.kernel)} param {u.param}+{u.offset}"
+            )
+        if len(f.also_used_by) > MAX_ALSO:
+            lines.append(f"      ... and {len(f.also_used_by) - MAX_ALSO} more graph(s)")
+    lines.append(f"  likely cause: {f.likely_cause}")
+    return "\n".join(lines)
+
+
+MAX_ALSO = 6  # graphs listed under "also used by"; the JSON report keeps them all

@@ -1,0 +1,153 @@
+"""The layout stays true: imports between graphsan's modules go the allowed directions only.
+
+Imports are read with `ast` (module level and inside functions alike, since a lazy import is
+still a dependency), so the check needs nothing imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# what a package may import from graphsan (prefixes; a package always imports itself)
+ALLOWED = {
+    "graphsan.core": ("graphsan.core",),
+    "graphsan.report": ("graphsan.core", "graphsan.report"),
+    "graphsan.policies": ("graphsan.core", "graphsan.context", "graphsan.cuda.allocator"),
+    "graphsan.cuda": ("graphsan.core", "graphsan.context", "graphsan.report.timeline"),
+}
+# imports no sanitizer module may make; the CLI alone dispatches `graphsan train|repro` to the lab
+NEVER = {"graphsan.lab"}
+MAY_IMPORT_LAB = {"graphsan.cli"}
+# what loads without torch: the analysis, the reports, and what the CLI and plugin read up front
+TORCH_FREE = {
+    "graphsan.core": True,  # True: the package and everything in it
+    "graphsan.report": True,
+    "graphsan": False,
+    "graphsan.policies": False,
+    "graphsan.cli": False,
+    "graphsan.pytest_plugin": False,
+}
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, name: str) -> set[str]:
+    """The modules a file imports (relative imports resolved; `from a import b` names `a.b`
+    when that is a module of ours, else `a`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def sanitizer_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """Module -> the graphsan modules it imports, for every module outside the lab."""
+    files = {module_name(p, src): p for p in (src / "graphsan").rglob("*.py")}
+    files = {m: p for m, p in files.items() if not m.startswith("graphsan.lab")}
+    graph = {}
+    for mod, path in files.items():
+        deps = {d for d in imports_of(path, mod) if d.startswith("graphsan")}
+        known = {d for d in deps if d in files} | {d for d in deps if d.startswith("graphsan.lab")}
+        graph[mod] = {d for d in known if d != mod}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (a list of modules, first repeated last), or None. A package's
+    `__init__` importing its own submodules is not a cycle unless a submodule imports back."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d) :] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for mod, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if mod not in MAY_IMPORT_LAB and any(
+                dep == n or dep.startswith(n + ".") for n in NEVER
+            ):
+                out.append(f"{mod} imports {dep}: the sanitizer never imports the lab")
+                continue
+            for pkg, allowed in ALLOWED.items():
+                inside = mod == pkg or mod.startswith(pkg + ".")
+                ok = any(dep == a or dep.startswith(a + ".") for a in allowed) or dep == "graphsan"
+                if inside and not ok:
+                    out.append(f"{mod} imports {dep}: {pkg} may import only {', '.join(allowed)}")
+    return out
+
+
+def test_imports_go_the_allowed_directions():
+    assert violations(sanitizer_graph()) == []
+
+
+def test_no_import_cycles_among_sanitizer_modules():
+    assert find_cycle(sanitizer_graph()) is None
+
+
+@pytest.mark.parametrize("name", TORCH_FREE)
+def test_the_pure_parts_do_not_import_torch(name):
+    def chosen(mod: str) -> bool:
+        return mod == name or (TORCH_FREE[name] and mod.startswith(name + "."))
+
+    files = [p for p in (SRC / "graphsan").rglob("*.py") if chosen(module_name(p))]
+    assert files
+    for path in files:
+        heavy = {d for d in imports_of(path, module_name(path)) if d.split(".")[0] == "torch"}
+        assert not heavy, f"{module_name(path)} imports {sorted(heavy)}"
+
+
+def test_the_check_catches_a_forbidden_import_and_a_cycle(tmp_path):
+    """Copy the package, add one bad import, and see each check fail."""
+    import shutil
+
+    shutil.copytree(SRC / "graphsan", tmp_path / "graphsan", ignore=shutil.ignore_patterns("lab"))
+    tracker = tmp_path / "graphsan" / "core" / "tracker.py"
+    text = tracker.read_text()
+    tracker.write_text(text + "\nfrom graphsan.cuda import driver\n")
+    assert any(
+        "graphsan.core.tracker imports graphsan.cuda" in v
+        for v in violations(sanitizer_graph(tmp_path))
+    )
+    tracker.write_text(text + "\nimport graphsan.lab.repro\n")
+    assert any("never imports the lab" in v for v in violations(sanitizer_graph(tmp_path)))
+    records = tmp_path / "graphsan" / "core" / "records.py"
+    records.write_text(records.read_text() + "\nfrom graphsan.core.tracker import Tracker\n")
+    tracker.write_text(text)
+    assert find_cycle(sanitizer_graph(tmp_path)) is not None
