@@ -18,6 +18,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ from graphsan.lab.quant import (
 )
 from graphsan.lab.quant.precision import CONFIG_DIR
 from graphsan.lab.train import graphs as cuda_graphs
+from graphsan.lab.train.callbacks import Callback
 from graphsan.lab.train.checkpoint import save_checkpoint
 from graphsan.lab.train.config import ConfigError, TrainConfig
 from graphsan.lab.train.data import build_data
@@ -214,20 +216,23 @@ def dry_run(cfg: TrainConfig, metrics: Metrics) -> None:
     metrics.print(summarize_table(table))
 
 
-def train(cfg: TrainConfig, console=None) -> TrainResult:
+def train(cfg: TrainConfig, console=None, callbacks: Sequence[Callback] = ()) -> TrainResult:
+    """Train as `cfg` says; `callbacks` are told when the model is built and each step ends."""
     cfg.validate()
     with Metrics(cfg.train_iters, quiet=cfg.quiet, console=console) as metrics:
         if cfg.dry_run:
             dry_run(cfg, metrics)
             return TrainResult()
-        return _train(cfg, metrics)
+        return _train(cfg, metrics, callbacks)
 
 
-def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
+def _train(cfg: TrainConfig, metrics: Metrics, callbacks: Sequence[Callback]) -> TrainResult:
     device = resolve_device(cfg.device)
     check_memory(cfg, device)
     result = TrainResult(device=str(device))
     model = build_model(model_args(cfg), device=device, seed=cfg.seed)
+    for cb in callbacks:
+        cb.on_model_built(model)
     result.recipe_table, ambient = bind_precision(model, cfg)
     skip = torch.zeros((), device=device)  # the shared weight-workspace skip flag
     for m in model.modules():
@@ -340,6 +345,8 @@ def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
                 )
             norms.append(opt.step(lr_at(it)))
             model.update_expert_bias()
+            for cb in callbacks:
+                cb.on_step_end(it)
             step_losses.append(lm)
             step_mtp.append(mtp if model.mtp is not None else None)
             steady_iters += 1
