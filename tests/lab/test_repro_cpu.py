@@ -36,7 +36,7 @@ def test_each_case_builds_the_configuration_it_names(case):
         cfg = dataclasses.replace(repro.case_config(case, "small", reference), device="cpu")
         cfg.validate()
         assert cfg.cuda_graph_modules == (() if reference else case.scopes)
-        assert cfg.graph_state == ("fixed" if reference else case.state)
+        assert cfg.state_policy == ("fixed" if reference else case.state)
         assert cfg.precision_config == case.precision
         assert cfg.empty_cache_on_save == case.empty_cache
         assert cfg.eval_interval == cfg.save_interval == cfg.manual_gc_interval == repro.EVAL_AT

@@ -26,7 +26,7 @@ parameter grads come out of the graph's static buffers and are CLONED before aut
 so a parameter's grad never aliases a buffer the next replay overwrites. Graphs are used only in
 training mode with grad enabled; eval runs the modules eagerly (HybridLayer.forward).
 
-`graph_state`:
+`state_policy` (the same policy the quantized modules follow, see lab/quant/linear.py):
     "te218"  on every training replay the wrapper writes the ambient recipe (the precision config's
              base recipe) into `stored_recipe` of every quantized module in that graphed scope, even
              those with their own override. TE 2.18's `transformer_engine/pytorch/graph.py` does
@@ -109,7 +109,7 @@ class GraphedStage:
     fn: object
     modules: list
     counter: MicrobatchCounter
-    graph_state: str = "fixed"
+    state_policy: str = "fixed"
     ambient_recipe: object = None
     graphs: list = field(default_factory=list)
     keepalive: list = field(default_factory=list)
@@ -129,7 +129,7 @@ class GraphedStage:
                     self.params.append(p)
 
     def __call__(self, x):
-        if self.graph_state == "te218":
+        if self.state_policy == "te218":
             # TE 2.18 graph.py (~1245): the ambient recipe overwrites every module's stored recipe
             for q in self.quant:
                 q.stored_recipe = self.ambient_recipe
@@ -151,7 +151,7 @@ def check_scopes(scopes) -> tuple[str, ...]:
     return scopes
 
 
-def plan_stages(model, scopes, counter, graph_state, ambient_recipe) -> list[GraphedStage]:
+def plan_stages(model, scopes, counter, state_policy, ambient_recipe) -> list[GraphedStage]:
     """The graphed stages of `model` for `scopes`, in forward execution order (main layers only)."""
     scopes = check_scopes(scopes)
     stages = []
@@ -165,7 +165,7 @@ def plan_stages(model, scopes, counter, graph_state, ambient_recipe) -> list[Gra
                 fn,
                 modules,
                 counter,
-                graph_state,
+                state_policy,
                 ambient_recipe,
             )
         )
@@ -271,7 +271,7 @@ def capture(
         if gc_was_enabled:
             gc.enable()
     for st in stages:
-        if st.graph_state == "fixed":
+        if st.state_policy == "fixed":
             st.keepalive = [q.workspace for q in st.quant if q.workspace is not None]
         st.layer.graphs[st.stage] = st
     with torch.no_grad():  # undo the warm-up's side effects
