@@ -24,7 +24,8 @@ the forward graph replays; in backward, incoming grads are copied into the stati
 the backward graph replays. QuantLinear weight grads go to main_grad inside the graph; other
 parameter grads come out of the graph's static buffers and are CLONED before autograd sees them,
 so a parameter's grad never aliases a buffer the next replay overwrites. Graphs are used only in
-training mode with grad enabled; eval runs the modules eagerly (HybridLayer.forward).
+training mode with grad enabled; eval runs the modules eagerly (`install` shadows the layer's
+stage method with a callable that picks the graph or the eager method on each call).
 
 `state_policy` (the same policy the quantized modules follow, see lab/quant/linear.py):
     "te218"  on every training replay the wrapper writes the ambient recipe (the precision config's
@@ -105,7 +106,7 @@ class GraphedStage:
 
     name: str  # e.g. "layers.3:front"
     layer: nn.Module
-    stage: str  # the key in layer.graphs: "layer", "router", "front", "shared"
+    stage: str  # the layer's stage method it replaces: "layer", "router", "front", "shared"
     fn: object
     modules: list
     counter: MicrobatchCounter
@@ -273,7 +274,7 @@ def capture(
     for st in stages:
         if st.state_policy == "fixed":
             st.keepalive = [q.workspace for q in st.quant if q.workspace is not None]
-        st.layer.graphs[st.stage] = st
+        install(st)
     with torch.no_grad():  # undo the warm-up's side effects
         for p in model.parameters():
             if hasattr(p, "main_grad"):
@@ -284,6 +285,23 @@ def capture(
     torch.cuda.synchronize()
 
 
-def uninstall(model) -> None:
-    for layer in model.layers:
-        layer.graphs.clear()
+class _TrainingOnly:
+    """A graphed stage in training mode with grad enabled, the eager stage otherwise."""
+
+    def __init__(self, stage: GraphedStage, eager):
+        self.stage, self.eager = stage, eager
+
+    def __call__(self, x):
+        if self.stage.layer.training and torch.is_grad_enabled():
+            return self.stage(x)
+        return self.eager(x)
+
+
+def install(stage: GraphedStage) -> None:
+    """Shadow the layer's stage method (e.g. `router_stage`) with the graphed callable."""
+    name = f"{stage.stage}_stage"
+    setattr(
+        stage.layer,
+        name,
+        _TrainingOnly(stage, getattr(type(stage.layer), name).__get__(stage.layer)),
+    )
