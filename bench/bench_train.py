@@ -1,5 +1,5 @@
 """Benchmark of the lab trainer: eager vs per-scope CUDA graphs, per recipe mix, and the cost of
-the fixed graph-state handling vs TE 2.18's (te218, no validation so it cannot fault).
+the fixed state policy vs TE 2.18's (te218, no validation so it cannot fault).
 
     PYTHONPATH=src python3 bench/bench_train.py [--preset small] [--iters 10] [--out FILE]
 
@@ -111,7 +111,7 @@ def main() -> int:
             global_batch_size=a.global_batch_size,
             precision_config=precision,
             cuda_graph_modules=scopes,
-            graph_state=state,
+            state_policy=state,
             quiet=True,
             log_interval=10**6,
         )

@@ -314,6 +314,6 @@ def test_train_help_shows_the_defaults(capsys):
         "--lr LR AdamW learning rate (finite, >= 0) (default: 0.003)",
         "--train-iters TRAIN_ITERS training iterations (default: 20)",
         "--save SAVE checkpoint directory (default: out/checkpoints)",
-        "--graph-state GRAPH_STATE fixed | te218",
+        "--state-policy STATE_POLICY, --graph-state STATE_POLICY fixed | te218",
     ):
         assert needle in out, needle

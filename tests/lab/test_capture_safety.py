@@ -53,7 +53,7 @@ class CaptureLint(TorchDispatchMode):
 @pytest.mark.parametrize("precision", ["super-mixed", "mxfp8-all", None])
 @pytest.mark.parametrize("state", ["fixed", "te218"])
 def test_graphed_stages_do_nothing_capture_forbids(precision, state):
-    cfg = TrainConfig(preset="tiny", precision_config=precision, device="cpu", graph_state=state)
+    cfg = TrainConfig(preset="tiny", precision_config=precision, device="cpu", state_policy=state)
     cfg.validate()
     model = build_model(get_preset("tiny"), device=torch.device("cpu"), seed=0)
     _, ambient = bind_precision(model, cfg)

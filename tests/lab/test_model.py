@@ -212,3 +212,23 @@ def test_super_preset_on_meta_counts_parameters_without_memory():
     total, active = count_parameters(model)
     assert 110e9 < total < 135e9  # Nemotron 3 Super: 120B total
     assert 10e9 < active < 15e9  # 12B active
+
+
+def test_an_installed_stage_runs_only_in_training_with_grad():
+    """graphs.install shadows a layer's stage method from the outside; eval stays eager."""
+    from graphsan.lab.train import graphs
+
+    model = build_model(get_preset("tiny"), seed=0)
+    layer = next(la for la in model.layers if la.kind != "E")
+    calls = []
+    fake = type("Fake", (), {"__call__": lambda self, x: calls.append(1) or x})()
+    fake.layer, fake.stage = layer, "layer"
+    graphs.install(fake)
+    h = torch.randn(1, 32, model.args.hidden_size, dtype=torch.bfloat16)
+    layer.train()
+    assert layer(h) is h and calls == [1]
+    layer.eval()
+    assert layer(h) is not h and calls == [1]
+    with torch.no_grad():
+        layer.train()
+        assert layer(h) is not h and calls == [1]

@@ -16,7 +16,7 @@ import torch
 from graphsan.cli import main
 from graphsan.lab import repro
 from graphsan.lab.models import build_model
-from graphsan.lab.repro import Outcome
+from graphsan.lab.repro import CaseResult, Outcome, child, compare, logparse, runner
 from graphsan.lab.train.trainer import bind_precision, model_args
 
 
@@ -33,10 +33,10 @@ def one_cpu_thread():
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
 def test_each_case_builds_the_configuration_it_names(case):
     for reference in (False, True):
-        cfg = dataclasses.replace(repro._config(case, "small", reference), device="cpu")
+        cfg = dataclasses.replace(repro.case_config(case, "small", reference), device="cpu")
         cfg.validate()
         assert cfg.cuda_graph_modules == (() if reference else case.scopes)
-        assert cfg.graph_state == ("fixed" if reference else case.state)
+        assert cfg.state_policy == ("fixed" if reference else case.state)
         assert cfg.precision_config == case.precision
         assert cfg.empty_cache_on_save == case.empty_cache
         assert cfg.eval_interval == cfg.save_interval == cfg.manual_gc_interval == repro.EVAL_AT
@@ -55,26 +55,21 @@ def test_each_case_builds_the_configuration_it_names(case):
 def test_a_child_trains_case_1_eagerly_and_reports_losses_progress_and_startup(monkeypatch, capsys):
     """Case 1's configuration (super-mixed, te218, validation + save + GC at iteration 5) on
     the tiny preset, run by the child's code as the matrix runs it (graphs run eagerly here)."""
-    from graphsan.lab.train import optim, trainer
-
-    config = repro._config
+    config = repro.case_config
 
     def cpu_config(case, preset, reference, mamba_heads=0):
         cfg = config(case, "tiny", reference, mamba_heads)
         return dataclasses.replace(cfg, device="cpu", seq_length=32, save="/tmp/graphsan-child")
 
-    monkeypatch.setattr(repro, "_config", cpu_config)
-    monkeypatch.setattr(optim.MainGradAdamW, "step", optim.MainGradAdamW.step)  # restored after
-    monkeypatch.setattr(trainer, "build_model", trainer.build_model)
-    monkeypatch.setitem(repro._progress, "done", 0)
-    res = repro.run_child(1, "tiny", reference=False)
-    assert res["outcome"] == "trained through" and len(res["losses"]) == repro.ITERS
-    assert all(x == x for x in res["losses"])
-    assert [it for it, _ in res["eval_losses"]] == [repro.EVAL_AT]
-    phases = res["startup"]
+    monkeypatch.setattr(child, "case_config", cpu_config)
+    res = child.run_child(1, "tiny", reference=False)
+    assert res.outcome == "trained through" and len(res.losses) == repro.ITERS
+    assert all(x == x for x in res.losses)
+    assert [it for it, _ in res.eval_losses] == [repro.EVAL_AT]
+    phases = res.startup
     assert list(phases)[-3:] == ["model built", "first forward", "first backward"]
     assert phases["imports"] <= phases["model built"] <= phases["first forward"]
-    assert len(repro._iteration_times(capsys.readouterr().out)) == repro.ITERS
+    assert len(logparse.iteration_times(capsys.readouterr().out)) == repro.ITERS
 
 
 def test_list_needs_no_gpu_and_shows_each_expectation(capsys):
@@ -135,30 +130,30 @@ def test_bad_options_are_one_clear_error(argv, needle, capsys):
 def test_a_case_that_overruns_its_time_is_reported_not_waited_for(monkeypatch):
     """The child reports one iteration, then hangs far longer than the test allows."""
     hang = "print('ITERATION 1 t=0.1', flush=True); import time; time.sleep(120)"
-    monkeypatch.setattr(repro, "child_command", lambda *a: [sys.executable, "-c", hang])
-    res = repro._spawn(repro.CASES[0], "tiny", timeout=3)
-    assert res["outcome"] == "timed out after 3 s"  # killed, not left to finish its sleep
-    assert res["iteration"] == 2  # how far it got: the iteration after the last one logged
-    assert res["timeline"] == [0.1]
-    assert Outcome.of(res["outcome"]) is Outcome.OTHER
+    monkeypatch.setattr(runner, "child_command", lambda *a: [sys.executable, "-c", hang])
+    res = runner.spawn(repro.CASES[0], "tiny", timeout=3)
+    assert res.outcome == "timed out after 3 s"  # killed, not left to finish its sleep
+    assert res.iteration == 2  # how far it got: the iteration after the last one logged
+    assert res.timeline == [0.1]
+    assert res.kind is Outcome.OTHER
 
 
 def test_compare_covers_iterations_both_runs_have_and_counts_nan_as_infinite():
-    ref = {"losses": [5.0, 4.9, 4.8, 4.7, 4.6, 4.5, 4.4]}
-    res = {"losses": [5.0, 4.9, 4.8, 4.7, 4.6 * (1 + 2e-4), float("nan")]}
-    text = repro._compare(res, ref)
-    assert res["rel_diff_before_eval"] == pytest.approx(2e-4)
-    assert res["rel_diff_after_eval"] == float("inf")
+    ref = CaseResult(losses=[5.0, 4.9, 4.8, 4.7, 4.6, 4.5, 4.4])
+    res = CaseResult(losses=[5.0, 4.9, 4.8, 4.7, 4.6 * (1 + 2e-4), float("nan")])
+    text = compare.compare(res, ref)
+    assert res.rel_diff_before_eval == pytest.approx(2e-4)
+    assert res.rel_diff_after_eval == float("inf")
     assert "2.0e-04 up to validation, inf after" in text
-    short = {"losses": [5.0, 4.9]}
-    assert repro._compare(short, ref) == "no losses after validation to compare"
+    short = CaseResult(losses=[5.0, 4.9])
+    assert compare.compare(short, ref) == "no losses after validation to compare"
 
 
 def test_timeline_and_iteration_come_from_the_child_progress_lines():
     log = "noise\nITERATION 1 t=3.5\nITERATION 2 t=4.0\nTraceback\nCUDA error: an illegal x\n"
-    assert repro._iteration_times(log) == [3.5, 4.0]
-    assert repro._last_logged_iteration(log) == 3  # it died in the iteration after the last one
-    assert repro._first_error_line(log) == "CUDA error: an illegal x"
+    assert logparse.iteration_times(log) == [3.5, 4.0]
+    assert logparse.last_logged_iteration(log) == 3  # it died in the iteration after the last one
+    assert logparse.first_error_line(log) == "CUDA error: an illegal x"
 
 
 def _fake_spawn(outcomes: dict[int, dict], spawned: list | None = None):
@@ -169,7 +164,7 @@ def _fake_spawn(outcomes: dict[int, dict], spawned: list | None = None):
         res = {"outcome": "trained through", "losses": losses, "wall_s": 1.0, "finding": ""}
         if not reference:
             res.update(outcomes.get(case.n, {}))
-        return res
+        return CaseResult(**res)
 
     return fake_spawn
 
@@ -178,13 +173,13 @@ def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkey
     spawned = []
     drifted = [5.0 - 0.1 * i for i in range(repro.ITERS)]
     drifted[repro.EVAL_AT] *= 1.5  # the corrupted case drifts after validation
-    monkeypatch.setattr(repro, "_spawn", _fake_spawn({5: {"losses": drifted}}, spawned))
+    monkeypatch.setattr(runner, "spawn", _fake_spawn({5: {"losses": drifted}}, spawned))
     results = dict((c.n, r) for c, r in repro.run_matrix(repro.CASES, "tiny", jobs=0))
     assert sorted((n, ref) for n, ref, *_ in spawned) == sorted(
         [(c.n, False) for c in repro.CASES] + [(5, True)]
     )
     # the cores are shared out, so the processes' CPU threads do not oversubscribe the machine
-    monkeypatch.setattr(repro.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 16)
     spawned.clear()
     repro.run_matrix(repro.CASES, "tiny", jobs=0)
     assert {threads for *_, threads, _ in spawned} == {1}
@@ -194,9 +189,9 @@ def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkey
     spawned.clear()
     repro.run_matrix(repro.CASES[4:6], "tiny", jobs=0, mamba_heads=128)
     assert [heads for *_, heads in spawned] == [128, 128, 128]  # every case and the reference
-    assert results[6]["outcome"] == "trained through"
-    assert results[6]["comparison"].endswith("0.0e+00 after")
-    assert results[5]["outcome"] == "silent corruption"  # 0.5 relative > LOSS_RTOL
+    assert results[6].outcome == "trained through"
+    assert results[6].comparison.endswith("0.0e+00 after")
+    assert results[5].outcome == "silent corruption"  # 0.5 relative > LOSS_RTOL
 
 
 # What each case showed on the H200 (docs/te-3316.md, the matrix at 126beb4), and the other
@@ -229,25 +224,25 @@ SEEN = {
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
 def test_what_the_h200_showed_matches_and_other_outcomes_do_not(case):
     for res in SEEN[case.n]:
-        assert repro.judge(case, res) == "", res
+        assert repro.judge(case, CaseResult(**res)) == "", res
     seen = {Outcome(r["outcome"]) for r in SEEN[case.n]}
     assert seen <= case.expected
     for other in set(Outcome) - case.expected:
         res = dict(SEEN[case.n][0], outcome=other.value)
-        assert repro.judge(case, res).startswith("expected "), other
+        assert repro.judge(case, CaseResult(**res)).startswith("expected "), other
 
 
 def test_a_match_needs_the_right_iteration_finding_and_comparison():
     by = repro.BY_NUMBER
-    early = {"outcome": "device-side assert", "iteration": repro.EVAL_AT}
+    early = CaseResult("device-side assert", iteration=repro.EVAL_AT)
     assert "expected after validation" in repro.judge(by[1], early)
-    elsewhere = {"outcome": "StaleMemoryError", "iteration": 6, "finding": "freed: x, freed at a"}
+    elsewhere = CaseResult("StaleMemoryError", iteration=6, finding="freed: x, freed at a")
     assert "freed in clear_workspace" in repro.judge(by[4], elsewhere)
-    unrecorded = {"outcome": "device-side assert", "iteration": 6, "finding": ""}
+    unrecorded = CaseResult("device-side assert", iteration=6, finding="")
     assert "freed in clear_workspace" in repro.judge(by[5], unrecorded)
-    inconclusive = {"outcome": "trained through", "comparison": "inconclusive: the eager x"}
+    inconclusive = CaseResult("trained through", comparison="inconclusive: the eager x")
     assert "inconclusive" in repro.judge(by[6], inconclusive)
-    assert repro.judge(by[1], {"outcome": "timed out after 300 s", "iteration": 6}) != ""
+    assert repro.judge(by[1], CaseResult("timed out after 300 s", iteration=6)) != ""
 
 
 def test_the_exit_status_says_whether_every_case_matched(monkeypatch, capsys, tmp_path):
@@ -255,7 +250,7 @@ def test_the_exit_status_says_whether_every_case_matched(monkeypatch, capsys, tm
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a fake GPU")
     as_seen = {n: dict(seen[0], wall_s=1.0) for n, seen in SEEN.items()}
     as_seen[5]["losses"] = []  # it crashed: nothing to compare after validation
-    monkeypatch.setattr(repro, "_spawn", _fake_spawn(as_seen))
+    monkeypatch.setattr(runner, "spawn", _fake_spawn(as_seen))
     path = tmp_path / "results.json"
     assert main(["repro", "--json", str(path)]) == 0
     out = capsys.readouterr().out
@@ -265,7 +260,7 @@ def test_the_exit_status_says_whether_every_case_matched(monkeypatch, capsys, tm
     assert results[0]["case"]["expected"][0] == "illegal memory access"
 
     as_seen[2] = {"outcome": "device-side assert", "iteration": 6}  # a control that crashed
-    monkeypatch.setattr(repro, "_spawn", _fake_spawn(as_seen))
+    monkeypatch.setattr(runner, "spawn", _fake_spawn(as_seen))
     assert main(["repro", "--case", "2", "--case", "4"]) == 1
     captured = capsys.readouterr()
     assert "| device-side assert | NO: expected trained through |" in captured.out
@@ -277,33 +272,33 @@ def test_the_exit_status_says_whether_every_case_matched(monkeypatch, capsys, tm
 
 
 def test_a_broken_reference_makes_the_comparison_inconclusive_not_clean():
-    res = {"losses": [5.0] * repro.ITERS}
+    res = CaseResult(losses=[5.0] * repro.ITERS)
     for ref in (
-        {"outcome": "timed out after 240 s", "losses": []},
-        {"outcome": "trained through", "losses": [5.0] * (repro.ITERS - 1) + [float("nan")]},
+        CaseResult("timed out after 240 s", losses=[]),
+        CaseResult("trained through", losses=[5.0] * (repro.ITERS - 1) + [float("nan")]),
     ):
-        assert repro._compare(res, ref).startswith("inconclusive: the eager reference")
-        assert "rel_diff_after_eval" not in res
+        assert compare.compare(res, ref).startswith("inconclusive: the eager reference")
+        assert res.rel_diff_after_eval is None
 
 
 def test_the_result_file_wins_and_a_dead_child_is_named_by_its_signal():
-    assert repro._result_of('{"outcome": "trained through"}', "noise", 0)["outcome"] == (
+    assert logparse.result_of('{"outcome": "trained through"}', "noise", 0).outcome == (
         "trained through"
     )
-    assert repro._result_of("", "Traceback\n", -9)["outcome"] == "killed by signal 9"
-    assert repro._result_of("{trunc", "CUDA error: an illegal memory access", -6)["outcome"] == (
+    assert logparse.result_of("", "Traceback\n", -9).outcome == "killed by signal 9"
+    assert logparse.result_of("{trunc", "CUDA error: an illegal memory access", -6).outcome == (
         "illegal memory access"
     )
-    assert repro._result_of("", "ValueError: bad\n", 1)["outcome"] == "died (exit 1)"
-    assert repro._result_of("", "CUDA error: device-side assert triggered", -6)["outcome"] == (
+    assert logparse.result_of("", "ValueError: bad\n", 1).outcome == "died (exit 1)"
+    assert logparse.result_of("", "CUDA error: device-side assert triggered", -6).outcome == (
         "device-side assert"
     )
 
 
 def test_mamba_heads_widen_only_the_mamba():
     case = repro.CASES[0]
-    default = repro._config(case, "small", reference=False).model_overrides
-    wide = repro._config(case, "small", reference=False, mamba_heads=256).model_overrides
+    default = repro.case_config(case, "small", reference=False).model_overrides
+    wide = repro.case_config(case, "small", reference=False, mamba_heads=256).model_overrides
     assert default == {"mamba_num_heads": 64, "mamba_head_dim": 64}
     assert wide == {"mamba_num_heads": 256, "mamba_head_dim": 64}
     parser = argparse.ArgumentParser()
@@ -322,5 +317,14 @@ def test_a_kernel_assertion_is_a_device_side_assert_even_when_python_lost_the_me
         ' thread: [18,0,0] Assertion `idx_dim >= 0 && idx_dim < index_size && "scatter gather '
         'kernel index out of bounds"` failed.\n'
     )
-    assert repro._result_of("", log, 1)["outcome"] == "device-side assert"
-    assert repro._result_of("", log.splitlines()[0], 1)["outcome"] == "died (exit 1)"
+    assert logparse.result_of("", log, 1).outcome == "device-side assert"
+    assert logparse.result_of("", log.splitlines()[0], 1).outcome == "died (exit 1)"
+
+
+def test_a_child_without_a_result_file_is_refused_and_a_result_survives_json(capsys):
+    assert main(["repro", "--child", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "graphsan repro: error: --child needs --result PATH (the file the parent reads)"
+    )
+    res = CaseResult("StaleMemoryError", iteration=6, finding="x", eval_losses=[[5, 4.5]])
+    assert logparse.result_of(json.dumps(res.to_dict()), "", 0) == res

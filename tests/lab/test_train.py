@@ -54,7 +54,7 @@ def test_eval_save_and_gc_on_the_same_iteration(tmp_path, capsys):
         save=str(tmp_path),
         precision_config="super-mixed",
         cuda_graph_modules=("attn", "mamba"),
-        graph_state="fixed",
+        state_policy="fixed",
     )
     cfg.quiet = False
     r = train(cfg)
@@ -107,7 +107,8 @@ def test_byte_file_data(tmp_path):
         ),
         (["--cuda-graph-modules", "moe_preprocess"], "moe_preprocess needs moe_router"),
         (["--global-batch-size", "3", "--micro-batch-size", "2"], "not a multiple of"),
-        (["--graph-state", "te217"], "expected one of fixed, te218"),
+        (["--state-policy", "te217"], "--state-policy te217: expected one of fixed, te218"),
+        (["--graph-state", "te217"], "--state-policy te217: expected one of fixed, te218"),
         (["--preset", "huge"], "--preset huge: expected one of tiny, small, super"),
         (["--precision-config", "nope"], "no such precision file"),
         (["--seq-length", "30", "--micro-batch-size", "1"], "expected a multiple of 32"),

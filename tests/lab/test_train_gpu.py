@@ -58,7 +58,7 @@ elif spec["kind"] == "transitions":
     cfg = dict(precision_config=spec["precision"], train_iters=7, eval_interval=2, eval_iters=2,
                save_interval=2, save=spec["save"], empty_cache_on_save=True,
                manual_gc_interval=2, cuda_graph_modules=("attn", "mamba", "moe_router",
-               "moe_preprocess"), graph_state="fixed", capture_grads=())
+               "moe_preprocess"), state_policy="fixed", capture_grads=())
     with graphsan.watch(policy="record") as san:
         r = run(**cfg)
     out["findings"] = [str(f) for f in san.findings]

@@ -8,8 +8,9 @@ Module paths (the precision configs match on them): `layers.{i}`, `layers.{i}.mi
 `shared_expert.fc1/fc2`; MLP: `fc1`, `fc2`),
 `mtp.eh_proj`, `mtp.layers.{i}...`, `output_layer`.
 
-A layer's stages can be replaced by graphed callables (`layer.graphs`, installed by the trainer);
-they are used only in training mode with grad enabled, so evaluation always runs eagerly.
+A layer's forward is built from stage methods (`layer_stage`, `router_stage`, `front_stage`,
+`shared_stage`) so that training code can replace a stage from the outside; the model itself
+knows nothing of how.
 """
 
 from __future__ import annotations
@@ -45,11 +46,7 @@ class HybridLayer(nn.Module):
             self.mixer = LatentMoE(args, device=device)
         else:
             self.mixer = MLP(args.hidden_size, args.ffn_hidden_size, device=device)
-        # stage name -> graphed callable; stages: "layer" (M, *, -), "router" or "front"
-        # (router + preprocess) and "shared" (E)
-        self.graphs: dict = {}
 
-    # ---- eager stages (also the functions that get captured) ----
     def layer_stage(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mixer(self.norm(h))
 
@@ -66,16 +63,10 @@ class HybridLayer(nn.Module):
         return self.mixer.shared_expert(normed)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        graphs = self.graphs if (self.training and torch.is_grad_enabled()) else {}
         if self.kind != "E":
-            return graphs.get("layer", self.layer_stage)(h)
-        if "front" in graphs:
-            normed, *pre = graphs["front"](h)
-        else:
-            normed, probs, idx = graphs.get("router", self.router_stage)(h)
-            pre = self.mixer.preprocess(normed, probs, idx)
-        shared = graphs.get("shared", self.shared_stage)(normed)
-        return h + self.mixer.combine_output(normed, pre, shared)
+            return self.layer_stage(h)
+        normed, *pre = self.front_stage(h)
+        return h + self.mixer.combine_output(normed, pre, self.shared_stage(normed))
 
 
 class MTP(nn.Module):

@@ -2,7 +2,7 @@
 
     graphsan train --preset tiny --train-iters 50 --eval-interval 10
     graphsan train --preset small --cuda-graph-modules attn mamba moe_router moe_preprocess \\
-        --precision-config super-mixed --num-layers-at-end-in-bf16 2 --graph-state te218
+        --precision-config super-mixed --num-layers-at-end-in-bf16 2 --state-policy te218
     graphsan train --preset super --dry-run       # meta device: counts and recipe table only
 
 `run(argv) -> int` is what `graphsan train` calls (the parser is built only then);
@@ -15,7 +15,8 @@ import argparse
 import sys
 
 from graphsan.lab.models import PRESETS
-from graphsan.lab.train.config import GRAPH_STATES, ConfigError, TrainConfig
+from graphsan.lab.quant.linear import STATE_POLICIES
+from graphsan.lab.train.config import ConfigError, TrainConfig
 from graphsan.lab.train.graphs import GRAPH_SCOPES
 
 
@@ -71,9 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="eager iterations before the graphs are captured",
     )
     a(
-        "--graph-state",
-        default=d.graph_state,
-        help=f"{' | '.join(GRAPH_STATES)}: te218 models TE 2.18's graph wrapper (the #3316 bug)",
+        "--state-policy",
+        "--graph-state",  # the option's old name, kept as a deprecated alias
+        dest="state_policy",
+        default=d.state_policy,
+        help=f"{' | '.join(STATE_POLICIES)}: how quantized modules treat their cached weight "
+        "workspace across recipe changes; te218 models TE 2.18 (the #3316 bug). "
+        "--graph-state is a deprecated alias",
     )
     a(
         "--precision-config",
@@ -121,7 +126,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         empty_cache_on_save=args.empty_cache_on_save,
         cuda_graph_modules=_scopes(args.cuda_graph_modules),
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
-        graph_state=args.graph_state,
+        state_policy=args.state_policy,
         precision_config=args.precision_config,
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16,

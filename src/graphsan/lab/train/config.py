@@ -10,9 +10,9 @@ import tempfile
 from dataclasses import dataclass, field
 
 from graphsan.lab.models import PRESETS, get_preset
+from graphsan.lab.quant.linear import STATE_POLICIES
 from graphsan.lab.train.graphs import check_scopes
 
-GRAPH_STATES = ("fixed", "te218")
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
 
@@ -37,7 +37,7 @@ class TrainConfig:
     empty_cache_on_save: bool = False
     cuda_graph_modules: tuple = ()
     cuda_graph_warmup_steps: int = 3
-    graph_state: str = "fixed"
+    state_policy: str = "fixed"
     precision_config: str | None = None  # file or built-in name; None: BF16 everywhere
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
@@ -98,9 +98,9 @@ class TrainConfig:
             self.cuda_graph_modules = check_scopes(self.cuda_graph_modules)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if self.graph_state not in GRAPH_STATES:
+        if self.state_policy not in STATE_POLICIES:
             raise ConfigError(
-                f"--graph-state {self.graph_state}: expected one of {', '.join(GRAPH_STATES)}"
+                f"--state-policy {self.state_policy}: expected one of {', '.join(STATE_POLICIES)}"
             )
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(

@@ -24,9 +24,10 @@ the forward graph replays; in backward, incoming grads are copied into the stati
 the backward graph replays. QuantLinear weight grads go to main_grad inside the graph; other
 parameter grads come out of the graph's static buffers and are CLONED before autograd sees them,
 so a parameter's grad never aliases a buffer the next replay overwrites. Graphs are used only in
-training mode with grad enabled; eval runs the modules eagerly (HybridLayer.forward).
+training mode with grad enabled; eval runs the modules eagerly (`install` shadows the layer's
+stage method with a callable that picks the graph or the eager method on each call).
 
-`graph_state`:
+`state_policy` (the same policy the quantized modules follow, see lab/quant/linear.py):
     "te218"  on every training replay the wrapper writes the ambient recipe (the precision config's
              base recipe) into `stored_recipe` of every quantized module in that graphed scope, even
              those with their own override. TE 2.18's `transformer_engine/pytorch/graph.py` does
@@ -105,11 +106,11 @@ class GraphedStage:
 
     name: str  # e.g. "layers.3:front"
     layer: nn.Module
-    stage: str  # the key in layer.graphs: "layer", "router", "front", "shared"
+    stage: str  # the layer's stage method it replaces: "layer", "router", "front", "shared"
     fn: object
     modules: list
     counter: MicrobatchCounter
-    graph_state: str = "fixed"
+    state_policy: str = "fixed"
     ambient_recipe: object = None
     graphs: list = field(default_factory=list)
     keepalive: list = field(default_factory=list)
@@ -129,7 +130,7 @@ class GraphedStage:
                     self.params.append(p)
 
     def __call__(self, x):
-        if self.graph_state == "te218":
+        if self.state_policy == "te218":
             # TE 2.18 graph.py (~1245): the ambient recipe overwrites every module's stored recipe
             for q in self.quant:
                 q.stored_recipe = self.ambient_recipe
@@ -151,7 +152,7 @@ def check_scopes(scopes) -> tuple[str, ...]:
     return scopes
 
 
-def plan_stages(model, scopes, counter, graph_state, ambient_recipe) -> list[GraphedStage]:
+def plan_stages(model, scopes, counter, state_policy, ambient_recipe) -> list[GraphedStage]:
     """The graphed stages of `model` for `scopes`, in forward execution order (main layers only)."""
     scopes = check_scopes(scopes)
     stages = []
@@ -165,7 +166,7 @@ def plan_stages(model, scopes, counter, graph_state, ambient_recipe) -> list[Gra
                 fn,
                 modules,
                 counter,
-                graph_state,
+                state_policy,
                 ambient_recipe,
             )
         )
@@ -271,9 +272,9 @@ def capture(
         if gc_was_enabled:
             gc.enable()
     for st in stages:
-        if st.graph_state == "fixed":
+        if st.state_policy == "fixed":
             st.keepalive = [q.workspace for q in st.quant if q.workspace is not None]
-        st.layer.graphs[st.stage] = st
+        install(st)
     with torch.no_grad():  # undo the warm-up's side effects
         for p in model.parameters():
             if hasattr(p, "main_grad"):
@@ -284,6 +285,23 @@ def capture(
     torch.cuda.synchronize()
 
 
-def uninstall(model) -> None:
-    for layer in model.layers:
-        layer.graphs.clear()
+class _TrainingOnly:
+    """A graphed stage in training mode with grad enabled, the eager stage otherwise."""
+
+    def __init__(self, stage: GraphedStage, eager):
+        self.stage, self.eager = stage, eager
+
+    def __call__(self, x):
+        if self.stage.layer.training and torch.is_grad_enabled():
+            return self.stage(x)
+        return self.eager(x)
+
+
+def install(stage: GraphedStage) -> None:
+    """Shadow the layer's stage method (e.g. `router_stage`) with the graphed callable."""
+    name = f"{stage.stage}_stage"
+    setattr(
+        stage.layer,
+        name,
+        _TrainingOnly(stage, getattr(type(stage.layer), name).__get__(stage.layer)),
+    )

@@ -18,6 +18,8 @@ import math
 import os
 import re
 import time
+from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +35,7 @@ from graphsan.lab.quant import (
 )
 from graphsan.lab.quant.precision import CONFIG_DIR
 from graphsan.lab.train import graphs as cuda_graphs
+from graphsan.lab.train.callbacks import Callback
 from graphsan.lab.train.checkpoint import save_checkpoint
 from graphsan.lab.train.config import ConfigError, TrainConfig
 from graphsan.lab.train.data import build_data
@@ -56,12 +59,12 @@ class TrainResult:
     peak_mem_gib: float = 0.0
 
 
-class TrainingDiverged(FloatingPointError):
-    """The loss became NaN or infinite; `iteration` and `losses` say when and what came before."""
+class TrainingDiverged(Exception):
+    """The loss became NaN or infinite at `iteration`; `losses` are the step losses so far."""
 
-    def __init__(self, loss: float, iteration: int, losses: list[float]):
+    def __init__(self, iteration: int, loss: float, losses: list[float]):
         super().__init__(f"loss is {loss} at iteration {iteration}")
-        self.iteration, self.losses = iteration, losses
+        self.iteration, self.loss, self.losses = iteration, loss, losses
 
 
 def resolve_device(name: str) -> torch.device:
@@ -214,202 +217,285 @@ def dry_run(cfg: TrainConfig, metrics: Metrics) -> None:
     metrics.print(summarize_table(table))
 
 
-def train(cfg: TrainConfig, console=None) -> TrainResult:
+def train(cfg: TrainConfig, console=None, callbacks: Sequence[Callback] = ()) -> TrainResult:
+    """Train as `cfg` says; `callbacks` are told when the model is built and each step ends."""
     cfg.validate()
     with Metrics(cfg.train_iters, quiet=cfg.quiet, console=console) as metrics:
         if cfg.dry_run:
             dry_run(cfg, metrics)
             return TrainResult()
-        return _train(cfg, metrics)
+        return _train(cfg, metrics, callbacks)
 
 
-def _train(cfg: TrainConfig, metrics: Metrics) -> TrainResult:
-    device = resolve_device(cfg.device)
-    check_memory(cfg, device)
-    result = TrainResult(device=str(device))
-    model = build_model(model_args(cfg), device=device, seed=cfg.seed)
-    result.recipe_table, ambient = bind_precision(model, cfg)
-    skip = torch.zeros((), device=device)  # the shared weight-workspace skip flag
-    for m in model.modules():
-        if isinstance(m, QuantModule):  # QuantLinear and the experts' GroupedQuantLinear
-            m.skip_weight_update = skip
-            m.state_policy = cfg.graph_state
-    opt = MainGradAdamW(model, cfg.lr)
-    data = build_data(cfg.data_path, model.args.vocab_size, cfg.seq_length, cfg.seed)
-    params = dict(model.named_parameters())
-    for name in cfg.capture_grads:
-        if name not in params:
-            raise ValueError(f"capture_grads: no parameter {name!r} in the model")
-    num_mb, mbs = cfg.num_microbatches, cfg.micro_batch_size
-    tokens_per_step = cfg.global_batch_size * cfg.seq_length
-    use_graphs = bool(cfg.cuda_graph_modules)
-    if use_graphs and device.type != "cuda":
-        metrics.print(
-            f"note: CUDA graphs need CUDA; on {device} the graphed scopes "
-            f"({', '.join(cfg.cuda_graph_modules)}) run eagerly"
+def _train(cfg: TrainConfig, metrics: Metrics, callbacks: Sequence[Callback]) -> TrainResult:
+    return Trainer(cfg, metrics, callbacks).train()
+
+
+class _Clock:
+    """Wall time of the log interval (for the per-interval throughput) and of the steady state
+    (every train step after the first or after graph capture, side work excluded)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.interval_start: float | None = None
+        self.interval_first = 1
+        self.steady_start: float | None = None
+        self.steady_iters = 0
+        self.excluded = 0.0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def start_iteration(self, it: int) -> None:
+        if self.interval_start is None:
+            self.interval_start, self.interval_first = self.now(), it
+        if self.steady_start is None and it > 1:
+            self.steady_start, self.steady_iters, self.excluded = self.now(), 0, 0.0
+
+    def restart_steady(self) -> None:
+        """Graph capture is a one-off: the steady state starts after it."""
+        self.steady_start = None
+
+    def interval(self, it: int) -> tuple[float, int]:
+        """(seconds, iterations) since the interval began; the next iteration starts another."""
+        dt, n = self.now() - self.interval_start, it - self.interval_first + 1
+        self.interval_start = None
+        return dt, n
+
+    @contextmanager
+    def side_work(self):
+        """Validation, checkpoints and GC: not a train step, so not steady-state time; the log
+        interval restarts after them."""
+        t0 = self.now()
+        yield
+        self.excluded += self.now() - t0
+
+    def steady_seconds(self) -> float:
+        return self.now() - self.steady_start - self.excluded if self.steady_start else 0.0
+
+
+class Trainer:
+    """One run: the model with its recipes and graphs, the optimizer, the data."""
+
+    def __init__(self, cfg: TrainConfig, metrics: Metrics, callbacks: Sequence[Callback] = ()):
+        self.cfg, self.metrics, self.callbacks = cfg, metrics, list(callbacks)
+        self.device = device = resolve_device(cfg.device)
+        check_memory(cfg, device)
+        self.result = TrainResult(device=str(device))
+        self.model = model = build_model(model_args(cfg), device=device, seed=cfg.seed)
+        for cb in self.callbacks:
+            cb.on_model_built(model)
+        self.result.recipe_table, self.ambient = bind_precision(model, cfg)
+        self.skip = torch.zeros((), device=device)  # the shared weight-workspace skip flag
+        for m in model.modules():
+            if isinstance(m, QuantModule):  # QuantLinear and the experts' GroupedQuantLinear
+                m.skip_weight_update = self.skip
+                m.state_policy = cfg.state_policy
+        self.opt = MainGradAdamW(model, cfg.lr)
+        self.data = build_data(cfg.data_path, model.args.vocab_size, cfg.seq_length, cfg.seed)
+        self.params = dict(model.named_parameters())
+        for name in cfg.capture_grads:
+            if name not in self.params:
+                raise ValueError(f"capture_grads: no parameter {name!r} in the model")
+        self.use_graphs = bool(cfg.cuda_graph_modules)
+        if self.use_graphs and device.type != "cuda":
+            metrics.print(
+                f"note: CUDA graphs need CUDA; on {device} the graphed scopes "
+                f"({', '.join(cfg.cuda_graph_modules)}) run eagerly"
+            )
+            self.use_graphs = False
+        self.counter = cuda_graphs.MicrobatchCounter()
+        self.clock = _Clock(device)
+
+    # ---- the loop ----
+    def train(self) -> TrainResult:
+        cfg, result = self.cfg, self.result
+        self._print_header()
+        losses, mtp_losses = [], []
+        with _manual_gc(cfg.manual_gc_interval):
+            self.model.train()
+            for it in range(1, cfg.train_iters + 1):
+                if self.use_graphs and it == cfg.cuda_graph_warmup_steps + 1:
+                    self.capture_graphs()
+                self.clock.start_iteration(it)
+                lm, mtp, norm = self.train_step(it)
+                losses.append(lm)
+                mtp_losses.append(mtp)
+                for cb in self.callbacks:
+                    cb.on_step_end(it)
+                self._log(it, losses, mtp, norm)
+                with self.clock.side_work():
+                    self._side_work(it)
+            steady_s = self.clock.steady_seconds()
+        result.losses = [x.item() for x in losses]
+        result.mtp_losses = [x.item() for x in mtp_losses if x is not None]
+        steady_iters = self.clock.steady_iters
+        if steady_iters and steady_s > 0:
+            result.step_ms = 1000 * steady_s / steady_iters
+            result.tokens_per_s = steady_iters * self._tokens_per_step() / steady_s
+        result.peak_mem_gib = memory_gib(self.device)
+        self._print_summary()
+        return result
+
+    def _side_work(self, it: int) -> None:
+        """Megatron's order after a train step: validation, checkpoint, manual GC."""
+        cfg = self.cfg
+        if cfg.eval_interval and it % cfg.eval_interval == 0:
+            self.evaluate(it)
+        if cfg.save_interval and it % cfg.save_interval == 0:
+            self.save(it)
+        if cfg.manual_gc_interval and it % cfg.manual_gc_interval == 0:
+            gc.collect()
+
+    # ---- the steps ----
+    def capture_graphs(self) -> None:
+        """Capture the per-scope CUDA graphs once, after the eager warm-up steps."""
+        cfg, model = self.cfg, self.model
+        t0 = self.clock.now()
+        stages = cuda_graphs.plan_stages(
+            model, cfg.cuda_graph_modules, self.counter, cfg.state_policy, self.ambient
         )
-        use_graphs = False
-    counter = cuda_graphs.MicrobatchCounter()
-    total, active = count_parameters(model)
-    metrics.print(
-        f"graphsan train: preset {cfg.preset} ({total / 1e6:.1f} M params, {active / 1e6:.1f} M "
-        f"active) on {device} | precision {cfg.precision_config or 'bf16'} | graphs "
-        f"{','.join(cfg.cuda_graph_modules) if use_graphs else 'none'} "
-        f"(state {cfg.graph_state}) | {num_mb} microbatch(es) x {mbs} x {cfg.seq_length}"
-    )
-    gc_was_enabled = gc.isenabled()
-    if cfg.manual_gc_interval:
-        gc.disable()  # Megatron's --manual-gc: automatic GC off, collect at fixed iterations
+        cuda_graphs.capture(
+            stages,
+            model,
+            num_microbatches=cfg.num_microbatches,
+            sample_shape=(cfg.micro_batch_size, cfg.seq_length, model.args.hidden_size),
+        )
+        self.result.graphed_stages = [s.name for s in stages]
+        self.metrics.print(
+            f"captured {len(stages)} graphed stage(s) x {cfg.num_microbatches} microbatch(es) "
+            f"(forward + backward) in {time.perf_counter() - t0:.1f} s"
+        )
+        self.clock.restart_steady()
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def train_step(self, it: int):
+        """Microbatches (skip flag 0 for the first, 1 after), backward, optimizer step; returns
+        (LM loss, MTP loss or None, gradient norm) as device tensors."""
+        cfg, model, device = self.cfg, self.model, self.device
+        num_mb, mbs = cfg.num_microbatches, cfg.micro_batch_size
+        self.opt.zero_grad()
+        lm, mtp = torch.zeros((), device=device), torch.zeros((), device=device)
+        for mb in range(num_mb):
+            self.skip.fill_(0 if mb == 0 else 1)
+            self.counter.index = mb
+            tokens, labels = self.data.batch("train", ((it - 1) * num_mb + mb) * mbs, mbs)
+            out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+            (out["loss"] / num_mb).backward()
+            lm += out["lm_loss"] / num_mb
+            if "mtp_loss" in out:
+                mtp += out["mtp_loss"] / num_mb
+            # a live autograd graph would keep grad accumulators alive into a later capture
+            del out
+        if cfg.capture_grads:
+            self.result.main_grads.append(
+                {
+                    n: self.params[n].main_grad.detach().float().cpu().clone()
+                    for n in cfg.capture_grads
+                }
+            )
+        norm = self.opt.step(self._lr_at(it))
+        model.update_expert_bias()
+        self.clock.steady_iters += 1
+        return lm, (mtp if model.mtp is not None else None), norm
 
-    def lr_at(it: int) -> float:
+    def evaluate(self, it: int) -> float:
+        """Eager validation (model.eval() + no_grad), between manual collections."""
+        cfg, model, device = self.cfg, self.model, self.device
+        num_mb, mbs = cfg.num_microbatches, cfg.micro_batch_size
+        if cfg.manual_gc_interval:
+            gc.collect()
+        with graphsan.phase("eval", step=it):  # frees are tagged "eval, step it"
+            model.eval()
+            total = torch.zeros((), device=device)
+            with torch.no_grad():
+                for k in range(cfg.eval_iters):
+                    for mb in range(num_mb):
+                        self.skip.fill_(0 if k == 0 and mb == 0 else 1)
+                        tokens, labels = self.data.batch("valid", (k * num_mb + mb) * mbs, mbs)
+                        total += model(tokens.to(device), labels.to(device))["lm_loss"]
+            model.train()
+            loss = (total / max(1, cfg.eval_iters * num_mb)).item()
+        if cfg.manual_gc_interval:
+            gc.collect()
+        self.result.eval_losses.append((it, loss))
+        self.metrics.print(
+            f"validation at iteration {it}: loss {loss:.4f} ({cfg.eval_iters} iteration(s))"
+        )
+        self.clock.interval_start = None
+        return loss
+
+    def save(self, it: int) -> None:
+        cfg = self.cfg
+        path = save_checkpoint(
+            cfg.save, it, self.model, self.opt, empty_cache=cfg.empty_cache_on_save
+        )
+        self.metrics.print(
+            f"saved checkpoint {path} at iteration {it}"
+            + (" (+ empty_cache)" if cfg.empty_cache_on_save else "")
+        )
+        self.clock.interval_start = None
+
+    # ---- logging ----
+    def _log(self, it: int, losses: list, mtp, norm) -> None:
+        cfg = self.cfg
+        if it % cfg.log_interval == 0 or it == cfg.train_iters:
+            dt, n = self.clock.interval(it)
+            loss = losses[-1].item()
+            if not math.isfinite(loss):
+                raise TrainingDiverged(it, loss, [float(x) for x in losses])
+            self.metrics.log(
+                it,
+                cfg.train_iters,
+                loss,
+                None if mtp is None else mtp.item(),
+                n * self._tokens_per_step() / dt,
+                1000 * dt / n,
+                memory_gib(self.device),
+                norm.item(),
+            )
+        self.metrics.advance(f"loss {losses[-1].item():.3f}" if it % cfg.log_interval == 0 else "")
+
+    def _print_header(self) -> None:
+        cfg = self.cfg
+        total, active = count_parameters(self.model)
+        graphs = ",".join(cfg.cuda_graph_modules) if self.use_graphs else "none"
+        self.metrics.print(
+            f"graphsan train: preset {cfg.preset} ({total / 1e6:.1f} M params, {active / 1e6:.1f} "
+            f"M active) on {self.device} | precision {cfg.precision_config or 'bf16'} | graphs "
+            f"{graphs} (state {cfg.state_policy}) | {cfg.num_microbatches} microbatch(es) x "
+            f"{cfg.micro_batch_size} x {cfg.seq_length}"
+        )
+
+    def _print_summary(self) -> None:
+        r = self.result
+        evals = ", ".join(f"{i}: {v:.4f}" for i, v in r.eval_losses) or "none"
+        self.metrics.print(
+            f"done: {self.cfg.train_iters} iterations | loss {r.losses[0]:.4f} -> "
+            f"{r.losses[-1]:.4f} | validation {evals} | steady {r.step_ms:.1f} ms/step, "
+            f"{r.tokens_per_s:,.0f} tok/s | peak mem {r.peak_mem_gib:.2f} GiB"
+        )
+
+    def _lr_at(self, it: int) -> float:
+        cfg = self.cfg
         return cfg.lr * min(1.0, it / cfg.lr_warmup_iters) if cfg.lr_warmup_iters else cfg.lr
 
-    def evaluate() -> float:
-        model.eval()
-        total_loss = torch.zeros((), device=device)
-        with torch.no_grad():
-            for k in range(cfg.eval_iters):
-                for mb in range(num_mb):
-                    skip.fill_(0 if k == 0 and mb == 0 else 1)
-                    tokens, labels = data.batch("valid", (k * num_mb + mb) * mbs, mbs)
-                    out = model(tokens.to(device), labels.to(device))
-                    total_loss += out["lm_loss"]
-        model.train()
-        return (total_loss / max(1, cfg.eval_iters * num_mb)).item()
+    def _tokens_per_step(self) -> int:
+        return self.cfg.global_batch_size * self.cfg.seq_length
 
-    step_losses, step_mtp, norms = [], [], []
-    interval_start, interval_first = None, 1
-    steady_start, steady_iters, excluded = None, 0, 0.0
+
+@contextmanager
+def _manual_gc(interval: int):
+    """Megatron's --manual-gc: automatic GC off for the run, collections at fixed iterations."""
+    was_enabled = gc.isenabled()
+    if interval:
+        gc.disable()
     try:
-        model.train()
-        for it in range(1, cfg.train_iters + 1):
-            # --- CUDA graphs: captured once, after the eager warm-up steps ---
-            if use_graphs and it == cfg.cuda_graph_warmup_steps + 1:
-                sync()
-                t0 = time.perf_counter()
-                stages = cuda_graphs.plan_stages(
-                    model, cfg.cuda_graph_modules, counter, cfg.graph_state, ambient
-                )
-                cuda_graphs.capture(
-                    stages,
-                    model,
-                    num_microbatches=num_mb,
-                    sample_shape=(mbs, cfg.seq_length, model.args.hidden_size),
-                )
-                result.graphed_stages = [s.name for s in stages]
-                metrics.print(
-                    f"captured {len(stages)} graphed stage(s) x {num_mb} microbatch(es) "
-                    f"(forward + backward) in {time.perf_counter() - t0:.1f} s"
-                )
-                steady_start = None
-            if interval_start is None:
-                sync()
-                interval_start, interval_first = time.perf_counter(), it
-            if steady_start is None and it > 1:
-                sync()
-                steady_start, steady_iters, excluded = time.perf_counter(), 0, 0.0
-
-            # --- train step ---
-            opt.zero_grad()
-            lm, mtp = torch.zeros((), device=device), torch.zeros((), device=device)
-            for mb in range(num_mb):
-                skip.fill_(0 if mb == 0 else 1)
-                counter.index = mb
-                tokens, labels = data.batch("train", ((it - 1) * num_mb + mb) * mbs, mbs)
-                out = model(
-                    tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-                )
-                (out["loss"] / num_mb).backward()
-                lm += out["lm_loss"] / num_mb
-                if "mtp_loss" in out:
-                    mtp += out["mtp_loss"] / num_mb
-                # drop the microbatch's autograd graph now: a live graph keeps parameters' grad
-                # accumulators (created on the default stream) alive into a later graph capture,
-                # where autograd would make the legacy stream wait on the capturing stream
-                del out
-            if cfg.capture_grads:
-                result.main_grads.append(
-                    {
-                        n: params[n].main_grad.detach().float().cpu().clone()
-                        for n in cfg.capture_grads
-                    }
-                )
-            norms.append(opt.step(lr_at(it)))
-            model.update_expert_bias()
-            step_losses.append(lm)
-            step_mtp.append(mtp if model.mtp is not None else None)
-            steady_iters += 1
-
-            # --- log ---
-            if it % cfg.log_interval == 0 or it == cfg.train_iters:
-                sync()
-                dt = time.perf_counter() - interval_start
-                n = it - interval_first + 1
-                loss = step_losses[-1].item()
-                if not math.isfinite(loss):
-                    raise TrainingDiverged(loss, it, [float(x) for x in step_losses])
-                metrics.log(
-                    it,
-                    cfg.train_iters,
-                    loss,
-                    None if step_mtp[-1] is None else step_mtp[-1].item(),
-                    n * tokens_per_step / dt,
-                    1000 * dt / n,
-                    memory_gib(device),
-                    norms[-1].item(),
-                )
-                interval_start = None
-            metrics.advance(
-                f"loss {step_losses[-1].item():.3f}" if it % cfg.log_interval == 0 else ""
-            )
-
-            # --- validation, checkpoint, manual GC (Megatron's order) ---
-            sync()
-            t_side = time.perf_counter()
-            if cfg.eval_interval and it % cfg.eval_interval == 0:
-                if cfg.manual_gc_interval:
-                    gc.collect()
-                with graphsan.phase("eval", step=it):  # frees are tagged "eval, step it"
-                    loss = evaluate()
-                if cfg.manual_gc_interval:
-                    gc.collect()
-                result.eval_losses.append((it, loss))
-                metrics.print(
-                    f"validation at iteration {it}: loss {loss:.4f} ({cfg.eval_iters} iteration(s))"
-                )
-                interval_start = None
-            if cfg.save_interval and it % cfg.save_interval == 0:
-                path = save_checkpoint(
-                    cfg.save, it, model, opt, empty_cache=cfg.empty_cache_on_save
-                )
-                metrics.print(
-                    f"saved checkpoint {path} at iteration {it}"
-                    + (" (+ empty_cache)" if cfg.empty_cache_on_save else "")
-                )
-                interval_start = None
-            if cfg.manual_gc_interval and it % cfg.manual_gc_interval == 0:
-                gc.collect()
-            sync()
-            excluded += time.perf_counter() - t_side  # steady-state timing counts train steps only
-        sync()
-        steady_s = time.perf_counter() - steady_start - excluded if steady_start else 0.0
+        yield
     finally:
-        if gc_was_enabled:
+        if was_enabled:
             gc.enable()
-    result.losses = [x.item() for x in step_losses]
-    result.mtp_losses = [x.item() for x in step_mtp if x is not None]
-    if steady_iters and steady_s > 0:
-        result.step_ms = 1000 * steady_s / steady_iters
-        result.tokens_per_s = steady_iters * tokens_per_step / steady_s
-    result.peak_mem_gib = memory_gib(device)
-    evals = ", ".join(f"{i}: {v:.4f}" for i, v in result.eval_losses) or "none"
-    metrics.print(
-        f"done: {cfg.train_iters} iterations | loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
-        f" | validation {evals} | steady {result.step_ms:.1f} ms/step, "
-        f"{result.tokens_per_s:,.0f} tok/s | peak mem {result.peak_mem_gib:.2f} GiB"
-    )
-    return result

@@ -1,0 +1,220 @@
+"""The matrix's cases: what each one trains, and how it is expected to end."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
+NO_MAMBA = ("attn", "moe_router", "moe_preprocess")
+# iterations: 1-3 eager warm-up, 4 capture, validation + save + GC at 5, first backward after it
+# at 6, and one more step to see whether training goes on
+WARMUP, EVAL_AT, ITERS = 3, 5, 7
+# A relative loss gap to the eager run above this, after validation, counts as corruption: graphed
+# and eager runs never agree bit for bit (docs/te-3316.md, "The matrix").
+LOSS_RTOL = 1e-2
+# A wider Mamba than `small`'s, so out_proj's weight workspace fills whole pages of the large pool
+# that empty_cache can unmap, as in the real model (docs/te-3316.md, "The matrix").
+WIDE_MAMBA = {"small": {"mamba_num_heads": 64, "mamba_head_dim": 64}}
+
+
+class Outcome(str, enum.Enum):
+    """How a case ended, as the matrix classifies it."""
+
+    TRAINED_THROUGH = "trained through"
+    STALE_MEMORY_ERROR = "StaleMemoryError"  # graphsan stopped a replay before launch
+    ILLEGAL_MEMORY_ACCESS = "illegal memory access"
+    DEVICE_SIDE_ASSERT = "device-side assert"  # a kernel's bounds check, on indices overwritten
+    SILENT_CORRUPTION = "silent corruption"  # a NaN or infinite loss, or losses off eager's
+    OTHER = "other"  # any other error, a process that died or overran its time
+
+    @classmethod
+    def of(cls, outcome: str) -> Outcome:
+        """The class of a result's outcome text ("timed out after 300 s" is OTHER)."""
+        try:
+            return cls(outcome)
+        except ValueError:
+            return cls.OTHER
+
+
+# What a stale replay ends in: which one a run shows depends on whether the freed memory was
+# unmapped or belongs to live tensors again by the replay (docs/te-3316.md, "Case 1's symptom").
+STALE_REPLAY = frozenset(
+    {Outcome.ILLEGAL_MEMORY_ACCESS, Outcome.DEVICE_SIDE_ASSERT, Outcome.SILENT_CORRUPTION}
+)
+TRAINS_THROUGH = frozenset({Outcome.TRAINED_THROUGH})
+STOPPED = frozenset({Outcome.STALE_MEMORY_ERROR})
+# where the lab frees the weight workspace (te218's recipe-class check in validation): the free
+# site a StaleMemoryError case must name
+WORKSPACE_FREE = "clear_workspace"
+
+
+@dataclass(frozen=True)
+class Case:
+    n: int
+    title: str
+    precision: str
+    scopes: tuple[str, ...]
+    state: str  # "te218" | "fixed"
+    graphsan: str  # "off" | "raise" | "record" | "pin"
+    empty_cache: bool = True
+    compare: bool = False  # compare losses with an eager reference run
+    expected: frozenset[Outcome] = TRAINS_THROUGH  # any of these matches
+    about: str = ""  # the expectation in words
+    finding_freed_in: str = ""  # a finding must name this free site (graphsan on)
+
+    def to_dict(self) -> dict:
+        return {
+            "case": self.n,
+            "title": self.title,
+            "recipe": self.precision,
+            "graphed_modules": list(self.scopes),
+            "state": self.state,
+            "graphsan": self.graphsan,
+            "empty_cache": self.empty_cache,
+            "compare_with_eager": self.compare,
+            "expected": self.expected_values(),
+            "finding_freed_in": self.finding_freed_in or None,
+            "about": self.about,
+        }
+
+    def expected_values(self) -> list[str]:
+        """The expected outcomes as words, in the enum's order."""
+        return [o.value for o in Outcome if o in self.expected]
+
+
+CASES = [
+    Case(
+        1,
+        "reported failure",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "te218",
+        "off",
+        expected=STALE_REPLAY,
+        about="a crash in the first step after validation (the report: an illegal memory "
+        "access; here the stale writes may trip an index check or give a NaN loss instead, see "
+        "docs/te-3316.md)",
+    ),
+    Case(
+        2,
+        "control: MXFP8 everywhere",
+        "mxfp8-all",
+        SCENARIO_SCOPES,
+        "te218",
+        "off",
+        about="the override and the ambient recipe agree: nothing is freed",
+    ),
+    Case(
+        3,
+        "control: mamba not graphed",
+        "super-mixed",
+        NO_MAMBA,
+        "te218",
+        "off",
+        about="out_proj runs eagerly: no graph holds its workspace",
+    ),
+    Case(
+        4,
+        "graphsan raise",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "te218",
+        "raise",
+        expected=STOPPED,
+        about="stopped before the replay, naming out_proj's weight workspace",
+        finding_freed_in=WORKSPACE_FREE,
+    ),
+    Case(
+        5,
+        "no empty_cache",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "te218",
+        "record",
+        empty_cache=False,
+        compare=True,
+        expected=STALE_REPLAY,
+        about="corrupted training (wrong or NaN loss, or a crash on overwritten indices); "
+        "graphsan records it",
+        finding_freed_in=WORKSPACE_FREE,
+    ),
+    Case(
+        6,
+        "fixed state policy",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "fixed",
+        "off",
+        compare=True,
+        about=f"losses within {LOSS_RTOL:g} (relative) of eager",
+    ),
+    Case(
+        7,
+        "graphsan pin",
+        "super-mixed",
+        SCENARIO_SCOPES,
+        "te218",
+        "pin",
+        about="pin keeps the workspace alive, te218 unchanged",
+    ),
+    Case(
+        8,
+        "prediction: MXFP8 base, NVFP4 out_proj",
+        "mxfp8-base-nvfp4-outproj",
+        SCENARIO_SCOPES,
+        "te218",
+        "off",
+        expected=STALE_REPLAY,
+        about="fails after validation like case 1",
+    ),
+    Case(
+        9,
+        "prediction under graphsan",
+        "mxfp8-base-nvfp4-outproj",
+        SCENARIO_SCOPES,
+        "te218",
+        "raise",
+        expected=STOPPED,
+        about="stopped before the replay, naming out_proj's NVFP4 weight workspace",
+        finding_freed_in=WORKSPACE_FREE,
+    ),
+]
+BY_NUMBER = {c.n: c for c in CASES}
+
+
+def case_config(case: Case, preset: str, reference: bool, mamba_heads: int = 0):
+    """The training configuration of a case (`reference`: its eager, fixed-policy twin)."""
+    from graphsan.lab.train.config import TrainConfig
+
+    return TrainConfig(
+        preset=preset,
+        train_iters=ITERS,
+        micro_batch_size=1,
+        global_batch_size=2,
+        seq_length=256,
+        eval_interval=EVAL_AT,
+        eval_iters=1,
+        save_interval=EVAL_AT,
+        save=os.path.join(os.environ.get("TMPDIR", "/tmp"), f"graphsan-repro-{os.getpid()}"),
+        empty_cache_on_save=case.empty_cache,
+        manual_gc_interval=EVAL_AT,
+        cuda_graph_modules=() if reference else case.scopes,
+        cuda_graph_warmup_steps=WARMUP,
+        state_policy="fixed" if reference else case.state,
+        precision_config=case.precision,
+        model_overrides=model_overrides(preset, mamba_heads),
+        num_layers_at_end_in_bf16=2,
+        device="cuda",
+        log_interval=1,
+        quiet=True,
+    )
+
+
+def model_overrides(preset: str, mamba_heads: int) -> dict:
+    """The matrix's model changes to `preset`; `mamba_heads` widens the Mamba further."""
+    out = dict(WIDE_MAMBA.get(preset, {}))
+    if mamba_heads:
+        out["mamba_num_heads"] = mamba_heads
+    return out

@@ -1,0 +1,95 @@
+"""The child side: one case trained in this process, and what happened to it."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+
+from graphsan.lab.repro import logparse
+from graphsan.lab.repro.cases import BY_NUMBER, Outcome, case_config
+from graphsan.lab.repro.result import CaseResult
+from graphsan.lab.train.callbacks import Callback
+
+_T0 = time.perf_counter()  # the child's start, for the start-up phases and the timeline
+
+
+def since_start() -> float:
+    return round(time.perf_counter() - _T0, 1)
+
+
+class ChildProgress(Callback):
+    """Times the start-up phases and prints a progress line after each optimizer step, so the
+    parent knows how far a case got even when the process dies on an illegal memory access."""
+
+    def __init__(self, startup: dict[str, float]):
+        self.startup = startup
+        self.done = 0  # optimizer steps finished
+
+    def on_model_built(self, model) -> None:
+        self.startup["model built"] = since_start()
+
+        def forward_done(module, inputs, output):
+            self.startup.setdefault("first forward", since_start())
+
+        def backward_done(grad):  # the embedding's weight gradient comes last in backward
+            self.startup.setdefault("first backward", since_start())
+
+        model.register_forward_hook(forward_done)
+        model.embedding.weight.register_hook(backward_done)
+
+    def on_step_end(self, iteration: int) -> None:
+        import graphsan
+
+        self.done = iteration
+        graphsan.step()  # the lab's optimizer is not a torch.optim.Optimizer
+        print(logparse.progress_line(iteration, since_start()), flush=True)
+
+
+def run_child(n: int, preset: str, reference: bool, mamba_heads: int = 0) -> CaseResult:
+    """Run case `n` (or its eager reference) in this process; return what happened."""
+    import torch
+
+    import graphsan
+    from graphsan.lab.train.trainer import TrainingDiverged, train
+
+    case = BY_NUMBER[n]
+    startup = {"imports": since_start()}
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")  # the CUDA context, on its own
+        torch.cuda.synchronize()
+        startup["cuda context"] = since_start()
+    progress = ChildProgress(startup)
+    san = None
+    if case.graphsan != "off" and not reference:
+        san = graphsan.enable(policy=case.graphsan)
+    cfg = case_config(case, preset, reference, mamba_heads)
+    out = CaseResult(startup=startup)
+    try:
+        result = train(cfg, callbacks=[progress])
+        out.losses = [float(x) for x in result.losses]
+        out.eval_losses = result.eval_losses
+    except graphsan.StaleMemoryError as err:
+        # the iteration whose replay was stopped (the finding's step is the step of the free)
+        out.outcome, out.iteration = Outcome.STALE_MEMORY_ERROR.value, progress.done + 1
+        out.finding, out.report = err.findings[0].one_line(), str(err)
+    except TrainingDiverged as err:
+        out.outcome, out.iteration = Outcome.SILENT_CORRUPTION.value, err.iteration
+        out.symptom, out.losses = str(err), list(err.losses)
+    except RuntimeError as err:
+        traceback.print_exc()  # where it surfaced (the kernel itself with CUDA_LAUNCH_BLOCKING=1)
+        text = str(err).strip()
+        crash = logparse.crash_kind(text)
+        out.outcome = crash.value if crash else "error"
+        out.symptom = text.splitlines()[0][:200] if text else type(err).__name__
+    if san is not None and san.findings and not out.finding:
+        out.finding = san.findings[0].one_line()
+        out.kinds = sorted({getattr(f.kind, "value", f.kind) for f in san.findings})
+    if san is not None and san.pinner is not None:
+        out.pinned = san.pinner.summary()
+    if out.iteration is None and out.kind is not Outcome.TRAINED_THROUGH:
+        out.iteration = progress.done + 1
+    if torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):  # a dead context says so again here
+            torch.cuda.synchronize()
+    return out

@@ -1,0 +1,176 @@
+"""The `graphsan repro` command line: list the cases, run the matrix, or run one case (child)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from graphsan.lab.repro import runner
+from graphsan.lab.repro.cases import BY_NUMBER, CASES, model_overrides
+from graphsan.lab.repro.child import run_child
+from graphsan.lab.repro.table import print_cases, print_results
+from graphsan.report.pages import OutputPathAction, write_matrix_page
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--case",
+        type=int,
+        action="append",
+        metavar="N",
+        help=f"run only case N (1-{len(CASES)}; repeatable)",
+    )
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--preset", default="small", help="model preset")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="processes run side by side (0: every case and the eager reference at "
+        "once, up to the number of CPU cores)",
+    )
+    parser.add_argument(
+        "--mamba-heads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Mamba heads (of 64 channels) on the small preset (0: 64, so out_proj's MXFP8 "
+        "weight workspace holds 2 MiB per half; the real model's spans many 2 MiB pages)",
+    )
+    parser.add_argument(
+        "--html",
+        metavar="PATH",
+        action=OutputPathAction,
+        help="also write the matrix and per-case loss curves as one self-contained HTML page",
+    )
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="also write the cases (--list) or the results as JSON to PATH; without PATH "
+        "(or with -) to stdout, the tables then go to stderr",
+    )
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a case may take")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from graphsan.cli import DefaultsHelpFormatter, OneLineParser
+
+    parser = OneLineParser(
+        prog="graphsan repro",
+        description="The Transformer Engine #3316 scenario matrix: each case in its own process "
+        "on one NVIDIA GPU; exits 1 when a case does not end as expected.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    add_arguments(parser)
+    return parser
+
+
+def run(argv: list[str] | None = None) -> int:
+    return main(build_parser().parse_args(argv))
+
+
+def _error(msg: str) -> int:
+    sys.stderr.write(f"graphsan repro: error: {msg}\n")
+    return 2
+
+
+def _check_args(args: argparse.Namespace) -> str:
+    """What is wrong with the options of a matrix run ("" when nothing)."""
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout {args.timeout}: expected a number of seconds > 0"
+    if args.jobs < 0:
+        return f"--jobs {args.jobs}: expected >= 0 (0: as many as the cases need)"
+    if args.mamba_heads < 0:
+        return f"--mamba-heads {args.mamba_heads}: expected >= 0 (0: the default width)"
+    from graphsan.lab.models import PRESETS, get_preset
+
+    if args.preset not in PRESETS:
+        return f"--preset {args.preset}: expected one of {', '.join(PRESETS)}"
+    try:
+        get_preset(args.preset).replace(**model_overrides(args.preset, args.mamba_heads))
+    except ValueError as err:
+        return f"--mamba-heads {args.mamba_heads}: {err}"
+    return ""
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.child is not None:
+        if not args.result:
+            return _error("--child needs --result PATH (the file the parent reads)")
+        res = run_child(args.child, args.preset, args.reference, args.mamba_heads)
+        with open(args.result, "w") as fh:
+            json.dump(res.to_dict(), fh)
+        return 0
+    unknown = [n for n in args.case or [] if n not in BY_NUMBER]
+    if unknown:
+        return _error(f"no case {unknown[0]}; expected 1-{len(CASES)}")
+    cases = [BY_NUMBER[n] for n in args.case] if args.case else CASES
+    to_stdout = args.json == "-"
+    if args.json is not None and not to_stdout:
+        from graphsan.cli import CliError, check_output_file
+
+        try:
+            check_output_file(args.json, "--json")
+        except CliError as err:
+            return _error(str(err))
+    out = sys.stderr if to_stdout else sys.stdout  # the JSON alone goes to stdout
+    if args.list:
+        print_cases(cases, out)
+        if args.json is not None:
+            _write_json([c.to_dict() for c in cases], args.json)
+        return 0
+    problem = _check_args(args)
+    if problem:
+        return _error(problem)
+    import torch
+
+    if not torch.cuda.is_available():
+        print_cases(cases, out)
+        sys.stderr.write(
+            "graphsan repro: error: these cases train with CUDA graphs and need an NVIDIA GPU "
+            "(torch.cuda.is_available() is False here); `graphsan repro --list` shows them, "
+            "`graphsan train --preset tiny` runs the lab eagerly on CPU\n"
+        )
+        return 1
+    t0 = time.perf_counter()
+    results = runner.run_matrix(cases, args.preset, args.jobs, args.timeout, args.mamba_heads, out)
+    print_results(results, out)
+    ref = next((r.reference_outcome for _, r in results if r.reference_outcome), None)
+    if ref:
+        print(f"\neager reference run (for the comparisons): {ref}", file=out)
+    print(
+        f"\nwhole matrix: {time.perf_counter() - t0:.0f} s wall on {torch.cuda.get_device_name()}",
+        file=out,
+    )
+    for c, r in results:
+        if r.report:
+            print(f"\ncase {c.n}, graphsan's report:\n{r.report}", file=out)
+    rows = [{"case": c.to_dict(), "result": r.to_dict()} for c, r in results]
+    if args.json is not None:
+        _write_json(rows, args.json)
+    if args.html and not write_matrix_page(args.html, rows):
+        return 2
+    missed = [(c, r) for c, r in results if not r.matched]
+    for c, r in missed:
+        sys.stderr.write(
+            f"graphsan repro: case {c.n} ({c.title}) did not end as expected: "
+            f"{r.outcome}; {r.mismatch}\n"
+        )
+    return 1 if missed else 0
+
+
+def _write_json(data, path: str) -> None:
+    if path == "-":
+        json.dump(data, sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+        return
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=1, default=str)

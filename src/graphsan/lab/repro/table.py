@@ -1,0 +1,50 @@
+"""The markdown tables: the cases, and the results with their verdicts."""
+
+from __future__ import annotations
+
+import sys
+
+from graphsan.lab.repro.cases import Case
+from graphsan.lab.repro.result import CaseResult
+
+
+def print_cases(cases: list[Case], out=None) -> None:
+    out = out or sys.stdout
+    print(
+        "| case | title | recipe | graphed modules | state | graphsan | empty_cache | expected |",
+        file=out,
+    )
+    print("|---|---|---|---|---|---|---|---|", file=out)
+    for c in cases:
+        expected = " or ".join(c.expected_values())
+        print(
+            f"| {c.n} | {c.title} | {c.precision} | {','.join(c.scopes)} | {c.state} | "
+            f"{c.graphsan} | {'yes' if c.empty_cache else 'no'} | {expected}: {c.about} |",
+            file=out,
+        )
+
+
+def print_results(results: list[tuple[Case, CaseResult]], out=None) -> None:
+    out = out or sys.stdout
+    print(
+        "| case | recipe | graphed modules | state | graphsan | outcome | as expected | "
+        "iteration | evidence | graphsan's finding | wall s |",
+        file=out,
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|", file=out)
+    for c, r in results:
+        evidence = "; ".join(x for x in (r.symptom, r.comparison) if x)
+        finding = r.finding
+        if len(r.kinds) > 1:
+            finding += f" (kinds: {', '.join(r.kinds)})"
+        matched = "yes" if r.matched else f"NO: {r.mismatch}"
+        print(
+            f"| {c.n} | {c.precision} | {','.join(c.scopes)} | {c.state} | {c.graphsan} | "
+            f"{r.outcome} | {_cell(matched)} | {r.iteration or '-'} | "
+            f"{_cell(evidence)} | {_cell(finding)} | {r.wall_s:.1f} |",
+            file=out,
+        )
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ") or "-"
