@@ -25,15 +25,6 @@ FLT_MAX = torch.finfo(torch.float32).max
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
-# Largest unbiased exponent of a normal number of each element format (OCP "emax").
-FP8_EMAX = {"e4m3": 8, "e5m2": 15}
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def fp32_const(value: float) -> torch.Tensor:
-    """`value` correctly rounded to float32, as a 0-dim CPU tensor (fl(1/448) and friends)."""
-    return torch.tensor(value, dtype=torch.float32)
 
 
 @functools.cache
@@ -122,20 +113,6 @@ def e8m0_round_up(v: torch.Tensor) -> torch.Tensor:
     e = exponent + round_up.to(torch.int32)
     e = torch.where(torch.isinf(v), torch.full_like(e, 0xFE), e)
     e = torch.where(torch.isnan(v), torch.full_like(e, 0xFF), e)
-    return e.to(torch.uint8)
-
-
-def e8m0_floor_ocp(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """OCP MX v1.0 rule: X = 2^(floor(log2 amax) - emax); returns the biased exponent bytes.
-
-    Kept only to document the difference with TE: values in (max, 2^(emax+1)) saturate.
-    amax == 0 gives 0x00, inf gives 0xFE, NaN 0xFF; the result is clamped to [0, 254].
-    """
-    _, exp = torch.frexp(amax)  # amax = m * 2^exp with m in [0.5, 1): floor(log2 amax) = exp - 1
-    e = (exp.to(torch.int32) - 1 - FP8_EMAX[fmt] + 127).clamp(0, 254)
-    e = torch.where(amax == 0, torch.zeros_like(e), e)
-    e = torch.where(torch.isinf(amax), torch.full_like(e, 0xFE), e)
-    e = torch.where(torch.isnan(amax), torch.full_like(e, 0xFF), e)
     return e.to(torch.uint8)
 
 

@@ -1,13 +1,13 @@
 """MXFP8: FP8 elements (E4M3 or E5M2) with one E8M0 power-of-two scale per 32 elements.
 
-Plain torch, step for step as docs/numerics.md states it (TE's "round up" scale rule by default,
-the OCP v1.0 floor rule as an option). Works on CPU and CUDA with no host synchronisation.
+Plain torch, step for step as docs/numerics.md states it (TE's "round up" scale rule). Works on
+CPU and CUDA with no host synchronisation.
 
-    q = quantize(x, axis=-1, fmt="e4m3", rule="te")   # axis -1: 1x32 blocks along the last dim
-    q = quantize(x, axis=0)                           # axis 0: 32x1 blocks along the first dim
+    q = quantize(x, axis=-1, fmt="e4m3")   # axis -1: 1x32 blocks along the last dim
+    q = quantize(x, axis=0)                # axis 0: 32x1 blocks along the first dim
     q.data    # uint8 element bytes, shape of x (TE keeps columnwise data in the [M, K] layout)
     q.scale   # uint8 E8M0 bytes: [M, K/32] rowwise, [M/32, K] columnwise
-    dequantize(q)                                     # float32, shape of x
+    dequantize(q)                          # float32, shape of x
 
 On CUDA, `quantize` uses the Triton kernel (`graphsan.lab.quant.triton_kernels`) when Triton is
 importable; this reference is its fallback and its oracle (`quantize_reference`).
@@ -22,7 +22,6 @@ import torch
 from .elements import (
     FP8_MAX,
     check_fp8_format,
-    e8m0_floor_ocp,
     e8m0_round_up,
     exp2_biased,
     fp8_decode,
@@ -32,7 +31,6 @@ from .elements import (
 )
 
 BLOCK = 32
-RULES = ("te", "ocp")
 
 
 @dataclass
@@ -79,36 +77,32 @@ def check_shape(x: torch.Tensor, axis: int, block: int = BLOCK, what: str = "MXF
         )
 
 
-def quantize(x: torch.Tensor, axis: int = -1, fmt: str = "e4m3", rule: str = "te") -> MXFP8Tensor:
+def quantize(x: torch.Tensor, axis: int = -1, fmt: str = "e4m3") -> MXFP8Tensor:
     """Quantize a 2-D tensor to MXFP8 along `axis`; Triton on CUDA, the reference elsewhere."""
-    _check_args(x, axis, fmt, rule)
-    if x.is_cuda and rule == "te":
+    _check_args(x, axis, fmt)
+    if x.is_cuda:
         from . import triton_kernels
 
         if triton_kernels.available():
             return triton_kernels.mxfp8_quantize(x, axis=axis, fmt=fmt)
-    return quantize_reference(x, axis=axis, fmt=fmt, rule=rule)
+    return quantize_reference(x, axis=axis, fmt=fmt)
 
 
-def quantize_both(
-    x: torch.Tensor, fmt: str = "e4m3", rule: str = "te"
-) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+def quantize_both(x: torch.Tensor, fmt: str = "e4m3") -> tuple[MXFP8Tensor, MXFP8Tensor]:
     """Rowwise and columnwise MXFP8 of x; on CUDA one Triton kernel reads x once for both."""
-    _check_args(x, -1, fmt, rule)
-    _check_args(x, 0, fmt, rule)
-    if x.is_cuda and rule == "te":
+    _check_args(x, -1, fmt)
+    _check_args(x, 0, fmt)
+    if x.is_cuda:
         from . import triton_kernels
 
         if triton_kernels.available():
             return triton_kernels.mxfp8_quantize_both(x, fmt=fmt)
-    return quantize_reference(x, -1, fmt, rule), quantize_reference(x, 0, fmt, rule)
+    return quantize_reference(x, -1, fmt), quantize_reference(x, 0, fmt)
 
 
-def quantize_reference(
-    x: torch.Tensor, axis: int = -1, fmt: str = "e4m3", rule: str = "te"
-) -> MXFP8Tensor:
+def quantize_reference(x: torch.Tensor, axis: int = -1, fmt: str = "e4m3") -> MXFP8Tensor:
     """The torch reference: blocks along the last dim of `src` (x, or x transposed)."""
-    _check_args(x, axis, fmt, rule)
+    _check_args(x, axis, fmt)
     src = x.t() if axis == 0 else x
     rows, cols = src.shape
     x32 = src.to(torch.float32).reshape(rows, cols // BLOCK, BLOCK)
@@ -116,12 +110,8 @@ def quantize_reference(
     # Block amax: max |x| over the block, ignoring NaN.
     amax = nan_to_zero_abs(x32).amax(dim=-1)
 
-    # Scale: TE rounds v = amax * fl(1/max_elem) up to a power of two; OCP floors log2(amax).
-    if rule == "te":
-        v = amax * fp32_reciprocal(FP8_MAX[fmt])
-        scale = e8m0_round_up(v)
-    else:
-        scale = e8m0_floor_ocp(amax, fmt)
+    # Scale: v = amax * fl(1/max_elem) rounded up to a power of two.
+    scale = e8m0_round_up(amax * fp32_reciprocal(FP8_MAX[fmt]))
 
     # Elements: x * 2^(127-e), then nearest even with saturation.
     data = fp8_encode(x32 * exp2_biased(scale, negate=True).unsqueeze(-1), fmt)
@@ -141,8 +131,6 @@ def dequantize(q: MXFP8Tensor) -> torch.Tensor:
     return values * factor
 
 
-def _check_args(x: torch.Tensor, axis: int, fmt: str, rule: str) -> None:
+def _check_args(x: torch.Tensor, axis: int, fmt: str) -> None:
     check_fp8_format(fmt)
-    if rule not in RULES:
-        raise ValueError(f"rule={rule!r}: expected one of {RULES}")
     check_shape(x, axis)

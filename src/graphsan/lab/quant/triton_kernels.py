@@ -246,15 +246,15 @@ def mxfp8_quantize(
     x: torch.Tensor, axis: int = -1, fmt: str = "e4m3", variant: str | None = None
 ) -> _mx.MXFP8Tensor:
     """One direction of MXFP8 (TE rule) with the Triton kernel."""
-    _mx._check_args(x, axis, fmt, "te")
+    _mx._check_args(x, axis, fmt)
     row, col = _mx_launch(x, fmt, axis != 0, axis == 0, _variant(variant))
     return col if axis == 0 else row
 
 
 def mxfp8_quantize_both(x: torch.Tensor, fmt: str = "e4m3", variant: str | None = None):
     """Rowwise and columnwise MXFP8 from one read of x."""
-    _mx._check_args(x, -1, fmt, "te")
-    _mx._check_args(x, 0, fmt, "te")
+    _mx._check_args(x, -1, fmt)
+    _mx._check_args(x, 0, fmt)
     return _mx_launch(x, fmt, True, True, _variant(variant))
 
 
