@@ -237,6 +237,17 @@ def test_bad_arguments():
         mxfp8.quantize(x, axis=2)
 
 
+def test_arguments_are_checked_once_per_call(monkeypatch):
+    calls = []
+    check = mxfp8.check_blocked
+    monkeypatch.setattr(mxfp8, "check_blocked", lambda *a: calls.append(a[1]) or check(*a))
+    x = torch.randn(32, 32)
+    mxfp8.quantize(x, 0)
+    mxfp8.quantize_both(x)
+    mxfp8.quantize_reference(x, -1)
+    assert calls == [0, -1, 0, -1]
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),

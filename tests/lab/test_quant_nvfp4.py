@@ -353,6 +353,16 @@ def test_bad_inputs_raise_clear_errors(kwargs, shape, msg):
         nvfp4.quantize(torch.randn(shape), **kwargs)
 
 
+def test_arguments_are_checked_once_per_call(monkeypatch):
+    calls = []
+    check = nvfp4.check_blocked
+    monkeypatch.setattr(nvfp4, "check_blocked", lambda *a: calls.append(a[1]) or check(*a))
+    x = torch.randn(32, 32)
+    nvfp4.quantize(x, 0, rht=True, generator=torch.Generator().manual_seed(0))
+    nvfp4.quantize_reference(x, -1)
+    assert calls == [0, -1]
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),

@@ -1,6 +1,7 @@
 """Lab numerics: MXFP8, NVFP4, FP8 and BF16 recipes, the quantized Linear, per-module precision.
 
-Formats (plain torch, bit-exact to docs/numerics.md on CPU and CUDA; Triton kernels on CUDA):
+Formats (plain torch, bit-exact to docs/numerics.md on CPU and CUDA; Triton kernels on CUDA,
+`kernels/`; the constants in `formats`, the quantized tensors in `tensors`):
 
     from graphsan.lab.quant import mxfp8, nvfp4
     q = mxfp8.quantize(x, axis=-1, fmt="e4m3");  mxfp8.dequantize(q)

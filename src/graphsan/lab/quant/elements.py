@@ -14,25 +14,9 @@ device, without host synchronisation. The rules are the ones in docs/numerics.md
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-E4M3_MAX = 448.0
-E5M2_MAX = 57344.0
-E2M1_MAX = 6.0
-FLT_MAX = torch.finfo(torch.float32).max
-
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
-
-
-@functools.cache
-def fp32_reciprocal(value: float) -> float:
-    """fl(1/value) computed as one IEEE float32 division (what a kernel's constant holds).
-    Cached: computed once per constant, never inside a captured forward."""
-    one = torch.tensor(1.0, dtype=torch.float32)
-    return float(one / torch.tensor(value, dtype=torch.float32))
+from .formats import E2M1_MAX, E8M0_BIAS, E8M0_MAX, E8M0_NAN, FP8_DTYPES, FP8_MAX
 
 
 def check_fp8_format(fmt: str) -> None:
@@ -82,6 +66,24 @@ def check_groups(x: torch.Tensor, groups: torch.Tensor, what: str) -> None:
         )
 
 
+def check_blocked(x: torch.Tensor, axis: int, block: int, what: str) -> None:
+    """Raise a ValueError unless x is a 2-D floating-point tensor whose blocked dimension (the
+    last for axis -1, the first for axis 0) is a multiple of `block`."""
+    if axis not in (-1, 0, 1):
+        raise ValueError(f"{what}: axis={axis!r}; expected -1 (rowwise) or 0 (columnwise)")
+    if x.dim() != 2:
+        raise ValueError(f"{what}: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{what}: expected a floating-point tensor, got {x.dtype}")
+    dim = 0 if axis == 0 else 1
+    if x.shape[dim] % block:
+        direction = "columnwise (axis=0)" if dim == 0 else "rowwise (axis=-1)"
+        raise ValueError(
+            f"{what} {direction}: dimension {dim} of shape {tuple(x.shape)} is {x.shape[dim]}, "
+            f"expected a multiple of {block}"
+        )
+
+
 # --- FP8 elements (E4M3, E5M2) ---------------------------------------------------------------
 
 
@@ -109,10 +111,10 @@ def e8m0_round_up(v: torch.Tensor) -> torch.Tensor:
     bits = v.contiguous().view(torch.int32)
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
-    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    round_up = (mantissa > 0) & (exponent != E8M0_MAX) & ~((exponent == 0) & (mantissa <= 0x400000))
     e = exponent + round_up.to(torch.int32)
-    e = torch.where(torch.isinf(v), torch.full_like(e, 0xFE), e)
-    e = torch.where(torch.isnan(v), torch.full_like(e, 0xFF), e)
+    e = torch.where(torch.isinf(v), torch.full_like(e, E8M0_MAX), e)
+    e = torch.where(torch.isnan(v), torch.full_like(e, E8M0_NAN), e)
     return e.to(torch.uint8)
 
 
@@ -121,13 +123,13 @@ def exp2_biased(e: torch.Tensor, negate: bool = False) -> torch.Tensor:
 
     2^-127 is the float32 subnormal 0x00400000; 2^128 is +inf; byte 0xFF gives NaN.
     """
-    k = e.to(torch.int32) - 127
+    k = e.to(torch.int32) - E8M0_BIAS
     if negate:
         k = -k
     normal = ((k + 127).clamp(1, 254) << 23).view(torch.float32)
     out = torch.where(k == -127, torch.full_like(normal, 2.0**-127), normal)
     out = torch.where(k == 128, torch.full_like(out, float("inf")), out)
-    return torch.where(e == 0xFF, torch.full_like(out, float("nan")), out)
+    return torch.where(e == E8M0_NAN, torch.full_like(out, float("nan")), out)
 
 
 # --- E2M1 (FP4) elements --------------------------------------------------------------------
@@ -168,6 +170,14 @@ def e2m1_stochastic(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
     q = torch.minimum(torch.floor(t / step_t) * step_t, torch.full_like(t, E2M1_MAX))
     code = e2m1_rne(q)  # q is on the grid already; this only maps value -> code
     return code | ((v < 0).to(torch.uint8) << 3)
+
+
+def random_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
+    """8 random bits per element for `e2m1_stochastic`, from `generator` (graph-safe: randint on
+    the device, no host sync)."""
+    return torch.randint(
+        0, 256, tuple(shape), generator=generator, device=device, dtype=torch.uint8
+    )
 
 
 def _e2m1_step(a: torch.Tensor) -> torch.Tensor:

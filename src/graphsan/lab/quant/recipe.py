@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from . import fp8, mxfp8, nvfp4
+from .tensors import QTensor
 
 KINDS = ("bf16", "fp8", "mxfp8", "nvfp4")
 ROLES = ("weight", "input", "grad_output")
@@ -111,9 +112,6 @@ def get_recipe(name: str, **options) -> Recipe:
                 f"recipe {name}: unknown option {key!r}; expected one of {list(allowed) or 'none'}"
             )
     return Recipe(kind=name, **options)
-
-
-QTensor = mxfp8.MXFP8Tensor | nvfp4.NVFP4Tensor | fp8.FP8Tensor
 
 
 @dataclass(frozen=True)
