@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphsan.lab.quant import mxfp8
-from tests.lab.test_quant_oracles import (
+from tests.lab.quant_oracles import (
     e8m0_te_oracle,
     fp8_grid,
     fp8_rne_oracle,

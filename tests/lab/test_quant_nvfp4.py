@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from graphsan.lab.quant import nvfp4, rht
 from graphsan.lab.quant.elements import unpack_nibbles
-from tests.lab.test_quant_oracles import nvfp4_block_oracle
+from tests.lab.quant_oracles import nvfp4_block_oracle
 
 ORDERS = ("current", "legacy")
 AXES = (-1, 0)
@@ -48,7 +48,7 @@ def oracle(x: torch.Tensor, axis: int, order: str, block_2d: bool = False):
 
 
 def _codes_with_scale(blk, s_byte, amax):
-    from tests.lab.test_quant_oracles import F32, e2m1_oracle
+    from tests.lab.quant_oracles import F32, e2m1_oracle
 
     a = F32(amax)
     s_enc = min(F32(2688.0) / a, F32(np.finfo(F32).max)) if a != 0 else F32(1.0)
