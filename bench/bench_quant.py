@@ -2,13 +2,16 @@
 
     PYTHONPATH=src python3 bench/bench_quant.py [--size 8192] [--iters 20]
 
-1. Each Triton quantize kernel on a size x size bf16 tensor, every kernel variant
-   (`triton_kernels.VARIANTS`, "v2", "v3") side by side on the same input: time per variant, the
-   fastest variant, the time ratio v2/v3 (> 1: v3 faster; where a kernel has no v3 of its own, v3
-   runs v2's kernel and the two times differ by noise only), achieved bytes/s (bytes that must move: the bf16 input read once
-   plus the outputs written) as a fraction of a measured device copy bandwidth (`dst.copy_(src)`,
-   read + write), the target check on the fastest variant, whether all the variants' output
-   bytes (data, scales, amax) are equal, and the torch reference time. Kernel times are device
+1. Each Triton quantize kernel on a size x size bf16 tensor, the two kernel families side by side
+   on the same input: "strided" (the kernels for any dtype and strides, forced with the
+   launchers' private `_strided=True`) and "default" (what `mxfp8.quantize` / `nvfp4.quantize`
+   run: the bf16-word kernels where they exist; where they do not, as for MXFP8 rowwise alone and
+   the global amax, both columns run the same kernel and differ by noise only). Per row: time
+   per family, the faster one, the time ratio strided/default (> 1: default faster), achieved
+   bytes/s (bytes that must move: the bf16 input read once plus the outputs written) as a
+   fraction of a measured device copy bandwidth (`dst.copy_(src)`, read + write), the target
+   check on the faster one, whether both families' output bytes (data, scales, amax) are equal,
+   and the torch reference time. Kernel times are device
    time: the calls replayed from a CUDA graph, so the host's launch cost (Python argument
    checks, output allocation, Triton's launcher: tens of microseconds, a large part of a 0.1 ms
    kernel) is not in them; the copy is timed the same way. The "eager ms" columns time one call
@@ -26,74 +29,11 @@ import argparse
 import datetime
 
 import torch
+from quant_timing import bench, bench_device, same_bytes
 
-from graphsan.lab.quant import QuantLinear, get_recipe, mxfp8, nvfp4, triton_kernels
+from graphsan.lab.quant import QuantLinear, get_recipe, kernels, mxfp8, nvfp4
 
-
-def bench(fn, iters: int, warmup: int = 3) -> float:
-    """Median seconds per call, each call alone between two CUDA events: the GPU waits while the
-    host launches it, so this includes the host's launch cost (what an eager caller pays)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def bench_device(fn, iters: int, reps: int = 20) -> float | None:
-    """Median seconds per call of device time: `reps` calls captured in one CUDA graph, replayed
-    `iters` times between CUDA events, so no host launch cost is in the time (the kernels are
-    graph-capturable by design). None where the call cannot be captured."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-    except Exception:
-        return None
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    del graph
-    torch.cuda.empty_cache()
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _tensors(out):
-    """The tensors of a kernel's result (a quantized tensor, a pair of them, or an amax)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, tuple):
-        return [t for o in out for t in _tensors(o)]
-    return list(out.buffers())
-
-
-def _same_bytes(a, b) -> bool:
-    ta, tb = _tensors(a), _tensors(b)
-    return len(ta) == len(tb) and all(
-        x.dtype == y.dtype
-        and x.shape == y.shape
-        and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-        for x, y in zip(ta, tb, strict=True)
-    )
+STRIDED = {"strided": True, "default": False}  # kernel family -> the launchers' `_strided`
 
 
 def main() -> None:
@@ -104,9 +44,11 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant: needs CUDA")
-    if not triton_kernels.available():
+    if not kernels.available():
         raise SystemExit("bench_quant: needs Triton")
     import triton
+
+    from graphsan.lab.quant.kernels import launch as tk
 
     n = args.size
     dev = torch.device("cuda")
@@ -130,64 +72,63 @@ def main() -> None:
         "# times are device time per call (calls replayed from a CUDA graph, no host launch cost);"
         " 'eager ms' is one call alone, host launch included"
     )
-    variants = triton_kernels.VARIANTS
-    print(f"# variants {', '.join(variants)}; default {triton_kernels.default_variant()}")
+    families = tuple(STRIDED)
+    print("# kernels: strided (forced) and default (bf16 words where they exist)")
 
     def ref_both():
         mxfp8.quantize_reference(x, -1)
         mxfp8.quantize_reference(x, 0)
 
-    tk = triton_kernels
     amax = tk.global_amax(x)
     row_bytes_mx = 2 * elems + elems + elems // 32
     row_bytes_nv = 2 * elems + elems // 2 + elems // 16
 
     def sr_rht(v, seed=None):
         g = torch.Generator(device=dev).manual_seed(seed) if seed is not None else gen
-        return tk.nvfp4_quantize(x, 0, rht=True, generator=g, variant=v)
+        return tk.nvfp4_quantize(x, 0, rht=True, generator=g, _strided=STRIDED[v])
 
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = [
-        # name, triton fn of the variant, reference fn, bytes moved, target fraction of copy bw
-        ("mxfp8 row+col (1 pass)", lambda v: tk.mxfp8_quantize_both(x, variant=v), ref_both,
+        # name, triton fn of the family, reference fn, bytes moved, target fraction of copy bw
+        ("mxfp8 row+col (1 pass)", lambda v: tk.mxfp8_quantize_both(x, _strided=STRIDED[v]), ref_both,
          2 * elems + 2 * elems + 2 * elems // 32, 0.70),
-        ("mxfp8 rowwise", lambda v: tk.mxfp8_quantize(x, -1, variant=v),
+        ("mxfp8 rowwise", lambda v: tk.mxfp8_quantize(x, -1, _strided=STRIDED[v]),
          lambda: mxfp8.quantize_reference(x, -1), row_bytes_mx, 0.70),
-        ("mxfp8 columnwise", lambda v: tk.mxfp8_quantize(x, 0, variant=v),
+        ("mxfp8 columnwise", lambda v: tk.mxfp8_quantize(x, 0, _strided=STRIDED[v]),
          lambda: mxfp8.quantize_reference(x, 0), row_bytes_mx, 0.70),
-        ("nvfp4 global amax", lambda v: tk.global_amax(x, v), lambda: x.abs().amax(), 2 * elems, None),
-        ("nvfp4 rowwise 1D", lambda v: tk.nvfp4_quantize(x, -1, amax=amax, variant=v),
+        ("nvfp4 global amax", lambda v: tk.global_amax(x), lambda: x.abs().amax(), 2 * elems, None),
+        ("nvfp4 rowwise 1D", lambda v: tk.nvfp4_quantize(x, -1, amax=amax, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, -1), row_bytes_nv, 0.60),
-        ("nvfp4 columnwise 1D", lambda v: tk.nvfp4_quantize(x, 0, amax=amax, variant=v),
+        ("nvfp4 columnwise 1D", lambda v: tk.nvfp4_quantize(x, 0, amax=amax, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, 0), row_bytes_nv, 0.60),
         ("nvfp4 rowwise 2D (weights)",
-         lambda v: tk.nvfp4_quantize(x, -1, block_2d=True, amax=amax, variant=v),
+         lambda v: tk.nvfp4_quantize(x, -1, block_2d=True, amax=amax, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, -1, block_2d=True), row_bytes_nv, 0.60),
         ("nvfp4 columnwise 2D (weights)",
-         lambda v: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax, variant=v),
+         lambda v: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, 0, block_2d=True), row_bytes_nv, 0.60),
-        ("nvfp4 rowwise 1D end to end", lambda v: tk.nvfp4_quantize(x, -1, variant=v),
+        ("nvfp4 rowwise 1D end to end", lambda v: tk.nvfp4_quantize(x, -1, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, -1), row_bytes_nv + 2 * elems, None),
-        ("nvfp4 columnwise 1D end to end", lambda v: tk.nvfp4_quantize(x, 0, variant=v),
+        ("nvfp4 columnwise 1D end to end", lambda v: tk.nvfp4_quantize(x, 0, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, 0), row_bytes_nv + 2 * elems, None),
         ("nvfp4 col RHT+SR (wgrad dY)", sr_rht,
          lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, None),
     ]  # fmt: skip
     print()
-    head = " | ".join(f"{v} ms" for v in variants)
-    later = variants[1:]
-    ratios = " | ".join(f"{variants[0]}/{v} time" for v in later)
-    fracs = " | ".join(f"{v} of copy bw" for v in variants)
-    eager = " | ".join(f"{v} eager ms" for v in variants)
+    head = " | ".join(f"{v} ms" for v in families)
+    later = families[1:]
+    ratios = " | ".join(f"{families[0]}/{v} time" for v in later)
+    fracs = " | ".join(f"{v} of copy bw" for v in families)
+    eager = " | ".join(f"{v} eager ms" for v in families)
     print(
         f"| kernel | {head} | best | {ratios} | {fracs} | target (best) | bytes equal | {eager} "
         "| torch ref ms |"
     )
-    print("|---" * (4 + 4 * len(variants)) + "|")
+    print("|---" * (4 + 4 * len(families)) + "|")
     for name, fast, ref, nbytes, target in rows:
-        eager_t = {v: bench(lambda v=v, fast=fast: fast(v), args.iters) for v in variants}
+        eager_t = {v: bench(lambda v=v, fast=fast: fast(v), args.iters) for v in families}
         times = {}
-        for v in variants:
+        for v in families:
             if fast is sr_rht:  # a generator of its own: time it eagerly
                 times[v] = None
             else:
@@ -195,26 +136,26 @@ def main() -> None:
             if times[v] is None:
                 times[v] = eager_t[v]
         t_ref = bench(ref, max(3, args.iters // 4), warmup=1)
-        best_v = min(variants, key=lambda v: times[v])
+        best_v = min(families, key=lambda v: times[v])
         best = times[best_v]
         frac = {v: nbytes / t / copy_bw for v, t in times.items()}
         tgt = "-"
         if target:
             tgt = f">= {target:.0%} {'ok' if nbytes / best / copy_bw >= target else 'MISSED'}"
-        if fast is sr_rht:  # the same generator state for every variant
-            outs = [sr_rht(v, seed=1) for v in variants]
+        if fast is sr_rht:  # the same generator state for both
+            outs = [sr_rht(v, seed=1) for v in families]
         else:
-            outs = [fast(v) for v in variants]
-        equal = all(_same_bytes(outs[0], o) for o in outs[1:])
+            outs = [fast(v) for v in families]
+        equal = all(same_bytes(outs[0], o) for o in outs[1:])
         print(
             f"| {name} | "
-            + " | ".join(f"{times[v] * 1e3:.3f}" for v in variants)
+            + " | ".join(f"{times[v] * 1e3:.3f}" for v in families)
             + f" | {best_v} | "
-            + " | ".join(f"{times[variants[0]] / times[v]:.2f}x" for v in later)
+            + " | ".join(f"{times[families[0]] / times[v]:.2f}x" for v in later)
             + " | "
-            + " | ".join(f"{frac[v]:.0%}" for v in variants)
+            + " | ".join(f"{frac[v]:.0%}" for v in families)
             + f" | {tgt} | {'yes' if equal else 'NO, DIFFERENT BYTES'} | "
-            + " | ".join(f"{eager_t[v] * 1e3:.3f}" for v in variants)
+            + " | ".join(f"{eager_t[v] * 1e3:.3f}" for v in families)
             + f" | {t_ref * 1e3:.2f} |"
         )
     if args.skip_linear:

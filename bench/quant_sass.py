@@ -1,8 +1,8 @@
 """Instruction counts of the quantize kernels, compiled offline for sm_90 (no GPU needed).
 
-    PYTHONPATH=src python3 bench/quant_sass.py [--size 8192] [--variants v2 v3] [--dump DIR]
+    PYTHONPATH=src python3 bench/quant_sass.py [--size 8192] [--kernels strided words] [--dump DIR]
 
-Each Triton kernel variant is compiled the way a launch on a size x size bf16 tensor specialises
+Each Triton quantize kernel (the strided family and the bf16-words family) is compiled the way a launch on a size x size bf16 tensor specialises
 it (integer arguments divisible by 16 marked so, a unit stride made a constant, fp contraction off
 as the launcher asks), disassembled with Triton's bundled cuobjdump, and summarised: SASS
 instructions per element (static count x threads per program / elements per program: the kernels
@@ -25,8 +25,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from graphsan.lab.quant import _triton_impl as impl
-from graphsan.lab.quant import triton_kernels as tk
+from graphsan.lab.quant.formats import FP8_BITS, INV_6, fp32_reciprocal
+from graphsan.lab.quant.kernels import launch as tk
+from graphsan.lab.quant.kernels import mxfp8 as mx_kernels
+from graphsan.lab.quant.kernels import nvfp4 as nv_kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -79,79 +81,87 @@ def summarise(name, kernel, elements, num_warps, dump):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=8192)
-    ap.add_argument("--variants", nargs="+", default=["v2", "v3"], choices=["v2", "v3"])
+    ap.add_argument(
+        "--kernels", nargs="+", default=["strided", "words"], choices=["strided", "words"]
+    )
     ap.add_argument("--dump", help="write each kernel's SASS here")
     args = ap.parse_args()
     n = args.size
-    mx = {"INV_MAX": 1 / 448, "MAX": 448.0, "MBITS": 3, "EMIN": -6, "SUB": 512.0, "HW_FP8": True}
-    nv = {"INV_6": 1 / 6, "LEGACY": False, "SR": False, "HW_FP8": True}
+    mbits, emin, sub = FP8_BITS["e4m3"]
+    mx = {"INV_MAX": fp32_reciprocal(448.0), "MAX": 448.0, "MBITS": mbits, "EMIN": emin}
+    mx |= {"SUB": sub, "HW_FP8": True}
+    nv = {"INV_6": INV_6, "LEGACY": False, "SR": False, "HW_FP8": True}
     u8 = [("row_data_ptr", "*u8", 0), ("row_scale_ptr", "*u8", 0)]
     u8 += [("col_data_ptr", "*u8", 0), ("col_scale_ptr", "*u8", 0)]
-    mx_v2 = [("x_ptr", "*bf16", 0), ("M", "i32", n), ("K", "i32", n), ("stride_m", "i32", n)]
-    mx_v2 += [("stride_k", "i32", 1), *u8]
-    mx_v3 = [("xw_ptr", "*i64", 0), ("M", "i32", n), ("KW", "i32", n // 4)]
-    mx_v3 += [
+    mx_strided = [("x_ptr", "*bf16", 0), ("M", "i32", n), ("K", "i32", n), ("stride_m", "i32", n)]
+    mx_strided += [("stride_k", "i32", 1), *u8]
+    mx_words = [("xw_ptr", "*i64", 0), ("M", "i32", n), ("KW", "i32", n // 4)]
+    mx_words += [
         ("stride_mw", "i32", n // 4),
         ("row_data_ptr", "*i32", 0),
         ("row_scale_ptr", "*u8", 0),
     ]
-    mx_v3 += [("col_data_ptr", "*i32", 0), ("col_scale_ptr", "*i32", 0)]
+    mx_words += [("col_data_ptr", "*i32", 0), ("col_scale_ptr", "*i32", 0)]
     out = [("amax_ptr", "*fp32", 0), ("rbits_ptr", "*u8", 0), ("data_ptr", "*u8", 0)]
     out += [("scale_ptr", "*u8", 0)]
     nv_row = [("src_ptr", "*bf16", 0), ("R", "i32", n), ("C", "i32", n), ("stride_r", "i32", n)]
     nv_row += [("stride_c", "i32", 1), *out]
     nv_col = [("x_ptr", "*bf16", 0), ("M", "i32", n), ("K", "i32", n), ("stride_m", "i32", n)]
     nv_col += [("stride_k", "i32", 1), *out]
-    nv_v3 = [("xw_ptr", "*i64", 0), ("R", "i32", n), ("CWT", "i32", n // 4)]
-    nv_v3 += [("stride_rw", "i32", n // 4), ("amax_ptr", "*fp32", 0), ("rbits_ptr", "*i32", 0)]
-    nv_v3 += [("data_ptr", "*i16", 0), ("scale_ptr", "*u8", 0)]
-    nv_col_v3 = [("xw_ptr", "*i64", 0), ("M", "i32", n), ("KW", "i32", n // 4)]
-    nv_col_v3 += [("stride_mw", "i32", n // 4), ("amax_ptr", "*fp32", 0)]
-    nv_col_v3 += [("data_ptr", "*i64", 0), ("scale_ptr", "*u8", 0)]
+    nv_row_words = [("xw_ptr", "*i64", 0), ("R", "i32", n), ("CWT", "i32", n // 4)]
+    nv_row_words += [
+        ("stride_rw", "i32", n // 4),
+        ("amax_ptr", "*fp32", 0),
+        ("rbits_ptr", "*i32", 0),
+    ]
+    nv_row_words += [("data_ptr", "*i16", 0), ("scale_ptr", "*u8", 0)]
+    nv_col_words = [("xw_ptr", "*i64", 0), ("M", "i32", n), ("KW", "i32", n // 4)]
+    nv_col_words += [("stride_mw", "i32", n // 4), ("amax_ptr", "*fp32", 0)]
+    nv_col_words += [("data_ptr", "*i64", 0), ("scale_ptr", "*u8", 0)]
 
     jobs = []  # name, kernel fn, args, constexprs, launch parameters, elements per program
     directions = [("row+col", True, True), ("rowwise", True, False), ("columnwise", False, True)]
     for name, row, col in directions:
         flags = {**mx, "DO_ROW": row, "DO_COL": col}
-        p = dict(tk.MX_V2)
-        jobs.append(
-            ("v2", f"mxfp8 {name}", impl._mxfp8_kernel_v2, mx_v2, flags, p, p["BM"] * p["BN"])
-        )
+        p = dict(tk.MXFP8_STRIDED_TILE)
+        fn = mx_kernels.mxfp8_strided_kernel
+        jobs.append(("strided", f"mxfp8 {name}", fn, mx_strided, flags, p, p["BM"] * p["BN"]))
         if col:
-            p = dict(tk.MX_BOTH_V3 if row else tk.MX_COL_V3)
+            p = dict(tk.MXFP8_WORDS_BOTH_TILE if row else tk.MXFP8_WORDS_COL_TILE)
             flags = {**mx, "MAXNUM": True, "DO_ROW": row}
             elems = 32 * p["G"] * p["CW"] * 4
-            jobs.append(("v3", f"mxfp8 {name}", impl._mxfp8_kernel_v3, mx_v3, flags, p, elems))
+            fn = mx_kernels.mxfp8_words_kernel
+            jobs.append(("words", f"mxfp8 {name}", fn, mx_words, flags, p, elems))
     for block_2d in (False, True):
         d = "2D" if block_2d else "1D"
         flags = {**nv, "BLOCK_2D": block_2d}
-        p = dict(tk.NV_ROW_V2)
-        fn = impl._nvfp4_row_kernel_v2
-        jobs.append(("v2", f"nvfp4 rowwise {d}", fn, nv_row, flags, p, p["BR"] * p["BC"]))
-        p = dict(tk.NV_COL_V2)
-        fn = impl._nvfp4_col_kernel_v2
-        jobs.append(("v2", f"nvfp4 columnwise {d}", fn, nv_col, flags, p, p["BM"] * p["BK"]))
-        p = dict(tk.NV_ROW_V3)
-        fn = impl._nvfp4_row_kernel_v3
+        p = dict(tk.NVFP4_ROW_STRIDED_TILE)
+        fn = nv_kernels.nvfp4_row_strided_kernel
+        jobs.append(("strided", f"nvfp4 rowwise {d}", fn, nv_row, flags, p, p["BR"] * p["BC"]))
+        p = dict(tk.NVFP4_COL_STRIDED_TILE)
+        fn = nv_kernels.nvfp4_col_strided_kernel
+        jobs.append(("strided", f"nvfp4 columnwise {d}", fn, nv_col, flags, p, p["BM"] * p["BK"]))
+        p = dict(tk.NVFP4_ROW_WORDS_TILE)
+        fn = nv_kernels.nvfp4_row_words_kernel
         flags = {**flags, "MAXNUM": True}
-        jobs.append(("v3", f"nvfp4 rowwise {d}", fn, nv_v3, flags, p, p["BR"] * p["CW"] * 4))
-        p = dict(tk.NV_COL_V3)
-        fn = impl._nvfp4_col_kernel_v3
+        elems = p["BR"] * p["CW"] * 4
+        jobs.append(("words", f"nvfp4 rowwise {d}", fn, nv_row_words, flags, p, elems))
+        p = dict(tk.NVFP4_COL_WORDS_TILE)
+        fn = nv_kernels.nvfp4_col_words_kernel
         flags = {k: v for k, v in flags.items() if k != "SR"}  # the column kernel has no SR
-        jobs.append(
-            ("v3", f"nvfp4 columnwise {d}", fn, nv_col_v3, flags, p, p["NB"] * 16 * p["CW"] * 4)
-        )
+        elems = p["NB"] * 16 * p["CW"] * 4
+        jobs.append(("words", f"nvfp4 columnwise {d}", fn, nv_col_words, flags, p, elems))
 
     print(f"# sm_90 SASS, {n}x{n} bf16 specialisation, triton {triton.__version__}")
     print("| kernel | instr/elem | elem/thread | regs | smem B | memory instructions per thread |")
     print("|---|---|---|---|---|---|")
-    for variant, name, fn, fn_args, flags, params, elems in jobs:
-        if variant not in args.variants:
+    for family, name, fn, fn_args, flags, params, elems in jobs:
+        if family not in args.kernels:
             continue
         params = dict(params)
         warps = params.pop("num_warps")
         kernel = compile_sm90(fn, fn_args, {**flags, **params}, warps)
-        summarise(f"{name} {variant}", kernel, elems, warps, args.dump)
+        summarise(f"{name} {family}", kernel, elems, warps, args.dump)
 
 
 if __name__ == "__main__":

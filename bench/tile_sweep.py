@@ -1,30 +1,27 @@
-"""Sweep the v3 kernels' fixed launch parameters on one size x size bf16 tensor (CUDA only).
+"""Sweep the quantize kernels' fixed launch parameters on one size x size bf16 tensor (CUDA only).
 
     PYTHONPATH=src python3 bench/tile_sweep.py [--size 8192] [--iters 10]
 
-For each v3 kernel, the current parameters (`triton_kernels.NV_COL_V3`, `MX_BOTH_V3`, ...) and a
+For the NVFP4 column kernels (bf16 words and strided) and the MXFP8 row+col words kernel, the
+current parameters (`kernels.launch.NVFP4_COL_WORDS_TILE`, `MXFP8_WORDS_BOTH_TILE`, ...) and a
 few alternatives, timed the way bench_quant times them (device time, calls replayed from a CUDA
 graph) and checked byte for byte against the current parameters' output; prints the time and the
 fraction of the device copy bandwidth of each, and the ratio to the current parameters. The
 bytes do not depend on the tile (every reduction stays inside one block), so the fastest correct
-row is a safe default; bench_quant then times it against the other variants.
+row is a safe default; bench_quant then times the kernel families side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
+from quant_timing import bench_device, same_bytes
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_quant import _same_bytes, bench_device  # noqa: E402
-
-from graphsan.lab.quant import triton_kernels as tk  # noqa: E402
+from graphsan.lab.quant import kernels
 
 NVFP4_BYTES = 2 + 0.5 + 1 / 16  # per element: the bf16 read, the nibble and the scale written
-NV_COL_V3_TILES = [
+NV_COL_WORDS_TILES = [
     {"NB": 8, "CW": 32, "num_warps": 4},
     {"NB": 4, "CW": 32, "num_warps": 2},
     {"NB": 4, "CW": 64, "num_warps": 4},
@@ -36,21 +33,21 @@ NV_COL_V3_TILES = [
 ]
 
 SWEEPS = {
-    # name: (parameter dict in triton_kernels, alternatives, call, bytes moved per element)
+    # name: (parameter dict in kernels.launch, alternatives, call, bytes moved per element)
     "nvfp4 columnwise 1D": (
-        "NV_COL_V3",
-        NV_COL_V3_TILES,
-        lambda x, amax: tk.nvfp4_quantize(x, 0, amax=amax, variant="v3"),
+        "NVFP4_COL_WORDS_TILE",
+        NV_COL_WORDS_TILES,
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, amax=amax),
         NVFP4_BYTES,
     ),
     "nvfp4 columnwise 2D": (
-        "NV_COL_V3",
-        NV_COL_V3_TILES,
-        lambda x, amax: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax, variant="v3"),
+        "NVFP4_COL_WORDS_TILE",
+        NV_COL_WORDS_TILES,
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax),
         NVFP4_BYTES,
     ),
-    "nvfp4 columnwise 1D, v2": (
-        "NV_COL_V2",
+    "nvfp4 columnwise 1D, strided": (
+        "NVFP4_COL_STRIDED_TILE",
         [
             {"BM": 256, "BK": 64, "num_warps": 4},
             {"BM": 128, "BK": 64, "num_warps": 4},
@@ -59,18 +56,18 @@ SWEEPS = {
             {"BM": 512, "BK": 64, "num_warps": 8},
             {"BM": 128, "BK": 128, "num_warps": 4},
         ],
-        lambda x, amax: tk.nvfp4_quantize(x, 0, amax=amax, variant="v2"),
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, amax=amax, _strided=True),
         NVFP4_BYTES,
     ),
     "mxfp8 row+col": (
-        "MX_BOTH_V3",
+        "MXFP8_WORDS_BOTH_TILE",
         [
             {"SPLIT": 4, "G": 2, "CW": 32, "num_warps": 2},
             {"SPLIT": 8, "G": 2, "CW": 16, "num_warps": 2},
             {"SPLIT": 4, "G": 4, "CW": 16, "num_warps": 4},
             {"SPLIT": 2, "G": 2, "CW": 32, "num_warps": 2},
         ],
-        lambda x, amax: tk.mxfp8_quantize_both(x, variant="v3"),
+        lambda tk, x, amax: tk.mxfp8_quantize_both(x),
         2 + 2 + 2 / 32,
     ),
 }
@@ -83,6 +80,10 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tile_sweep: needs CUDA")
+    if not kernels.available():
+        raise SystemExit("tile_sweep: needs Triton")
+    from graphsan.lab.quant.kernels import launch as tk
+
     torch.manual_seed(0)
     x = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(x)
@@ -95,13 +96,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, (attr, alts, call, per_elem) in SWEEPS.items():
         current = dict(getattr(tk, attr))
-        ref = call(x, amax)
+        ref = call(tk, x, amax)
         t_cur = None
         for cfg in [current] + [c for c in alts if c != current]:
             setattr(tk, attr, cfg)
             try:
-                out = call(x, amax)
-                t = bench_device(lambda call=call: call(x, amax), args.iters)
+                out = call(tk, x, amax)
+                t = bench_device(lambda call=call: call(tk, x, amax), args.iters)
             except Exception as err:  # a tile Triton cannot compile (too many registers, ...)
                 print(f"| {name} | {cfg} | - | - | - | {type(err).__name__}: {str(err)[:80]} |")
                 continue
@@ -112,7 +113,7 @@ def main() -> None:
             tag = " (current)" if cfg == current else ""
             print(
                 f"| {name} | {cfg}{tag} | {t * 1e3:.3f} | {frac:.0%} | {t_cur / t:.2f}x | "
-                f"{'yes' if _same_bytes(out, ref) else 'NO'} |"
+                f"{'yes' if same_bytes(out, ref) else 'NO'} |"
             )
 
 

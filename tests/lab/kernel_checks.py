@@ -1,13 +1,22 @@
 """What the quantize-kernel tests check, shared by the compiled kernels on the GPU
-(test_quant_triton_gpu.py) and Triton's interpreter on CPU (test_quant_triton_interpret.py)."""
+(test_quant_triton_gpu.py) and Triton's interpreter on CPU (test_quant_triton_interpret.py).
+
+`tk` is the launch module (`graphsan.lab.quant.kernels.launch`); `strided=True` runs the strided
+kernels even where the launcher would pick the bf16-word kernels, so both families are checked
+on the same inputs."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from graphsan.lab.quant import mxfp8, nvfp4
+
+# Each kernel test runs twice: the kernels the launcher picks (bf16 words where the input allows)
+# and the strided kernels on the same input.
+STRIDED = pytest.mark.parametrize("strided", [False, True], ids=["picked", "strided"])
 
 # (axis, block_2d, rht) of every NVFP4 operand kind: rowwise and columnwise, 1D and 2D blocks,
 # and the Hadamard-transformed columnwise wgrad operand
@@ -60,14 +69,14 @@ def nvfp4_edge_cases(device):
     return {name: x.to(device) for name, x in cases.items()}
 
 
-def assert_nvfp4_edges_match(tk, order, variant, device):
+def assert_nvfp4_edges_match(tk, order, strided, device):
     """`nvfp4_edge_cases` in both directions, 1D and 2D blocks, byte for byte."""
     for name, x in nvfp4_edge_cases(device).items():
         for axis in (-1, 0):
             for block_2d in (False, True):
-                a = tk.nvfp4_quantize(x, axis, block_2d, order, variant=variant)
+                a = tk.nvfp4_quantize(x, axis, block_2d, order, _strided=strided)
                 b = nvfp4.quantize_reference(x, axis, block_2d, order)
-                where = (name, variant, axis, block_2d)
+                where = (name, strided, axis, block_2d)
                 assert torch.equal(a.amax, b.amax), where
                 assert torch.equal(a.scale, b.scale), where
                 assert torch.equal(a.data, b.data), where
@@ -83,32 +92,32 @@ def mxfp8_inputs(shape, seed, device):
     return x
 
 
-def assert_mxfp8_matches(tk, x, fmt, variant):
+def assert_mxfp8_matches(tk, x, fmt, strided=False):
     """Both directions from one pass, and each alone, equal the reference byte for byte."""
-    row, col = tk.mxfp8_quantize_both(x, fmt, variant=variant)
+    row, col = tk.mxfp8_quantize_both(x, fmt, _strided=strided)
     for q, axis in ((row, -1), (col, 0)):
         ref = mxfp8.quantize_reference(x, axis, fmt)
-        assert torch.equal(q.scale, ref.scale), (variant, axis)
-        assert torch.equal(q.data, ref.data), (variant, axis)
-        single = tk.mxfp8_quantize(x, axis, fmt, variant=variant)
-        assert torch.equal(single.data, ref.data), (variant, axis)
-        assert torch.equal(single.scale, ref.scale), (variant, axis)
+        assert torch.equal(q.scale, ref.scale), (strided, axis)
+        assert torch.equal(q.data, ref.data), (strided, axis)
+        single = tk.mxfp8_quantize(x, axis, fmt, _strided=strided)
+        assert torch.equal(single.data, ref.data), (strided, axis)
+        assert torch.equal(single.scale, ref.scale), (strided, axis)
     return row, col
 
 
-def assert_nvfp4_matches(tk, x, order, seed, variant):
+def assert_nvfp4_matches(tk, x, order, seed, strided=False):
     """Every operand kind, with and without stochastic rounding (same seed, same bits), and the
     global amax kernel alone."""
-    assert torch.equal(tk.global_amax(x, variant), nvfp4.global_amax(x.float())), variant
+    assert torch.equal(tk.global_amax(x), nvfp4.global_amax(x.float()))
     for axis, block_2d, use_rht in NVFP4_KINDS:
         if use_rht and x.shape[0] % 16:
             continue
         for sr in (False, True):
             g1 = torch.Generator(device=x.device).manual_seed(seed) if sr else None
             g2 = torch.Generator(device=x.device).manual_seed(seed) if sr else None
-            a = tk.nvfp4_quantize(x, axis, block_2d, order, use_rht, g1, variant=variant)
+            a = tk.nvfp4_quantize(x, axis, block_2d, order, use_rht, g1, _strided=strided)
             b = nvfp4.quantize_reference(x, axis, block_2d, order, use_rht, g2)
-            where = (variant, axis, block_2d, use_rht, sr)
+            where = (strided, axis, block_2d, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
             assert torch.equal(a.data, b.data), where

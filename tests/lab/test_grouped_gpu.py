@@ -9,7 +9,7 @@ import torch
 
 from graphsan.lab.models import build_model, get_preset
 from graphsan.lab.quant import apply_precision, get_recipe
-from tests.lab.test_grouped_linear import (
+from tests.lab.grouped_checks import (
     NO_SR,
     RECIPES,
     check_against_loop,

@@ -9,6 +9,7 @@ import torch
 
 from graphsan.lab.quant import QuantLinear, Recipe, WeightWorkspace, get_recipe, mxfp8, nvfp4
 from graphsan.lab.quant.linear import gemm_alpha, gemm_operand
+from tests.lab.quant_oracles import ref_mm, skewed
 
 RECIPES = {
     "bf16": get_recipe("bf16"),
@@ -18,21 +19,6 @@ RECIPES = {
     "nvfp4": get_recipe("nvfp4"),
     "nvfp4-plain": get_recipe("nvfp4", rht=False, sr=False, weight_2d=False, order="legacy"),
 }
-
-
-def skewed(rows, cols, g):
-    """Random bf16 whose row and column magnitudes vary: rowwise and columnwise blocks differ."""
-    x = torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))
-    return (x * torch.exp(torch.randn(1, cols, generator=g))).to(torch.bfloat16)
-
-
-def ref_mm(a, b, alpha=None):
-    """float64 product of dequantized operands and the |a||b| scale for the tolerance."""
-    out = a.double() @ b.double()
-    mag = a.double().abs() @ b.double().abs()
-    if alpha is not None:
-        out, mag = out * alpha.double(), mag * alpha.double()
-    return out, mag
 
 
 def q_operands(q):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphsan.lab.quant import mxfp8
-from tests.lab.test_quant_oracles import (
+from tests.lab.quant_oracles import (
     e8m0_te_oracle,
     fp8_grid,
     fp8_rne_oracle,
@@ -73,16 +73,14 @@ def test_power_of_two_amax(fmt, axis, k):
 
 
 @pytest.mark.parametrize("axis", AXES)
-def test_amax_500_te_vs_ocp(axis):
+def test_amax_500_rounds_the_scale_up(axis):
+    """The round-up rule scales 500 by 2^-1 (a floor rule would pick 2^0 and saturate it)."""
     block = torch.linspace(-3, 3, 32)
     block[3] = 500.0
     x = _place(block, axis)
-    scale, data = _first(mxfp8.quantize(x, axis, "e4m3", rule="te"))
+    scale, data = _first(mxfp8.quantize(x, axis, "e4m3"))
     assert scale == 128
     assert data[3].view(torch.float8_e4m3fn).float().item() == 256.0  # 500 / 2 = 250 -> 256
-    scale, data = _first(mxfp8.quantize(x, axis, "e4m3", rule="ocp"))
-    assert scale == 127
-    assert int(data[3]) == 0x7E  # 500 saturates at 448
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -235,10 +233,19 @@ def test_bad_arguments():
     x = torch.randn(32, 32)
     with pytest.raises(ValueError, match="fmt"):
         mxfp8.quantize(x, fmt="e3m4")
-    with pytest.raises(ValueError, match="rule"):
-        mxfp8.quantize(x, rule="floor")
     with pytest.raises(ValueError, match="axis"):
         mxfp8.quantize(x, axis=2)
+
+
+def test_arguments_are_checked_once_per_call(monkeypatch):
+    calls = []
+    check = mxfp8.check_blocked
+    monkeypatch.setattr(mxfp8, "check_blocked", lambda *a: calls.append(a[1]) or check(*a))
+    x = torch.randn(32, 32)
+    mxfp8.quantize(x, 0)
+    mxfp8.quantize_both(x)
+    mxfp8.quantize_reference(x, -1)
+    assert calls == [0, -1, 0, -1]
 
 
 @settings(max_examples=40, deadline=None)

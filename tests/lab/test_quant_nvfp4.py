@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from graphsan.lab.quant import nvfp4, rht
 from graphsan.lab.quant.elements import unpack_nibbles
-from tests.lab.test_quant_oracles import nvfp4_block_oracle
+from tests.lab.quant_oracles import nvfp4_block_oracle
 
 ORDERS = ("current", "legacy")
 AXES = (-1, 0)
@@ -48,7 +48,7 @@ def oracle(x: torch.Tensor, axis: int, order: str, block_2d: bool = False):
 
 
 def _codes_with_scale(blk, s_byte, amax):
-    from tests.lab.test_quant_oracles import F32, e2m1_oracle
+    from tests.lab.quant_oracles import F32, e2m1_oracle
 
     a = F32(amax)
     s_enc = min(F32(2688.0) / a, F32(np.finfo(F32).max)) if a != 0 else F32(1.0)
@@ -351,6 +351,16 @@ def test_stochastic_rounding_formula():
 def test_bad_inputs_raise_clear_errors(kwargs, shape, msg):
     with pytest.raises(ValueError, match=msg):
         nvfp4.quantize(torch.randn(shape), **kwargs)
+
+
+def test_arguments_are_checked_once_per_call(monkeypatch):
+    calls = []
+    check = nvfp4.check_blocked
+    monkeypatch.setattr(nvfp4, "check_blocked", lambda *a: calls.append(a[1]) or check(*a))
+    x = torch.randn(32, 32)
+    nvfp4.quantize(x, 0, rht=True, generator=torch.Generator().manual_seed(0))
+    nvfp4.quantize_reference(x, -1)
+    assert calls == [0, -1]
 
 
 @settings(max_examples=40, deadline=None)

@@ -8,6 +8,7 @@ import torch
 
 from graphsan.lab.quant import QuantLinear, get_recipe, mxfp8, nvfp4
 from tests.lab.kernel_checks import (
+    STRIDED,
     assert_mxfp8_matches,
     assert_nvfp4_edges_match,
     assert_nvfp4_matches,
@@ -17,7 +18,6 @@ from tests.lab.kernel_checks import (
 )
 
 pytestmark = pytest.mark.gpu
-VARIANTS = ["v2", "v3"]  # every kernel variant in triton_kernels.VARIANTS
 FP8_PATHS = ["hardware fp8", "bit fields"]
 
 SHAPES = [(32, 32), (96, 160), (1024, 4096), (4096, 96)]
@@ -26,10 +26,12 @@ SHAPES = [(32, 32), (96, 160), (1024, 4096), (4096, 96)]
 @pytest.fixture(scope="module")
 def tk():
     pytest.importorskip("triton")
-    from graphsan.lab.quant import triton_kernels
+    from graphsan.lab.quant import kernels
 
-    assert triton_kernels.available(), "triton imports but the kernels do not"
-    return triton_kernels
+    assert kernels.available(), "triton imports but the kernels do not"
+    from graphsan.lab.quant.kernels import launch
+
+    return launch
 
 
 def inputs(shape, seed):
@@ -42,26 +44,22 @@ def finite_only(x):
 
 def use_fp8_path(tk, path, monkeypatch):
     """Force the bit-field FP8 encoding (used before sm_90), or skip where the hardware one is not
-    used; MXFP8 elements and the v2 NVFP4 block scales take this path."""
+    used; MXFP8 elements and NVFP4 block scales take this path."""
     if path == "bit fields":
         monkeypatch.setattr(tk, "hw_fp8", lambda index: False)
     elif not tk.hw_fp8(torch.cuda.current_device()):
         pytest.skip("the hardware FP8 conversion is used from sm_90 on")
 
 
-def test_variants_listed(tk):
-    assert tuple(VARIANTS) == tk.VARIANTS
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
+@STRIDED
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("path", FP8_PATHS)
-def test_mxfp8_kernel_matches_reference(tk, shape, fmt, path, variant, monkeypatch):
+def test_mxfp8_kernel_matches_reference(tk, shape, fmt, path, strided, monkeypatch):
     use_fp8_path(tk, path, monkeypatch)
     for seed in range(3):
         x = mxfp8_inputs(shape, seed, "cuda")
-        row, _ = assert_mxfp8_matches(tk, x, fmt, variant)
+        row, _ = assert_mxfp8_matches(tk, x, fmt, strided)
         # and the CUDA reference equals the CPU reference (NaN bytes may differ in sign only)
         cpu = mxfp8.quantize_reference(x.cpu(), -1, fmt)
         assert torch.equal(cpu.scale, row.scale.cpu())
@@ -70,23 +68,23 @@ def test_mxfp8_kernel_matches_reference(tk, shape, fmt, path, variant, monkeypat
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("path", FP8_PATHS)
-def test_mxfp8_v3_nan_blocks_and_fallbacks(tk, fmt, path, monkeypatch):
-    """v3's kernel takes NaN out of block maxima with the GPU's NaN-ignoring maximum (the
-    interpreter cannot check that): blocks with NaN, an all-NaN block; and the inputs v3 hands
-    to v2 (float32, a column stride of 2)."""
+def test_mxfp8_words_kernel_nan_blocks_and_fallbacks(tk, fmt, path, monkeypatch):
+    """The words kernel takes NaN out of block maxima with the GPU's NaN-ignoring maximum (the
+    interpreter cannot check that): blocks with NaN, an all-NaN block; and the inputs it leaves
+    to the strided kernel (float32, a column stride of 2)."""
     use_fp8_path(tk, path, monkeypatch)
     x = mxfp8_inputs((256, 1056), 1, "cuda")
     x[:32, 40:45] = float("nan")
     x[32:64, 64:96] = float("nan")
-    assert_mxfp8_matches(tk, x, fmt, "v3")
-    assert_mxfp8_matches(tk, mxfp8_inputs((256, 96), 2, "cuda"), fmt, "v3")
-    assert_mxfp8_matches(tk, mxfp8_inputs((64, 192), 0, "cuda")[:, ::2], fmt, "v3")
+    assert_mxfp8_matches(tk, x, fmt)
+    assert_mxfp8_matches(tk, mxfp8_inputs((256, 96), 2, "cuda"), fmt)
+    assert_mxfp8_matches(tk, mxfp8_inputs((64, 192), 0, "cuda")[:, ::2], fmt)
 
 
 @pytest.mark.parametrize("order", ["current", "legacy"])
 @pytest.mark.parametrize("path", FP8_PATHS)
-def test_nvfp4_v3_kernels_edges_and_nan_blocks(tk, order, path, monkeypatch):
-    """v3's row and column kernels on the named edge cases rounded to bf16 (their input type),
+def test_nvfp4_words_kernels_edges_and_nan_blocks(tk, order, path, monkeypatch):
+    """The row and column words kernels on the named edge cases rounded to bf16 (their input type),
     and on blocks with NaN and all-NaN blocks in both directions (NaN leaves block maxima through
     the GPU's NaN-ignoring maximum), 1D and 2D blocks; the column kernel also on a partial tile in
     both dimensions and on a column slice of a wider tensor."""
@@ -104,7 +102,7 @@ def test_nvfp4_v3_kernels_edges_and_nan_blocks(tk, order, path, monkeypatch):
             if axis == 0 and x.shape[0] % 16:
                 continue
             for block_2d in (False, True):
-                a = tk.nvfp4_quantize(x, axis, block_2d, order, variant="v3")
+                a = tk.nvfp4_quantize(x, axis, block_2d, order)
                 b = nvfp4.quantize_reference(x, axis, block_2d, order)
                 where = (name, axis, block_2d)
                 assert torch.equal(a.amax, b.amax), where
@@ -112,23 +110,23 @@ def test_nvfp4_v3_kernels_edges_and_nan_blocks(tk, order, path, monkeypatch):
                 assert torch.equal(a.data, b.data), where
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@STRIDED
 @pytest.mark.parametrize("shape", [(32, 128), (48, 64), (1024, 4096), (4096, 96)])
 @pytest.mark.parametrize("order", ["current", "legacy"])
 @pytest.mark.parametrize("path", FP8_PATHS)
-def test_nvfp4_kernel_matches_reference(tk, shape, order, path, variant, monkeypatch):
+def test_nvfp4_kernel_matches_reference(tk, shape, order, path, strided, monkeypatch):
     use_fp8_path(tk, path, monkeypatch)
     for seed in range(2):
         x = inputs(shape, seed)
-        assert_nvfp4_matches(tk, x, order, seed, variant)
+        assert_nvfp4_matches(tk, x, order, seed, strided)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@STRIDED
 @pytest.mark.parametrize("order", ["current", "legacy"])
 @pytest.mark.parametrize("path", FP8_PATHS)
-def test_nvfp4_kernel_edge_inputs(tk, order, path, variant, monkeypatch):
+def test_nvfp4_kernel_edge_inputs(tk, order, path, strided, monkeypatch):
     use_fp8_path(tk, path, monkeypatch)
-    assert_nvfp4_edges_match(tk, order, variant, "cuda")
+    assert_nvfp4_edges_match(tk, order, strided, "cuda")
 
 
 def test_dispatch_uses_triton_on_cuda(tk, monkeypatch):

@@ -13,6 +13,7 @@ import torch
 
 from graphsan.lab.quant import mxfp8, nvfp4
 from tests.lab.kernel_checks import (
+    STRIDED,
     assert_mxfp8_matches,
     assert_nvfp4_edges_match,
     assert_nvfp4_matches,
@@ -37,66 +38,100 @@ def tk():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET=1 must be set before Triton is imported (tests/conftest.py)")
     pytest.importorskip("triton")
-    from graphsan.lab.quant import triton_kernels
+    from graphsan.lab.quant import kernels
 
-    assert triton_kernels.available(), "triton imports but the kernels do not"
-    return triton_kernels
+    assert kernels.available(), "triton imports but the kernels do not"
+    from graphsan.lab.quant.kernels import launch
+
+    return launch
 
 
-VARIANTS = ["v2", "v3"]  # triton_kernels.VARIANTS (not imported here: Triton loads lazily)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
+@STRIDED
 @pytest.mark.parametrize("shape", [(32, 32), (64, 160), (96, 64)])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_mxfp8_kernel_matches_reference(tk, shape, fmt, variant):
+def test_mxfp8_kernel_matches_reference(tk, shape, fmt, strided):
     for seed in range(3):
-        assert_mxfp8_matches(tk, mxfp8_inputs(shape, seed, "cpu"), fmt, variant)
+        assert_mxfp8_matches(tk, mxfp8_inputs(shape, seed, "cpu"), fmt, strided)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@STRIDED
 @pytest.mark.parametrize("shape", [(32, 128), (48, 64)])
 @pytest.mark.parametrize("order", ["current", "legacy"])
-def test_nvfp4_kernel_matches_reference(tk, shape, order, variant):
-    assert_nvfp4_matches(tk, edge_inputs(shape, 3, "cpu"), order, 5, variant)
+def test_nvfp4_kernel_matches_reference(tk, shape, order, strided):
+    assert_nvfp4_matches(tk, edge_inputs(shape, 3, "cpu"), order, 5, strided)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@STRIDED
 @pytest.mark.parametrize("order", ["current", "legacy"])
-def test_nvfp4_kernel_edge_inputs(tk, order, variant):
-    assert_nvfp4_edges_match(tk, order, variant, "cpu")
+def test_nvfp4_kernel_edge_inputs(tk, order, strided):
+    assert_nvfp4_edges_match(tk, order, strided, "cpu")
+
+
+def test_launcher_picks_the_words_kernels_where_they_fit(tk, monkeypatch):
+    """bf16 with unit column stride goes to the bf16-word kernels (MXFP8 with a columnwise part,
+    NVFP4 rowwise, the RHT copy, and columnwise without SR); float32, a column stride of 2, SR
+    columnwise without RHT, MXFP8 rowwise alone and `_strided=True` go to the strided kernels."""
+    calls = []
+    for name in ("_mxfp8_words", "_mxfp8_strided", "_nvfp4_row_words", "_nvfp4_col_words"):
+        monkeypatch.setattr(tk, name, lambda *a, name=name: calls.append(name))
+    monkeypatch.setattr(tk, "_nvfp4_strided", lambda *a: calls.append("_nvfp4_strided"))
+    monkeypatch.setattr(tk, "global_amax", lambda x: torch.zeros(()))
+    bf16 = torch.zeros(32, 64, dtype=torch.bfloat16)
+    g = torch.Generator()
+
+    def picked(fn, *args, **kwargs):
+        calls.clear()
+        fn(*args, **kwargs)
+        return calls[0]
+
+    assert picked(tk.mxfp8_quantize_both, bf16) == "_mxfp8_words"
+    assert picked(tk.mxfp8_quantize, bf16, 0) == "_mxfp8_words"
+    assert picked(tk.mxfp8_quantize, bf16, -1) == "_mxfp8_strided"
+    assert picked(tk.mxfp8_quantize_both, bf16.float()) == "_mxfp8_strided"
+    assert picked(tk.mxfp8_quantize_both, bf16, _strided=True) == "_mxfp8_strided"
+    wide = torch.zeros(32, 128, dtype=torch.bfloat16)[:, ::2]
+    assert picked(tk.mxfp8_quantize_both, wide) == "_mxfp8_strided"
+    assert picked(tk.nvfp4_quantize, bf16, -1) == "_nvfp4_row_words"
+    assert picked(tk.nvfp4_quantize, bf16, -1, generator=g) == "_nvfp4_row_words"
+    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, generator=g) == "_nvfp4_row_words"
+    assert picked(tk.nvfp4_quantize, bf16, 0) == "_nvfp4_col_words"
+    assert picked(tk.nvfp4_quantize, bf16, 0, generator=g) == "_nvfp4_strided"
+    assert picked(tk.nvfp4_quantize, bf16.float(), -1) == "_nvfp4_strided"
+    assert picked(tk.nvfp4_quantize, wide, 0) == "_nvfp4_strided"
+    assert picked(tk.nvfp4_quantize, bf16, -1, _strided=True) == "_nvfp4_strided"
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_mxfp8_v3_tiles_and_fallbacks(tk, fmt):
-    """v3's own kernel (bf16, unit column stride) over several programs in both dimensions, blocks
-    with NaN and an all-NaN block, a column slice of a wider tensor, columnwise with K = 100 (not
-    a multiple of 32); and the inputs it hands to v2 (float32, a column stride of 2)."""
+def test_mxfp8_words_kernel_tiles_and_fallbacks(tk, fmt):
+    """The words kernel (bf16, unit column stride) over several programs in both dimensions,
+    blocks with NaN and an all-NaN block, a column slice of a wider tensor, columnwise with
+    K = 100 (not a multiple of 32); and the inputs it leaves to the strided kernel (float32, a
+    column stride of 2)."""
     x = mxfp8_inputs((64, 544), 1, "cpu")
     x[:32, 40:45] = math.nan
     x[32:, 64:96] = math.nan
-    assert_mxfp8_matches(tk, x, fmt, "v3")
-    assert_mxfp8_matches(tk, mxfp8_inputs((64, 256), 0, "cpu")[:, 32:160], fmt, "v3")
+    assert_mxfp8_matches(tk, x, fmt)
+    assert_mxfp8_matches(tk, mxfp8_inputs((64, 256), 0, "cpu")[:, 32:160], fmt)
     x = mxfp8_inputs((64, 100), 1, "cpu")
-    q, ref = tk.mxfp8_quantize(x, 0, fmt, variant="v3"), mxfp8.quantize_reference(x, 0, fmt)
+    q, ref = tk.mxfp8_quantize(x, 0, fmt), mxfp8.quantize_reference(x, 0, fmt)
     assert torch.equal(q.data, ref.data) and torch.equal(q.scale, ref.scale)
-    assert_mxfp8_matches(tk, mxfp8_inputs((64, 96), 2, "cpu"), fmt, "v3")  # float32
-    assert_mxfp8_matches(tk, mxfp8_inputs((64, 192), 0, "cpu")[:, ::2], fmt, "v3")
+    assert_mxfp8_matches(tk, mxfp8_inputs((64, 96), 2, "cpu"), fmt)  # float32
+    assert_mxfp8_matches(tk, mxfp8_inputs((64, 192), 0, "cpu")[:, ::2], fmt)
 
 
 @pytest.mark.parametrize("order", ["current", "legacy"])
-def test_nvfp4_v3_row_kernel(tk, order):
-    """v3's row kernel (bf16, unit column stride): several programs along the row, a partial row
-    tile (1D and 2D blocks, with and without SR), and the named edge cases rounded to bf16
-    (given the reference global amax: the interpreter loads bf16 subnormals inexactly in the
-    amax kernel, which v3 shares with v2)."""
-    assert_nvfp4_matches(tk, edge_inputs((48, 544), 3, "cpu"), order, 5, "v3")
+def test_nvfp4_row_words_kernel(tk, order):
+    """The row words kernel (bf16, unit column stride): several programs along the row, a
+    partial row tile (1D and 2D blocks, with and without SR), and the named edge cases rounded
+    to bf16 (given the reference global amax: the interpreter loads bf16 subnormals inexactly in
+    the amax kernel)."""
+    assert_nvfp4_matches(tk, edge_inputs((48, 544), 3, "cpu"), order, 5)
     x = edge_inputs((40, 288), 4, "cpu")
     for block_2d in (False, True):
         for sr in (False, True):
             g1 = torch.Generator().manual_seed(1) if sr else None
             g2 = torch.Generator().manual_seed(1) if sr else None
-            a = tk.nvfp4_quantize(x, -1, block_2d, order, generator=g1, variant="v3")
+            a = tk.nvfp4_quantize(x, -1, block_2d, order, generator=g1)
             b = nvfp4.quantize_reference(x, -1, block_2d, order, generator=g2)
             assert torch.equal(a.scale, b.scale), (block_2d, sr)
             assert torch.equal(a.data, b.data), (block_2d, sr)
@@ -104,18 +139,19 @@ def test_nvfp4_v3_row_kernel(tk, order):
         x = x.to(torch.bfloat16)
         amax = nvfp4.global_amax(x.float())
         for block_2d in (False, True):
-            a = tk.nvfp4_quantize(x, -1, block_2d, order, amax=amax, variant="v3")
+            a = tk.nvfp4_quantize(x, -1, block_2d, order, amax=amax)
             b = nvfp4.quantize_reference(x, -1, block_2d, order)
             assert torch.equal(a.scale, b.scale), (name, block_2d)
             assert torch.equal(a.data, b.data), (name, block_2d)
 
 
 @pytest.mark.parametrize("order", ["current", "legacy"])
-def test_nvfp4_v3_col_kernel(tk, order):
-    """v3's column kernel (bf16, unit column stride, no RHT, no SR): two programs down the rows
-    (the second partial), three across the columns (the last partial), a column slice of a wider
-    tensor, 1D and 2D blocks, NaN in a block and an all-NaN block (given the reference global
-    amax, as above); and the input it hands to v2 (a column stride of 2)."""
+def test_nvfp4_col_words_kernel(tk, order):
+    """The column words kernel (bf16, unit column stride, no RHT, no SR): two programs down the
+    rows (the second partial), three across the columns (the last partial), a column slice of a
+    wider tensor, 1D and 2D blocks, NaN in a block and an all-NaN block (given the reference
+    global amax, as above); and the input it leaves to the strided kernel (a column stride of
+    2)."""
     x = edge_inputs((144, 288), 6, "cpu")
     x[16:32, 7] = math.nan
     x[40, 9] = math.nan
@@ -124,7 +160,7 @@ def test_nvfp4_v3_col_kernel(tk, order):
     for name, x in cases.items():
         amax = nvfp4.global_amax(x.float())
         for block_2d in (False, True):
-            a = tk.nvfp4_quantize(x, 0, block_2d, order, amax=amax, variant="v3")
+            a = tk.nvfp4_quantize(x, 0, block_2d, order, amax=amax)
             b = nvfp4.quantize_reference(x, 0, block_2d, order)
             assert torch.equal(a.scale, b.scale), (name, block_2d)
             assert torch.equal(a.data, b.data), (name, block_2d)

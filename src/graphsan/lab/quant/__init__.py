@@ -1,9 +1,10 @@
 """Lab numerics: MXFP8, NVFP4, FP8 and BF16 recipes, the quantized Linear, per-module precision.
 
-Formats (plain torch, bit-exact to docs/numerics.md on CPU and CUDA; Triton kernels on CUDA):
+Formats (plain torch, bit-exact to docs/numerics.md on CPU and CUDA; Triton kernels on CUDA,
+`kernels/`; the constants in `formats`, the quantized tensors in `tensors`):
 
     from graphsan.lab.quant import mxfp8, nvfp4
-    q = mxfp8.quantize(x, axis=-1, fmt="e4m3", rule="te");  mxfp8.dequantize(q)
+    q = mxfp8.quantize(x, axis=-1, fmt="e4m3");  mxfp8.dequantize(q)
     q = nvfp4.quantize(x, axis=0, block_2d=False, order="current", rht=True, generator=g)
     fp8.quantize(x, axis=-1)          # per-tensor current scaling, E4M3 (control recipe)
 

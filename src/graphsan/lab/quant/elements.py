@@ -14,34 +14,9 @@ device, without host synchronisation. The rules are the ones in docs/numerics.md
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-E4M3_MAX = 448.0
-E5M2_MAX = 57344.0
-E2M1_MAX = 6.0
-FLT_MAX = torch.finfo(torch.float32).max
-
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
-# Largest unbiased exponent of a normal number of each element format (OCP "emax").
-FP8_EMAX = {"e4m3": 8, "e5m2": 15}
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def fp32_const(value: float) -> torch.Tensor:
-    """`value` correctly rounded to float32, as a 0-dim CPU tensor (fl(1/448) and friends)."""
-    return torch.tensor(value, dtype=torch.float32)
-
-
-@functools.cache
-def fp32_reciprocal(value: float) -> float:
-    """fl(1/value) computed as one IEEE float32 division (what a kernel's constant holds).
-    Cached: computed once per constant, never inside a captured forward."""
-    one = torch.tensor(1.0, dtype=torch.float32)
-    return float(one / torch.tensor(value, dtype=torch.float32))
+from .formats import E2M1_MAX, E8M0_BIAS, E8M0_MAX, E8M0_NAN, FP8_DTYPES, FP8_MAX
 
 
 def check_fp8_format(fmt: str) -> None:
@@ -91,6 +66,24 @@ def check_groups(x: torch.Tensor, groups: torch.Tensor, what: str) -> None:
         )
 
 
+def check_blocked(x: torch.Tensor, axis: int, block: int, what: str) -> None:
+    """Raise a ValueError unless x is a 2-D floating-point tensor whose blocked dimension (the
+    last for axis -1, the first for axis 0) is a multiple of `block`."""
+    if axis not in (-1, 0, 1):
+        raise ValueError(f"{what}: axis={axis!r}; expected -1 (rowwise) or 0 (columnwise)")
+    if x.dim() != 2:
+        raise ValueError(f"{what}: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{what}: expected a floating-point tensor, got {x.dtype}")
+    dim = 0 if axis == 0 else 1
+    if x.shape[dim] % block:
+        direction = "columnwise (axis=0)" if dim == 0 else "rowwise (axis=-1)"
+        raise ValueError(
+            f"{what} {direction}: dimension {dim} of shape {tuple(x.shape)} is {x.shape[dim]}, "
+            f"expected a multiple of {block}"
+        )
+
+
 # --- FP8 elements (E4M3, E5M2) ---------------------------------------------------------------
 
 
@@ -118,24 +111,10 @@ def e8m0_round_up(v: torch.Tensor) -> torch.Tensor:
     bits = v.contiguous().view(torch.int32)
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
-    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    round_up = (mantissa > 0) & (exponent != E8M0_MAX) & ~((exponent == 0) & (mantissa <= 0x400000))
     e = exponent + round_up.to(torch.int32)
-    e = torch.where(torch.isinf(v), torch.full_like(e, 0xFE), e)
-    e = torch.where(torch.isnan(v), torch.full_like(e, 0xFF), e)
-    return e.to(torch.uint8)
-
-
-def e8m0_floor_ocp(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """OCP MX v1.0 rule: X = 2^(floor(log2 amax) - emax); returns the biased exponent bytes.
-
-    Kept only to document the difference with TE: values in (max, 2^(emax+1)) saturate.
-    amax == 0 gives 0x00, inf gives 0xFE, NaN 0xFF; the result is clamped to [0, 254].
-    """
-    _, exp = torch.frexp(amax)  # amax = m * 2^exp with m in [0.5, 1): floor(log2 amax) = exp - 1
-    e = (exp.to(torch.int32) - 1 - FP8_EMAX[fmt] + 127).clamp(0, 254)
-    e = torch.where(amax == 0, torch.zeros_like(e), e)
-    e = torch.where(torch.isinf(amax), torch.full_like(e, 0xFE), e)
-    e = torch.where(torch.isnan(amax), torch.full_like(e, 0xFF), e)
+    e = torch.where(torch.isinf(v), torch.full_like(e, E8M0_MAX), e)
+    e = torch.where(torch.isnan(v), torch.full_like(e, E8M0_NAN), e)
     return e.to(torch.uint8)
 
 
@@ -144,13 +123,13 @@ def exp2_biased(e: torch.Tensor, negate: bool = False) -> torch.Tensor:
 
     2^-127 is the float32 subnormal 0x00400000; 2^128 is +inf; byte 0xFF gives NaN.
     """
-    k = e.to(torch.int32) - 127
+    k = e.to(torch.int32) - E8M0_BIAS
     if negate:
         k = -k
     normal = ((k + 127).clamp(1, 254) << 23).view(torch.float32)
     out = torch.where(k == -127, torch.full_like(normal, 2.0**-127), normal)
     out = torch.where(k == 128, torch.full_like(out, float("inf")), out)
-    return torch.where(e == 0xFF, torch.full_like(out, float("nan")), out)
+    return torch.where(e == E8M0_NAN, torch.full_like(out, float("nan")), out)
 
 
 # --- E2M1 (FP4) elements --------------------------------------------------------------------
@@ -191,6 +170,14 @@ def e2m1_stochastic(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
     q = torch.minimum(torch.floor(t / step_t) * step_t, torch.full_like(t, E2M1_MAX))
     code = e2m1_rne(q)  # q is on the grid already; this only maps value -> code
     return code | ((v < 0).to(torch.uint8) << 3)
+
+
+def random_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
+    """8 random bits per element for `e2m1_stochastic`, from `generator` (graph-safe: randint on
+    the device, no host sync)."""
+    return torch.randint(
+        0, 256, tuple(shape), generator=generator, device=device, dtype=torch.uint8
+    )
 
 
 def _e2m1_step(a: torch.Tensor) -> torch.Tensor:

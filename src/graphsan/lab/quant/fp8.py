@@ -9,46 +9,11 @@ values; columnwise data is stored transposed ([K, M]) like TE's FP8 transpose on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .elements import (
-    E4M3_MAX,
-    FLT_MAX,
-    check_groups,
-    div,
-    fp8_decode,
-    fp8_encode,
-    group_amax,
-    nan_to_zero_abs,
-)
-
-
-@dataclass
-class FP8Tensor:
-    """One direction of a per-tensor-scaled E4M3 tensor of logical shape [M, K].
-
-    data: uint8 E4M3 bytes, [M, K] rowwise or [K, M] columnwise (transposed).
-    scale_inv: float32 0-dim, the dequantization factor 1/scale.
-    amax: float32 0-dim.
-    axis: -1 (rowwise) or 0 (columnwise).
-    """
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
-    amax: torch.Tensor
-    axis: int
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.t().shape if self.axis == 0 else self.data.shape
-
-    def dequantize(self) -> torch.Tensor:
-        return dequantize(self)
-
-    def buffers(self) -> tuple[torch.Tensor, ...]:
-        return (self.data, self.scale_inv, self.amax)
+from .elements import check_groups, div, fp8_encode, group_amax, nan_to_zero_abs
+from .formats import E4M3_MAX, FLT_MAX
+from .tensors import FP8Tensor
 
 
 def quantize(x: torch.Tensor, axis: int = -1) -> FP8Tensor:
@@ -95,5 +60,4 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(q: FP8Tensor) -> torch.Tensor:
-    out = fp8_decode(q.data, "e4m3") * q.scale_inv
-    return out.t() if q.axis == 0 else out
+    return q.dequantize()

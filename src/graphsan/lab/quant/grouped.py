@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from .linear import BLOCKS, QuantModule, _check_tokens, _Plan, gemm_alpha, gemm_operand
-from .recipe import QTensor, Quantizer, Recipe, RowGroups
+from .recipe import Quantizer, Recipe, RowGroups
+from .tensors import QTensor
 
 # --- the grouped GEMM -------------------------------------------------------------------------
 

@@ -39,12 +39,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import fp8, mxfp8, nvfp4
-from .elements import div
-from .recipe import QTensor, Quantizer, Recipe, get_recipe
+from . import nvfp4
+from .elements import div, fp8_decode
+from .formats import MXFP8_BLOCK, NVFP4_ALPHA_DIVISOR, NVFP4_BLOCK
+from .recipe import Quantizer, Recipe, get_recipe
+from .tensors import FP8Tensor, MXFP8Tensor, NVFP4Tensor, QTensor
 
 STATE_POLICIES = ("fixed", "te218")
-NVFP4_ALPHA_DIVISOR = 6.0**2 * 448.0**2  # 7225344
 
 
 @dataclass
@@ -76,15 +77,15 @@ class WeightWorkspace:
 def gemm_operand(q: QTensor) -> torch.Tensor:
     """Exact bf16 values of a quantized operand in its logical [rows, cols] shape, without the
     per-tensor factor (which goes into alpha)."""
-    if isinstance(q, nvfp4.NVFP4Tensor):
+    if isinstance(q, NVFP4Tensor):
         values = nvfp4.block_values(q)  # E2M1 x E4M3: exact in bf16
         values = values.t() if q.axis == 0 else values
-    elif isinstance(q, mxfp8.MXFP8Tensor):
+    elif isinstance(q, MXFP8Tensor):
         # element x 2^k: exact in bf16 for scale bytes >= 3 (E4M3) or 10 (E5M2); below that the
         # smallest elements fall under bf16's subnormal grid (docs/numerics.md)
-        values = mxfp8.dequantize(q)
-    elif isinstance(q, fp8.FP8Tensor):
-        values = fp8.fp8_decode(q.data, "e4m3")
+        values = q.dequantize()
+    elif isinstance(q, FP8Tensor):
+        values = fp8_decode(q.data, "e4m3")
         values = values.t() if q.axis == 0 else values
     else:
         raise TypeError(f"not a quantized tensor: {type(q).__name__}")
@@ -93,9 +94,9 @@ def gemm_operand(q: QTensor) -> torch.Tensor:
 
 def gemm_alpha(a: QTensor, b: QTensor) -> torch.Tensor | None:
     """The float32 epilogue factor of a GEMM of `a` and `b`, computed on device (None: 1)."""
-    if isinstance(a, nvfp4.NVFP4Tensor):
+    if isinstance(a, NVFP4Tensor):
         return div(a.amax * b.amax, NVFP4_ALPHA_DIVISOR)
-    if isinstance(a, fp8.FP8Tensor):
+    if isinstance(a, FP8Tensor):
         return a.scale_inv * b.scale_inv
     return None
 
@@ -436,7 +437,7 @@ def _requantize_into(dst: QTensor, src: QTensor, skip: torch.Tensor | None) -> N
             d.copy_(torch.where(skip.to(torch.bool), d, s))
 
 
-BLOCKS = {"mxfp8": mxfp8.BLOCK, "nvfp4": nvfp4.BLOCK}  # recipes whose blocks need alignment
+BLOCKS = {"mxfp8": MXFP8_BLOCK, "nvfp4": NVFP4_BLOCK}  # recipes whose blocks need alignment
 
 
 def _check_tokens(

@@ -22,21 +22,19 @@ bf16 before the global amax and the quantization; `amax` is then the post-RHT am
 generator: graph-capturable, no host sync, no data-dependent shapes). With `block_2d` each 16x16
 tile's scale byte is repeated over its 16 rows; rows beyond the tensor count as zeros.
 
-On CUDA, `quantize` uses the Triton kernel when Triton is importable; `quantize_reference` is the
-fallback and the oracle. `quantize_grouped` (torch, any device) gives each row group (expert) of
-a stacked tensor its own global amax, for the grouped expert GEMMs.
+On CUDA, `quantize` runs the Triton kernels (`graphsan.lab.quant.kernels`) when Triton is
+importable; `quantize_reference` is their fallback and their oracle. `quantize_grouped` (torch,
+any device) gives each row group (expert) of a stacked tensor its own global amax, for the
+grouped expert GEMMs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from . import kernels
 from .elements import (
-    E2M1_MAX,
-    E4M3_MAX,
-    FLT_MAX,
+    check_blocked,
     check_groups,
     div,
     e2m1_decode,
@@ -44,51 +42,18 @@ from .elements import (
     e2m1_stochastic,
     fp8_decode,
     fp8_encode,
-    fp32_reciprocal,
     group_amax,
     nan_to_zero_abs,
     pack_nibbles,
+    random_bits,
     unpack_nibbles,
 )
-from .mxfp8 import check_shape
+from .formats import E2M1_MAX, FLT_MAX, INV_6, NVFP4_BLOCK, NVFP4_GLOBAL_MAX
 from .rht import rht as apply_rht
+from .tensors import NVFP4Tensor
 
-BLOCK = 16
+BLOCK = NVFP4_BLOCK
 ORDERS = ("current", "legacy")
-GLOBAL_MAX = E2M1_MAX * E4M3_MAX  # 2688
-INV_6 = fp32_reciprocal(6.0)
-INV_2688 = fp32_reciprocal(GLOBAL_MAX)
-
-
-@dataclass
-class NVFP4Tensor:
-    """One direction of an NVFP4-quantized 2-D tensor of logical shape `shape` ([M, K]).
-
-    data: uint8, two E2M1 codes per byte, low nibble first: [M, K/2] rowwise, [K, M/2] columnwise.
-    scale: uint8 E4M3 bytes per 16 elements, [M, K/16] rowwise, [K, M/16] columnwise.
-    amax: float32 0-dim tensor, the global amax of this direction (after the RHT, if any).
-    axis: -1 (rowwise) or 0 (columnwise, stored transposed).
-    block_2d, rht: how it was made (RHT data dequantizes to the transformed values).
-    """
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    amax: torch.Tensor
-    axis: int
-    block_2d: bool = False
-    rht: bool = False
-
-    @property
-    def shape(self) -> torch.Size:
-        rows, half = self.data.shape
-        return torch.Size((half * 2, rows) if self.axis == 0 else (rows, half * 2))
-
-    def dequantize(self) -> torch.Tensor:
-        return dequantize(self)
-
-    def buffers(self) -> tuple[torch.Tensor, ...]:
-        """The device tensors that hold this quantization (for in-place workspace updates)."""
-        return (self.data, self.scale, self.amax)
 
 
 def quantize(
@@ -101,14 +66,10 @@ def quantize(
 ) -> NVFP4Tensor:
     """Quantize a 2-D tensor to NVFP4 along `axis`; Triton on CUDA, the reference elsewhere."""
     _check_args(x, axis, block_2d, order, rht, generator)
-    if x.is_cuda:
-        from . import triton_kernels
-
-        if triton_kernels.available():
-            return triton_kernels.nvfp4_quantize(
-                x, axis=axis, block_2d=block_2d, order=order, rht=rht, generator=generator
-            )
-    return quantize_reference(x, axis, block_2d, order, rht, generator)
+    fast = kernels.launcher(x)
+    if fast is not None:
+        return fast.nvfp4_quantize(x, axis, block_2d, order, rht, generator)
+    return _reference(x, axis, block_2d, order, rht, generator)
 
 
 def quantize_reference(
@@ -119,8 +80,13 @@ def quantize_reference(
     rht: bool = False,
     generator: torch.Generator | None = None,
 ) -> NVFP4Tensor:
-    """The torch reference. Blocks run along the last dim of `src` (x, or x transposed)."""
+    """The torch reference on any device."""
     _check_args(x, axis, block_2d, order, rht, generator)
+    return _reference(x, axis, block_2d, order, rht, generator)
+
+
+def _reference(x, axis, block_2d, order, rht, generator) -> NVFP4Tensor:
+    """Blocks run along the last dim of `src` (x, or x transposed); arguments already checked."""
     src = x.t() if axis == 0 else x
     if rht:
         src = apply_rht(src)  # bf16, along the token dim (the last dim of the transposed copy)
@@ -190,7 +156,7 @@ def global_amax(x32: torch.Tensor) -> torch.Tensor:
 
 def global_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1: S_enc = min(2688 / amax, FLT_MAX), 1 when amax == 0 or S_enc == 0; S_dec = 1/S_enc."""
-    s_enc = torch.clamp(div(GLOBAL_MAX, amax), max=FLT_MAX)
+    s_enc = torch.clamp(div(NVFP4_GLOBAL_MAX, amax), max=FLT_MAX)
     s_enc = torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
     return s_enc, div(1.0, s_enc)
 
@@ -213,7 +179,7 @@ def block_scale(vec_max: torch.Tensor, s_enc: torch.Tensor, order: str) -> torch
     if order == "current":
         s = vec_max * (s_enc * INV_6)
     else:
-        s = div(vec_max, 6.0) * s_enc
+        s = div(vec_max, E2M1_MAX) * s_enc
     s = torch.clamp(s, max=FLT_MAX)
     return fp8_encode(s, "e4m3")  # clamps to +-448, nearest even
 
@@ -233,19 +199,9 @@ def encode_elements(
     return e2m1_rne(v) if rbits is None else e2m1_stochastic(v, rbits)
 
 
-def random_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
-    """8 random bits per element from `generator` (graph-safe: randint on the device)."""
-    return torch.randint(
-        0, 256, tuple(shape), generator=generator, device=device, dtype=torch.uint8
-    )
-
-
 def dequantize(q: NVFP4Tensor) -> torch.Tensor:
     """Step 6: q * (fp32(s_e4m3) * amax * fl(1/2688)), float32 in the logical shape."""
-    values = e2m1_decode(unpack_nibbles(q.data))
-    factor = (fp8_decode(q.scale, "e4m3") * q.amax) * INV_2688
-    out = values * factor.repeat_interleave(BLOCK, dim=1)
-    return out.t() if q.axis == 0 else out
+    return q.dequantize()
 
 
 def block_values(q: NVFP4Tensor) -> torch.Tensor:
@@ -257,7 +213,7 @@ def block_values(q: NVFP4Tensor) -> torch.Tensor:
 def _check_args(x, axis, block_2d, order, rht, generator) -> None:
     if order not in ORDERS:
         raise ValueError(f"NVFP4: order={order!r}; expected one of {ORDERS}")
-    check_shape(x, axis, BLOCK, "NVFP4")
+    check_blocked(x, axis, BLOCK, "NVFP4")
     if rht and axis != 0:
         raise ValueError("NVFP4: rht=True applies to columnwise (axis=0) wgrad copies only")
     if rht and block_2d:

@@ -7,7 +7,6 @@ their defaults and are ignored.
     get_recipe("nvfp4")                                   # TE defaults: RHT, SR, 2-D weights, current order
     get_recipe("nvfp4", order="legacy", rht=False, sr=False, weight_2d=False)
     get_recipe("mxfp8", fp8_format="hybrid")              # E5M2 gradients
-    get_recipe("mxfp8", scale_rule="ocp")                 # OCP floor rule (documentation only)
 
 `Recipe.quantizers()` gives one `Quantizer` per GEMM slot ("weight", "input", "grad_output"); each
 knows which direction gets which treatment (docs/numerics.md, "The quantized Linear"):
@@ -17,11 +16,12 @@ columnwise (wgrad) copies of input and grad_output get the random Hadamard trans
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
 from . import fp8, mxfp8, nvfp4
+from .tensors import QTensor
 
 KINDS = ("bf16", "fp8", "mxfp8", "nvfp4")
 ROLES = ("weight", "input", "grad_output")
@@ -30,12 +30,11 @@ ROLES = ("weight", "input", "grad_output")
 OPTIONS = {
     "bf16": (),
     "fp8": (),
-    "mxfp8": ("fp8_format", "scale_rule"),
+    "mxfp8": ("fp8_format",),
     "nvfp4": ("order", "rht", "sr", "weight_2d"),
 }
 _CHOICES = {
     "fp8_format": ("e4m3", "hybrid"),
-    "scale_rule": mxfp8.RULES,
     "order": nvfp4.ORDERS,
 }
 
@@ -50,7 +49,6 @@ class Recipe:
 
     kind: "bf16" | "fp8" | "mxfp8" | "nvfp4" (the recipe class).
     fp8_format: mxfp8 only; "e4m3" for every tensor (TE default) or "hybrid" (E5M2 grad_output).
-    scale_rule: mxfp8 only; "te" (round the scale up) or "ocp" (floor rule).
     order: nvfp4 only; "current" (TE >= 2.15) or "legacy" (TE 2.9-2.14) block-scale op order.
     rht: nvfp4 only; random Hadamard transform on the wgrad copies of input and grad_output.
     sr: nvfp4 only; stochastic rounding of grad_output.
@@ -59,7 +57,6 @@ class Recipe:
 
     kind: str = "bf16"
     fp8_format: str = "e4m3"
-    scale_rule: str = "te"
     order: str = "current"
     rht: bool = True
     sr: bool = True
@@ -86,7 +83,7 @@ class Recipe:
     def describe(self) -> str:
         """Short text, e.g. `nvfp4(current, rht, sr, 2d-weights)` or `mxfp8(e4m3)`."""
         if self.kind == "mxfp8":
-            parts = [self.fp8_format] + (["ocp-scale"] if self.scale_rule == "ocp" else [])
+            parts = [self.fp8_format]
         elif self.kind == "nvfp4":
             parts = [self.order] + [
                 name
@@ -115,19 +112,6 @@ def get_recipe(name: str, **options) -> Recipe:
                 f"recipe {name}: unknown option {key!r}; expected one of {list(allowed) or 'none'}"
             )
     return Recipe(kind=name, **options)
-
-
-def recipe_options(recipe: Recipe) -> dict:
-    """The options that apply to the recipe's kind, as keyword arguments for `get_recipe`."""
-    names = {f.name for f in fields(Recipe)}
-    return {k: getattr(recipe, k) for k in OPTIONS[recipe.kind] if k in names}
-
-
-def with_options(recipe: Recipe, **options) -> Recipe:
-    return get_recipe(recipe.kind, **{**recipe_options(recipe), **options})
-
-
-QTensor = mxfp8.MXFP8Tensor | nvfp4.NVFP4Tensor | fp8.FP8Tensor
 
 
 @dataclass(frozen=True)
@@ -174,7 +158,7 @@ class Quantizer:
             return fp8.quantize(x, axis=axis)
         if r.kind == "mxfp8":
             fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
-            return mxfp8.quantize(x, axis=axis, fmt=fmt, rule=r.scale_rule)
+            return mxfp8.quantize(x, axis=axis, fmt=fmt)
         if r.kind == "nvfp4":
             weight = self.role == "weight"
             options = dict(
@@ -199,12 +183,5 @@ class Quantizer:
         r = self.recipe
         if r.kind == "mxfp8":
             fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
-            return mxfp8.quantize_both(x, fmt=fmt, rule=r.scale_rule)
+            return mxfp8.quantize_both(x, fmt=fmt)
         return self.quantize(x, -1, generator, groups), self.quantize(x, 0, generator, groups)
-
-    @property
-    def uses_generator(self) -> bool:
-        return self.recipe.kind == "nvfp4" and self.recipe.sr and self.role == "grad_output"
-
-    def with_recipe(self, recipe: Recipe) -> Quantizer:
-        return replace(self, recipe=recipe)

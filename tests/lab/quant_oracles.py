@@ -1,7 +1,9 @@
-"""Independent oracles for the quantization tests (no tests here; shared by test_quant_*.py).
+"""Independent oracles and inputs for the quantization tests (shared by test_quant_*.py and
+test_grouped_*.py).
 
 Nothing here reuses the code under test: FP8 rounding searches all 256 byte values, E8M0 scales come
-from float64 logarithms, NVFP4 follows the spec's steps with numpy float32 scalars.
+from float64 logarithms, NVFP4 follows the spec's steps with numpy float32 scalars, GEMMs are
+float64 products.
 """
 
 from __future__ import annotations
@@ -116,3 +118,18 @@ def mxfp8_numpy_reference(x: np.ndarray, fmt: str, axis: int) -> tuple[np.ndarra
     if axis == 0:
         return data.T.copy(), scale.T.copy()
     return data, scale
+
+
+def skewed(rows, cols, g):
+    """Random bf16 whose row and column magnitudes vary: rowwise and columnwise blocks differ."""
+    x = torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))
+    return (x * torch.exp(torch.randn(1, cols, generator=g))).to(torch.bfloat16)
+
+
+def ref_mm(a, b, alpha=None):
+    """float64 product of dequantized operands and the |a||b| scale for the tolerance."""
+    out = a.double() @ b.double()
+    mag = a.double().abs() @ b.double().abs()
+    if alpha is not None:
+        out, mag = out * alpha.double(), mag * alpha.double()
+    return out, mag

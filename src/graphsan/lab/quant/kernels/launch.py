@@ -1,0 +1,294 @@
+"""The launchers of the quantize kernels: outputs, tiles, and which kernel runs for which input.
+
+Same arguments and bytes as `mxfp8.quantize_reference` and `nvfp4.quantize_reference`, which
+check the arguments; these launchers trust them (`mxfp8.quantize` and `nvfp4.quantize` check
+once and call here). The bf16-word kernels run where `words_fit(x)`, the strided kernels
+elsewhere; `_strided=True` runs the strided kernels everywhere, for the benchmarks and tests that
+compare the two.
+
+NVFP4: the global amax is accumulated into a device buffer (atomic max, no host sync) and the
+quantize kernel reads it there. The RHT (bf16, torch) and the random bits for SR
+(`torch.randint` on the caller's generator, exactly as the reference draws them) are prepared in
+torch, so SR stays reproducible and graph-capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ..elements import random_bits
+from ..formats import FP8_BITS, FP8_MAX, INV_6, MXFP8_BLOCK, NVFP4_BLOCK, fp32_reciprocal
+from ..rht import rht as apply_rht
+from ..tensors import MXFP8Tensor, NVFP4Tensor
+from .mxfp8 import mxfp8_strided_kernel, mxfp8_words_kernel
+from .nvfp4 import (
+    amax_kernel,
+    nvfp4_col_strided_kernel,
+    nvfp4_col_words_kernel,
+    nvfp4_row_strided_kernel,
+    nvfp4_row_words_kernel,
+)
+
+# Launch parameters, fixed: the fastest tiles of bench/tile_sweep.py (docs/PERF.md).
+MXFP8_STRIDED_TILE = {"BM": 32, "BN": 128, "SPLIT": 2, "num_warps": 2}
+MXFP8_WORDS_COL_TILE = {"SPLIT": 4, "G": 2, "CW": 32, "num_warps": 2}  # columnwise alone
+MXFP8_WORDS_BOTH_TILE = {"SPLIT": 4, "G": 2, "CW": 32, "num_warps": 2}  # row+col in one pass
+NVFP4_ROW_STRIDED_TILE = {"BR": 32, "BC": 128, "num_warps": 4}
+NVFP4_COL_STRIDED_TILE = {"BM": 256, "BK": 64, "num_warps": 4}
+NVFP4_ROW_WORDS_TILE = {"BR": 16, "CW": 64, "num_warps": 2}
+NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
+AMAX_TILE = (4096, 16)  # (elements per load round, rounds per program)
+# Compiled without fp contraction: no rounding step of the reference may be fused away.
+_COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+@functools.cache
+def hw_fp8(device_index: int) -> bool:
+    """Whether the kernels convert to FP8 with the hardware instruction on this GPU (sm_90+;
+    the tests run both paths against the reference)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _hw_fp8_for(x: torch.Tensor) -> bool:
+    if not x.is_cuda:  # CPU tensors run in Triton's interpreter (TRITON_INTERPRET=1, tests)
+        return False
+    return hw_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def words_fit(x: torch.Tensor) -> bool:
+    """Whether a words kernel can read x as 64-bit words of 4 bf16."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.stride(1) == 1
+        and x.shape[1] % 4 == 0
+        and x.stride(0) % 4 == 0
+        and x.data_ptr() % 8 == 0
+    )
+
+
+# --- MXFP8 -------------------------------------------------------------------------------------
+
+
+def mxfp8_quantize(
+    x: torch.Tensor, axis: int = -1, fmt: str = "e4m3", *, _strided: bool = False
+) -> MXFP8Tensor:
+    """One direction of MXFP8 (TE's round-up scale rule)."""
+    row, col = _mxfp8(x, fmt, axis != 0, axis == 0, _strided)
+    return col if axis == 0 else row
+
+
+def mxfp8_quantize_both(
+    x: torch.Tensor, fmt: str = "e4m3", *, _strided: bool = False
+) -> tuple[MXFP8Tensor, MXFP8Tensor]:
+    """Rowwise and columnwise MXFP8 from one read of x."""
+    return _mxfp8(x, fmt, True, True, _strided)
+
+
+def _mxfp8(x, fmt, do_row, do_col, strided):
+    m, k = x.shape
+    dev = x.device
+    row = col = None
+    if do_row:
+        row = MXFP8Tensor(
+            torch.empty(m, k, dtype=torch.uint8, device=dev),
+            torch.empty(m, k // MXFP8_BLOCK, dtype=torch.uint8, device=dev),
+            -1,
+            fmt,
+        )
+    if do_col:
+        col = MXFP8Tensor(
+            torch.empty(m, k, dtype=torch.uint8, device=dev),
+            torch.empty(m // MXFP8_BLOCK, k, dtype=torch.uint8, device=dev),
+            0,
+            fmt,
+        )
+    if do_col and not strided and words_fit(x):  # the words kernel always writes columnwise
+        _mxfp8_words(x, fmt, row, col)
+    else:
+        _mxfp8_strided(x, fmt, row, col)
+    return row, col
+
+
+def _fp8_constants(fmt: str) -> dict:
+    """The MXFP8 kernels' element-format arguments."""
+    mbits, emin, sub = FP8_BITS[fmt]
+    max_ = FP8_MAX[fmt]
+    return {"INV_MAX": fp32_reciprocal(max_), "MAX": max_, "MBITS": mbits, "EMIN": emin, "SUB": sub}
+
+
+def _mxfp8_strided(x, fmt, row, col):
+    m, k = x.shape
+    dummy = torch.empty(1, dtype=torch.uint8, device=x.device)
+    tile = MXFP8_STRIDED_TILE
+    grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(k, tile["BN"]))
+    mxfp8_strided_kernel[grid](
+        x,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        row.data if row else dummy,
+        row.scale if row else dummy,
+        col.data if col else dummy,
+        col.scale if col else dummy,
+        **_fp8_constants(fmt),
+        HW_FP8=_hw_fp8_for(x),
+        DO_ROW=row is not None,
+        DO_COL=col is not None,
+        **tile,
+        **_COMPILE_OPTIONS,
+    )
+
+
+def _mxfp8_words(x, fmt, row, col):
+    """x as int64 words [M, K/4]; data and columnwise scales written as int32 words."""
+    m, k = x.shape
+    xw = x.view(torch.int64)
+    tile = MXFP8_WORDS_BOTH_TILE if row is not None else MXFP8_WORDS_COL_TILE
+    grid = (triton.cdiv(m, MXFP8_BLOCK), triton.cdiv(k // 4, tile["G"] * tile["CW"]))
+    dummy = col.scale.new_empty(1)
+    mxfp8_words_kernel[grid](
+        xw,
+        m,
+        k // 4,
+        x.stride(0) // 4,
+        row.data.view(torch.int32) if row else dummy,
+        row.scale if row else dummy,
+        col.data.view(torch.int32),
+        col.scale.view(torch.int32),
+        **_fp8_constants(fmt),
+        HW_FP8=_hw_fp8_for(x),
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        DO_ROW=row is not None,
+        **tile,
+        **_COMPILE_OPTIONS,
+    )
+
+
+# --- NVFP4 -------------------------------------------------------------------------------------
+
+
+def global_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| ignoring NaN into a fresh float32 0-dim device buffer (no host sync)."""
+    flat = x.contiguous().view(-1)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    n = flat.numel()
+    block, iters = AMAX_TILE
+    iters = iters if n >= block * iters * 64 else 1  # small tensors: more programs
+    grid = (triton.cdiv(n, block * iters),)
+    amax_kernel[grid](flat, n, amax, BLOCK=block, ITERS=iters, num_warps=8)
+    return amax
+
+
+def nvfp4_quantize(
+    x: torch.Tensor,
+    axis: int = -1,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+    amax: torch.Tensor | None = None,
+    *,
+    _strided: bool = False,
+) -> NVFP4Tensor:
+    """NVFP4; `amax` may pass a precomputed global amax buffer (valid only without RHT)."""
+    src = x.t() if axis == 0 else x
+    if rht:
+        src = apply_rht(src).contiguous()
+        amax = global_amax(src)
+    elif amax is None:
+        amax = global_amax(x)
+    r, c = src.shape
+    dev = x.device
+    data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(r, c // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
+    if generator is not None:
+        rbits = random_bits(src.shape, generator, dev)
+    else:
+        rbits = torch.empty(1, dtype=torch.uint8, device=dev)
+    if not _strided and (axis != 0 or rht) and words_fit(src):
+        _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generator)
+    elif not _strided and axis == 0 and generator is None and words_fit(x):
+        _nvfp4_col_words(x, amax, data, scale, order, block_2d)
+    else:
+        _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator)
+    return NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
+
+
+def _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator):
+    """The row kernel for rowwise and for the contiguous RHT copy; otherwise the column kernel
+    reads x in its own order (blocks down its columns) and writes the transposed layout."""
+    common = {
+        "INV_6": INV_6,
+        "LEGACY": order == "legacy",
+        "BLOCK_2D": block_2d,
+        "SR": generator is not None,
+        "HW_FP8": _hw_fp8_for(x),
+        **_COMPILE_OPTIONS,
+    }
+    if axis == 0 and not rht:
+        m, k = x.shape
+        tile = NVFP4_COL_STRIDED_TILE
+        grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(k, tile["BK"]))
+        nvfp4_col_strided_kernel[grid](
+            x, m, k, x.stride(0), x.stride(1), amax, rbits, data, scale, **common, **tile
+        )
+        return
+    r, c = src.shape
+    tile = NVFP4_ROW_STRIDED_TILE
+    grid = (triton.cdiv(r, tile["BR"]), triton.cdiv(c, tile["BC"]))
+    nvfp4_row_strided_kernel[grid](
+        src, r, c, src.stride(0), src.stride(1), amax, rbits, data, scale, **common, **tile
+    )
+
+
+def _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generator):
+    """src as int64 words [R, C/4], data written as int16 words (4 nibbles)."""
+    r, c = src.shape
+    tile = NVFP4_ROW_WORDS_TILE
+    grid = (triton.cdiv(r, tile["BR"]), triton.cdiv(c // 4, tile["CW"]))
+    nvfp4_row_words_kernel[grid](
+        src.view(torch.int64),
+        r,
+        c // 4,
+        src.stride(0) // 4,
+        amax,
+        rbits.view(torch.int32) if generator is not None else rbits,
+        data.view(torch.int16),
+        scale,
+        INV_6=INV_6,
+        LEGACY=order == "legacy",
+        BLOCK_2D=block_2d,
+        SR=generator is not None,
+        HW_FP8=_hw_fp8_for(x),
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        **tile,
+        **_COMPILE_OPTIONS,
+    )
+
+
+def _nvfp4_col_words(x, amax, data, scale, order, block_2d):
+    """Columnwise, no RHT, no SR: x as int64 words [M, K/4], the transposed data written as
+    int64 words [K, M/16] (one per column and 16-row block)."""
+    m, k = x.shape
+    tile = NVFP4_COL_WORDS_TILE
+    grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k // 4, tile["CW"]))
+    nvfp4_col_words_kernel[grid](
+        x.view(torch.int64),
+        m,
+        k // 4,
+        x.stride(0) // 4,
+        amax,
+        data.view(torch.int64),
+        scale,
+        INV_6=INV_6,
+        LEGACY=order == "legacy",
+        BLOCK_2D=block_2d,
+        HW_FP8=_hw_fp8_for(x),
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        **tile,
+        **_COMPILE_OPTIONS,
+    )

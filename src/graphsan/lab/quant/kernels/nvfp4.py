@@ -1,0 +1,370 @@
+"""NVFP4 Triton kernels, bit-identical to `nvfp4.quantize_reference`: the global amax, and the
+quantize kernels that read it from a device buffer (no host sync).
+
+- `amax_kernel`: max |x| ignoring NaN, one atomic max per program.
+- `nvfp4_row_strided_kernel`, `nvfp4_col_strided_kernel`: any floating dtype and strides, with
+  or without stochastic rounding (SR). The column kernel reads the source in its own order
+  ([blocks, 16 rows, columns] tiles, each thread holding whole columns of a block, so the block
+  reduction runs in registers) and writes the transposed layout.
+- `nvfp4_row_words_kernel` (rowwise and the contiguous RHT copy, with or without SR) and
+  `nvfp4_col_words_kernel` (columnwise, no RHT, no SR): bf16 sources with unit column stride read
+  as 64-bit words (4 bf16), nibbles written as packed words in the same tile shape, block maxima
+  and nibble packing in registers.
+
+E2M1 codes come from arithmetic (`_e2m1_code`: no table, no clamp to +-6), the E4M3 block scale
+from the hardware conversion where HW_FP8 (sm_90 and later), else from `fp8_bytes`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..formats import E2M1_MAX as _E2M1_MAX
+from ..formats import E4M3_MAX as _E4M3_MAX
+from ..formats import FP8_BITS
+from ..formats import NVFP4_GLOBAL_MAX as _GLOBAL_MAX
+from .common import FLT_MAX, abs_for_max, bf16_lanes, fp8_bytes, nan_to_0
+
+E2M1_MAX = tl.constexpr(_E2M1_MAX)
+E4M3_MAX = tl.constexpr(_E4M3_MAX)
+E4M3_MBITS, E4M3_EMIN, E4M3_SUB = (tl.constexpr(v) for v in FP8_BITS["e4m3"])
+GLOBAL_MAX = tl.constexpr(_GLOBAL_MAX)
+
+
+@triton.jit
+def amax_kernel(x_ptr, N, amax_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """max |x| over N elements, NaN ignored, into the float32 at amax_ptr (which starts at 0):
+    BLOCK elements per load round (several 16-byte loads in flight per thread) and ITERS rounds
+    per program before its one atomic max."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    base = tl.program_id(0).to(tl.int64) * (ITERS * BLOCK)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
+        acc = tl.maximum(acc, tl.where(a != a, 0.0, a))
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _e2m1_code(m):
+    """E2M1 magnitude code (int32, 0-7) of a non-negative float32 m, nearest even; values past
+    6, inf and NaN give 7. The grid step is 0.5 below 2, 1 on [2, 4), 2 from 4 on; adding
+    magic = step * 2^23 rounds m to a multiple of step (one IEEE add, nearest even), and the
+    sum's low bits count the steps: code = steps + 2 * (exponent above 1)."""
+    ec = tl.minimum(tl.maximum(m.to(tl.int32, bitcast=True) >> 23, 127), 129)
+    magic = (ec + 22) << 23
+    steps = (m + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - magic
+    return tl.minimum(steps + 2 * (ec - 127), 7)
+
+
+@triton.jit
+def _e2m1_sr_grid(v, r):
+    """Stochastic rounding of float32 v to the E2M1 grid (magnitude, float32) with 8 random bits r:
+    the reference's formula, step for step (clamp to 6, NaN -> 6)."""
+    v = tl.where(v > E2M1_MAX, E2M1_MAX, tl.where(v < -E2M1_MAX, -E2M1_MAX, v))
+    m = tl.abs(v)
+    m = tl.where(m != m, E2M1_MAX, m)
+    u = r.to(tl.float32) * 0.00390625
+    step = tl.where(m < 2.0, 0.5, tl.where(m < 4.0, 1.0, 2.0))
+    t = m + u * step
+    step_t = tl.where(t < 2.0, 0.5, tl.where(t < 4.0, 1.0, 2.0))
+    inv_step_t = tl.where(t < 2.0, 2.0, tl.where(t < 4.0, 1.0, 0.5))
+    return tl.minimum(tl.floor(t * inv_step_t) * step_t, E2M1_MAX)
+
+
+@triton.jit
+def _e4m3_scale(s, HW_FP8: tl.constexpr):
+    """E4M3 byte (uint8) and its float32 value of a non-negative, non-NaN float32 s."""
+    if HW_FP8:
+        q = s.to(tl.float8e4nv)  # nearest even, saturating at 448
+        byte = q.to(tl.uint8, bitcast=True)
+        value = q.to(tl.float32)
+    else:
+        # `.value`: Triton's interpreter cannot shift an int by a constexpr
+        byte, value = fp8_bytes(s, E4M3_MAX, E4M3_MBITS.value, E4M3_EMIN.value, E4M3_SUB)
+        byte = byte.to(tl.uint8)
+    return byte, value
+
+
+@triton.jit
+def _global_scales(amax_ptr):
+    amax = tl.load(amax_ptr)
+    s_enc = tl.minimum(tl.math.div_rn(GLOBAL_MAX, amax), FLT_MAX)
+    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    return s_enc, tl.math.div_rn(1.0, s_enc)
+
+
+@triton.jit
+def _block_scale(vec, s_enc, s_dec, INV_6: tl.constexpr, LEGACY: tl.constexpr, HW_FP8):
+    """Steps 3-4: scale byte and encode factor of block maxima `vec`."""
+    if LEGACY:
+        s = tl.math.div_rn(vec, E2M1_MAX) * s_enc
+    else:
+        s = vec * (s_enc * INV_6)
+    sbyte, sq = _e4m3_scale(tl.minimum(s, FLT_MAX), HW_FP8)
+    return sbyte, tl.minimum(tl.math.div_rn(1.0, sq * s_dec), FLT_MAX)
+
+
+@triton.jit
+def nvfp4_row_strided_kernel(
+    src_ptr,
+    R,
+    C,
+    stride_r,
+    stride_c,
+    amax_ptr,
+    rbits_ptr,
+    data_ptr,
+    scale_ptr,
+    INV_6: tl.constexpr,
+    LEGACY: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    SR: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """NVFP4 along the last dim of an [R, C] source, any dtype and strides (rowwise, or the
+    contiguous RHT copy): data [R, C/2], scales [R, C/16]; SR bits read as uint8 [R, C]."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = pid_r * BR + tl.arange(0, BR)
+    offs_c = pid_c * BC + tl.arange(0, BC)
+    mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
+    x = tl.load(
+        src_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0
+    ).to(tl.float32)
+    s_enc, s_dec = _global_scales(amax_ptr)
+    a = tl.abs(x)
+    a = tl.where(a != a, 0.0, a)
+    if BLOCK_2D:
+        t = tl.max(tl.max(tl.reshape(a, (BR // 16, 16, BC // 16, 16)), axis=3), axis=1)
+        vec = tl.reshape(tl.broadcast_to(t[:, None, :], (BR // 16, 16, BC // 16)), (BR, BC // 16))
+    else:
+        vec = tl.max(tl.reshape(a, (BR, BC // 16, 16)), axis=2)
+    sbyte, enc = _block_scale(vec, s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    v = tl.reshape(tl.reshape(x, (BR, BC // 16, 16)) * enc[:, :, None], (BR, BC))
+    if SR:
+        r = tl.load(rbits_ptr + offs_r[:, None] * C + offs_c[None, :], mask=mask, other=0)
+        m = _e2m1_sr_grid(v, r)
+    else:
+        m = tl.abs(v)
+    code = _e2m1_code(m) | tl.where(v < 0.0, 8, 0)
+    lo, hi = tl.split(tl.reshape(code, (BR, BC // 2, 2)))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    dc = pid_c * (BC // 2) + tl.arange(0, BC // 2)
+    dmask = (offs_r[:, None] < R) & (dc[None, :] < C // 2)
+    tl.store(data_ptr + offs_r[:, None] * (C // 2) + dc[None, :], packed, mask=dmask)
+    sc = pid_c * (BC // 16) + tl.arange(0, BC // 16)
+    smask = (offs_r[:, None] < R) & (sc[None, :] < C // 16)
+    tl.store(scale_ptr + offs_r[:, None] * (C // 16) + sc[None, :], sbyte, mask=smask)
+
+
+@triton.jit
+def nvfp4_col_strided_kernel(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    amax_ptr,
+    rbits_ptr,
+    data_ptr,
+    scale_ptr,
+    INV_6: tl.constexpr,
+    LEGACY: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    SR: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """NVFP4 columnwise of x [M, K] (16x1 blocks down the columns), written transposed: data
+    [K, M/2], scales [K, M/16]. The tile is read in x's order as [BM/16 blocks, 16 rows, BK]; with
+    enough blocks x columns to occupy every thread, each thread holds all 16 rows of its columns,
+    so block maxima and nibble pairs stay in registers."""
+    NB: tl.constexpr = BM // 16
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    blk = tl.arange(0, NB)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    col = offs_k[None, None, :]
+    offs_m = pid_m * BM + blk[:, None, None] * 16 + tl.arange(0, 16)[None, :, None]
+    mask = (offs_m < M) & (col < K)
+    x = tl.load(x_ptr + offs_m * stride_m + col * stride_k, mask=mask, other=0.0).to(tl.float32)
+    s_enc, s_dec = _global_scales(amax_ptr)
+    a = tl.abs(x)
+    a = tl.where(a != a, 0.0, a)
+    vec = tl.max(a, axis=1)  # [NB, BK]
+    if BLOCK_2D:
+        t = tl.max(tl.reshape(vec, (NB, BK // 16, 16)), axis=2)
+        vec = tl.reshape(tl.broadcast_to(t[:, :, None], (NB, BK // 16, 16)), (NB, BK))
+    sbyte, enc = _block_scale(vec, s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    v = x * enc[:, None, :]
+    if SR:  # the bits are drawn for the transposed [K, M] source, as the reference draws them
+        r = tl.load(rbits_ptr + col * M + offs_m, mask=mask, other=0)
+        m = _e2m1_sr_grid(v, r)
+    else:
+        m = tl.abs(v)
+    code = _e2m1_code(m) | tl.where(v < 0.0, 8, 0)
+    # rows 2j and 2j+1 of a block -> byte j, low nibble first
+    shift = (tl.arange(0, 2) * 4)[None, None, :, None]
+    packed = tl.sum(tl.reshape(code, (NB, 8, 2, BK)) << shift, axis=2).to(tl.uint8)
+    dm = (pid_m * BM) // 2 + blk[:, None, None] * 8 + tl.arange(0, 8)[None, :, None]
+    dmask = (dm < M // 2) & (col < K)
+    tl.store(data_ptr + col * (M // 2) + dm, packed, mask=dmask)
+    sm = pid_m * NB + blk[:, None]
+    smask = (sm < M // 16) & (offs_k[None, :] < K)
+    tl.store(scale_ptr + offs_k[None, :] * (M // 16) + sm, sbyte, mask=smask)
+
+
+@triton.jit
+def nvfp4_row_words_kernel(
+    xw_ptr,
+    R,
+    CWT,
+    stride_rw,
+    amax_ptr,
+    rbits_ptr,
+    data_ptr,
+    scale_ptr,
+    INV_6: tl.constexpr,
+    LEGACY: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    SR: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    MAXNUM: tl.constexpr,
+    BR: tl.constexpr,
+    CW: tl.constexpr,
+):
+    """NVFP4 along the last dim of a bf16 [R, C] source seen as int64 words xw [R, CWT = C/4]
+    (row stride stride_rw words). Data is written as an int16 view [R, C/4] (the 4 nibbles of a
+    word, element 0 lowest), scales uint8 [R, C/16]; SR bits are read as an int32 view [R, C/4].
+    A program covers BR rows x CW words: the 64-bit loads and the 16-bit stores of their four
+    nibbles have one tile shape, so one layout with whole 16-element blocks in each thread (block
+    maxima in registers: no shuffle, and no shared memory for 1D blocks)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = pid_r * BR + tl.arange(0, BR)[:, None]
+    offs_w = pid_c * CW + tl.arange(0, CW)[None, :]
+    mask = (offs_r < R) & (offs_w < CWT)
+    w = tl.load(xw_ptr + offs_r * stride_rw + offs_w, mask=mask, other=0)
+    x0, x1, x2, x3 = bf16_lanes(w)
+    s_enc, s_dec = _global_scales(amax_ptr)
+    am = tl.maximum(
+        tl.maximum(abs_for_max(x0, MAXNUM), abs_for_max(x1, MAXNUM)),
+        tl.maximum(abs_for_max(x2, MAXNUM), abs_for_max(x3, MAXNUM)),
+    )
+    if BLOCK_2D:
+        t = tl.max(tl.max(tl.reshape(am, (BR // 16, 16, CW // 4, 4)), axis=3), axis=1)
+        vec = tl.broadcast_to(t[:, None, :], (BR // 16, 16, CW // 4))
+        vec = tl.reshape(vec, (BR, CW // 4))
+    else:
+        vec = tl.max(tl.reshape(am, (BR, CW // 4, 4)), axis=2)
+    sbyte, enc = _block_scale(nan_to_0(vec, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    enc = tl.reshape(tl.broadcast_to(enc[:, :, None], (BR, CW // 4, 4)), (BR, CW))
+    if SR:
+        r = tl.load(rbits_ptr + offs_r * CWT + offs_w, mask=mask, other=0)
+    else:
+        r = 0
+    word = _e2m1_lane(x0 * enc, r, 0, SR)
+    word |= _e2m1_lane(x1 * enc, r, 1, SR)
+    word |= _e2m1_lane(x2 * enc, r, 2, SR)
+    word |= _e2m1_lane(x3 * enc, r, 3, SR)
+    tl.store(data_ptr + offs_r * CWT + offs_w, word.to(tl.int16), mask=mask)
+    sc = pid_c * (CW // 4) + tl.arange(0, CW // 4)[None, :]
+    smask = (offs_r < R) & (sc < CWT // 4)
+    tl.store(scale_ptr + offs_r * (CWT // 4) + sc, sbyte, mask=smask)
+
+
+@triton.jit
+def _e2m1_lane(v, r, J: tl.constexpr, SR: tl.constexpr):
+    """E2M1 code with sign (int32, 0-15) of float32 v, shifted to nibble J; SR with the random
+    byte J of the int32 words r."""
+    if SR:
+        m = _e2m1_sr_grid(v, (r >> (8 * J)) & 0xFF)
+    else:
+        m = tl.abs(v)
+    return (_e2m1_code(m) | tl.where(v < 0.0, 8, 0)) << (4 * J)
+
+
+@triton.jit
+def nvfp4_col_words_kernel(
+    xw_ptr,
+    M,
+    KW,
+    stride_mw,
+    amax_ptr,
+    data_ptr,
+    scale_ptr,
+    INV_6: tl.constexpr,
+    LEGACY: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    MAXNUM: tl.constexpr,
+    NB: tl.constexpr,
+    CW: tl.constexpr,
+):
+    """NVFP4 down the columns of a bf16 [M, K] source seen as int64 words xw [M, KW = K/4] (row
+    stride stride_mw words), written transposed: data as an int64 view [K, M/16] (one word per
+    column and 16-row block), scales uint8 [K, M/16]. A program covers NB blocks x CW words,
+    read as two [NB, 8 rows, CW] tiles (the top and bottom halves of each 16-row block). Triton
+    lays a tile out from its contiguous dimension (words) and then in index order, the last
+    dimension taking what is left: threads and warps go to words and blocks, and every thread
+    holds whole 8-row columns, so block maxima and nibble packing run in its registers and a
+    column's 16 codes form one 64-bit word of the transposed output (row 2j in the low nibble of
+    byte j), stored as it is."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    blk = pid_m * NB + tl.arange(0, NB)[:, None, None]
+    row = tl.arange(0, 8)[None, :, None]
+    offs_w = pid_n * CW + tl.arange(0, CW)[None, None, :]
+    mask = (blk < M // 16) & (offs_w < KW)
+    top = tl.load(xw_ptr + (blk * 16 + row) * stride_mw + offs_w, mask=mask, other=0)
+    bot = tl.load(xw_ptr + (blk * 16 + 8 + row) * stride_mw + offs_w, mask=mask, other=0)
+    t0, t1, t2, t3 = bf16_lanes(top)
+    b0, b1, b2, b3 = bf16_lanes(bot)
+    s_enc, s_dec = _global_scales(amax_ptr)
+    v0 = tl.max(tl.maximum(abs_for_max(t0, MAXNUM), abs_for_max(b0, MAXNUM)), axis=1)
+    v1 = tl.max(tl.maximum(abs_for_max(t1, MAXNUM), abs_for_max(b1, MAXNUM)), axis=1)
+    v2 = tl.max(tl.maximum(abs_for_max(t2, MAXNUM), abs_for_max(b2, MAXNUM)), axis=1)
+    v3 = tl.max(tl.maximum(abs_for_max(t3, MAXNUM), abs_for_max(b3, MAXNUM)), axis=1)
+    if BLOCK_2D:  # 16x16 tiles: 16 columns are 4 words, one maximum for all four lanes
+        t = tl.maximum(tl.maximum(v0, v1), tl.maximum(v2, v3))
+        t = tl.max(tl.reshape(t, (NB, CW // 4, 4)), axis=2)
+        v0 = tl.reshape(tl.broadcast_to(t[:, :, None], (NB, CW // 4, 4)), (NB, CW))
+        v1 = v0
+        v2 = v0
+        v3 = v0
+    blk2 = pid_m * NB + tl.arange(0, NB)[:, None]
+    col = 4 * (pid_n * CW + tl.arange(0, CW)[None, :])
+    omask = (blk2 < M // 16) & (col < 4 * KW)
+    # each lane's scale right before its store: computing all four first keeps more registers
+    # live, which makes the kernel slower (docs/PERF.md)
+    s0, e0 = _block_scale(nan_to_0(v0, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    _col_store(t0, b0, e0, s0, data_ptr, scale_ptr, col, blk2, M, omask)
+    s1, e1 = _block_scale(nan_to_0(v1, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    _col_store(t1, b1, e1, s1, data_ptr, scale_ptr, col + 1, blk2, M, omask)
+    s2, e2 = _block_scale(nan_to_0(v2, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    _col_store(t2, b2, e2, s2, data_ptr, scale_ptr, col + 2, blk2, M, omask)
+    s3, e3 = _block_scale(nan_to_0(v3, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    _col_store(t3, b3, e3, s3, data_ptr, scale_ptr, col + 3, blk2, M, omask)
+
+
+@triton.jit
+def _e2m1_column_word(x, enc, ROWS: tl.constexpr):
+    """The codes of x * enc [blocks, ROWS, words] (ROWS <= 8) packed down dim 1 into int32
+    nibbles, row 0 lowest."""
+    shift = (tl.arange(0, ROWS) * 4)[None, :, None]
+    return tl.sum(_e2m1_lane(x * enc[:, None, :], 0, 0, False) << shift, axis=1)
+
+
+@triton.jit
+def _col_store(top, bot, enc, sbyte, data_ptr, scale_ptr, col, blk, M, mask):
+    """One lane of the column kernel: its [NB, CW] output words and scale bytes."""
+    lo = _e2m1_column_word(top, enc, 8).to(tl.int64) & 0xFFFFFFFF
+    hi = _e2m1_column_word(bot, enc, 8).to(tl.int64) << 32
+    out = col * (M // 16) + blk
+    tl.store(data_ptr + out, lo | hi, mask=mask)
+    tl.store(scale_ptr + out, sbyte, mask=mask)
