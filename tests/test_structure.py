@@ -30,8 +30,12 @@ TORCH_FREE = {
     "graphsan": False,
     "graphsan.policies": False,
     "graphsan.cli": False,
+    "graphsan.command_line": False,
     "graphsan.pytest_plugin": False,
 }
+# the entry points that dispatch to the lab: the lab itself never imports them (that would be a
+# circle through the CLI); what the lab's commands share with graphsan's is graphsan.command_line
+ENTRY_POINTS = {"graphsan.cli", "graphsan.pytest_plugin"}
 
 
 def module_name(path: Path, src: Path = SRC) -> str:
@@ -131,6 +135,36 @@ def test_the_pure_parts_do_not_import_torch(name):
     for path in files:
         heavy = {d for d in imports_of(path, module_name(path)) if d.split(".")[0] == "torch"}
         assert not heavy, f"{module_name(path)} imports {sorted(heavy)}"
+
+
+def whole_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """Module -> the graphsan modules it imports, the lab included."""
+    files = {module_name(p, src): p for p in (src / "graphsan").rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        deps = {d for d in imports_of(path, mod) if d in files}
+        # `from pkg import sub` inside pkg names pkg only on the way to its submodule
+        deps = {
+            d
+            for d in deps
+            if not (mod.startswith(d + ".") and any(x.startswith(d + ".") for x in deps))
+        }
+        graph[mod] = deps - {mod}
+    return graph
+
+
+def test_the_lab_never_imports_the_entry_points():
+    bad = [
+        f"{mod} imports {dep}"
+        for mod, deps in sorted(whole_graph().items())
+        if mod.startswith("graphsan.lab")
+        for dep in sorted(deps & ENTRY_POINTS)
+    ]
+    assert bad == []
+
+
+def test_no_import_cycles_through_the_lab_either():
+    assert find_cycle(whole_graph()) is None
 
 
 def test_the_check_catches_a_forbidden_import_and_a_cycle(tmp_path):

@@ -17,13 +17,19 @@ import argparse
 import contextlib
 import os
 import sys
-import tempfile
 
 from graphsan import __version__
+from graphsan.command_line import (
+    EXIT_USAGE,
+    CliError,
+    DefaultsHelpFormatter,
+    OneLineParser,
+    check_output_file,
+)
 from graphsan.policies import Policy
 
-EXIT_USAGE = 2
 EXIT_FINDINGS = 3
+__all__ = ["CliError", "DefaultsHelpFormatter", "OneLineParser", "check_output_file", "main"]
 
 COMMANDS = {
     "run": "run a script or module with the sanitizer on",
@@ -33,60 +39,12 @@ COMMANDS = {
 }
 
 
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (what was wrong, where to look)."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """`--help` shows each option's default, unless there is none or the help already says it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            action.option_strings
-            and default not in (None, False, [], (), argparse.SUPPRESS)
-            and "default" not in text
-        ):
-            text += " (default: %(default)s)"
-        return text
-
-
 def report_path_for(path: str, rank: int | None) -> str:
     """`out.json` -> `out.rank{N}.json` under torchrun, so ranks never overwrite each other."""
     if rank is None:
         return path
     root, ext = os.path.splitext(path)
     return f"{root}.rank{rank}{ext or '.json'}"
-
-
-def check_output_file(path: str, option: str) -> None:
-    """Raise CliError unless a file can be written at `path`. Checked before the work starts, so
-    that a typo costs nothing and the results of a long run are not lost at the end."""
-    if not path.strip():
-        raise CliError(f"{option} {path!r}: expected a file path")
-    if os.path.isdir(path):
-        raise CliError(f"{option} {path}: is a directory; expected a file path")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise CliError(f"{option} {path}: {folder} is not a folder")
-    if not os.path.isdir(folder):
-        raise CliError(f"{option} {path}: the folder {folder} does not exist")
-    try:  # a real write: permissions, read-only mounts and quotas all show here
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".graphsan-probe-")
-    except OSError as err:
-        raise CliError(f"{option} {path}: cannot write in {folder} ({err.strerror})") from None
-    os.close(fd)
-    os.unlink(probe)
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise CliError(f"{option} {path}: the file is not writable")
 
 
 # ----------------------------------------------------------------------------- graphsan run

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from graphsan.cli import DefaultsHelpFormatter, OneLineParser
+    from graphsan.command_line import DefaultsHelpFormatter, OneLineParser
 
     parser = OneLineParser(
         prog="graphsan repro",
@@ -115,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
     cases = [BY_NUMBER[n] for n in args.case] if args.case else CASES
     to_stdout = args.json == "-"
     if args.json is not None and not to_stdout:
-        from graphsan.cli import CliError, check_output_file
+        from graphsan.command_line import CliError, check_output_file
 
         try:
             check_output_file(args.json, "--json")

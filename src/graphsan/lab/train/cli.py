@@ -167,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from graphsan.cli import DefaultsHelpFormatter, OneLineParser
+    from graphsan.command_line import DefaultsHelpFormatter, OneLineParser
 
     parser = OneLineParser(
         prog="graphsan train",
