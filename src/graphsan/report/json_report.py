@@ -49,7 +49,7 @@ class Report:
     rank: int | None = None
     policy: str = "raise"
     pinned: dict[str, Any] = field(default_factory=dict)
-    # the process's timeline (graphsan.timeline.Event dicts, the first MAX_EVENTS) and how many
+    # the process's timeline (graphsan.report.timeline.Event dicts, the first MAX_EVENTS) and how many
     # later events were only counted
     events: list[dict[str, Any]] = field(default_factory=list)
     events_dropped: int = 0
