@@ -328,3 +328,28 @@ def test_a_child_without_a_result_file_is_refused_and_a_result_survives_json(cap
     )
     res = CaseResult("StaleMemoryError", iteration=6, finding="x", eval_losses=[[5, 4.5]])
     assert logparse.result_of(json.dumps(res.to_dict()), "", 0) == res
+
+
+def test_the_child_names_a_stopped_replay_in_one_line():
+    # the branch that handles StaleMemoryError runs on a GPU only; its formatting runs here
+    from graphsan.core.records import Finding, GraphInfo
+    from graphsan.lab.repro.child import first_finding
+
+    f = Finding(
+        kind="reowned",
+        graph=GraphInfo(3, "layers.0:layer fwd mb0", (("train.py", 9, "capture"),), (1, 0), 0),
+        node=209,
+        kernel="void at::native::elementwise_kernel<where_kernel_impl>(int)",
+        param=1,
+        offset=720,
+        address=0x7F00_0000_0000,
+        nbytes=2 << 20,
+        block_address=0x7F00_0000_0000,
+        pool="default pool",
+        free_stack=(("src/graphsan/lab/quant/linear.py", 251, "clear_workspace"),),
+        phase="eval",
+        step=5,
+    )
+    line = first_finding([f])
+    assert line.startswith("reowned: layers.0:layer fwd mb0 node 209")
+    assert "linear.py:251 in clear_workspace (phase eval, step 5)" in line

@@ -46,6 +46,13 @@ class ChildProgress(Callback):
         print(logparse.progress_line(iteration, since_start()), flush=True)
 
 
+def first_finding(findings) -> str:
+    """The first finding in one line, for the matrix's table."""
+    from graphsan.report.text import one_line
+
+    return one_line(findings[0])
+
+
 def run_child(n: int, preset: str, reference: bool, mamba_heads: int = 0) -> CaseResult:
     """Run case `n` (or its eager reference) in this process; return what happened."""
     import torch
@@ -72,7 +79,7 @@ def run_child(n: int, preset: str, reference: bool, mamba_heads: int = 0) -> Cas
     except graphsan.StaleMemoryError as err:
         # the iteration whose replay was stopped (the finding's step is the step of the free)
         out.outcome, out.iteration = Outcome.STALE_MEMORY_ERROR.value, progress.done + 1
-        out.finding, out.report = err.findings[0].one_line(), str(err)
+        out.finding, out.report = first_finding(err.findings), str(err)
     except TrainingDiverged as err:
         out.outcome, out.iteration = Outcome.SILENT_CORRUPTION.value, err.iteration
         out.symptom, out.losses = str(err), list(err.losses)
@@ -83,7 +90,7 @@ def run_child(n: int, preset: str, reference: bool, mamba_heads: int = 0) -> Cas
         out.outcome = crash.value if crash else "error"
         out.symptom = text.splitlines()[0][:200] if text else type(err).__name__
     if san is not None and san.findings and not out.finding:
-        out.finding = san.findings[0].one_line()
+        out.finding = first_finding(san.findings)
         out.kinds = sorted({getattr(f.kind, "value", f.kind) for f in san.findings})
     if san is not None and san.pinner is not None:
         out.pinned = san.pinner.summary()
