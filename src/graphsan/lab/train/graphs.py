@@ -229,12 +229,9 @@ def capture(
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
 
-    # No automatic garbage collection while capturing: a collection inside a capture runs the
-    # destructors of whatever became unreachable, and destroying a CUDA graph there (a previous
-    # run's, in the same process) is an operation a capturing stream forbids, which invalidates
-    # the capture. Once on the H200, the GPU scope test (several runs in one process) failed
-    # with "operation failed due to a previous error during capture" next to CUDA graph reset
-    # warnings; the same runs passed alone. This is the likely cause, not a proven one.
+    # No automatic garbage collection while capturing: a collection inside a capture can destroy
+    # an unreachable CUDA graph of an earlier run, which a capturing stream forbids (it
+    # invalidates the capture; docs/te-3316.md, "Notes from the H200 runs").
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
