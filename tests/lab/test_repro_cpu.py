@@ -20,16 +20,6 @@ from graphsan.lab.repro import CaseResult, Outcome, child, compare, logparse, ru
 from graphsan.lab.train.trainer import bind_precision, model_args
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """The tiny model's operations are too small to share out between threads, and on a shared
-    machine threads that wait for each other slow every step down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
 def test_each_case_builds_the_configuration_it_names(case):
     for reference in (False, True):

@@ -15,16 +15,6 @@ from graphsan.lab.train.data import SyntheticTokens
 TINY = {"preset": "tiny", "quiet": True, "device": "cpu"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """The tiny model's operations are too small to share out between threads, and on a shared
-    machine threads that wait for each other slow every step down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_loss_falls_on_synthetic_data():
     r = train(TrainConfig(**TINY, train_iters=60, lr=1e-2, micro_batch_size=4, seq_length=64))
     assert len(r.losses) == 60
