@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU machine: the parts named as arguments, each under its own time limit so one slow
-# part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes, so:
-#   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~5 min)
-#   call 2:  bash scripts/gpu_check.sh example repro bench
-#   (quant: the Triton kernel tests and bench_quant; train: bench_train; trace1: case 1 with
-#   CUDA_LAUNCH_BLOCKING=1, to name the kernel whose assert fires; sweep: the v3 kernels' launch
-#   parameters; wide: cases 1 and 4 with wider Mamba workspaces)
+# On the GPU machine: the recurring checks named as arguments, each under its own time limit so
+# one slow part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes:
+#   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~5.5 min)
+#   call 2:  bash scripts/gpu_check.sh example repro bench scale
+#   (quant: the Triton kernel tests and bench_quant; train: bench_train; sweep: the kernels'
+#   launch parameters; scale: capture cost against live blocks, bench_capture_scale)
+# One-off investigations (case 1 with synchronous launches, wider Mamba workspaces) are in
+# scripts/investigations.sh.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/graphsan-out}; mkdir -p "$OUT"
@@ -31,17 +32,10 @@ for part in ${*:-tests}; do
     train)
       timeout 240 python3 bench/bench_train.py --iters 8 --out "$OUT/PERF-train.md" 2>&1 \
         | tee "$OUT/bench_train.log" | tail -14 ;;
-    trace1)  # which kernel trips case 1's device-side assert (launches made synchronous)
-      CUDA_LAUNCH_BLOCKING=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 \
-        python3 -m graphsan.cli repro --child 1 --preset small --result "$OUT/trace1.json" \
-        > "$OUT/trace1.log" 2>&1; grep -n -m5 -B2 -A25 "Traceback\|device-side assert" "$OUT/trace1.log" | tail -60 ;;
     sweep)  # the v3 kernels' launch parameters side by side
       timeout 120 python3 bench/tile_sweep.py --iters 10 2>&1 | tee "$OUT/tile_sweep.log" | tail -20 ;;
-    wide)  # cases 1 and 4 with wider Mamba out_proj workspaces (4 and 8 MiB per half)
-      for h in 128 256; do echo "--- mamba heads $h"
-        timeout 150 python3 -m graphsan.cli repro --case 1 --case 4 --mamba-heads $h --timeout 140 \
-          --json "$OUT/wide$h.json" > "$OUT/wide$h.log" 2>&1; sed -n '/^| case/,/^whole/p' "$OUT/wide$h.log"
-      done ;;
-    *) echo "unknown part $part (tests, example, repro, bench, quant, train, trace1, sweep, wide)" ;;
+    scale)  # capture cost against live blocks and graph count
+      timeout 330 python3 bench/bench_capture_scale.py 2>&1 | tee "$OUT/bench_capture_scale.log" | tail -22 ;;
+    *) echo "unknown part $part (tests, example, repro, bench, quant, train, sweep, scale)" ;;
   esac
 done
