@@ -1,0 +1,25 @@
+"""A Triton kernel."""
+
+import triton
+import triton.language as tl
+from _prelude import *  # noqa: F403
+
+
+@triton.jit
+def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(y_ptr + i, tl.load(x_ptr + i, mask=m) + 1, mask=m)
+
+
+x = torch.randn(1 << 16, device="cuda")
+y = torch.empty_like(x)
+add_one[(64,)](x, y, x.numel(), BLOCK=1024)
+torch.cuda.synchronize()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, stream=s):
+    add_one[(64,)](x, y, x.numel(), BLOCK=1024)
+del x
+out["replay"] = replay_guarded(g)
+out["healthy"] = healthy()
+finish()
