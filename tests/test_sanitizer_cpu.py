@@ -6,41 +6,18 @@ disabling itself on an internal error."""
 from __future__ import annotations
 
 import os
-import types
 
 import pytest
-import torch
 
 from graphsan import sanitizer
 from graphsan.core.memory_map import MemoryMap
-from graphsan.core.records import FreeEvent, KernelArgs, Release, WalkStats
+from graphsan.core.records import FreeEvent, Release
 from graphsan.cuda import allocator as memory
-from graphsan.cuda import driver as _driver
 from graphsan.report import StaleMemoryError
+from tests import fake_cuda
 
-SEG = 0x7F00_0000_0000
-
-
-def snapshot(blocks):
-    return MemoryMap.from_snapshot(
-        {
-            "segments": [
-                {
-                    "address": SEG,
-                    "total_size": sum(size for size, _ in blocks),
-                    "segment_pool_id": (0, 0),
-                    "blocks": [
-                        {
-                            "address": SEG + sum(sz for sz, _ in blocks[:i]),
-                            "size": size,
-                            "state": st,
-                        }
-                        for i, (size, st) in enumerate(blocks)
-                    ],
-                }
-            ]
-        }
-    )
+SEG = fake_cuda.SEG
+snapshot = fake_cuda.one_segment
 
 
 class FakeGraph:
@@ -50,21 +27,7 @@ class FakeGraph:
 
 @pytest.fixture
 def env(monkeypatch):
-    state = {"map": snapshot([(4096, "active_allocated"), (4096, "inactive")])}
-    buf = SEG.to_bytes(8, "little") + (0).to_bytes(8, "little")
-    monkeypatch.setattr(_driver, "capturing_graph", lambda stream: "graph")
-    monkeypatch.setattr(
-        _driver,
-        "walk",
-        lambda g: ([KernelArgs(0, "void scale(float*)", buf, [0, 8])], WalkStats(1, 1)),
-    )
-    monkeypatch.setattr(_driver, "is_mapped", lambda ptr: True)
-    monkeypatch.setattr(_driver, "address_range", lambda ptr: None)
-    monkeypatch.setattr(memory.AllocatorWatch, "view", lambda self, device, sync=True: state["map"])
-    monkeypatch.setattr(memory.AllocatorWatch, "sync", lambda self, check_pool=None: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=1))
-    return state
+    return fake_cuda.install(monkeypatch, "void scale(float*)", stream=1)
 
 
 def captured(policy):

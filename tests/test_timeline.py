@@ -4,17 +4,12 @@ replay it judges (CUDA faked, as in test_sanitizer_cpu)."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
-import torch
 
 from graphsan import sanitizer
-from graphsan.core.memory_map import MemoryMap
-from graphsan.core.records import KernelArgs, WalkStats
-from graphsan.cuda import driver as _driver
-from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.core.records import KernelArgs
 from graphsan.report.timeline import Timeline, node_summary
+from tests import fake_cuda as fake_cuda_pieces
 
 T0 = 1_780_000_000.0
 MUL = "void at::native::vectorized_elementwise_kernel<4, at::native::MulFunctor<float> >(int)"
@@ -70,35 +65,13 @@ def test_node_summary_is_bounded_and_names_each_kernel_once():
 
 
 # --------------------------------------------------------------- the sanitizer records times
-SEG = 0x7F00_0000_0000
-
-
-def _map(blocks):
-    segs = [{"address": SEG, "total_size": sum(s for s, _ in blocks), "segment_pool_id": (0, 0)}]
-    segs[0]["blocks"] = [
-        {"address": SEG + sum(s for s, _ in blocks[:i]), "size": size, "state": st}
-        for i, (size, st) in enumerate(blocks)
-    ]
-    return MemoryMap.from_snapshot({"segments": segs})
+SEG = fake_cuda_pieces.SEG
+_map = fake_cuda_pieces.one_segment
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    state = {"map": _map([(4096, "active_allocated"), (4096, "inactive")])}
-    buf = SEG.to_bytes(8, "little") + (0).to_bytes(8, "little")
-    monkeypatch.setattr(_driver, "capturing_graph", lambda stream: "graph")
-    monkeypatch.setattr(
-        _driver, "walk", lambda g: ([KernelArgs(0, MUL, buf, [0, 8])], WalkStats(1, 1))
-    )
-    monkeypatch.setattr(_driver, "is_mapped", lambda ptr: True)
-    monkeypatch.setattr(_driver, "address_range", lambda ptr: None)
-    monkeypatch.setattr(AllocatorWatch, "view", lambda self, device, sync=True: state["map"])
-    monkeypatch.setattr(AllocatorWatch, "sync", lambda self, check_pool=None: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(
-        torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0xAB)
-    )
-    return state
+    return fake_cuda_pieces.install(monkeypatch, MUL, stream=0xAB)
 
 
 class FakeGraph:
