@@ -196,8 +196,8 @@ class AllocatorWatch:
         reseed, self._reseed = self._reseed, False
         for device, view in self.views.items():
             entries = traces[device] if device < len(traces) else []
-            # a full ring buffer may have overwritten entries; and past RESEED_ENTRIES a snapshot
-            # (about 1.5 us a block, in C++) is cheaper than applying the entries in Python
+            # a full ring buffer may have overwritten entries; and past RESEED_ENTRIES a snapshot,
+            # walked in C++, is cheaper than applying the entries in Python
             if len(entries) >= min(MAX_ENTRIES, max(RESEED_ENTRIES, 2 * len(view))):
                 view.seed(_snapshot(), device)
                 continue
