@@ -1,0 +1,463 @@
+"""Fault injection: does graphsan stop every replay that would touch memory made stale, and only those?
+
+    python bench/bench_faults.py [--trials 1000] [--workers 16] [--time-limit 450] [--seed 0]
+                                 [--kinds free,set,...] [--json out.json]
+
+Each trial trains the lab model (tiny preset, per-module CUDA graphs for attn, mamba, moe_router
+and moe_preprocess, validation every 3 steps) under `graphsan.enable(policy="raise")`, beside
+three small graphs a training job also has: a data-loader copy from a pinned host batch into a
+static device input, a gather through a device table of buffer addresses, and three graphs that
+share one memory pool and must replay in capture order. After a random step one fault is
+injected into memory some live graph uses, or, in control trials, nothing:
+
+    free          a parameter the graphs read is rebound to fresh memory; the old block is freed
+    free-reuse    the same, then a new tensor of the same size takes the freed block
+    resize        the parameter's storage is resized (`resize_`), which moves it
+    data-rebind   `p.data = p.data.clone()`: same values, new address
+    set           `p.set_(clone)` under no_grad
+    empty-cache   a freed parameter block, then `torch.cuda.empty_cache()`
+    host-free     the pinned host batch the loader graph copies from is freed and re-pinned
+    table-free    a buffer named in the address table is freed and its block reused
+    replay-order  the pool-sharing graphs replay out of order (the third re-carved memory the
+                  second has still to read)
+    internal-driver / internal-node
+                  graphsan's own driver walk fails, or returns a malformed node, during the
+                  capture: graphsan must disable itself with one warning and training go on
+
+A fault counts as caught when the next replay that would use the stale memory raises
+`graphsan.StaleMemoryError` (which happens before the graph is launched); missed when training
+goes on or dies otherwise. A control trial raising anything is a false alarm. After every trial
+the CUDA context is checked with a small kernel. Trials run in worker processes (batched, so
+the imports and the Triton compile are paid once per worker); a worker whose CUDA context dies
+is replaced and its trial counted as unhealthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gc
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICE_FAULTS = ("free", "free-reuse", "resize", "data-rebind", "set", "empty-cache")
+OTHER_FAULTS = ("host-free", "table-free", "replay-order")
+INTERNAL = ("internal-driver", "internal-node")
+KINDS = ("control", *DEVICE_FAULTS, *OTHER_FAULTS, *INTERNAL)
+TRAIN_ITERS, WARMUP = 5, 1
+SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------------
+def _gather_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_through_table(table_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        src = tl.load(table_ptr + row).to(tl.pointer_type(tl.float32))
+        offs = tl.arange(0, BLOCK)
+        vals = tl.load(src + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + row * n + offs, vals, mask=offs < n)
+
+    return gather_through_table
+
+
+class SideGraphs:
+    """The three small graphs beside the lab model, replayed after every training step."""
+
+    def __init__(self, torch, gather):
+        dev = "cuda"
+        self.torch = torch
+        n = 4096
+        # data loader: pinned batch -> static device input, inside the graph
+        self.pinned = torch.randn(n).pin_memory()
+        self.static_batch = torch.empty(n, device=dev)
+        self.loader = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.loader):
+            self.static_batch.copy_(self.pinned, non_blocking=True)
+        # gather through a device table of buffer addresses (grouped-GEMM style pointer array)
+        self.bufs = [torch.randn(1024, device=dev) for _ in range(4)]
+        self.table = torch.tensor([b.data_ptr() for b in self.bufs], device=dev, dtype=torch.int64)
+        self.gathered = torch.empty(4, 1024, device=dev)
+        gather[(4,)](self.table, self.gathered, 1024, BLOCK=1024)  # compile outside the capture
+        self.gather = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.gather):
+            gather[(4,)](self.table, self.gathered, 1024, BLOCK=1024)
+        # three graphs in one pool: g1 reads g0's output, which is then dropped, so g2's capture
+        # re-carves it; only the order g0, g1, g2 is safe
+        pool = torch.cuda.graph_pool_handle()
+        self.x = torch.randn(1 << 16, device=dev)
+        self.g = [torch.cuda.CUDAGraph() for _ in range(3)]
+        with torch.cuda.graph(self.g[0], pool=pool):
+            a = self.x * 2
+        with torch.cuda.graph(self.g[1], pool=pool):
+            self.b = a + 1
+        a_ptr = a.data_ptr()
+        del a
+        with torch.cuda.graph(self.g[2], pool=pool):
+            self.c = self.x * 3
+        self.recarved = self.c.data_ptr() == a_ptr
+        self.keep = []
+
+    def replay(self, order=(0, 1, 2)) -> None:
+        self.loader.replay()
+        self.gather.replay()
+        for i in order:
+            self.g[i].replay()
+
+
+class Injector:
+    """The lab trainer's callback: builds the side graphs after capture, injects at `step`."""
+
+    def __init__(self, spec: dict, torch, gather):
+        self.spec, self.torch, self.gather = spec, torch, gather
+        self.rng = random.Random(spec["seed"])
+        self.model = self.side = None
+        self.injected = None  # what was done, for the log
+        self.keep = []  # tensors that must outlive the trial (reusers of freed blocks)
+
+    def on_model_built(self, model) -> None:
+        self.model = model
+
+    def on_step_end(self, iteration: int) -> None:
+        if iteration <= WARMUP:
+            return
+        if self.side is None:
+            self.side = SideGraphs(self.torch, self.gather)
+        self.side.replay()
+        if iteration == self.spec["step"] and self.spec["kind"] != "control":
+            self.inject(self.spec["kind"])
+
+    # ---- the faults ----
+    def _referenced_param(self):
+        import graphsan
+
+        live = graphsan.current().tracker.live
+        starts = sorted(live)
+
+        def watched(ptr):
+            i = bisect.bisect_right(starts, ptr) - 1
+            return i >= 0 and ptr < starts[i] + live[starts[i]].size
+
+        cands = [(n, p) for n, p in self.model.named_parameters() if watched(p.data_ptr())]
+        if not cands:
+            raise RuntimeError("no parameter is referenced by a live graph")
+        return self.rng.choice(cands)
+
+    def inject(self, kind: str) -> None:
+        torch = self.torch
+        if kind in DEVICE_FAULTS:
+            name, p = self._referenced_param()
+            old = p.data_ptr()
+            if kind in ("free", "free-reuse", "empty-cache"):
+                p.data = torch.empty_like(p)
+                if kind == "free-reuse":
+                    self.keep += [torch.empty_like(p) for _ in range(4)]
+                if kind == "empty-cache":
+                    torch.cuda.empty_cache()
+            elif kind == "resize":
+                p.data.resize_(p.numel() + 4096)
+            elif kind == "data-rebind":
+                p.data = p.data.clone()
+            elif kind == "set":
+                with torch.no_grad():
+                    p.set_(p.detach().clone())
+            self.injected = f"{kind} {name} ({p.numel()} elements) at {old:#x}"
+        elif kind == "host-free":
+            side = self.side
+            old = side.pinned.data_ptr()
+            side.pinned = None
+            self.keep += [torch.empty(4096).pin_memory() for _ in range(2)]
+            self.injected = f"freed the pinned loader batch at {old:#x}"
+        elif kind == "table-free":
+            side = self.side
+            j = self.rng.randrange(len(side.bufs))
+            old = side.bufs[j].data_ptr()
+            side.bufs[j] = torch.randn(1024, device="cuda")
+            self.keep += [torch.empty(1024, device="cuda") for _ in range(2)]
+            self.injected = f"freed table entry {j} at {old:#x}"
+        elif kind == "replay-order":
+            if not self.side.recarved:
+                self.injected = "no-hazard"  # the third capture did not re-carve; not a fault
+                return
+            self.injected = "replayed g0, g2, g1"
+            self.side.replay(order=(0, 2, 1))
+
+
+def _patch_internal(kind: str):
+    """Make graphsan's own driver walk fail (or return a malformed node); returns an undo."""
+    from graphsan.core.records import KernelArgs
+    from graphsan.cuda import driver
+
+    if kind == "internal-driver":
+        name, orig = "walk", driver.walk
+
+        def broken(graph):
+            raise RuntimeError("injected: cuGraphGetNodes failed (CUDA_ERROR_INVALID_VALUE)")
+    else:
+        name, orig = "_read_kernel", driver._read_kernel
+
+        def broken(node, index):
+            return KernelArgs(index, None, None, None)  # neither a name nor parameter bytes
+
+    setattr(driver, name, broken)
+    return lambda: setattr(driver, name, orig)
+
+
+def _healthy(torch) -> bool:
+    try:
+        torch.cuda.synchronize()
+        x = torch.arange(1024, device="cuda", dtype=torch.float32)
+        return float((x * 2).sum().item()) == 1024 * 1023.0
+    except Exception:
+        return False
+
+
+def run_trial(spec: dict, torch, gather) -> dict:
+    from rich.console import Console
+
+    import graphsan
+    from graphsan.lab.train import TrainConfig
+    from graphsan.lab.train.trainer import train
+
+    san = graphsan.current()
+    if san is None or not san.active:
+        graphsan.disable()
+        san = graphsan.enable(policy="raise")
+    kind = spec["kind"]
+    cfg = TrainConfig(
+        preset="tiny",
+        train_iters=TRAIN_ITERS,
+        cuda_graph_modules=SCOPES,
+        cuda_graph_warmup_steps=WARMUP,
+        eval_interval=3,
+        eval_iters=1,
+        seed=spec["seed"] % 100000,
+        device="cuda",
+        quiet=True,
+        log_interval=1000,
+    )
+    inj = Injector(spec, torch, gather)
+    undo = _patch_internal(kind) if kind in INTERNAL else None
+    err_buf, real_err = io.StringIO(), sys.stderr
+    sys.stderr = err_buf
+    out = {"id": spec["id"], "kind": kind, "step": spec["step"]}
+    t0 = time.perf_counter()
+    try:
+        train(cfg, console=Console(file=io.StringIO()), callbacks=[inj])
+        out["outcome"] = "completed"
+    except graphsan.StaleMemoryError as e:
+        out["outcome"] = "stopped"
+        out["finding_kinds"] = sorted({str(f.kind) for f in e.findings})
+    except Exception as e:  # a missed fault that crashed, or a harness problem: keep the text
+        out["outcome"] = "error"
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        sys.stderr = real_err
+        if undo is not None:
+            undo()
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    out["injected"] = inj.injected
+    warnings = [ln for ln in err_buf.getvalue().splitlines() if "graphsan:" in ln]
+    out["graphsan_lines"] = warnings[:3]
+    out["graphsan_active"] = bool(graphsan.current() is not None and graphsan.current().active)
+    del inj
+    gc.collect()
+    out["healthy"] = _healthy(torch)
+    return out
+
+
+def worker() -> None:
+    import torch
+
+    specs = json.loads(sys.stdin.read())
+    gather = _gather_kernel()
+    for spec in specs:
+        print("START " + json.dumps(spec["id"]), flush=True)
+        res = run_trial(spec, torch, gather)
+        print("TRIAL " + json.dumps(res), flush=True)
+        if not res["healthy"]:
+            sys.exit(3)  # a dead CUDA context: the parent starts a fresh worker
+
+
+# ---------------------------------------------------------------------------------------------
+# parent side
+# ---------------------------------------------------------------------------------------------
+def verdict(res: dict) -> str:
+    """caught | missed | false-alarm | went-on | no-hazard (a trial that injected nothing)."""
+    kind, outcome = res["kind"], res["outcome"]
+    if kind == "control":
+        return "false-alarm" if outcome != "completed" else "clean"
+    if kind in INTERNAL:  # training goes on; graphsan, if it gave up, said so once and stopped
+        lines, active = len(res.get("graphsan_lines", [])), res.get("graphsan_active")
+        ok = outcome == "completed" and ((lines == 1 and not active) or (lines == 0 and active))
+        return "went-on" if ok else "missed"
+    if res.get("injected") == "no-hazard":
+        return "no-hazard"
+    if res.get("injected") is None:  # stopped before the fault: a false alarm
+        return "false-alarm" if outcome == "stopped" else "missed"
+    return "caught" if outcome == "stopped" else "missed"
+
+
+def run_workers(specs: list[dict], workers: int, deadline: float, log) -> list[dict]:
+    queue = list(specs)
+    lock = threading.Lock()
+    results: list[dict] = []
+
+    def take(n):
+        with lock:
+            batch, queue[:] = queue[:n], queue[n:]
+            return batch
+
+    def one_worker():
+        while time.monotonic() < deadline:
+            batch = take(max(1, len(specs) // (workers * 4)))
+            if not batch:
+                return
+            pending = {s["id"]: s for s in batch}
+            env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), PYTHONUNBUFFERED="1")
+            proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                cwd=ROOT,
+            )
+            proc.stdin.write(json.dumps(batch))
+            proc.stdin.close()
+            current, tail = None, []
+            for line in proc.stdout:
+                if line.startswith("START "):
+                    current = json.loads(line[6:])
+                elif line.startswith("TRIAL "):
+                    res = json.loads(line[6:])
+                    pending.pop(res["id"], None)
+                    with lock:
+                        results.append(res)
+                    current = None
+                else:
+                    tail = (tail + [line.rstrip()])[-20:]
+                if time.monotonic() > deadline + 60:
+                    proc.kill()
+                    break
+            proc.wait()
+            if current is not None and current in pending:  # the worker died inside a trial
+                spec = pending.pop(current)
+                res = dict(spec, outcome="died", healthy=False, injected="?", error="\n".join(tail))
+                with lock:
+                    results.append(res)
+                log.write(f"worker died in trial {current}:\n" + "\n".join(tail) + "\n")
+            with lock:  # trials the worker never started go back to the queue
+                queue[:0] = list(pending.values())
+
+    threads = [threading.Thread(target=one_worker) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def table(results: list[dict], kinds) -> str:
+    by = defaultdict(list)
+    for r in results:
+        by[r["kind"]].append(r)
+    head = (
+        "| fault | trials | caught before launch | missed | false alarms | no hazard built "
+        "| CUDA healthy after | finding kinds |\n|---|---|---|---|---|---|---|---|"
+    )
+    rows = [head]
+    for kind in kinds:
+        rs = by.get(kind, [])
+        if not rs:
+            continue
+        v = Counter(verdict(r) for r in rs)
+        fk = Counter(k for r in rs for k in r.get("finding_kinds", []))
+        caught = v["caught"] + v["went-on"]
+        caught_s = "-" if kind == "control" else f"{caught}"
+        if kind in INTERNAL:
+            caught_s += " (went on)"
+        rows.append(
+            f"| {kind} | {len(rs)} | {caught_s} | {v['missed']} | {v['false-alarm']} "
+            f"| {v['no-hazard']} | {sum(r['healthy'] for r in rs)}/{len(rs)} "
+            f"| {', '.join(f'{k} {n}' for k, n in fk.most_common()) or '-'} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--time-limit", type=float, default=450, help="seconds for all trials")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--kinds", default=",".join(KINDS), help="comma-separated, of: " + ", ".join(KINDS)
+    )
+    ap.add_argument("--json", help="write every trial's result here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker()
+        return 0
+    kinds = [k for k in args.kinds.split(",") if k]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        ap.error(f"--kinds: unknown {', '.join(bad)}; expected some of {', '.join(KINDS)}")
+    if args.trials < 1 or args.workers < 1:
+        ap.error("--trials and --workers: expected >= 1")
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "bench_faults.py needs a CUDA GPU (CUDA graphs); none is visible here", file=sys.stderr
+        )
+        return 2
+    rng = random.Random(args.seed)
+    specs = [
+        {
+            "id": i,
+            "kind": kinds[i % len(kinds)],
+            "seed": rng.randrange(1 << 30),
+            "step": rng.randrange(WARMUP + 1, TRAIN_ITERS),
+        }
+        for i in range(args.trials)
+    ]
+    t0 = time.monotonic()
+    results = run_workers(specs, args.workers, t0 + args.time_limit, sys.stderr)
+    wall = time.monotonic() - t0
+    results.sort(key=lambda r: r["id"])
+    print(
+        f"{len(results)} of {args.trials} trials in {wall:.0f} s with {args.workers} workers "
+        f"(lab tiny preset, graphed {'+'.join(SCOPES)}, {TRAIN_ITERS} steps, policy raise)"
+    )
+    print(table(results, kinds))
+    odd = [r for r in results if verdict(r) in ("missed", "false-alarm")]
+    for r in odd[:8]:
+        print(
+            f"  trial {r['id']} {r['kind']} step {r['step']}: {verdict(r)}, outcome "
+            f"{r['outcome']}, injected {r.get('injected')}, {r.get('error', '')[:200]}"
+            f"{' ' + ' / '.join(r.get('graphsan_lines', [])) if r.get('graphsan_lines') else ''}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if not odd and len(results) == args.trials else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
