@@ -32,9 +32,10 @@ import weakref
 import torch
 
 from graphsan.context import Context, python_stack
-from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
+from graphsan.core.order import Conflict, PoolOrder
+from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged, Kind
 from graphsan.core.scan import references
-from graphsan.core.tracker import Tracker
+from graphsan.core.tracker import Tracker, pool_name
 from graphsan.cuda import hooks
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.policies import POLICIES, Policy
@@ -83,6 +84,7 @@ class Sanitizer:
         self.tracker = Tracker()
         self.findings: list[Finding] = []
         self.graph_stats: dict[int, GraphStats] = {}  # by graph id, in capture order
+        self.orders: dict[tuple, PoolOrder] = {}  # (device, pool) -> the pool's replay order
         self.rank = rank_from_env()
         self.active = False
         self.disabled_reason: str | None = None
@@ -209,7 +211,7 @@ class Sanitizer:
         try:
             pool = tuple(int(x) for x in graph.pool())
             t0 = time.perf_counter()
-            self.memory.capture_ended(tag, pool)
+            carved = self.memory.capture_ended(tag, pool)
         except Exception as err:
             self._internal_error(err)
             return
@@ -227,6 +229,7 @@ class Sanitizer:
             info = GraphInfo(gid, label, tuple(site), pool, device)
             state = self.tracker.add_graph(info, refs, view)
             hooks.set_graph_state(graph, state)
+            self._order(info, carved, refs, view)
             t3 = time.perf_counter()
             self.graph_stats[gid] = GraphStats(
                 gid,
@@ -248,6 +251,27 @@ class Sanitizer:
         except Exception as err:
             self._internal_error(err)
 
+    def _order(self, info: GraphInfo, carved: list, refs: list, view) -> None:
+        """Add the capture to its pool's replay order (`graphsan.core.order`): what it carved
+        in its own pool, what it reads there; graphs a new conflict involves count replays."""
+        in_pool = []
+        for addr, size, site in carved:
+            seg = view.segment_at(addr)
+            if seg is not None and seg.pool == info.pool:
+                in_pool.append((addr, size, site))
+        key = (info.device, info.pool)
+        order = self.orders.get(key)
+        if order is None:
+            if not in_pool:
+                return  # nothing carved: no later graph of the pool can depend on this one
+            order = self.orders[key] = PoolOrder()
+        if in_pool:
+            self.tracker.graphs[info.id].order = order
+        for gid in order.add_graph(info.id, in_pool, refs):
+            g = self.tracker.graphs.get(gid)
+            if g is not None:
+                g.reads = True
+
     def capture_failed(self, graph) -> None:
         """capture_end raised (an invalidated capture): no graph to watch."""
         self.memory.capture_pool = None
@@ -266,6 +290,10 @@ class Sanitizer:
 
     def _forget(self, gid: int) -> None:
         try:
+            g = self.tracker.graphs.get(gid)
+            order = self.orders.get((g.info.device, g.info.pool)) if g is not None else None
+            if order is not None:
+                order.forget(gid)
             self.tracker.forget(gid)
             if self.pinner is not None:
                 self.pinner.release(gid)
@@ -281,24 +309,71 @@ class Sanitizer:
 
             if self.pinner is not None:
                 self.pinner.flush()
-            if not any(wb.freed is not None for wb in state.blocks.values()):
-                state.dirty = False  # nothing the graph uses was freed: nothing to judge
-                return
-            as_of = self.tracker.free_seq  # frees after this are not in the view yet
-            view = self.memory.view(state.info.device)
-            judged = Judged(self.rank, time.time(), self.memory.last_release)
             info = state.info
-            findings = self.tracker.judge(info.id, view, driver.is_mapped, as_of, judged)
-            self.graph_stats[info.id].replays_judged += 1
-            stop = bool(findings) and self.policy.stops_replay
-            self.timeline.replay(
-                info.id, info.label, info.device, _stream(), len(findings), stop, judged.found_at
-            )
+            order = self.orders.get((info.device, info.pool)) if state.reads else None
+            findings = self._order_findings(state, order) if order is not None else []
+            if state.dirty and not any(wb.freed is not None for wb in state.blocks.values()):
+                state.dirty = False  # nothing the graph uses was freed: nothing to judge
+            judging = state.dirty
+            if judging:
+                as_of = self.tracker.free_seq  # frees after this are not in the view yet
+                view = self.memory.view(info.device)
+                judged = Judged(self.rank, time.time(), self.memory.last_release)
+                findings += self.tracker.judge(info.id, view, driver.is_mapped, as_of, judged)
+                self.graph_stats[info.id].replays_judged += 1
+            if findings or judging:
+                stop = bool(findings) and self.policy.stops_replay
+                found_at = findings[0].found_at if findings else time.time()
+                self.timeline.replay(
+                    info.id, info.label, info.device, _stream(), len(findings), stop, found_at
+                )
         except Exception as err:
             self._internal_error(err)
             return
         if findings:
             self._apply_policy(state, findings)
+
+    def _order_findings(self, state, order: PoolOrder) -> list[Finding]:
+        """A replay-order finding per range the graph reads that another graph of the pool
+        re-carved and replayed since the range's writer last did."""
+        info = state.info
+        phase, step = self.context.current()
+        now = time.time()
+        out = []
+        for c in order.hazards(info.id):
+            out.append(self._order_finding(info, c, phase, step, now))
+        return out
+
+    def _order_finding(self, info: GraphInfo, c: Conflict, phase, step, now: float) -> Finding:
+        graphs = self.tracker.graphs
+
+        def who(gid: int) -> str:
+            g = graphs.get(gid)
+            return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
+
+        return Finding(
+            kind=Kind.REPLAY_ORDER,
+            graph=info,
+            node=c.ref.node,
+            kernel=c.ref.kernel,
+            param=c.ref.param,
+            offset=c.ref.offset,
+            address=c.ref.address,
+            nbytes=c.end - c.start,
+            block_address=c.start,
+            pool=pool_name(info.pool, info.pool),
+            alloc_stack=tuple(self.memory.site_frames(c.site)),
+            phase=phase,
+            step=step,
+            now=(
+                f"written by {who(c.producer)}; {who(c.carver)} also carved it in this pool "
+                f"and has replayed since the writer last did: the range holds its data"
+            ),
+            rank=self.rank,
+            found_at=now,
+            written_by=c.producer,
+            carved_by=c.carver,
+        )
 
     def _apply_policy(self, state, findings: list[Finding]) -> None:
         new = []

@@ -34,6 +34,7 @@ class Kind(str, Enum):
     MOVED = "moved"
     UNMAPPED = "unmapped"
     POOL_REUSE = "pool-reuse"
+    REPLAY_ORDER = "replay-order"
 
     # print as the bare value, like the strings these replace
     __str__ = str.__str__
@@ -57,6 +58,10 @@ _CAUSES = {
     "access'",
     Kind.POOL_REUSE: "a later capture re-carved memory of a shared graph pool that this graph "
     "still uses; the graphs now overwrite each other's data",
+    Kind.REPLAY_ORDER: "graphs sharing a memory pool replayed out of capture order: another "
+    "graph of the pool carved memory this graph reads and ran after the graph that writes it; "
+    "the replay would read the later graph's data (replay the writer first, or give the graphs "
+    "separate pools)",
 }
 KINDS = tuple(k.value for k in Kind)
 
@@ -215,6 +220,10 @@ class Finding:
     # time.time() of the watched free, and of the replay that was judged and found this
     freed_at: float | None = None
     found_at: float | None = None
+    # replay-order findings: the graph that last wrote the range for this one, and the graph
+    # captured later that re-carved it and has replayed since
+    written_by: int | None = None
+    carved_by: int | None = None
 
     def __post_init__(self) -> None:
         # callers may hand lists; the evidence is kept as tuples so nobody can change it

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from graphsan.core.memory_map import MemoryMap, Segment
+from graphsan.core.order import PoolOrder
 from graphsan.core.records import (
     DEFAULT_POOL,
     FREED_BEFORE_CAPTURE,
@@ -68,6 +69,11 @@ class GraphState:
     counts: ReferenceCounts
     dirty: bool = False
     handed_over: int = 0  # blocks a later capture into the same pool consumed (see _hand_over)
+    # its pool's replay order (graphsan.core.order), which counts its replays when it carved
+    # memory there; `reads`: it reads a range another graph of the pool writes and a third
+    # re-carves, so each replay is checked against that order
+    order: PoolOrder | None = None
+    reads: bool = False
 
 
 # Expandable segments map and unmap whole pages: 2 MiB in the small pool, 20 MiB in the large

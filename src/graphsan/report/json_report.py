@@ -16,9 +16,10 @@ from graphsan.report.text import format_finding
 
 SCHEMA = "graphsan.report"
 # 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
-# captured_at and node summary, and the process's events (see graphsan.report.timeline)
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # older reports read with the newer fields empty
+# captured_at and node summary, and the process's events (see graphsan.report.timeline);
+# 4 added the replay-order kind and its Finding.written_by and carved_by
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # older reports read with the newer fields empty
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:
@@ -139,6 +140,8 @@ _FINDING_OPTIONAL = {
     "likely_cause": _STR,
     "freed_at": (int, float, type(None)),
     "found_at": (int, float, type(None)),
+    "written_by": _OPT_INT,
+    "carved_by": _OPT_INT,
 }
 _GRAPH_FIELDS = {"id": _INT, "label": _STR, "capture_site": (list,)}
 _GRAPH_OPTIONAL = {"pool": (list, type(None)), "device": _INT}

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import re
 
-from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, Frame, frame_text
+from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, Frame, Kind, frame_text
 
 
 def one_line(f: Finding) -> str:
     """The finding in one line: kind, graph, kernel, buffer, free site."""
-    free = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
+    if f.kind is Kind.REPLAY_ORDER:
+        what = f"written by graph #{f.written_by}, overwritten by graph #{f.carved_by}"
+    else:
+        free = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
+        what = f"freed at {free}"
     return (
         f"{f.kind}: {f.graph.label} node {f.node} {short_kernel(f.kernel)} "
         f"param {f.param}+{f.offset} -> {f.nbytes} B block at {f.block_address:#x}"
-        f" ({f.pool}), freed at {free}{when(f.phase, f.step)}"
+        f" ({f.pool}), {what}{when(f.phase, f.step)}"
     )
 
 
@@ -100,7 +104,12 @@ def format_finding(f: Finding) -> str:
         lines.append(f"  now: {f.now}")
     lines.append("  allocated at (most recent call last):")
     lines += _stack_text(f.alloc_stack)
-    if f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
+    if f.kind is Kind.REPLAY_ORDER:
+        lines.append(
+            f"  order: replayed after graph #{f.carved_by} overwrote the range and before "
+            f"graph #{f.written_by} wrote it again{when(f.phase, f.step)}"
+        )
+    elif f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
         lines.append("  freed: before the capture ended (the graph captured memory already free)")
     else:
         op = f" by {f.free_op}" if f.free_op else ""
