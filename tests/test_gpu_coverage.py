@@ -38,3 +38,13 @@ def test_out_of_order_replay_raises_before_launch():
     assert result["e_out_of_order"] == 5.0, "the stale replay never ran"
     assert result["f"] == 7.0 and result["healthy"]
     assert "prog_replay_order.py" in result["error_text"]
+
+
+@pytest.mark.parametrize("fault", ["node", "view", "free"])
+def test_an_internal_fault_disables_graphsan_once_and_training_goes_on(fault):
+    rc, result, log = run_program("internal_faults", "raise", env={"GRAPHSAN_FAULT": fault})
+    assert rc == 0, log[-3000:]
+    assert result["losses_finite"] and result["loss_went_down"] and result["healthy"]
+    reason = result["disabled_reason"] or ""
+    assert ("injected" if fault != "node" else "internal error") in reason, log[-3000:]
+    assert log.count("disables itself") <= 1 and "Traceback" not in log, log[-3000:]

@@ -88,6 +88,7 @@ class Sanitizer:
         self.rank = rank_from_env()
         self.active = False
         self.disabled_reason: str | None = None
+        self._failed = False  # an internal error disabled it
         self.report_path: str | None = None
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
         self.timeline = Timeline(self.rank)
@@ -402,6 +403,9 @@ class Sanitizer:
         sys.stderr.write(f"{prefix}graphsan: {text}\n")
 
     def _internal_error(self, err: BaseException) -> None:
+        if self._failed:
+            return  # one warning: later errors (other threads, callbacks in flight) stay quiet
+        self._failed = True
         where = "".join(traceback.format_exception_only(type(err), err)).strip()
         tb = traceback.extract_tb(err.__traceback__)
         site = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
