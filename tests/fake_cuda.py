@@ -1,7 +1,8 @@
 """The CUDA-facing pieces of the sanitizer replaced by fakes, for CPU tests of its flow: one graph
 of one kernel whose argument points at the start of a one-segment default pool, and an allocator
 view the test sets (`state["map"]`). A test may also set the nodes the next capture walks
-(`state["nodes"]`), the allocations it made (`state["carves"]`), and use `graph_class` for a
+(`state["nodes"]`), the allocations it made (`state["carves"]`), the device memory a pointer
+table holds (`state["memory"]`), and use `graph_class` for a
 `torch.cuda.CUDAGraph` whose methods the sanitizer's hooks can wrap."""
 
 from __future__ import annotations
@@ -56,11 +57,19 @@ def install(monkeypatch, kernel: str, stream: int) -> dict:
     monkeypatch.setattr(
         AllocatorWatch, "capture_ended", lambda self, tag, pool: list(state["carves"])
     )
+    # device memory the sanitizer reads (pointer tables): block address -> bytes, zeros elsewhere
+    state["memory"] = {}
+    monkeypatch.setattr(
+        driver,
+        "read_device",
+        lambda spans, stream: [state["memory"].get(a, bytes(n))[:n] for a, n in spans],
+    )
     monkeypatch.setattr(driver, "is_mapped", lambda ptr: True)
     monkeypatch.setattr(driver, "address_range", lambda ptr: None)
     monkeypatch.setattr(AllocatorWatch, "view", lambda self, device, sync=True: state["map"])
     monkeypatch.setattr(AllocatorWatch, "sync", lambda self: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(
         torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=stream)
     )

@@ -10,12 +10,18 @@ from tests.gpu_programs import prefetch, run_program
 
 pytestmark = pytest.mark.gpu
 
-PROGRAMS = ["replay_order"]
+PROGRAMS = ["replay_order", "pointer_table", "internal_faults"]
+TABLE_CASES = ("free", "rewrite", "ok")
+FAULTS = ("node", "view", "free")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _all_programs_side_by_side():
-    prefetch([(n, p, None) for n in PROGRAMS for p in ("off", "raise")])
+    prefetch(
+        [("replay_order", p, None) for p in ("off", "raise")]
+        + [("pointer_table", "raise", {"TABLE_CASE": c}) for c in TABLE_CASES]
+        + [("internal_faults", "raise", {"GRAPHSAN_FAULT": f}) for f in FAULTS]
+    )
 
 
 def _kinds(result):
@@ -40,7 +46,7 @@ def test_out_of_order_replay_raises_before_launch():
     assert "prog_replay_order.py" in result["error_text"]
 
 
-@pytest.mark.parametrize("fault", ["node", "view", "free"])
+@pytest.mark.parametrize("fault", FAULTS)
 def test_an_internal_fault_disables_graphsan_once_and_training_goes_on(fault):
     rc, result, log = run_program("internal_faults", "raise", env={"GRAPHSAN_FAULT": fault})
     assert rc == 0, log[-3000:]
@@ -48,3 +54,22 @@ def test_an_internal_fault_disables_graphsan_once_and_training_goes_on(fault):
     reason = result["disabled_reason"] or ""
     assert ("injected" if fault != "node" else "internal error") in reason, log[-3000:]
     assert log.count("disables itself") <= 1 and "Traceback" not in log, log[-3000:]
+
+
+def test_a_freed_buffer_named_in_a_pointer_table_raises_before_the_fault():
+    rc, result, log = run_program("pointer_table", "raise", env={"TABLE_CASE": "free"})
+    assert rc == 0, log[-3000:]
+    assert result["replay"] == "raised", log[-3000:]
+    assert result["healthy"], "the graph never launched: the context is intact"
+    (f,) = result["findings"]
+    assert f["kind"] == "unmapped" and f["through"] is not None and f["through_slot"] == 8
+    assert "scale_rows" in f["kernel"] and f["param"] == 0
+    assert "indirect" in f["text"]
+
+
+@pytest.mark.parametrize("case", ["rewrite", "ok"])
+def test_pointer_tables_and_index_tensors_raise_nothing_when_correct(case):
+    rc, result, log = run_program("pointer_table", "raise", env={"TABLE_CASE": case})
+    assert rc == 0, log[-3000:]
+    assert result["findings"] == [] and result["replay"] == "replayed", log[-3000:]
+    assert result["correct"] and result["healthy"]

@@ -34,7 +34,13 @@ import torch
 from graphsan.context import Context, python_stack
 from graphsan.core.order import Conflict, PoolOrder
 from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged, Kind
-from graphsan.core.scan import references
+from graphsan.core.scan import (
+    TABLE_BLOCK,
+    TABLE_BUDGET,
+    references,
+    table_candidates,
+    table_references,
+)
 from graphsan.core.tracker import Tracker, pool_name
 from graphsan.cuda import hooks
 from graphsan.cuda.allocator import AllocatorWatch
@@ -89,6 +95,10 @@ class Sanitizer:
         self.active = False
         self.disabled_reason: str | None = None
         self._failed = False  # an internal error disabled it
+        # pointer tables read at capture end: blocks up to table_block bytes, table_budget
+        # bytes per graph (0 turns the reading off)
+        self.table_block = TABLE_BLOCK
+        self.table_budget = TABLE_BUDGET
         self.report_path: str | None = None
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
         self.timeline = Timeline(self.rank)
@@ -226,6 +236,7 @@ class Sanitizer:
             view = self.memory.view(device, sync=False)
             t1 = time.perf_counter()
             refs = references(nodes, view, foreign=lambda v: driver.address_range(v) is not None)
+            refs += self._indirect(refs, view, pool)
             t2 = time.perf_counter()
             info = GraphInfo(gid, label, tuple(site), pool, device)
             state = self.tracker.add_graph(info, refs, view)
@@ -251,6 +262,63 @@ class Sanitizer:
                 self.pinner.pin(state, young)
         except Exception as err:
             self._internal_error(err)
+
+    def _indirect(self, refs: list, view, pool) -> list:
+        """References read from the small buffers the kernel arguments point at (pointer
+        tables), after the capture ended: see `core.scan.table_candidates`."""
+        if self.table_budget <= 0:
+            return []
+        tables = table_candidates(refs, view, pool, self.table_block, self.table_budget)
+        contents = self._read_tables([(addr, size) for addr, size, _ in tables])
+        out = []
+        for (addr, _, via), data in zip(tables, contents, strict=True):
+            out += table_references(addr, data, via, view)
+        return out
+
+    def _read_tables(self, spans: list[tuple[int, int]]) -> list[bytes]:
+        """The tables' bytes, or empty ones where they cannot be read now (a capture running on
+        this stream, a driver error): an unread table hides what it names, nothing more."""
+        if not spans or torch.cuda.is_current_stream_capturing():
+            return [b""] * len(spans)
+        from graphsan.cuda import driver
+
+        try:
+            return driver.read_device(spans, torch.cuda.current_stream().cuda_stream)
+        except driver.DriverError:
+            return [b""] * len(spans)
+
+    def _reread_tables(self, state) -> None:
+        """Before judging: the tables that named a freed block are read again, and a reference
+        the table no longer holds (it was rewritten) is dropped."""
+        stale = {}  # freed block -> its indirect references
+        for addr, wb in state.blocks.items():
+            if wb.freed is not None:
+                refs = state.refs.get(addr, ())
+                if any(r.through is not None for r in refs):
+                    stale[addr] = refs
+        if not stale:
+            return
+        tables = sorted(
+            {
+                r.through
+                for refs in stale.values()
+                for r in refs
+                if r.through is not None
+                and r.through in state.blocks
+                and state.blocks[r.through].freed is None  # a freed table is a finding itself
+            }
+        )
+        spans = [(t, state.blocks[t].size) for t in tables]
+        words = {}
+        for t, data in zip(tables, self._read_tables(spans), strict=True):
+            if data:
+                words[t] = {
+                    int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data) - 7, 8)
+                }
+        for addr, refs in stale.items():
+            keep = [r for r in refs if r.through not in words or r.address in words[r.through]]
+            if len(keep) != len(refs):
+                self.tracker.retain(state.info.id, addr, keep)
 
     def _order(self, info: GraphInfo, carved: list, refs: list, view) -> None:
         """Add the capture to its pool's replay order (`graphsan.core.order`): what it carved
@@ -317,6 +385,7 @@ class Sanitizer:
                 state.dirty = False  # nothing the graph uses was freed: nothing to judge
             judging = state.dirty
             if judging:
+                self._reread_tables(state)
                 as_of = self.tracker.free_seq  # frees after this are not in the view yet
                 view = self.memory.view(info.device)
                 judged = Judged(self.rank, time.time(), self.memory.last_release)

@@ -110,13 +110,17 @@ class WalkStats:
 
 
 class Reference(NamedTuple):
-    """One device address found in one node's arguments (a tuple: graphs hold many)."""
+    """One device address found in one node's arguments (a tuple: graphs hold many). An
+    indirect reference was read from a small device buffer (a pointer table) that the node's
+    argument points at: `through` is that buffer's block, `slot` the byte offset inside it."""
 
     node: int
     kernel: str  # demangled kernel name, or "memcpy" / "memset"
     param: int | str
     offset: int
     address: DataPtr
+    through: DataPtr | None = None
+    slot: int = 0
 
 
 # ----------------------------------------------------------------------------- graphs and frees
@@ -224,6 +228,10 @@ class Finding:
     # captured later that re-carved it and has replayed since
     written_by: int | None = None
     carved_by: int | None = None
+    # an indirect reference: `address` sits at byte `through_slot` of the block at `through`,
+    # a pointer table the node's argument (`param`, `offset`) points at
+    through: int | None = None
+    through_slot: int | None = None
 
     def __post_init__(self) -> None:
         # callers may hand lists; the evidence is kept as tuples so nobody can change it

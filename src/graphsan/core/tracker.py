@@ -214,6 +214,22 @@ class Tracker:
                 g.refs.pop(wb.address, None)
                 g.handed_over += 1
 
+    def retain(self, graph_id: GraphId, address: DataPtr, refs: list[Reference]) -> None:
+        """Keep only `refs` of the graph's references to the block at `address` (a pointer table
+        re-read at judgement no longer names it); with none left the graph lets the block go."""
+        state = self.graphs.get(graph_id)
+        if state is None or address not in state.refs:
+            return
+        if refs:
+            state.refs[address] = refs
+            return
+        del state.refs[address]
+        wb = state.blocks.pop(address, None)
+        if wb is not None:
+            wb.graphs.discard(graph_id)
+            if not wb.graphs and self.live.get(address) is wb:
+                del self.live[address]
+
     def on_alloc(self, ptr: DataPtr) -> None:
         """A block was allocated or freed at `ptr`: if that is inside a segment holding freed
         memory a graph references, the memory's owner changed (re-carved, or given back again)
@@ -303,6 +319,8 @@ class Tracker:
                     also_used_by=self._other_users(wb, graph_id),
                     freed_at=wb.freed.time,
                     found_at=judged.found_at,
+                    through=first.through,
+                    through_slot=first.slot if first.through is not None else None,
                 )
             )
         return findings

@@ -199,6 +199,21 @@ def is_mapped(ptr: int) -> bool:
     return True
 
 
+def read_device(spans: list[tuple[int, int]], stream_handle: int) -> list[bytes]:
+    """The bytes of each (address, size) span of device memory, copied in order on
+    `stream_handle` (so after the work queued there) with one synchronization for all. Never
+    call it on a capturing stream."""
+    bufs = [(ctypes.c_char * size)() for _, size in spans]
+    stream = drv.CUstream(stream_handle)
+    for (ptr, size), buf in zip(spans, bufs, strict=True):
+        _check(
+            drv.cuMemcpyDtoHAsync(ctypes.addressof(buf), drv.CUdeviceptr(ptr), size, stream),
+            "cuMemcpyDtoHAsync",
+        )
+    _check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    return [bytes(buf) for buf in bufs]
+
+
 # ----------------------------------------------------------------------------- names
 @functools.lru_cache(maxsize=1)
 def _cxa_demangle():

@@ -17,7 +17,8 @@ from graphsan.report.text import format_finding
 SCHEMA = "graphsan.report"
 # 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
 # captured_at and node summary, and the process's events (see graphsan.report.timeline);
-# 4 added the replay-order kind and its Finding.written_by and carved_by
+# 4 added the replay-order kind and its Finding.written_by and carved_by, and indirect
+# references' Finding.through and through_slot
 SCHEMA_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)  # older reports read with the newer fields empty
 
@@ -142,6 +143,8 @@ _FINDING_OPTIONAL = {
     "found_at": (int, float, type(None)),
     "written_by": _OPT_INT,
     "carved_by": _OPT_INT,
+    "through": _OPT_INT,
+    "through_slot": _OPT_INT,
 }
 _GRAPH_FIELDS = {"id": _INT, "label": _STR, "capture_site": (list,)}
 _GRAPH_OPTIONAL = {"pool": (list, type(None)), "device": _INT}

@@ -16,9 +16,13 @@ def one_line(f: Finding) -> str:
         what = f"freed at {free}"
     return (
         f"{f.kind}: {f.graph.label} node {f.node} {short_kernel(f.kernel)} "
-        f"param {f.param}+{f.offset} -> {f.nbytes} B block at {f.block_address:#x}"
+        f"param {f.param}+{f.offset}{_via(f)} -> {f.nbytes} B block at {f.block_address:#x}"
         f" ({f.pool}), {what}{when(f.phase, f.step)}"
     )
+
+
+def _via(f: Finding) -> str:
+    return f" via table {f.through:#x}+{f.through_slot}" if f.through is not None else ""
 
 
 def short_kernel(name: str, limit: int = 60) -> str:
@@ -90,13 +94,22 @@ def _node_kernel(name: str) -> str:
 LONG_KERNEL = 160
 
 
+def _argument(f: Finding) -> str:
+    if f.through is None:
+        return f"  argument: param {f.param}, byte offset {f.offset} holds address {f.address:#x}"
+    return (
+        f"  argument (indirect): param {f.param}, byte offset {f.offset} points at the table "
+        f"{f.through:#x}, whose byte {f.through_slot} holds address {f.address:#x}"
+    )
+
+
 def format_finding(f: Finding) -> str:
     """A multi-line bug report for one finding."""
     rank = f"[rank {f.rank}] " if f.rank is not None else ""
     lines = [
         f"{rank}{f.kind.upper()}: {f.graph.describe()}",
         f"  node {f.node}: {_node_kernel(f.kernel)}",
-        f"  argument: param {f.param}, byte offset {f.offset} holds address {f.address:#x}",
+        _argument(f),
         f"  memory: block {f.block_address:#x} of {f.nbytes} bytes in the {f.pool}"
         + (f" (+{f.other_nodes} more node(s) of this graph use it)" if f.other_nodes else ""),
     ]
