@@ -65,6 +65,7 @@ def install(monkeypatch, kernel: str, stream: int) -> dict:
         lambda spans, stream: [state["memory"].get(a, bytes(n))[:n] for a, n in spans],
     )
     monkeypatch.setattr(driver, "is_mapped", lambda ptr: True)
+    monkeypatch.setattr(driver, "is_host", lambda ptr: False)
     monkeypatch.setattr(driver, "address_range", lambda ptr: None)
     monkeypatch.setattr(AllocatorWatch, "view", lambda self, device, sync=True: state["map"])
     monkeypatch.setattr(AllocatorWatch, "sync", lambda self: None)

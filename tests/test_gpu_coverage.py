@@ -10,9 +10,10 @@ from tests.gpu_programs import prefetch, run_program
 
 pytestmark = pytest.mark.gpu
 
-PROGRAMS = ["replay_order", "pointer_table", "internal_faults"]
+PROGRAMS = ["replay_order", "pointer_table", "internal_faults", "host_pinned"]
 TABLE_CASES = ("free", "rewrite", "ok")
 FAULTS = ("node", "view", "free")
+HOST_CASES = ("free", "refill")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -21,6 +22,7 @@ def _all_programs_side_by_side():
         [("replay_order", p, None) for p in ("off", "raise")]
         + [("pointer_table", "raise", {"TABLE_CASE": c}) for c in TABLE_CASES]
         + [("internal_faults", "raise", {"GRAPHSAN_FAULT": f}) for f in FAULTS]
+        + [("host_pinned", p, {"HOST_CASE": c}) for p in ("off", "raise") for c in HOST_CASES]
     )
 
 
@@ -73,3 +75,28 @@ def test_pointer_tables_and_index_tensors_raise_nothing_when_correct(case):
     assert rc == 0, log[-3000:]
     assert result["findings"] == [] and result["replay"] == "replayed", log[-3000:]
     assert result["correct"] and result["healthy"]
+
+
+def test_a_freed_pinned_batch_is_copied_from_the_next_batch_without_graphsan():
+    rc, result, log = run_program("host_pinned", "off", env={"HOST_CASE": "free"})
+    assert rc == 0, log[-3000:]
+    if not result["same_pages"]:
+        pytest.skip("the pinned-memory cache did not hand the pages to the next batch this time")
+    assert result["y"] == 14.0, "the replay copied the next batch (7 * 2)"
+
+
+def test_a_freed_pinned_batch_raises_before_launch():
+    rc, result, log = run_program("host_pinned", "raise", env={"HOST_CASE": "free"})
+    assert rc == 0, log[-3000:]
+    assert result["graph_counts"]["host"] == 1, result["graph_counts"]
+    assert result["replay"] == "raised" and result["healthy"], log[-3000:]
+    (f,) = result["findings"]
+    assert f["host"] and f["kind"] in ("freed", "reowned") and f["param"] == "src"
+    assert f["pool"] == "pinned host memory"
+    assert "prog_host_pinned.py" in f["text"]  # the pin_memory() and del sites
+
+
+def test_a_pinned_batch_refilled_in_place_replays_clean():
+    rc, result, log = run_program("host_pinned", "raise", env={"HOST_CASE": "refill"})
+    assert rc == 0, log[-3000:]
+    assert result["findings"] == [] and result["replay"] == "replayed" and result["y"] == 6.0

@@ -44,6 +44,7 @@ from graphsan.core.scan import (
 from graphsan.core.tracker import Tracker, pool_name
 from graphsan.cuda import hooks
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.host import HostWatch
 from graphsan.policies import POLICIES, Policy
 from graphsan.policies.pin import Pinner
 from graphsan.report import Report, StaleMemoryError, format_finding
@@ -101,6 +102,8 @@ class Sanitizer:
         self.table_budget = TABLE_BUDGET
         self.report_path: str | None = None
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
+        self.host = HostWatch(self.tracker, self.memory._free_event, self._internal_error)
+        self.tracker.host_owner = self.host.owner
         self.timeline = Timeline(self.rank)
         self.memory.timeline = self.timeline
         self.hooks = hooks.GraphHooks(self)
@@ -140,6 +143,7 @@ class Sanitizer:
         self.context.start()
         self.context.on_phase_change.append(self._phase_changed)
         self.memory.start()
+        self.host.start()
         self.hooks.install()
         if self.pinner is not None:
             self.pinner.attach()
@@ -153,6 +157,7 @@ class Sanitizer:
         if self.pinner is not None:
             self.pinner.detach()
         self.hooks.uninstall()
+        self.host.stop()
         self.memory.stop()
         with contextlib.suppress(ValueError):
             self.context.on_phase_change.remove(self._phase_changed)
@@ -239,7 +244,11 @@ class Sanitizer:
             refs += self._indirect(refs, view, pool)
             t2 = time.perf_counter()
             info = GraphInfo(gid, label, tuple(site), pool, device)
-            state = self.tracker.add_graph(info, refs, view)
+            copies = [r.address for r in refs if isinstance(r.param, str)]
+            outside = [a for a in copies if view.locate(a) is None and driver.is_host(a)]
+            if outside:  # pinned host memory: blocks not recorded at pin_memory() are looked up
+                self.host.find(outside)
+            state = self.tracker.add_graph(info, refs, view, host=self.host.locate)
             hooks.set_graph_state(graph, state)
             self._order(info, carved, refs, view)
             t3 = time.perf_counter()

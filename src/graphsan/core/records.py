@@ -16,6 +16,7 @@ DataPtr = int
 GraphId = int
 PoolId = tuple[int, int]
 DEFAULT_POOL: PoolId = (0, 0)
+HOST_POOL: PoolId = (-1, -1)  # pinned host memory (no allocator pool has a negative id)
 
 Frame = tuple[str, int, str]  # (filename, line, function)
 Stack = tuple[Frame, ...]  # outermost first, like a traceback
@@ -64,6 +65,14 @@ _CAUSES = {
     "separate pools)",
 }
 KINDS = tuple(k.value for k in Kind)
+# the causes of findings about pinned host memory (a graph's memcpy node reads or writes it)
+_HOST_CAUSES = {
+    Kind.FREED: "eager code dropped the last reference to pinned host memory a graph's memcpy "
+    "still reads or writes; PyTorch's pinned-memory cache hands those pages to the next "
+    "pin_memory() of a fitting size",
+    Kind.REOWNED: "the pinned host memory was freed and the pinned-memory cache handed it to "
+    "another tensor; the replay would copy that tensor's data (or overwrite it)",
+}
 
 
 def display_path(filename: str) -> str:
@@ -173,10 +182,11 @@ class ReferenceCounts:
     other: int = 0  # blocks of another graph's pool
     foreign: int = 0  # memory the caching allocator does not own
     temporary: int = 0  # free pool memory: the graph's own temporaries
+    host: int = 0  # pinned host memory of memcpy nodes
 
     @property
     def references(self) -> int:
-        return self.default + self.own + self.other + self.foreign + self.temporary
+        return self.default + self.own + self.other + self.foreign + self.temporary + self.host
 
 
 # ----------------------------------------------------------------------------- findings
@@ -232,6 +242,7 @@ class Finding:
     # a pointer table the node's argument (`param`, `offset`) points at
     through: int | None = None
     through_slot: int | None = None
+    host: bool = False  # the memory is pinned host memory (a memcpy node's source or target)
 
     def __post_init__(self) -> None:
         # callers may hand lists; the evidence is kept as tuples so nobody can change it
@@ -247,6 +258,8 @@ class Finding:
 
     @property
     def likely_cause(self) -> str:
+        if self.host and self.kind in _HOST_CAUSES:
+            return _HOST_CAUSES[self.kind]
         return self.kind.cause.format(op=self.free_op or "resize_/set_/.data=")
 
 
@@ -301,6 +314,7 @@ class GraphStats:
             "other": c.other,
             "foreign": c.foreign,
             "temporary": c.temporary,
+            "host": c.host,
             "analysis_ms": ms(sum(stages)),
             "analysis_ms_by_stage": dict(
                 zip(

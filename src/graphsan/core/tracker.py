@@ -25,11 +25,12 @@ import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from graphsan.core.memory_map import MemoryMap, Segment
+from graphsan.core.memory_map import Block, MemoryMap, Segment
 from graphsan.core.order import PoolOrder
 from graphsan.core.records import (
     DEFAULT_POOL,
     FREED_BEFORE_CAPTURE,
+    HOST_POOL,
     MOVE_OPS,
     DataPtr,
     Finding,
@@ -98,6 +99,8 @@ def _all_mapped(
 
 
 def pool_name(pool: PoolId, own: PoolId | None) -> str:
+    if pool == HOST_POOL:
+        return "pinned host memory"
     if pool == DEFAULT_POOL:
         return "default pool"
     if own is not None and pool == own:
@@ -115,27 +118,41 @@ class Tracker:
         self._freed_seg_keys: list[tuple[DataPtr, int]] = []  # sorted by start
         self._freed_seg_starts: list[DataPtr] = []
         self.free_seq = 0  # watched frees recorded so far (see judge's as_of)
+        # (start, end) -> the live pinned host block overlapping it (address, size, frames)
+        self.host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None
 
     # -- capture -----------------------------------------------------------------------------
     def add_graph(
-        self, info: GraphInfo, refs: Iterable[Reference], memmap: MemoryMap
+        self,
+        info: GraphInfo,
+        refs: Iterable[Reference],
+        memmap: MemoryMap,
+        host: Callable[[DataPtr], object | None] | None = None,
     ) -> GraphState:
-        """Register a freshly captured graph; returns its state (with capture statistics)."""
+        """Register a freshly captured graph; returns its state (with capture statistics).
+        `host(address)`: the live pinned host block (address, size, frames) holding a memcpy
+        node's address, if any."""
         by_block: dict[DataPtr, list[Reference]] = {}
         blocks: dict[DataPtr, WatchedBlock] = {}
-        counts = dict.fromkeys(("default", "own", "other", "foreign", "temporary"), 0)
+        counts = dict.fromkeys(("default", "own", "other", "foreign", "temporary", "host"), 0)
         stale_at_capture: list[WatchedBlock] = []
         for ref in refs:
             hit = memmap.locate(ref.address)
+            if hit is None and host is not None and isinstance(ref.param, str):
+                hb = host(ref.address)
+                if hb is not None:
+                    blk = Block(hb.address, hb.size, "active_allocated", list(hb.frames))
+                    hit = Segment(hb.address, hb.size, HOST_POOL, False, [blk]), blk
             if hit is None:
                 counts["foreign"] += 1
                 continue
             seg, blk = hit
-            cls = (
-                "default"
-                if seg.pool == DEFAULT_POOL
-                else ("own" if info.pool is not None and seg.pool == info.pool else "other")
-            )
+            if seg.pool == HOST_POOL:
+                cls = "host"
+            elif seg.pool == DEFAULT_POOL:
+                cls = "default"
+            else:
+                cls = "own" if info.pool is not None and seg.pool == info.pool else "other"
             if not blk.allocated and seg.pool != DEFAULT_POOL:
                 counts["temporary"] += 1  # pool memory the graph owns between replays
                 continue
@@ -321,6 +338,7 @@ class Tracker:
                     found_at=judged.found_at,
                     through=first.through,
                     through_slot=first.slot if first.through is not None else None,
+                    host=wb.pool == HOST_POOL,
                 )
             )
         return findings
@@ -344,6 +362,12 @@ class Tracker:
         release: Release | None = None,
     ) -> tuple[Kind | None, str]:
         end = wb.address + wb.size
+        if wb.pool == HOST_POOL:
+            owner = self.host_owner(wb.address, end) if self.host_owner is not None else None
+            if owner is not None:
+                where = _frame_line(list(owner.frames))
+                return Kind.REOWNED, f"part of a live {owner.size} B pinned block{where}"
+            return Kind.FREED, "back in PyTorch's pinned-memory cache; any pin_memory() may take it"
         # after empty_cache the range may have been handed out again, as several segments of
         # several pools: every one of them counts
         segs = memmap.segments_in(wb.address, end)
