@@ -32,7 +32,7 @@ def via(address=TABLE):
 # ----------------------------------------------------------------------------- the pure scan
 def test_a_table_names_live_blocks_and_nothing_else():
     memmap = fake_cuda.one_segment(LAYOUT)
-    data = words(BIG, 7, SMALL + 8, FREE_GAP, TABLE, 0) + b"\x01\x02\x03"
+    data = words(BIG, 7, SMALL + 8, FREE_GAP, TABLE, 0) + b"\x01\x02\x03"  # 4 of 5 in range
     refs = table_references(TABLE, data, via(), memmap)
     assert [(r.address, r.slot) for r in refs] == [(BIG, 0), (SMALL + 8, 16)]
     assert all(r.through == TABLE and (r.node, r.param, r.offset) == (0, 1, 0) for r in refs)
@@ -45,6 +45,15 @@ def test_index_tensors_and_other_integer_data_make_no_references():
     doubles = struct.pack("<64d", *(float(i) / 3 for i in range(64)))
     for data in (indices, offsets, doubles):
         assert table_references(TABLE, data, via(), memmap) == []
+
+
+def test_int32_token_ids_that_pair_into_an_address_do_not_make_a_table():
+    memmap = fake_cuda.one_segment(LAYOUT)
+    high, low = BIG >> 32, BIG & 0xFFFF_FFFF
+    ids = [5, 17, 900, 31, low, high, 42, 7, 1000, 3]  # one pair reads as BIG, little-endian
+    data = struct.pack(f"<{len(ids)}I", *ids)
+    assert words(BIG) in data
+    assert table_references(TABLE, data, via(), memmap) == []
 
 
 def test_table_candidates_are_small_allocated_blocks_outside_the_graphs_pool_within_budget():
@@ -63,7 +72,7 @@ def test_table_candidates_are_small_allocated_blocks_outside_the_graphs_pool_wit
 def env(monkeypatch):
     state = fake_cuda.install(monkeypatch, "void grouped(void**)", stream=1)
     state["map"] = fake_cuda.one_segment(LAYOUT)
-    state["memory"][TABLE] = words(BIG, 3, 5, 0)
+    state["memory"][TABLE] = words(BIG, SMALL + 64, 0, 0)
     state["cls"] = fake_cuda.graph_class(monkeypatch, (1, 3))
     state["nodes"] = [fake_cuda.kernel(0, 17, TABLE)]  # param 1 is the table's address
     return state
@@ -106,7 +115,7 @@ def test_a_freed_buffer_named_in_a_table_stops_the_replay_and_names_the_table(en
 
 def test_a_table_rewritten_before_the_free_raises_nothing(env, san):
     g = capture(env)
-    env["memory"][TABLE] = words(SMALL, 3, 5, 0)  # eager code pointed the table elsewhere
+    env["memory"][TABLE] = words(SMALL, SMALL + 64, 0, 0)  # eager code pointed it elsewhere
     assert free(san, BIG)
     env["map"] = fake_cuda.one_segment(LAYOUT[:2] + [(8192, "inactive")] + LAYOUT[3:])
     g.replay()

@@ -92,3 +92,15 @@ def test_warn_and_record_let_the_replay_go_on_and_the_report_round_trips(
     san.report().save(path)
     back = Report.load(path)
     assert back.findings == san.findings and back.findings[0].carved_by is not None
+
+
+def test_a_graph_alone_in_its_pool_pays_no_tick_until_the_pool_is_shared(env, uninstall):
+    san = sanitizer.Sanitizer("raise")
+    san.active = True
+    san.hooks.install()
+    uninstall.append(san)
+    g0 = capture(env, san, [fake_cuda.kernel(0, B, C)], [B, C])
+    s0 = g0.__dict__["_graphsan_state"]
+    assert s0.order is None and not s0.reads
+    g1 = capture(env, san, [fake_cuda.kernel(0, C)], [D])
+    assert s0.order is not None and g1.__dict__["_graphsan_state"].order is s0.order

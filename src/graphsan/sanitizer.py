@@ -344,11 +344,16 @@ class Sanitizer:
                 return  # nothing carved: no later graph of the pool can depend on this one
             order = self.orders[key] = PoolOrder()
         if in_pool:
-            self.tracker.graphs[info.id].order = order
+            order.carvers.add(info.id)
         for gid in order.add_graph(info.id, in_pool, refs):
             g = self.tracker.graphs.get(gid)
             if g is not None:
                 g.reads = True
+        if len(order.sequence) > 1:  # shared: from now on the carvers' replays are counted
+            for gid in order.carvers:
+                g = self.tracker.graphs.get(gid)
+                if g is not None:
+                    g.order = order
 
     def capture_failed(self, graph) -> None:
         """capture_end raised (an invalidated capture): no graph to watch."""

@@ -57,6 +57,7 @@ class PoolOrder:
     """One pool's capture sequence, its carves, its cross-graph reads and the replay clock."""
 
     sequence: list[GraphId] = field(default_factory=list)
+    carvers: set[GraphId] = field(default_factory=set)  # graphs that carved (the adapter's)
     # the latest carve of each address: non-overlapping, sorted by start
     _starts: list[DataPtr] = field(default_factory=list)
     _latest: list[Carve] = field(default_factory=list)

@@ -167,16 +167,23 @@ def table_candidates(
 
 def table_references(table: int, data: bytes, via: Reference, memmap: MemoryMap) -> list[Reference]:
     """The 8-byte-aligned words of a table's bytes that point into an allocated block of the
-    map, as references of the node argument `via` through the table. Index data and other
-    integers do not count: a value must fall inside a live block of the allocator, whose
-    addresses lie far above any count or offset."""
+    map, as references of the node argument `via` through the table.
+
+    Data is not a table: the block counts only when at least half of its non-zero words lie
+    in the allocator's address range (a pointer table holds pointers, maybe zero padding and a
+    few counts), and a value counts only inside a live block. An int64 index or offset never
+    reaches the address range; pairs of int32 token ids can (a high id equal to the top half of
+    a device address), but never for half of a tensor's words."""
     lo, hi = memmap.bounds()
     n = len(data) // 8
     if n == 0 or hi <= lo:
         return []
     words = np.frombuffer(data[: 8 * n], dtype="<u8")
+    inside = (words >= lo) & (words < hi)
+    if 2 * int(inside.sum()) < int(np.count_nonzero(words)):
+        return []
     out = []
-    for i in np.nonzero((words >= lo) & (words < hi))[0].tolist():
+    for i in np.nonzero(inside)[0].tolist():
         value = int(words[i])
         hit = memmap.locate(value)
         if hit is None or hit[1] is None or not hit[1].allocated or hit[1].address == table:
