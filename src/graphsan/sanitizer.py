@@ -394,7 +394,8 @@ class Sanitizer:
                 self.pinner.flush()
             info = state.info
             order = self.orders.get((info.device, info.pool)) if state.reads else None
-            findings = self._order_findings(state, order) if order is not None else []
+            hazards = order.hazards(info.id) if order is not None else ()
+            findings = self._order_findings(info, hazards) if hazards else []
             if state.dirty and not any(wb.freed is not None for wb in state.blocks.values()):
                 state.dirty = False  # nothing the graph uses was freed: nothing to judge
             judging = state.dirty
@@ -417,16 +418,12 @@ class Sanitizer:
         if findings:
             self._apply_policy(state, findings)
 
-    def _order_findings(self, state, order: PoolOrder) -> list[Finding]:
+    def _order_findings(self, info: GraphInfo, hazards: list[Conflict]) -> list[Finding]:
         """A replay-order finding per range the graph reads that another graph of the pool
         re-carved and replayed since the range's writer last did."""
-        info = state.info
         phase, step = self.context.current()
         now = time.time()
-        out = []
-        for c in order.hazards(info.id):
-            out.append(self._order_finding(info, c, phase, step, now))
-        return out
+        return [self._order_finding(info, c, phase, step, now) for c in hazards]
 
     def _order_finding(self, info: GraphInfo, c: Conflict, phase, step, now: float) -> Finding:
         graphs = self.tracker.graphs
