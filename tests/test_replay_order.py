@@ -50,6 +50,8 @@ def test_capture_order_and_restarts_are_clean():
 def test_pytorchs_out_of_order_sequence_is_caught_at_the_reader():
     o = three_successive()
     assert run(o, [0, 1, 2, 0, 2, 1]) == [1]
+    o.replayed(0)
+    o.replayed(2)
     (c,) = o.hazards(1)
     assert (c.reader, c.producer, c.carver) == (1, 0, 2)
     assert (c.start, c.end) == (BASE + SLOT, BASE + 2 * SLOT) and c.ref.address == ref(1).address
@@ -70,7 +72,7 @@ def test_temporaries_reused_by_every_graph_make_no_conflict():
     o = PoolOrder()
     for g in range(5):  # each graph carves and reads the same scratch slots
         assert o.add_graph(g, carve(0, 1), [ref(0), ref(1)]) == set()
-    assert o.conflicts == {}
+    assert o.reads == {} and o.writes == {}  # nothing to stamp, nothing to check
     assert run(o, [4, 2, 0, 3, 1]) == []
 
 
@@ -81,6 +83,26 @@ def test_an_earlier_carver_replayed_after_the_writer_is_a_hazard_too():
     assert o.add_graph(2, [], [ref(0)]) == {2}  # g2 reads g1's output
     assert run(o, [0, 1, 2]) == []
     assert run(o, [1, 0, 2]) == [2]
+
+
+def test_a_partial_overwrite_is_a_hazard():
+    o = PoolOrder()
+    o.add_graph(0, [(BASE, 2 * SLOT, None)], [])  # g0 writes two slots as one block
+    o.add_graph(1, [], [ref(0)])  # g1 reads it
+    assert o.add_graph(2, carve(1), []) == {1}  # g2 re-carves the second half only
+    assert run(o, [0, 2, 1]) == [1]
+
+
+def test_a_replay_pays_for_its_own_ranges_not_for_the_graphs_of_the_pool():
+    o = PoolOrder()
+    o.add_graph(0, carve(0), [])
+    o.add_graph(1, [], [ref(0)])
+    for g in range(2, 200):  # graphs with their own scratch, far from slot 0
+        o.add_graph(g, carve(10 + g), [ref(10 + g)])
+    assert 0 not in o.writes and len(o.reads[1]) == 1  # only g0 writes slot 0: no stamps
+    assert all(g not in o.writes for g in range(2, 200))
+    o.add_graph(200, carve(0), [])  # a second writer: now both stamp it
+    assert len(o.writes[0]) == 1 and len(o.writes[200]) == 1
 
 
 def test_a_forgotten_reader_is_never_checked():

@@ -104,3 +104,18 @@ def test_a_graph_alone_in_its_pool_pays_no_tick_until_the_pool_is_shared(env, un
     assert s0.order is None and not s0.reads
     g1 = capture(env, san, [fake_cuda.kernel(0, C)], [D])
     assert s0.order is not None and g1.__dict__["_graphsan_state"].order is s0.order
+
+
+def test_replay_order_can_be_turned_off(env, uninstall):
+    san = sanitizer.Sanitizer("raise")
+    san.replay_order = False
+    san.active = True
+    san.hooks.install()
+    uninstall.append(san)
+    k = fake_cuda.kernel
+    g0 = capture(env, san, [k(0, B, C, D)], [B, C, D])
+    g1 = capture(env, san, [k(0, C, E)], [E])
+    g2 = capture(env, san, [k(0, D), k(1, C)], [C])
+    for g in (g0, g2, g1):
+        g.replay()
+    assert san.orders == {} and san.findings == []

@@ -100,6 +100,8 @@ class Sanitizer:
         # bytes per graph (0 turns the reading off)
         self.table_block = TABLE_BLOCK
         self.table_budget = TABLE_BUDGET
+        # follow the replay order of graphs sharing a pool (graphs captured from now on)
+        self.replay_order = True
         self.report_path: str | None = None
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
         self.host = HostWatch(self.tracker, self.memory._free_event, self._internal_error)
@@ -332,6 +334,8 @@ class Sanitizer:
     def _order(self, info: GraphInfo, carved: list, refs: list, view) -> None:
         """Add the capture to its pool's replay order (`graphsan.core.order`): what it carved
         in its own pool, what it reads there; graphs a new conflict involves count replays."""
+        if not self.replay_order:
+            return
         in_pool = []
         for addr, size, site in carved:
             seg = view.segment_at(addr)

@@ -8,16 +8,16 @@ as they replay in capture order. The model, per pool:
 - a reference of gi into a range that gp carved last before gi's capture ended (p < i) is a
   *read* of gp's output: gp is the range's producer for gi (a graph's own carves are its own
   business);
-- every other graph gk that carved the range, before gp (k < p) or after gi (k > i), is a
-  *conflict* (reader gi, range, producer gp, carver gk): each replay of gk overwrites it;
-- replaying gi is the hazard when gk has replayed since gp last did: gi would read gk's data. In
-  capture order, and when a sequence restarts at g0, the producer always ran after the carver.
+- the range is *watched* once read: its writers are the producer and every other graph gk that
+  carved memory overlapping it (before gp, k < p, or after gi, k > i, when gk is captured);
+- a replay of a writer stamps the range as its own; replaying gi is the hazard when the stamp
+  is not gp's: gk ran after gp last did, and gi would read gk's data. In capture order, and
+  when a sequence restarts at g0, the producer always runs after the other writers.
 
-The replays of every graph that carved something in its pool are counted (one clock tick); a
-graph that reads another graph's range is checked at each replay, one comparison per (producer,
-carver) pair it depends on. A reference counts as a read: the model cannot tell a kernel's reads
-from its writes, so a graph that only overwrites another graph's output is judged like one that
-reads it.
+A replay costs a clock tick and a stamp per watched range the graph writes; a reader is checked
+per range it reads: the graph's own footprint, never the number of graphs. A reference counts
+as a read: the model cannot tell a kernel's reads from its writes, so a graph that only
+overwrites another graph's output is judged like one that reads it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Carve:
 
 @dataclass(frozen=True)
 class Conflict:
-    """Reader `reader` uses [start, end), written by `producer`, later re-carved by `carver`."""
+    """Reader `reader` uses [start, end), written by `producer`, overwritten by `carver`."""
 
     reader: GraphId
     start: DataPtr
@@ -52,26 +52,39 @@ class Conflict:
     site: object = None  # the producer's allocation stack of the range
 
 
+@dataclass(eq=False)
+class Watched:
+    """A range one graph writes and others read: which graph wrote it last (`owner`)."""
+
+    start: DataPtr
+    end: DataPtr
+    producer: GraphId
+    site: object
+    writers: set[GraphId]  # the producer and every other graph that carved the range
+    readers: set[GraphId] = field(default_factory=set)
+    owner: GraphId | None = None  # None: no writer replayed since the range was watched
+
+
 @dataclass
 class PoolOrder:
-    """One pool's capture sequence, its carves, its cross-graph reads and the replay clock."""
+    """One pool's capture sequence, its carves, the ranges read across graphs and who wrote
+    each last. A replay of a graph stamps the ranges it writes; a reader checks its ranges."""
 
     sequence: list[GraphId] = field(default_factory=list)
     carvers: set[GraphId] = field(default_factory=set)  # graphs that carved (the adapter's)
     # the latest carve of each address: non-overlapping, sorted by start
     _starts: list[DataPtr] = field(default_factory=list)
     _latest: list[Carve] = field(default_factory=list)
-    # every carve ever made: (start, end, n, carve), sorted by start (n, a running count, keeps
-    # the comparison away from the carves); reads alike: (start, end, n, reader, producer, ref,
-    # site)
-    _history: list[tuple] = field(default_factory=list)
-    _reads: list[tuple] = field(default_factory=list)
+    # every range ever carved (distinct (start, end), sorted) -> the graphs that carved it
+    _ranges: list[tuple[DataPtr, DataPtr]] = field(default_factory=list)
+    _carved_by: dict[tuple[DataPtr, DataPtr], set[GraphId]] = field(default_factory=dict)
+    # the watched ranges, sorted: (start, end, n, Watched) (n keeps comparisons off Watched)
+    _watched: list[tuple] = field(default_factory=list)
+    _watched_by_key: dict[tuple, Watched] = field(default_factory=dict)
     _longest: int = 0
     _count: int = 0
-    # reader -> (producer, carver) -> the conflicts of that pair
-    conflicts: dict[GraphId, dict[tuple[GraphId, GraphId], list[Conflict]]] = field(
-        default_factory=dict
-    )
+    reads: dict[GraphId, list[tuple[Watched, Reference]]] = field(default_factory=dict)
+    writes: dict[GraphId, list[Watched]] = field(default_factory=dict)
     clock: int = 0
     last: dict[GraphId, int] = field(default_factory=dict)  # graph -> clock of its last replay
 
@@ -83,22 +96,30 @@ class PoolOrder:
         refs: list[Reference],
     ) -> set[GraphId]:
         """Register capture `gid`: the ranges it carved ((address, size, site)) and its
-        references. Returns the readers that got a new conflict."""
+        references. Returns the readers that a range they read can now be overwritten for."""
         self.sequence.append(gid)
         readers: set[GraphId] = set()
         carves = sorted(
             (Carve(a, a + n, gid, s) for a, n, s in carved if n > 0), key=lambda c: c.start
         )
-        for c in carves:  # a later carver of what earlier graphs read
-            for r in self._overlapping(self._reads, c.start, c.end):
-                _, _, _, reader, producer, ref, site = r
-                if reader != gid and producer != gid:
-                    self._conflict(Conflict(reader, r[0], r[1], producer, gid, ref, site))
-                    readers.add(reader)
+        for c in carves:  # a later carver of ranges earlier graphs read
+            for w in self._overlapping(self._watched, c.start, c.end):
+                w = w[3]
+                if gid not in w.writers:
+                    if len(w.writers) == 1:  # the producer's replays start to matter
+                        self.writes.setdefault(w.producer, []).append(w)
+                        if self.last.get(w.producer, 0):
+                            w.owner = w.producer
+                    w.writers.add(gid)
+                    self.writes.setdefault(gid, []).append(w)
+                    readers |= w.readers
         for c in carves:
-            self._count += 1
-            bisect.insort(self._history, (c.start, c.end, self._count, c))
-            self._longest = max(self._longest, c.end - c.start)
+            key = (c.start, c.end)
+            if key not in self._carved_by:
+                self._carved_by[key] = set()
+                bisect.insort(self._ranges, key)
+                self._longest = max(self._longest, c.end - c.start)
+            self._carved_by[key].add(gid)
             self._carve(c)
         seen: set[tuple[DataPtr, DataPtr]] = set()
         for ref in sorted(refs, key=lambda r: r.node):  # this graph's reads
@@ -106,27 +127,43 @@ class PoolOrder:
             if p is None or p.graph == gid or (p.start, p.end) in seen:
                 continue
             seen.add((p.start, p.end))
-            self._count += 1
-            bisect.insort(self._reads, (p.start, p.end, self._count, gid, p.graph, ref, p.site))
-            for h in self._overlapping(self._history, p.start, p.end):  # earlier carvers
-                carver = h[3].graph
-                if carver not in (p.graph, gid):
-                    self._conflict(Conflict(gid, p.start, p.end, p.graph, carver, ref, p.site))
-                    readers.add(gid)
+            w = self._watch(p)
+            w.readers.add(gid)
+            self.reads.setdefault(gid, []).append((w, ref))
+            if len(w.writers) > 1:
+                readers.add(gid)
         return readers
 
-    def _overlapping(self, items: list[tuple], start: DataPtr, end: DataPtr):
-        lo = bisect.bisect_left(items, (start - self._longest,))
-        for item in items[lo:]:
-            if item[0] >= end:
-                break
-            if item[1] > start:
-                yield item
+    def _watch(self, p: Carve) -> Watched:
+        """The watched range of carve piece `p`, made on first read: its writers are the
+        producer and every graph that ever carved memory overlapping it."""
+        key = (p.start, p.end, p.graph)
+        w = self._watched_by_key.get(key)
+        if w is not None:
+            return w
+        writers = {p.graph}
+        for start, end in self._overlapping(self._ranges, p.start, p.end):
+            writers |= self._carved_by[(start, end)]
+        w = Watched(p.start, p.end, p.graph, p.site, writers)
+        ran = [g for g in writers if self.last.get(g, 0)]
+        if ran:  # the writer that replayed last holds the range now
+            w.owner = max(ran, key=lambda g: self.last[g])
+        if len(writers) > 1:  # a range only its producer writes needs no stamps
+            for g in writers:
+                self.writes.setdefault(g, []).append(w)
+        self._watched_by_key[key] = w
+        self._count += 1
+        bisect.insort(self._watched, (p.start, p.end, self._count, w))
+        return w
 
-    def _conflict(self, c: Conflict) -> None:
-        pair = self.conflicts.setdefault(c.reader, {}).setdefault((c.producer, c.carver), [])
-        if not any(x.start == c.start for x in pair):
-            pair.append(c)
+    def _overlapping(self, items: list[tuple], start: DataPtr, end: DataPtr):
+        """The items (start, end, ...) of a start-sorted list that overlap [start, end)."""
+        i = bisect.bisect_left(items, (start - self._longest,))
+        n = len(items)
+        while i < n and items[i][0] < end:
+            if items[i][1] > start:
+                yield items[i]
+            i += 1
 
     def _carve_at(self, addr: DataPtr) -> Carve | None:
         i = bisect.bisect_right(self._starts, addr) - 1
@@ -153,21 +190,22 @@ class PoolOrder:
         self._starts[lo:hi] = [c.start for c in keep]
 
     def forget(self, gid: GraphId) -> None:
-        """The graph is gone: it reads nothing any more. (Its carves and replays still count:
-        what it wrote stays written.)"""
-        self.conflicts.pop(gid, None)
-        self._reads = [r for r in self._reads if r[3] != gid]
+        """The graph is gone: it reads nothing any more. (What it wrote stays written.)"""
+        for w, _ in self.reads.pop(gid, ()):
+            w.readers.discard(gid)
 
     # -- replay -------------------------------------------------------------------------------
     def hazards(self, gid: GraphId) -> list[Conflict]:
-        """The conflicts a replay of `gid` now would hit: the carver ran after the producer."""
+        """The ranges a replay of `gid` now would read from the wrong writer."""
         out = []
-        last = self.last
-        for (producer, carver), pair in self.conflicts.get(gid, {}).items():
-            if last.get(carver, 0) > last.get(producer, 0):
-                out += pair
+        for w, ref in self.reads.get(gid, ()):
+            if w.owner is not None and w.owner != w.producer:
+                out.append(Conflict(gid, w.start, w.end, w.producer, w.owner, ref, w.site))
         return out
 
     def replayed(self, gid: GraphId) -> None:
+        """`gid` ran: it wrote every watched range it carves."""
         self.clock += 1
         self.last[gid] = self.clock
+        for w in self.writes.get(gid, ()):
+            w.owner = gid

@@ -4,8 +4,8 @@
 Transformer Engine and Megatron all capture through this class, so wrapping its methods sees
 graphs captured by code we do not control. The wrappers only route calls to a `Listener`; they
 never change what the original methods do. When nothing is pending, the replay wrapper costs two
-attribute checks, and a clock tick for a graph that carved memory in its pool (the pool's replay
-order, `graphsan.core.order`).
+attribute checks, and for a graph that carved memory in a shared pool a clock tick and a stamp
+per range it writes that another graph reads (the pool's replay order, `graphsan.core.order`).
 """
 
 from __future__ import annotations
