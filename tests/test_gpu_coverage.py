@@ -10,7 +10,7 @@ from tests.gpu_programs import prefetch, run_program
 
 pytestmark = pytest.mark.gpu
 
-PROGRAMS = ["replay_order", "pointer_table", "internal_faults", "host_pinned"]
+PROGRAMS = ["replay_order", "pointer_table", "internal_faults", "host_pinned", "shared_pool_ok"]
 TABLE_CASES = ("free", "rewrite", "ok")
 FAULTS = ("node", "view", "free")
 HOST_CASES = ("free", "refill")
@@ -23,6 +23,7 @@ def _all_programs_side_by_side():
         + [("pointer_table", "raise", {"TABLE_CASE": c}) for c in TABLE_CASES]
         + [("internal_faults", "raise", {"GRAPHSAN_FAULT": f}) for f in FAULTS]
         + [("host_pinned", p, {"HOST_CASE": c}) for p in ("off", "raise") for c in HOST_CASES]
+        + [("shared_pool_ok", "raise", None)]
     )
 
 
@@ -100,3 +101,11 @@ def test_a_pinned_batch_refilled_in_place_replays_clean():
     rc, result, log = run_program("host_pinned", "raise", env={"HOST_CASE": "refill"})
     assert rc == 0, log[-3000:]
     assert result["findings"] == [] and result["replay"] == "replayed" and result["y"] == 6.0
+
+
+def test_many_graphs_in_one_pool_trained_in_order_raise_nothing():
+    rc, result, log = run_program("shared_pool_ok", "raise")
+    assert rc == 0, log[-3000:]
+    assert result["findings"] == [], [f["text"] for f in result["findings"]][:2]
+    assert result["losses_finite"] and result["loss_went_down"] and result["healthy"]
+    assert result["shared_pools"] == 1, "the 16 graphs share one pool and are followed"
