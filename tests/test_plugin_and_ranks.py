@@ -99,7 +99,7 @@ def test_report_round_trip_and_version_check(tmp_path):
     back = Report.load(str(path))
     assert back.findings == rep.findings and back.rank == 0
     data = json.loads(path.read_text())
-    assert data["version"] == 3
+    assert data["version"] == 4
     v1 = dict(data, version=1, findings=[dict(data["findings"][0])])
     del v1["findings"][0]["also_used_by"]  # written before version 2 added it
     path.write_text(json.dumps(v1))

@@ -203,7 +203,7 @@ def test_report_v3_round_trips_and_v2_still_loads(tmp_path):
     back = Report.load(save(tmp_path, rep, "r.json"))
     assert back.findings == rep.findings and back.events == rep.events
     data = json.loads((tmp_path / "r.json").read_text())
-    assert data["version"] == 3
+    assert data["version"] == 4
     for f in data["findings"]:
         del f["freed_at"], f["found_at"]
     del data["events"], data["events_dropped"]

@@ -32,11 +32,19 @@ import weakref
 import torch
 
 from graphsan.context import Context, python_stack
-from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
-from graphsan.core.scan import references
-from graphsan.core.tracker import Tracker
+from graphsan.core.order import Conflict, PoolOrder
+from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged, Kind
+from graphsan.core.scan import (
+    TABLE_BLOCK,
+    TABLE_BUDGET,
+    references,
+    table_candidates,
+    table_references,
+)
+from graphsan.core.tracker import Tracker, pool_name
 from graphsan.cuda import hooks
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.host import HostWatch
 from graphsan.policies import POLICIES, Policy
 from graphsan.policies.pin import Pinner
 from graphsan.report import Report, StaleMemoryError, format_finding
@@ -83,11 +91,21 @@ class Sanitizer:
         self.tracker = Tracker()
         self.findings: list[Finding] = []
         self.graph_stats: dict[int, GraphStats] = {}  # by graph id, in capture order
+        self.orders: dict[tuple, PoolOrder] = {}  # (device, pool) -> the pool's replay order
         self.rank = rank_from_env()
         self.active = False
         self.disabled_reason: str | None = None
+        self._failed = False  # an internal error disabled it
+        # pointer tables read at capture end: blocks up to table_block bytes, table_budget
+        # bytes per graph (0 turns the reading off)
+        self.table_block = TABLE_BLOCK
+        self.table_budget = TABLE_BUDGET
+        # follow the replay order of graphs sharing a pool (graphs captured from now on)
+        self.replay_order = True
         self.report_path: str | None = None
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
+        self.host = HostWatch(self.tracker, self.memory._free_event, self._internal_error)
+        self.tracker.host_owner = self.host.owner
         self.timeline = Timeline(self.rank)
         self.memory.timeline = self.timeline
         self.hooks = hooks.GraphHooks(self)
@@ -127,6 +145,7 @@ class Sanitizer:
         self.context.start()
         self.context.on_phase_change.append(self._phase_changed)
         self.memory.start()
+        self.host.start()
         self.hooks.install()
         if self.pinner is not None:
             self.pinner.attach()
@@ -140,6 +159,7 @@ class Sanitizer:
         if self.pinner is not None:
             self.pinner.detach()
         self.hooks.uninstall()
+        self.host.stop()
         self.memory.stop()
         with contextlib.suppress(ValueError):
             self.context.on_phase_change.remove(self._phase_changed)
@@ -209,7 +229,7 @@ class Sanitizer:
         try:
             pool = tuple(int(x) for x in graph.pool())
             t0 = time.perf_counter()
-            self.memory.capture_ended(tag, pool)
+            carved = self.memory.capture_ended(tag, pool)
         except Exception as err:
             self._internal_error(err)
             return
@@ -223,10 +243,16 @@ class Sanitizer:
             view = self.memory.view(device, sync=False)
             t1 = time.perf_counter()
             refs = references(nodes, view, foreign=lambda v: driver.address_range(v) is not None)
+            refs += self._indirect(refs, view, pool)
             t2 = time.perf_counter()
             info = GraphInfo(gid, label, tuple(site), pool, device)
-            state = self.tracker.add_graph(info, refs, view)
+            copies = [r.address for r in refs if isinstance(r.param, str)]
+            outside = [a for a in copies if view.locate(a) is None and driver.is_host(a)]
+            if outside:  # pinned host memory: blocks not recorded at pin_memory() are looked up
+                self.host.find(outside)
+            state = self.tracker.add_graph(info, refs, view, host=self.host.locate)
             hooks.set_graph_state(graph, state)
+            self._order(info, carved, refs, view)
             t3 = time.perf_counter()
             self.graph_stats[gid] = GraphStats(
                 gid,
@@ -248,6 +274,91 @@ class Sanitizer:
         except Exception as err:
             self._internal_error(err)
 
+    def _indirect(self, refs: list, view, pool) -> list:
+        """References read from the small buffers the kernel arguments point at (pointer
+        tables), after the capture ended: see `core.scan.table_candidates`."""
+        if self.table_budget <= 0:
+            return []
+        tables = table_candidates(refs, view, pool, self.table_block, self.table_budget)
+        contents = self._read_tables([(addr, size) for addr, size, _ in tables])
+        out = []
+        for (addr, _, via), data in zip(tables, contents, strict=True):
+            out += table_references(addr, data, via, view)
+        return out
+
+    def _read_tables(self, spans: list[tuple[int, int]]) -> list[bytes]:
+        """The tables' bytes, or empty ones where they cannot be read now (a capture running on
+        this stream, a driver error): an unread table hides what it names, nothing more."""
+        if not spans or torch.cuda.is_current_stream_capturing():
+            return [b""] * len(spans)
+        from graphsan.cuda import driver
+
+        try:
+            return driver.read_device(spans, torch.cuda.current_stream().cuda_stream)
+        except driver.DriverError:
+            return [b""] * len(spans)
+
+    def _reread_tables(self, state) -> None:
+        """Before judging: the tables that named a freed block are read again, and a reference
+        the table no longer holds (it was rewritten) is dropped."""
+        stale = {}  # freed block -> its indirect references
+        for addr, wb in state.blocks.items():
+            if wb.freed is not None:
+                refs = state.refs.get(addr, ())
+                if any(r.through is not None for r in refs):
+                    stale[addr] = refs
+        if not stale:
+            return
+        tables = sorted(
+            {
+                r.through
+                for refs in stale.values()
+                for r in refs
+                if r.through is not None
+                and r.through in state.blocks
+                and state.blocks[r.through].freed is None  # a freed table is a finding itself
+            }
+        )
+        spans = [(t, state.blocks[t].size) for t in tables]
+        words = {}
+        for t, data in zip(tables, self._read_tables(spans), strict=True):
+            if data:
+                words[t] = {
+                    int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data) - 7, 8)
+                }
+        for addr, refs in stale.items():
+            keep = [r for r in refs if r.through not in words or r.address in words[r.through]]
+            if len(keep) != len(refs):
+                self.tracker.retain(state.info.id, addr, keep)
+
+    def _order(self, info: GraphInfo, carved: list, refs: list, view) -> None:
+        """Add the capture to its pool's replay order (`graphsan.core.order`): what it carved
+        in its own pool, what it reads there; graphs a new conflict involves count replays."""
+        if not self.replay_order:
+            return
+        in_pool = []
+        for addr, size, site in carved:
+            seg = view.segment_at(addr)
+            if seg is not None and seg.pool == info.pool:
+                in_pool.append((addr, size, site))
+        key = (info.device, info.pool)
+        order = self.orders.get(key)
+        if order is None:
+            if not in_pool:
+                return  # nothing carved: no later graph of the pool can depend on this one
+            order = self.orders[key] = PoolOrder()
+        if in_pool:
+            order.carvers.add(info.id)
+        for gid in order.add_graph(info.id, in_pool, refs):
+            g = self.tracker.graphs.get(gid)
+            if g is not None:
+                g.reads = True
+        if len(order.sequence) > 1:  # shared: from now on the carvers' replays are counted
+            for gid in order.carvers:
+                g = self.tracker.graphs.get(gid)
+                if g is not None:
+                    g.order = order
+
     def capture_failed(self, graph) -> None:
         """capture_end raised (an invalidated capture): no graph to watch."""
         self.memory.capture_pool = None
@@ -266,6 +377,10 @@ class Sanitizer:
 
     def _forget(self, gid: int) -> None:
         try:
+            g = self.tracker.graphs.get(gid)
+            order = self.orders.get((g.info.device, g.info.pool)) if g is not None else None
+            if order is not None:
+                order.forget(gid)
             self.tracker.forget(gid)
             if self.pinner is not None:
                 self.pinner.release(gid)
@@ -281,24 +396,69 @@ class Sanitizer:
 
             if self.pinner is not None:
                 self.pinner.flush()
-            if not any(wb.freed is not None for wb in state.blocks.values()):
-                state.dirty = False  # nothing the graph uses was freed: nothing to judge
-                return
-            as_of = self.tracker.free_seq  # frees after this are not in the view yet
-            view = self.memory.view(state.info.device)
-            judged = Judged(self.rank, time.time(), self.memory.last_release)
             info = state.info
-            findings = self.tracker.judge(info.id, view, driver.is_mapped, as_of, judged)
-            self.graph_stats[info.id].replays_judged += 1
-            stop = bool(findings) and self.policy.stops_replay
-            self.timeline.replay(
-                info.id, info.label, info.device, _stream(), len(findings), stop, judged.found_at
-            )
+            order = self.orders.get((info.device, info.pool)) if state.reads else None
+            hazards = order.hazards(info.id) if order is not None else ()
+            findings = self._order_findings(info, hazards) if hazards else []
+            if state.dirty and not any(wb.freed is not None for wb in state.blocks.values()):
+                state.dirty = False  # nothing the graph uses was freed: nothing to judge
+            judging = state.dirty
+            if judging:
+                self._reread_tables(state)
+                as_of = self.tracker.free_seq  # frees after this are not in the view yet
+                view = self.memory.view(info.device)
+                judged = Judged(self.rank, time.time(), self.memory.last_release)
+                findings += self.tracker.judge(info.id, view, driver.is_mapped, as_of, judged)
+                self.graph_stats[info.id].replays_judged += 1
+            if findings or judging:
+                stop = bool(findings) and self.policy.stops_replay
+                found_at = findings[0].found_at if findings else time.time()
+                self.timeline.replay(
+                    info.id, info.label, info.device, _stream(), len(findings), stop, found_at
+                )
         except Exception as err:
             self._internal_error(err)
             return
         if findings:
             self._apply_policy(state, findings)
+
+    def _order_findings(self, info: GraphInfo, hazards: list[Conflict]) -> list[Finding]:
+        """A replay-order finding per range the graph reads that another graph of the pool
+        re-carved and replayed since the range's writer last did."""
+        phase, step = self.context.current()
+        now = time.time()
+        return [self._order_finding(info, c, phase, step, now) for c in hazards]
+
+    def _order_finding(self, info: GraphInfo, c: Conflict, phase, step, now: float) -> Finding:
+        graphs = self.tracker.graphs
+
+        def who(gid: int) -> str:
+            g = graphs.get(gid)
+            return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
+
+        return Finding(
+            kind=Kind.REPLAY_ORDER,
+            graph=info,
+            node=c.ref.node,
+            kernel=c.ref.kernel,
+            param=c.ref.param,
+            offset=c.ref.offset,
+            address=c.ref.address,
+            nbytes=c.end - c.start,
+            block_address=c.start,
+            pool=pool_name(info.pool, info.pool),
+            alloc_stack=tuple(self.memory.site_frames(c.site)),
+            phase=phase,
+            step=step,
+            now=(
+                f"written by {who(c.producer)}; {who(c.carver)} also carved it in this pool "
+                f"and has replayed since the writer last did: the range holds its data"
+            ),
+            rank=self.rank,
+            found_at=now,
+            written_by=c.producer,
+            carved_by=c.carver,
+        )
 
     def _apply_policy(self, state, findings: list[Finding]) -> None:
         new = []
@@ -327,6 +487,9 @@ class Sanitizer:
         sys.stderr.write(f"{prefix}graphsan: {text}\n")
 
     def _internal_error(self, err: BaseException) -> None:
+        if self._failed:
+            return  # one warning: later errors (other threads, callbacks in flight) stay quiet
+        self._failed = True
         where = "".join(traceback.format_exception_only(type(err), err)).strip()
         tb = traceback.extract_tb(err.__traceback__)
         site = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""

@@ -16,6 +16,7 @@ DataPtr = int
 GraphId = int
 PoolId = tuple[int, int]
 DEFAULT_POOL: PoolId = (0, 0)
+HOST_POOL: PoolId = (-1, -1)  # pinned host memory (no allocator pool has a negative id)
 
 Frame = tuple[str, int, str]  # (filename, line, function)
 Stack = tuple[Frame, ...]  # outermost first, like a traceback
@@ -34,6 +35,7 @@ class Kind(str, Enum):
     MOVED = "moved"
     UNMAPPED = "unmapped"
     POOL_REUSE = "pool-reuse"
+    REPLAY_ORDER = "replay-order"
 
     # print as the bare value, like the strings these replace
     __str__ = str.__str__
@@ -57,8 +59,20 @@ _CAUSES = {
     "access'",
     Kind.POOL_REUSE: "a later capture re-carved memory of a shared graph pool that this graph "
     "still uses; the graphs now overwrite each other's data",
+    Kind.REPLAY_ORDER: "graphs sharing a memory pool replayed out of capture order: another "
+    "graph of the pool carved memory this graph reads and ran after the graph that writes it; "
+    "the replay would read the later graph's data (replay the writer first, or give the graphs "
+    "separate pools)",
 }
 KINDS = tuple(k.value for k in Kind)
+# the causes of findings about pinned host memory (a graph's memcpy node reads or writes it)
+_HOST_CAUSES = {
+    Kind.FREED: "eager code dropped the last reference to pinned host memory a graph's memcpy "
+    "still reads or writes; PyTorch's pinned-memory cache hands those pages to the next "
+    "pin_memory() of a fitting size",
+    Kind.REOWNED: "the pinned host memory was freed and the pinned-memory cache handed it to "
+    "another tensor; the replay would copy that tensor's data (or overwrite it)",
+}
 
 
 def display_path(filename: str) -> str:
@@ -105,13 +119,17 @@ class WalkStats:
 
 
 class Reference(NamedTuple):
-    """One device address found in one node's arguments (a tuple: graphs hold many)."""
+    """One device address found in one node's arguments (a tuple: graphs hold many). An
+    indirect reference was read from a small device buffer (a pointer table) that the node's
+    argument points at: `through` is that buffer's block, `slot` the byte offset inside it."""
 
     node: int
     kernel: str  # demangled kernel name, or "memcpy" / "memset"
     param: int | str
     offset: int
     address: DataPtr
+    through: DataPtr | None = None
+    slot: int = 0
 
 
 # ----------------------------------------------------------------------------- graphs and frees
@@ -164,10 +182,11 @@ class ReferenceCounts:
     other: int = 0  # blocks of another graph's pool
     foreign: int = 0  # memory the caching allocator does not own
     temporary: int = 0  # free pool memory: the graph's own temporaries
+    host: int = 0  # pinned host memory of memcpy nodes
 
     @property
     def references(self) -> int:
-        return self.default + self.own + self.other + self.foreign + self.temporary
+        return self.default + self.own + self.other + self.foreign + self.temporary + self.host
 
 
 # ----------------------------------------------------------------------------- findings
@@ -215,6 +234,15 @@ class Finding:
     # time.time() of the watched free, and of the replay that was judged and found this
     freed_at: float | None = None
     found_at: float | None = None
+    # replay-order findings: the graph that last wrote the range for this one, and the graph
+    # captured later that re-carved it and has replayed since
+    written_by: int | None = None
+    carved_by: int | None = None
+    # an indirect reference: `address` sits at byte `through_slot` of the block at `through`,
+    # a pointer table the node's argument (`param`, `offset`) points at
+    through: int | None = None
+    through_slot: int | None = None
+    host: bool = False  # the memory is pinned host memory (a memcpy node's source or target)
 
     def __post_init__(self) -> None:
         # callers may hand lists; the evidence is kept as tuples so nobody can change it
@@ -230,6 +258,8 @@ class Finding:
 
     @property
     def likely_cause(self) -> str:
+        if self.host and self.kind in _HOST_CAUSES:
+            return _HOST_CAUSES[self.kind]
         return self.kind.cause.format(op=self.free_op or "resize_/set_/.data=")
 
 
@@ -284,6 +314,7 @@ class GraphStats:
             "other": c.other,
             "foreign": c.foreign,
             "temporary": c.temporary,
+            "host": c.host,
             "analysis_ms": ms(sum(stages)),
             "analysis_ms_by_stage": dict(
                 zip(

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from graphsan.core.memory_map import MemoryMap
-from graphsan.core.records import CopyArgs, KernelArgs, Reference
+from graphsan.core.records import CopyArgs, KernelArgs, PoolId, Reference
 
 
 def scan_words(buf: bytes, lo: int, hi: int, unaligned: bool = True) -> list[tuple[int, int]]:
@@ -126,3 +126,67 @@ def _param_of(offsets: list[int], off: int) -> tuple[int, int]:
         return 0, off
     i = max(bisect.bisect_right(offsets, off) - 1, 0)
     return i, off - offsets[i]
+
+
+# What capture end reads of the device buffers kernel arguments point at (pointer tables):
+# blocks up to TABLE_BLOCK bytes, TABLE_BUDGET bytes per graph in all.
+TABLE_BLOCK = 4 << 10
+TABLE_BUDGET = 64 << 10
+
+
+def table_candidates(
+    refs: Iterable[Reference],
+    memmap: MemoryMap,
+    own_pool: PoolId | None,
+    max_block: int = TABLE_BLOCK,
+    budget: int = TABLE_BUDGET,
+) -> list[tuple[int, int, Reference]]:
+    """(block address, size, first reference) of the small allocated blocks the graph's kernel
+    arguments point at, within `budget` bytes, first referenced first. Blocks of the graph's
+    own pool are left out: their content is written by the graph's first replay, so at capture
+    end it is whatever the memory held before."""
+    out: list[tuple[int, int, Reference]] = []
+    seen: set[int] = set()
+    spent = 0
+    for r in sorted(refs, key=lambda r: r.node):
+        if r.through is not None or not isinstance(r.param, int):
+            continue  # memcpy/memset sides, and addresses already read from a table
+        hit = memmap.locate(r.address)
+        if hit is None or hit[1] is None or not hit[1].allocated:
+            continue
+        seg, blk = hit
+        if blk.address in seen or blk.size > max_block or (own_pool and seg.pool == own_pool):
+            continue
+        seen.add(blk.address)
+        if spent + blk.size > budget:
+            continue
+        spent += blk.size
+        out.append((blk.address, blk.size, r))
+    return out
+
+
+def table_references(table: int, data: bytes, via: Reference, memmap: MemoryMap) -> list[Reference]:
+    """The 8-byte-aligned words of a table's bytes that point into an allocated block of the
+    map, as references of the node argument `via` through the table.
+
+    Data is not a table: the block counts only when at least half of its non-zero words lie
+    in the allocator's address range (a pointer table holds pointers, maybe zero padding and a
+    few counts), and a value counts only inside a live block. An int64 index or offset never
+    reaches the address range; pairs of int32 token ids can (a high id equal to the top half of
+    a device address), but never for half of a tensor's words."""
+    lo, hi = memmap.bounds()
+    n = len(data) // 8
+    if n == 0 or hi <= lo:
+        return []
+    words = np.frombuffer(data[: 8 * n], dtype="<u8")
+    inside = (words >= lo) & (words < hi)
+    if 2 * int(inside.sum()) < int(np.count_nonzero(words)):
+        return []
+    out = []
+    for i in np.nonzero(inside)[0].tolist():
+        value = int(words[i])
+        hit = memmap.locate(value)
+        if hit is None or hit[1] is None or not hit[1].allocated or hit[1].address == table:
+            continue
+        out.append(via._replace(address=value, through=table, slot=8 * i))
+    return out

@@ -25,10 +25,12 @@ import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from graphsan.core.memory_map import MemoryMap, Segment
+from graphsan.core.memory_map import Block, MemoryMap, Segment
+from graphsan.core.order import PoolOrder
 from graphsan.core.records import (
     DEFAULT_POOL,
     FREED_BEFORE_CAPTURE,
+    HOST_POOL,
     MOVE_OPS,
     DataPtr,
     Finding,
@@ -68,6 +70,11 @@ class GraphState:
     counts: ReferenceCounts
     dirty: bool = False
     handed_over: int = 0  # blocks a later capture into the same pool consumed (see _hand_over)
+    # its pool's replay order (graphsan.core.order), which counts its replays when it carved
+    # memory there; `reads`: it reads a range another graph of the pool writes and a third
+    # re-carves, so each replay is checked against that order
+    order: PoolOrder | None = None
+    reads: bool = False
 
 
 # Expandable segments map and unmap whole pages: 2 MiB in the small pool, 20 MiB in the large
@@ -92,6 +99,8 @@ def _all_mapped(
 
 
 def pool_name(pool: PoolId, own: PoolId | None) -> str:
+    if pool == HOST_POOL:
+        return "pinned host memory"
     if pool == DEFAULT_POOL:
         return "default pool"
     if own is not None and pool == own:
@@ -109,27 +118,41 @@ class Tracker:
         self._freed_seg_keys: list[tuple[DataPtr, int]] = []  # sorted by start
         self._freed_seg_starts: list[DataPtr] = []
         self.free_seq = 0  # watched frees recorded so far (see judge's as_of)
+        # (start, end) -> the live pinned host block overlapping it (address, size, frames)
+        self.host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None
 
     # -- capture -----------------------------------------------------------------------------
     def add_graph(
-        self, info: GraphInfo, refs: Iterable[Reference], memmap: MemoryMap
+        self,
+        info: GraphInfo,
+        refs: Iterable[Reference],
+        memmap: MemoryMap,
+        host: Callable[[DataPtr], object | None] | None = None,
     ) -> GraphState:
-        """Register a freshly captured graph; returns its state (with capture statistics)."""
+        """Register a freshly captured graph; returns its state (with capture statistics).
+        `host(address)`: the live pinned host block (address, size, frames) holding a memcpy
+        node's address, if any."""
         by_block: dict[DataPtr, list[Reference]] = {}
         blocks: dict[DataPtr, WatchedBlock] = {}
-        counts = dict.fromkeys(("default", "own", "other", "foreign", "temporary"), 0)
+        counts = dict.fromkeys(("default", "own", "other", "foreign", "temporary", "host"), 0)
         stale_at_capture: list[WatchedBlock] = []
         for ref in refs:
             hit = memmap.locate(ref.address)
+            if hit is None and host is not None and isinstance(ref.param, str):
+                hb = host(ref.address)
+                if hb is not None:
+                    blk = Block(hb.address, hb.size, "active_allocated", list(hb.frames))
+                    hit = Segment(hb.address, hb.size, HOST_POOL, False, [blk]), blk
             if hit is None:
                 counts["foreign"] += 1
                 continue
             seg, blk = hit
-            cls = (
-                "default"
-                if seg.pool == DEFAULT_POOL
-                else ("own" if info.pool is not None and seg.pool == info.pool else "other")
-            )
+            if seg.pool == HOST_POOL:
+                cls = "host"
+            elif seg.pool == DEFAULT_POOL:
+                cls = "default"
+            else:
+                cls = "own" if info.pool is not None and seg.pool == info.pool else "other"
             if not blk.allocated and seg.pool != DEFAULT_POOL:
                 counts["temporary"] += 1  # pool memory the graph owns between replays
                 continue
@@ -207,6 +230,22 @@ class Tracker:
                 g.blocks.pop(wb.address, None)
                 g.refs.pop(wb.address, None)
                 g.handed_over += 1
+
+    def retain(self, graph_id: GraphId, address: DataPtr, refs: list[Reference]) -> None:
+        """Keep only `refs` of the graph's references to the block at `address` (a pointer table
+        re-read at judgement no longer names it); with none left the graph lets the block go."""
+        state = self.graphs.get(graph_id)
+        if state is None or address not in state.refs:
+            return
+        if refs:
+            state.refs[address] = refs
+            return
+        del state.refs[address]
+        wb = state.blocks.pop(address, None)
+        if wb is not None:
+            wb.graphs.discard(graph_id)
+            if not wb.graphs and self.live.get(address) is wb:
+                del self.live[address]
 
     def on_alloc(self, ptr: DataPtr) -> None:
         """A block was allocated or freed at `ptr`: if that is inside a segment holding freed
@@ -297,6 +336,9 @@ class Tracker:
                     also_used_by=self._other_users(wb, graph_id),
                     freed_at=wb.freed.time,
                     found_at=judged.found_at,
+                    through=first.through,
+                    through_slot=first.slot if first.through is not None else None,
+                    host=wb.pool == HOST_POOL,
                 )
             )
         return findings
@@ -320,6 +362,12 @@ class Tracker:
         release: Release | None = None,
     ) -> tuple[Kind | None, str]:
         end = wb.address + wb.size
+        if wb.pool == HOST_POOL:
+            owner = self.host_owner(wb.address, end) if self.host_owner is not None else None
+            if owner is not None:
+                where = _frame_line(list(owner.frames))
+                return Kind.REOWNED, f"part of a live {owner.size} B pinned block{where}"
+            return Kind.FREED, "back in PyTorch's pinned-memory cache; any pin_memory() may take it"
         # after empty_cache the range may have been handed out again, as several segments of
         # several pools: every one of them counts
         segs = memmap.segments_in(wb.address, end)

@@ -164,6 +164,8 @@ class AllocatorWatch:
         self.routes: list[list] = []
         self.drains = 0
         self.captures: dict[str, tuple[int, PoolId | None]] = {}  # tag -> (stream, pool)
+        # tag -> (address, requested size, allocation site) of each allocation the capture made
+        self.carves: dict[str, list[tuple[int, int, Site | None]]] = {}
         self._saved_metadata: list[str] = []
         self._reseed = False
         self.timeline: Timeline | None = None  # gets watched frees and empty_cache releases
@@ -196,6 +198,8 @@ class AllocatorWatch:
         reseed, self._reseed = self._reseed, False
         for device, view in self.views.items():
             entries = traces[device] if device < len(traces) else []
+            if self.captures:
+                self._note_carves(entries)
             # a full ring buffer may have overwritten entries; and past RESEED_ENTRIES a snapshot,
             # walked in C++, is cheaper than applying the entries in Python
             if len(entries) >= min(MAX_ENTRIES, max(RESEED_ENTRIES, 2 * len(view))):
@@ -211,6 +215,16 @@ class AllocatorWatch:
                 continue
             if unsure:
                 self._check_pools(view, unsure, device)
+
+    def _note_carves(self, entries) -> None:
+        """Keep the allocations made under a capture's tag: the ranges its replays write (the
+        replay order of a shared pool, `graphsan.core.order`)."""
+        for e in entries:
+            if e["action"] == "alloc":
+                carves = self.carves.get(e.get("user_metadata", ""))
+                if carves is not None:
+                    addr = int(e["addr"])
+                    carves.append((addr, int(e["size"]), self.sites.get(addr)))
 
     def _pool_of(self, entry, following, unsure: list) -> PoolId:
         """The pool of a new segment (see the module docstring)."""
@@ -248,10 +262,12 @@ class AllocatorWatch:
         self._saved_metadata.append(_metadata())
         _set_metadata(tag)
         self.captures[tag] = (stream, None)
+        self.carves[tag] = []
         return tag
 
-    def capture_ended(self, tag: str, pool: PoolId) -> None:
-        """The capture's pool is known now: apply the log, then forget the tag."""
+    def capture_ended(self, tag: str, pool: PoolId) -> list[tuple[int, int, Site | None]]:
+        """The capture's pool is known now: apply the log, then forget the tag. Returns the
+        allocations the capture made ((address, requested size, site); any pool)."""
         if self._saved_metadata:
             _set_metadata(self._saved_metadata.pop())
         stream, _ = self.captures[tag]
@@ -260,12 +276,14 @@ class AllocatorWatch:
             self.sync()
         finally:
             self.captures.pop(tag, None)
+        return self.carves.pop(tag, [])
 
     def capture_failed(self, tag: str) -> None:
         """The capture was invalidated: its tag goes, and the views are seeded afresh."""
         if self._saved_metadata:
             _set_metadata(self._saved_metadata.pop())
         self.captures.pop(tag, None)
+        self.carves.pop(tag, None)
         self._reseed = True
 
     def _clear_log(self) -> None:
@@ -313,6 +331,11 @@ class AllocatorWatch:
 
     def _frames_of(self, address: int) -> list[Frame]:
         return _site_frames(self.sites.get(address))
+
+    @staticmethod
+    def site_frames(site: Site | None) -> list[Frame]:
+        """A site kept elsewhere (a capture's carve) as user frames, outermost first."""
+        return _site_frames(site)
 
     # -- callbacks (hot path) ------------------------------------------------------------------
     def _on_free(self, ptr: int) -> None:

@@ -107,6 +107,10 @@ def _read_node(node, kind, index: int, stats: WalkStats) -> KernelArgs | CopyArg
                 ):
                     base = int(getattr(p, f"{side}Device"))
                     addrs.append((side, base + int(getattr(p, f"{side}XInBytes"))))
+                elif mtype == drv.CUmemorytype.CU_MEMORYTYPE_HOST:  # pinned host memory
+                    base = _host_address(getattr(p, f"{side}Host"))
+                    if base:
+                        addrs.append((side, base + int(getattr(p, f"{side}XInBytes"))))
             return CopyArgs(index, "memcpy", addrs)
         if kind == T.CU_GRAPH_NODE_TYPE_MEMSET:
             stats.copies += 1
@@ -115,6 +119,16 @@ def _read_node(node, kind, index: int, stats: WalkStats) -> KernelArgs | CopyArg
     except DriverError:
         stats.unreadable += 1
     return None
+
+
+def _host_address(ptr) -> int:
+    """A memcpy node's host pointer as an int (the bindings hand it as an int or a void*)."""
+    if ptr is None:
+        return 0
+    try:
+        return int(ptr)
+    except TypeError:
+        return int(getattr(ptr, "value", 0) or 0)
 
 
 def _read_kernel(node, index: int) -> KernelArgs:
@@ -189,6 +203,19 @@ def address_range(ptr: int) -> tuple[int, int] | None:
     return int(base), int(size)
 
 
+def is_host(ptr: int) -> bool:
+    """Whether `ptr` is page-locked host memory the driver knows (cudaHostAlloc, registered)."""
+    try:
+        err, mtype = drv.cuPointerGetAttribute(
+            drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr
+        )
+        return err == drv.CUresult.CUDA_SUCCESS and int(mtype) == int(
+            drv.CUmemorytype.CU_MEMORYTYPE_HOST
+        )
+    except Exception:  # an address the bindings cannot take is not pinned memory
+        return False
+
+
 def is_mapped(ptr: int) -> bool:
     """Whether physical memory is mapped at `ptr` (for expandable segments, where the virtual
     range outlives the pages: cuMemGetAddressRange still answers after an unmap)."""
@@ -197,6 +224,21 @@ def is_mapped(ptr: int) -> bool:
         return False
     drv.cuMemRelease(handle)
     return True
+
+
+def read_device(spans: list[tuple[int, int]], stream_handle: int) -> list[bytes]:
+    """The bytes of each (address, size) span of device memory, copied in order on
+    `stream_handle` (so after the work queued there) with one synchronization for all. Never
+    call it on a capturing stream."""
+    bufs = [(ctypes.c_char * size)() for _, size in spans]
+    stream = drv.CUstream(stream_handle)
+    for (ptr, size), buf in zip(spans, bufs, strict=True):
+        _check(
+            drv.cuMemcpyDtoHAsync(ctypes.addressof(buf), drv.CUdeviceptr(ptr), size, stream),
+            "cuMemcpyDtoHAsync",
+        )
+    _check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    return [bytes(buf) for buf in bufs]
 
 
 # ----------------------------------------------------------------------------- names

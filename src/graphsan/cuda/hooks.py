@@ -3,8 +3,9 @@
 `torch.cuda.graph(...)`, `torch.cuda.make_graphed_callables`, torch.compile's CUDA graph trees,
 Transformer Engine and Megatron all capture through this class, so wrapping its methods sees
 graphs captured by code we do not control. The wrappers only route calls to a `Listener`; they
-never change what the original methods do, and the replay wrapper costs one attribute check
-when nothing is pending.
+never change what the original methods do. When nothing is pending, the replay wrapper costs two
+attribute checks, and for a graph that carved memory in a shared pool a clock tick and a stamp
+per range it writes that another graph reads (the pool's replay order, `graphsan.core.order`).
 """
 
 from __future__ import annotations
@@ -74,9 +75,14 @@ class GraphHooks:
         @functools.wraps(orig["replay"])
         def replay(self, *args, **kwargs):
             state = self.__dict__.get(_ATTR)
-            if state is not None and state.dirty:
+            if state is None:
+                return orig["replay"](self, *args, **kwargs)
+            if state.dirty or state.reads:
                 listener.before_replay(self, state)
-            return orig["replay"](self, *args, **kwargs)
+            result = orig["replay"](self, *args, **kwargs)
+            if state.order is not None:  # it went ahead: it wrote what it carved in its pool
+                state.order.replayed(state.info.id)
+            return result
 
         @functools.wraps(orig["reset"])
         def reset(self, *args, **kwargs):

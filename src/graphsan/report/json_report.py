@@ -16,9 +16,11 @@ from graphsan.report.text import format_finding
 
 SCHEMA = "graphsan.report"
 # 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
-# captured_at and node summary, and the process's events (see graphsan.report.timeline)
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # older reports read with the newer fields empty
+# captured_at and node summary, and the process's events (see graphsan.report.timeline);
+# 4 added the replay-order kind and its Finding.written_by and carved_by, and indirect
+# references' Finding.through and through_slot, and Finding.host (pinned host memory)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # older reports read with the newer fields empty
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:
@@ -139,6 +141,11 @@ _FINDING_OPTIONAL = {
     "likely_cause": _STR,
     "freed_at": (int, float, type(None)),
     "found_at": (int, float, type(None)),
+    "written_by": _OPT_INT,
+    "carved_by": _OPT_INT,
+    "through": _OPT_INT,
+    "through_slot": _OPT_INT,
+    "host": (bool,),
 }
 _GRAPH_FIELDS = {"id": _INT, "label": _STR, "capture_site": (list,)}
 _GRAPH_OPTIONAL = {"pool": (list, type(None)), "device": _INT}
@@ -156,12 +163,13 @@ _TYPE_NAMES = {
     str: "a string",
     list: "a list",
     dict: "a mapping",
+    bool: "true or false",
 }
 
 
 def _expect(value: Any, types: tuple, where: str) -> None:
     # bool is an int to Python, never to a report
-    if isinstance(value, bool) or not isinstance(value, types):
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         names = " or ".join(_TYPE_NAMES.get(t, "null") for t in types)
         raise _BadReport(f"{where} is {value!r:.60}; expected {names}")
 

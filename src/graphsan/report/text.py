@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import re
 
-from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, Frame, frame_text
+from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, Frame, Kind, frame_text
 
 
 def one_line(f: Finding) -> str:
     """The finding in one line: kind, graph, kernel, buffer, free site."""
-    free = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
+    if f.kind is Kind.REPLAY_ORDER:
+        what = f"written by graph #{f.written_by}, overwritten by graph #{f.carved_by}"
+    else:
+        free = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
+        what = f"freed at {free}"
     return (
         f"{f.kind}: {f.graph.label} node {f.node} {short_kernel(f.kernel)} "
-        f"param {f.param}+{f.offset} -> {f.nbytes} B block at {f.block_address:#x}"
-        f" ({f.pool}), freed at {free}{when(f.phase, f.step)}"
+        f"param {f.param}+{f.offset}{_via(f)} -> {f.nbytes} B block at {f.block_address:#x}"
+        f" ({f.pool}), {what}{when(f.phase, f.step)}"
     )
+
+
+def _via(f: Finding) -> str:
+    return f" via table {f.through:#x}+{f.through_slot}" if f.through is not None else ""
 
 
 def short_kernel(name: str, limit: int = 60) -> str:
@@ -86,13 +94,22 @@ def _node_kernel(name: str) -> str:
 LONG_KERNEL = 160
 
 
+def _argument(f: Finding) -> str:
+    if f.through is None:
+        return f"  argument: param {f.param}, byte offset {f.offset} holds address {f.address:#x}"
+    return (
+        f"  argument (indirect): param {f.param}, byte offset {f.offset} points at the table "
+        f"{f.through:#x}, whose byte {f.through_slot} holds address {f.address:#x}"
+    )
+
+
 def format_finding(f: Finding) -> str:
     """A multi-line bug report for one finding."""
     rank = f"[rank {f.rank}] " if f.rank is not None else ""
     lines = [
         f"{rank}{f.kind.upper()}: {f.graph.describe()}",
         f"  node {f.node}: {_node_kernel(f.kernel)}",
-        f"  argument: param {f.param}, byte offset {f.offset} holds address {f.address:#x}",
+        _argument(f),
         f"  memory: block {f.block_address:#x} of {f.nbytes} bytes in the {f.pool}"
         + (f" (+{f.other_nodes} more node(s) of this graph use it)" if f.other_nodes else ""),
     ]
@@ -100,7 +117,12 @@ def format_finding(f: Finding) -> str:
         lines.append(f"  now: {f.now}")
     lines.append("  allocated at (most recent call last):")
     lines += _stack_text(f.alloc_stack)
-    if f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
+    if f.kind is Kind.REPLAY_ORDER:
+        lines.append(
+            f"  order: replayed after graph #{f.carved_by} overwrote the range and before "
+            f"graph #{f.written_by} wrote it again{when(f.phase, f.step)}"
+        )
+    elif f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
         lines.append("  freed: before the capture ended (the graph captured memory already free)")
     else:
         op = f" by {f.free_op}" if f.free_op else ""

@@ -30,6 +30,11 @@ def finish():
             "label": f.graph.label,
             "pool": f.pool,
             "now": f.now,
+            "through": f.through,
+            "through_slot": f.through_slot,
+            "written_by": f.written_by,
+            "carved_by": f.carved_by,
+            "host": f.host,
             "text": graphsan.report.format_finding(f),
         }
         for f in (san.findings if san else [])

@@ -267,7 +267,9 @@ def _life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
                 "site": "",
             }
         )
-    if f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
+    if f.kind == "replay-order":
+        free_what, free_site = "", ""  # nothing was freed: another graph overwrote the range
+    elif f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
         free_what, free_site = "already free when the capture ended", ""
     else:
         free_what = "freed" + (f" by {f.free_op}" if f.free_op else "")
@@ -275,9 +277,10 @@ def _life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
             f", step {f.step}" if f.step is not None else ""
         )
         free_site = frame_text(f.free_stack[-1]) if f.free_stack else NO_FREE_FRAMES
-    steps.append(
-        {"kind": "free", "t": f.freed_at, "what": free_what, "detail": "", "site": free_site}
-    )
+    if free_what:
+        steps.append(
+            {"kind": "free", "t": f.freed_at, "what": free_what, "detail": "", "site": free_site}
+        )
     if f.kind == "unmapped" and f.freed_at is not None and f.found_at is not None:
         for ev in src["releases"]:
             if f.freed_at <= ev.get("t", 0) <= f.found_at:
@@ -320,6 +323,7 @@ def _now_title(f: Finding) -> str:
         "unmapped": "unmapped: given back to the driver",
         "moved": "the tensor's storage moved",
         "freed": "free in the allocator's cache",
+        "replay-order": "overwritten by a graph captured later into the same pool",
     }.get(f.kind, "now")
 
 

@@ -1,0 +1,211 @@
+"""Replay order of the graphs that share one memory pool (pure: no CUDA, no torch).
+
+Graphs captured into one pool may re-carve memory an earlier capture freed; that is legal as long
+as they replay in capture order. The model, per pool:
+
+- every capture appends to the pool's sequence g0, g1, ... and *carves* the ranges it allocated
+  while it was captured (its replays write them);
+- a reference of gi into a range that gp carved last before gi's capture ended (p < i) is a
+  *read* of gp's output: gp is the range's producer for gi (a graph's own carves are its own
+  business);
+- the range is *watched* once read: its writers are the producer and every other graph gk that
+  carved memory overlapping it (before gp, k < p, or after gi, k > i, when gk is captured);
+- a replay of a writer stamps the range as its own; replaying gi is the hazard when the stamp
+  is not gp's: gk ran after gp last did, and gi would read gk's data. In capture order, and
+  when a sequence restarts at g0, the producer always runs after the other writers.
+
+A replay costs a clock tick and a stamp per watched range the graph writes; a reader is checked
+per range it reads: the graph's own footprint, never the number of graphs. A reference counts
+as a read: the model cannot tell a kernel's reads from its writes, so a graph that only
+overwrites another graph's output is judged like one that reads it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from graphsan.core.records import DataPtr, GraphId, Reference
+
+
+@dataclass(frozen=True)
+class Carve:
+    """A range a capture allocated in the pool; `site` is its allocation stack as the adapter
+    recorded it (opaque here)."""
+
+    start: DataPtr
+    end: DataPtr
+    graph: GraphId
+    site: object = None
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Reader `reader` uses [start, end), written by `producer`, overwritten by `carver`."""
+
+    reader: GraphId
+    start: DataPtr
+    end: DataPtr
+    producer: GraphId
+    carver: GraphId
+    ref: Reference  # the reader's first reference into the range
+    site: object = None  # the producer's allocation stack of the range
+
+
+@dataclass(eq=False)
+class Watched:
+    """A range one graph writes and others read: which graph wrote it last (`owner`)."""
+
+    start: DataPtr
+    end: DataPtr
+    producer: GraphId
+    site: object
+    writers: set[GraphId]  # the producer and every other graph that carved the range
+    readers: set[GraphId] = field(default_factory=set)
+    owner: GraphId | None = None  # None: no writer replayed since the range was watched
+
+
+@dataclass
+class PoolOrder:
+    """One pool's capture sequence, its carves, the ranges read across graphs and who wrote
+    each last. A replay of a graph stamps the ranges it writes; a reader checks its ranges."""
+
+    sequence: list[GraphId] = field(default_factory=list)
+    carvers: set[GraphId] = field(default_factory=set)  # graphs that carved (the adapter's)
+    # the latest carve of each address: non-overlapping, sorted by start
+    _starts: list[DataPtr] = field(default_factory=list)
+    _latest: list[Carve] = field(default_factory=list)
+    # every range ever carved (distinct (start, end), sorted) -> the graphs that carved it
+    _ranges: list[tuple[DataPtr, DataPtr]] = field(default_factory=list)
+    _carved_by: dict[tuple[DataPtr, DataPtr], set[GraphId]] = field(default_factory=dict)
+    # the watched ranges, sorted: (start, end, n, Watched) (n keeps comparisons off Watched)
+    _watched: list[tuple] = field(default_factory=list)
+    _watched_by_key: dict[tuple, Watched] = field(default_factory=dict)
+    _longest: int = 0
+    _count: int = 0
+    reads: dict[GraphId, list[tuple[Watched, Reference]]] = field(default_factory=dict)
+    writes: dict[GraphId, list[Watched]] = field(default_factory=dict)
+    clock: int = 0
+    last: dict[GraphId, int] = field(default_factory=dict)  # graph -> clock of its last replay
+
+    # -- capture ------------------------------------------------------------------------------
+    def add_graph(
+        self,
+        gid: GraphId,
+        carved: list[tuple[DataPtr, int, object]],
+        refs: list[Reference],
+    ) -> set[GraphId]:
+        """Register capture `gid`: the ranges it carved ((address, size, site)) and its
+        references. Returns the readers that a range they read can now be overwritten for."""
+        self.sequence.append(gid)
+        readers: set[GraphId] = set()
+        carves = sorted(
+            (Carve(a, a + n, gid, s) for a, n, s in carved if n > 0), key=lambda c: c.start
+        )
+        for c in carves:  # a later carver of ranges earlier graphs read
+            for w in self._overlapping(self._watched, c.start, c.end):
+                w = w[3]
+                if gid not in w.writers:
+                    if len(w.writers) == 1:  # the producer's replays start to matter
+                        self.writes.setdefault(w.producer, []).append(w)
+                        if self.last.get(w.producer, 0):
+                            w.owner = w.producer
+                    w.writers.add(gid)
+                    self.writes.setdefault(gid, []).append(w)
+                    readers |= w.readers
+        for c in carves:
+            key = (c.start, c.end)
+            if key not in self._carved_by:
+                self._carved_by[key] = set()
+                bisect.insort(self._ranges, key)
+                self._longest = max(self._longest, c.end - c.start)
+            self._carved_by[key].add(gid)
+            self._carve(c)
+        seen: set[tuple[DataPtr, DataPtr]] = set()
+        for ref in sorted(refs, key=lambda r: r.node):  # this graph's reads
+            p = self._carve_at(ref.address)
+            if p is None or p.graph == gid or (p.start, p.end) in seen:
+                continue
+            seen.add((p.start, p.end))
+            w = self._watch(p)
+            w.readers.add(gid)
+            self.reads.setdefault(gid, []).append((w, ref))
+            if len(w.writers) > 1:
+                readers.add(gid)
+        return readers
+
+    def _watch(self, p: Carve) -> Watched:
+        """The watched range of carve piece `p`, made on first read: its writers are the
+        producer and every graph that ever carved memory overlapping it."""
+        key = (p.start, p.end, p.graph)
+        w = self._watched_by_key.get(key)
+        if w is not None:
+            return w
+        writers = {p.graph}
+        for start, end in self._overlapping(self._ranges, p.start, p.end):
+            writers |= self._carved_by[(start, end)]
+        w = Watched(p.start, p.end, p.graph, p.site, writers)
+        ran = [g for g in writers if self.last.get(g, 0)]
+        if ran:  # the writer that replayed last holds the range now
+            w.owner = max(ran, key=lambda g: self.last[g])
+        if len(writers) > 1:  # a range only its producer writes needs no stamps
+            for g in writers:
+                self.writes.setdefault(g, []).append(w)
+        self._watched_by_key[key] = w
+        self._count += 1
+        bisect.insort(self._watched, (p.start, p.end, self._count, w))
+        return w
+
+    def _overlapping(self, items: list[tuple], start: DataPtr, end: DataPtr):
+        """The items (start, end, ...) of a start-sorted list that overlap [start, end)."""
+        i = bisect.bisect_left(items, (start - self._longest,))
+        n = len(items)
+        while i < n and items[i][0] < end:
+            if items[i][1] > start:
+                yield items[i]
+            i += 1
+
+    def _carve_at(self, addr: DataPtr) -> Carve | None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr < self._latest[i].end:
+            return self._latest[i]
+        return None
+
+    def _carve(self, new: Carve) -> None:
+        """The latest carve wins: older carves overlapping it are trimmed or dropped."""
+        lo = max(bisect.bisect_right(self._starts, new.start) - 1, 0)
+        hi = bisect.bisect_left(self._starts, new.end)
+        keep: list[Carve] = []
+        for c in self._latest[lo:hi]:
+            if c.end <= new.start or c.start >= new.end:
+                keep.append(c)
+                continue
+            if c.start < new.start:
+                keep.append(Carve(c.start, new.start, c.graph, c.site))
+            if c.end > new.end:
+                keep.append(Carve(new.end, c.end, c.graph, c.site))
+        keep.append(new)
+        keep.sort(key=lambda c: c.start)
+        self._latest[lo:hi] = keep
+        self._starts[lo:hi] = [c.start for c in keep]
+
+    def forget(self, gid: GraphId) -> None:
+        """The graph is gone: it reads nothing any more. (What it wrote stays written.)"""
+        for w, _ in self.reads.pop(gid, ()):
+            w.readers.discard(gid)
+
+    # -- replay -------------------------------------------------------------------------------
+    def hazards(self, gid: GraphId) -> list[Conflict]:
+        """The ranges a replay of `gid` now would read from the wrong writer."""
+        out = []
+        for w, ref in self.reads.get(gid, ()):
+            if w.owner is not None and w.owner != w.producer:
+                out.append(Conflict(gid, w.start, w.end, w.producer, w.owner, ref, w.site))
+        return out
+
+    def replayed(self, gid: GraphId) -> None:
+        """`gid` ran: it wrote every watched range it carves."""
+        self.clock += 1
+        self.last[gid] = self.clock
+        for w in self.writes.get(gid, ()):
+            w.owner = gid

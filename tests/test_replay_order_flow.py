@@ -1,0 +1,121 @@
+"""Replay order through the sanitizer's hooks on CPU (the CUDA side faked): PyTorch's
+three-graph sequence in one shared pool, under each policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphsan import sanitizer
+from graphsan.report import StaleMemoryError, format_finding
+from graphsan.report.json_report import Report
+from tests import fake_cuda
+
+SEG, SLOT, POOL = fake_cuda.SEG, 4096, (1, 3)
+B, C, D, E = (SEG + i * SLOT for i in range(4))
+
+
+@pytest.fixture
+def env(monkeypatch):
+    state = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
+    state["map"] = fake_cuda.one_segment([(SLOT, "active_allocated")] * 4, pool=POOL)
+    state["cls"] = fake_cuda.graph_class(monkeypatch, POOL)
+    return state
+
+
+def capture(env, san, nodes, carves):
+    g = env["cls"]()
+    env["nodes"], env["carves"] = nodes, [(a, SLOT, None) for a in carves]
+    g.capture_begin(POOL)
+    g.capture_end()
+    return g
+
+
+def three_successive(env, policy):
+    """g0 writes b, c, d; g1 reads c and writes e; g2 reads d and re-carves c (freed meanwhile)."""
+    san = sanitizer.Sanitizer(policy)
+    san.active = True
+    san.hooks.install()
+    k = fake_cuda.kernel
+    g0 = capture(env, san, [k(0, B, C, D)], [B, C, D])
+    g1 = capture(env, san, [k(0, C, E)], [E])
+    g2 = capture(env, san, [k(0, D), k(1, C)], [C])
+    return san, (g0, g1, g2)
+
+
+@pytest.fixture
+def uninstall():
+    made = []
+    yield made
+    for san in made:
+        san.hooks.uninstall()
+
+
+def test_capture_order_and_restarts_replay_untouched(env, uninstall):
+    san, gs = three_successive(env, "raise")
+    uninstall.append(san)
+    for _ in range(3):
+        for g in gs:
+            g.replay()
+    assert [g.launched for g in gs] == [3, 3, 3] and san.findings == []
+
+
+def test_out_of_order_replay_raises_before_launch_and_names_both_graphs(env, uninstall):
+    san, (g0, g1, g2) = three_successive(env, "raise")
+    uninstall.append(san)
+    g0.replay(), g1.replay(), g2.replay()
+    g0.replay(), g2.replay()
+    with pytest.raises(StaleMemoryError) as err:
+        g1.replay()
+    assert g1.launched == 1, "the stale replay must not run"
+    (f,) = err.value.findings
+    ids = [g.__dict__["_graphsan_state"].info.id for g in (g0, g1, g2)]
+    assert f.kind == "replay-order" and f.graph.id == ids[1]
+    assert (f.written_by, f.carved_by) == (ids[0], ids[2])
+    assert f.block_address == C and f.nbytes == SLOT and f.param == 0 and f.node == 0
+    text = format_finding(f)
+    assert f"graph #{ids[2]}" in text and f"graph #{ids[0]}" in text and "freed" not in text
+    g0.replay()
+    g1.replay()  # the writer ran again: the order is legal again
+    assert g1.launched == 2
+
+
+def test_warn_and_record_let_the_replay_go_on_and_the_report_round_trips(
+    env, uninstall, tmp_path, capsys
+):
+    san, (g0, g1, g2) = three_successive(env, "warn")
+    uninstall.append(san)
+    for g in (g0, g2, g1, g0, g2, g1):
+        g.replay()
+    assert g1.launched == 2
+    assert capsys.readouterr().err.count("REPLAY-ORDER") == 1  # printed once
+    path = str(tmp_path / "r.json")
+    san.report().save(path)
+    back = Report.load(path)
+    assert back.findings == san.findings and back.findings[0].carved_by is not None
+
+
+def test_a_graph_alone_in_its_pool_pays_no_tick_until_the_pool_is_shared(env, uninstall):
+    san = sanitizer.Sanitizer("raise")
+    san.active = True
+    san.hooks.install()
+    uninstall.append(san)
+    g0 = capture(env, san, [fake_cuda.kernel(0, B, C)], [B, C])
+    s0 = g0.__dict__["_graphsan_state"]
+    assert s0.order is None and not s0.reads
+    g1 = capture(env, san, [fake_cuda.kernel(0, C)], [D])
+    assert s0.order is not None and g1.__dict__["_graphsan_state"].order is s0.order
+
+
+def test_replay_order_can_be_turned_off(env, uninstall):
+    san = sanitizer.Sanitizer("raise")
+    san.replay_order = False
+    san.active = True
+    san.hooks.install()
+    uninstall.append(san)
+    k = fake_cuda.kernel
+    g0 = capture(env, san, [k(0, B, C, D)], [B, C, D])
+    g1 = capture(env, san, [k(0, C, E)], [E])
+    g2 = capture(env, san, [k(0, D), k(1, C)], [C])
+    for g in (g0, g2, g1):
+        g.replay()
+    assert san.orders == {} and san.findings == []
