@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from graphsan import sanitizer
+from graphsan.core.records import FreeEvent
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.report.json_report import Report
 from tests import fake_cuda
@@ -119,3 +120,44 @@ def test_replay_order_can_be_turned_off(env, uninstall):
     for g in (g0, g2, g1):
         g.replay()
     assert san.orders == {} and san.findings == []
+
+
+def test_an_output_dropped_between_captures_is_the_replay_orders_to_judge(env, uninstall):
+    """The user drops g0's output c after g1's capture (not inside it), so g2's capture
+    re-carves c: legal in capture order, a replay-order finding out of it, never pool-reuse."""
+    san = sanitizer.Sanitizer("raise")
+    san.active = True
+    san.hooks.install()
+    uninstall.append(san)
+    k = fake_cuda.kernel
+    g0 = capture(env, san, [k(0, B, C, D)], [B, C, D])
+    g1 = capture(env, san, [k(0, C, E)], [E])
+    assert san.tracker.on_free(C, lambda: FreeEvent([("train.py", 9, "step")], "train", 1))
+    g2 = capture(env, san, [k(0, D), k(1, C)], [C])
+    for _ in range(3):
+        for g in (g0, g1, g2):
+            g.replay()
+    assert san.findings == [] and g1.launched == 3
+    g0.replay(), g2.replay()
+    with pytest.raises(StaleMemoryError) as err:
+        g1.replay()
+    assert [f.kind for f in err.value.findings] == ["replay-order"]
+
+
+def test_a_pool_block_no_graph_carved_is_still_judged_when_freed(env, uninstall):
+    """A block of the pool that g1 reads but no capture carved (made eagerly into the pool):
+    the replay order knows nothing of it, so its free and re-carving stay the tracker's."""
+    san = sanitizer.Sanitizer("raise")
+    san.active = True
+    san.hooks.install()
+    uninstall.append(san)
+    k = fake_cuda.kernel
+    g0 = capture(env, san, [k(0, B)], [B])
+    g1 = capture(env, san, [k(0, C, E)], [E])
+    assert san.tracker.on_free(C, lambda: FreeEvent([("train.py", 9, "step")], "train", 1))
+    g2 = capture(env, san, [k(0, C)], [C])
+    g0.replay()
+    with pytest.raises(StaleMemoryError) as err:
+        g1.replay()
+    assert [f.kind for f in err.value.findings] == ["pool-reuse"]
+    assert g2.launched == 0

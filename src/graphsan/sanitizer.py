@@ -106,6 +106,7 @@ class Sanitizer:
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
         self.host = HostWatch(self.tracker, self.memory._free_event, self._internal_error)
         self.tracker.host_owner = self.host.owner
+        self.tracker.order_reads = self._order_reads
         self.timeline = Timeline(self.rank)
         self.memory.timeline = self.timeline
         self.hooks = hooks.GraphHooks(self)
@@ -212,10 +213,14 @@ class Sanitizer:
         try:
             from graphsan.cuda import driver
 
+            # the pinner's young objects are listed first: the walk and the log drain allocate
+            # enough Python objects to promote an input made just before the capture to the
+            # oldest generation, out of the cheap search
+            young = self.pinner.young_objects() if self.pinner is not None else None
             t0 = time.perf_counter()
             handle = driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
             nodes, stats = driver.walk(handle)
-            return nodes, stats, time.perf_counter() - t0
+            return nodes, stats, time.perf_counter() - t0, young
         except Exception as err:
             self._internal_error(err)
             return None
@@ -238,8 +243,7 @@ class Sanitizer:
         try:
             from graphsan.cuda import driver
 
-            young = self.pinner.young_objects() if self.pinner is not None else None
-            nodes, stats, walk_s = walked
+            nodes, stats, walk_s, young = walked
             view = self.memory.view(device, sync=False)
             t1 = time.perf_counter()
             refs = references(nodes, view, foreign=lambda v: driver.address_range(v) is not None)
@@ -421,6 +425,19 @@ class Sanitizer:
             return
         if findings:
             self._apply_policy(state, findings)
+
+    def _order_reads(self, wb) -> bool:
+        """Every graph watching the freed pool block carved it or reads it as another graph's
+        output, which the pool's replay order judges: a later capture re-carving it is legal in
+        capture order (graphs whose user drops an earlier graph's output between captures)."""
+        if not self.replay_order or not wb.graphs:
+            return False
+        for gid in wb.graphs:
+            g = self.tracker.graphs.get(gid)
+            order = self.orders.get((g.info.device, g.info.pool)) if g is not None else None
+            if order is None or not order.judges(gid, wb.address):
+                return False
+        return True
 
     def _order_findings(self, info: GraphInfo, hazards: list[Conflict]) -> list[Finding]:
         """A replay-order finding per range the graph reads that another graph of the pool

@@ -194,6 +194,16 @@ class PoolOrder:
         for w, _ in self.reads.pop(gid, ()):
             w.readers.discard(gid)
 
+    def judges(self, gid: GraphId, addr: DataPtr) -> bool:
+        """Whether the order covers what `gid` does at `addr`: it reads there a range another
+        graph of the pool carved, or it carved the range itself (its own output)."""
+        if any(w.start <= addr < w.end for w, _ in self.reads.get(gid, ())):
+            return True
+        return any(
+            gid in self._carved_by[(start, end)]
+            for start, end in self._overlapping(self._ranges, addr, addr + 1)
+        )
+
     # -- replay -------------------------------------------------------------------------------
     def hazards(self, gid: GraphId) -> list[Conflict]:
         """The ranges a replay of `gid` now would read from the wrong writer."""

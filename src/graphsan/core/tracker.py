@@ -120,6 +120,9 @@ class Tracker:
         self.free_seq = 0  # watched frees recorded so far (see judge's as_of)
         # (start, end) -> the live pinned host block overlapping it (address, size, frames)
         self.host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None
+        # whether the pool's replay order (graphsan.core.order) judges every graph that reads
+        # the block: then a free outside a capture hands it over, like one inside a capture
+        self.order_reads: Callable[[WatchedBlock], bool] | None = None
 
     # -- capture -----------------------------------------------------------------------------
     def add_graph(
@@ -210,7 +213,10 @@ class Tracker:
         self.free_seq += 1
         wb.freed = event_factory()
         wb.freed.seq = self.free_seq
-        if wb.freed.capture_pool == wb.pool and wb.pool != DEFAULT_POOL:
+        if wb.pool != DEFAULT_POOL and (
+            wb.freed.capture_pool == wb.pool
+            or (self.order_reads is not None and self.order_reads(wb))
+        ):
             self._hand_over(wb)
             return True
         for gid in wb.graphs:
