@@ -5,12 +5,20 @@ other parameter gets a `main_grad` here and a post-accumulate hook that adds its
 drops the .grad. `main_grad` buffers are zeroed in place (`zero_()`, never reallocated: captured
 backward graphs hold their addresses), and parameters are updated in place (`copy_`) for the same
 reason.
+
+Data parallel (`dist`, lab/train/distributed.py): `reduce_grads()` averages the main_grads over
+the ranks after the last backward of a step, eagerly, flattened into one all-reduce per group:
+the dense parameters over every rank, the routed experts (when split across ranks) over the ranks
+that hold the same experts. Every rank then holds the gradient of the global batch's loss and
+takes the same step. With experts split, the clipping norm adds the other ranks' experts.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def _accumulate_into_main_grad(p: torch.Tensor) -> None:
@@ -28,7 +36,9 @@ class MainGradAdamW:
         betas=(0.9, 0.95),
         eps: float = 1e-8,
         clip_grad: float = 1.0,
+        dist=None,
     ):
+        self.dist = dist
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in self.params:
             if not hasattr(p, "main_grad"):
@@ -49,6 +59,40 @@ class MainGradAdamW:
             eps=eps,
         )
         self.clip_grad = clip_grad
+        expert_ids = {id(p) for p in _split_expert_params(model)}
+        self.is_expert = [id(p) in expert_ids for p in self.params]
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Average every main_grad over the data-parallel ranks, in place (no-op on one rank)."""
+        d = self.dist
+        if d is None or not d.enabled:
+            return
+        dense = [p.main_grad for p, e in zip(self.params, self.is_expert, strict=True) if not e]
+        experts = [p.main_grad for p, e in zip(self.params, self.is_expert, strict=True) if e]
+        for grads, group in ((dense, None), (experts, d.expert_dp_group)):
+            if not grads:
+                continue
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group)
+            # each expert's gradient already sums the tokens of its whole EP group
+            flat.div_(d.world)
+            torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
+
+    def _clip(self) -> torch.Tensor:
+        """Clip the masters' gradients to `clip_grad` (global L2 norm); returns the norm."""
+        d = self.dist
+        if d is None or d.ep_size == 1 or not any(self.is_expert):
+            return torch.nn.utils.clip_grad_norm_(self.masters, self.clip_grad, foreach=True)
+        grads = [m.grad for m in self.masters]
+        sq = torch.stack(torch._foreach_norm(grads)).square()
+        expert = torch.tensor(self.is_expert, device=sq.device)
+        dense_sq, expert_sq = sq[~expert].sum(), sq[expert].sum()
+        dist.all_reduce(expert_sq, group=d.ep_group)  # the other ranks' experts
+        norm = (dense_sq + expert_sq).sqrt()
+        coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef)
+        return norm
 
     def zero_grad(self) -> None:
         torch._foreach_zero_([p.main_grad for p in self.params])
@@ -56,7 +100,7 @@ class MainGradAdamW:
     @torch.no_grad()
     def step(self, lr: float) -> torch.Tensor:
         """Clip, update the masters, copy them into the parameters; returns the grad norm (device)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.masters, self.clip_grad, foreach=True)
+        norm = self._clip()
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
@@ -65,3 +109,12 @@ class MainGradAdamW:
 
     def state_dict(self) -> dict:
         return {"adamw": self.opt.state_dict(), "masters": [m.detach() for m in self.masters]}
+
+
+def _split_expert_params(model: nn.Module) -> list:
+    """The parameters of routed experts that are split across ranks (their MoE has `ep`)."""
+    out = []
+    for m in model.modules():
+        if getattr(m, "ep", None) is not None and hasattr(m, "experts"):
+            out.extend(m.experts.parameters())
+    return out
