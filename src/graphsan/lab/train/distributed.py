@@ -134,13 +134,8 @@ def setup(device: torch.device, ep_size: int, timeout_minutes: float, environ=No
     """Join the job torchrun started (a no-op for one process) and build the EP groups."""
     rank, world, local = world_from_env(environ)
     if world == 1:
-        if ep_size != 1:
-            raise DistributedError(
-                f"--expert-model-parallel-size {ep_size}: one process; expected 1 (or launch "
-                f"{ep_size} or more processes with torchrun)"
-            )
         return Dist()
-    if world % ep_size:
+    if world % ep_size:  # TrainConfig.validate says so first; this guards other callers
         raise DistributedError(
             f"--expert-model-parallel-size {ep_size}: {world} processes; expected a divisor of "
             "the number of processes"

@@ -56,6 +56,7 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)  # LM loss per step (mean over microbatches)
     mtp_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # per step, before clipping
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (iteration, loss)
     main_grads: list[dict] = field(default_factory=list)  # per step: {param name: fp32 cpu}
     recipe_table: list[tuple[str, str]] = field(default_factory=list)
@@ -244,11 +245,6 @@ def train(cfg: TrainConfig, console=None, callbacks: Sequence[Callback] = ()) ->
 def join(cfg: TrainConfig) -> Dist:
     """This process's place in the job (torchrun's environment; one process without it)."""
     if cfg.world_size == 1:
-        if cfg.expert_model_parallel_size != 1:
-            raise ConfigError(
-                f"--expert-model-parallel-size {cfg.expert_model_parallel_size}: one process; "
-                "expected 1 (or launch that many processes with torchrun)"
-            )
         return Dist()
     try:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -363,7 +359,7 @@ class Trainer:
     def train(self) -> TrainResult:
         cfg, result = self.cfg, self.result
         self._print_header()
-        losses, mtp_losses = [], []
+        losses, mtp_losses, norms = [], [], []
         with _manual_gc(cfg.manual_gc_interval):
             self.model.train()
             for it in range(1, cfg.train_iters + 1):
@@ -373,6 +369,7 @@ class Trainer:
                 lm, mtp, norm = self.train_step(it)
                 losses.append(lm)
                 mtp_losses.append(mtp)
+                norms.append(norm)
                 for cb in self.callbacks:
                     cb.on_step_end(it)
                 self._log(it, losses, mtp, norm)
@@ -381,6 +378,7 @@ class Trainer:
             steady_s = self.clock.steady_seconds()
         result.losses = [x.item() for x in losses]
         result.mtp_losses = [x.item() for x in mtp_losses if x is not None]
+        result.grad_norms = [float(x) for x in norms]
         steady_iters = self.clock.steady_iters
         if steady_iters and steady_s > 0:
             result.step_ms = 1000 * steady_s / steady_iters
