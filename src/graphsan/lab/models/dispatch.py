@@ -109,32 +109,3 @@ def dispatch_and_run(
     inverse = sorted(range(len(order)), key=lambda i: order[i])
     out = _reorder(out, sizes_sorted, inverse)
     return _AllToAll.apply(out, send_splits, recv_splits, ep.group), total
-
-
-def shard_experts(model: nn.Module, ep: ExpertParallel) -> None:
-    """Keep only this rank's experts in every LatentMoE of `model` (weights copied from the
-    full model's, so a run with EP starts from the same weights as one without)."""
-    from graphsan.lab.models.layers import GroupedMLP
-    from graphsan.lab.models.moe import LatentMoE
-
-    for m in model.modules():
-        if not isinstance(m, LatentMoE):
-            continue
-        a, full = m.args, m.experts
-        if a.num_experts % ep.size:
-            raise ValueError(
-                f"--expert-model-parallel-size {ep.size}: the model has {a.num_experts} experts; "
-                "expected a divisor of the expert count"
-            )
-        lo, hi = ep.first_expert, ep.first_expert + ep.local_experts
-        local = GroupedMLP(
-            ep.local_experts,
-            a.moe_latent_size,
-            a.moe_ffn_hidden_size,
-            row_multiple=a.moe_pad_multiple,
-            device=full.fc1.weight.device,
-        )
-        with torch.no_grad():
-            local.fc1.weight.copy_(full.fc1.weight[lo:hi])
-            local.fc2.weight.copy_(full.fc2.weight[lo:hi])
-        m.experts, m.ep = local, ep

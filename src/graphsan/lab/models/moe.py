@@ -14,9 +14,9 @@ past the real total are zero with probability 0. The experts take the padded per
 device offsets (their cumulative sum) and run grouped GEMMs over the whole buffer: no host sync
 there either (rows past the total contribute nothing; tests/lab/test_capture_safety.py checks
 the path for syncs). They run eagerly, as Megatron's routed experts do; no sync stands in the way
-of capturing them later. With expert parallelism (`ep`, set by `dispatch.shard_experts`) the
-experts are this rank's share and the rows travel by all-to-all (lab/models/dispatch.py), which
-needs the split sizes on the host: that part stays eager, as Megatron's token dispatcher does.
+of capturing them later. With expert parallelism (`ep`, set by `shard_experts`) the experts are
+this rank's share and the rows travel by all-to-all (lab/models/dispatch.py), which needs the
+split sizes on the host: that part stays eager, as Megatron's token dispatcher does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from graphsan.lab.models.args import ModelArgs
-from graphsan.lab.models.dispatch import dispatch_and_run
+from graphsan.lab.models.dispatch import ExpertParallel, dispatch_and_run
 from graphsan.lab.models.layers import MLP, GroupedMLP
 from graphsan.lab.quant import QuantLinear
 
@@ -164,3 +164,29 @@ class LatentMoE(nn.Module):
         n = x.shape[0] * x.shape[1]
         routed = self.experts_and_combine(*pre, num_tokens=n)
         return self.fc2_latent(routed).reshape(x.shape) + shared
+
+
+def shard_experts(model: nn.Module, ep: ExpertParallel) -> None:
+    """Keep only this rank's experts in every LatentMoE of `model` (weights copied from the
+    full model's, so a run with EP starts from the same weights as one without)."""
+    for m in model.modules():
+        if not isinstance(m, LatentMoE):
+            continue
+        a, full = m.args, m.experts
+        if a.num_experts % ep.size:
+            raise ValueError(
+                f"--expert-model-parallel-size {ep.size}: the model has {a.num_experts} experts; "
+                "expected a divisor of the expert count"
+            )
+        lo, hi = ep.first_expert, ep.first_expert + ep.local_experts
+        local = GroupedMLP(
+            ep.local_experts,
+            a.moe_latent_size,
+            a.moe_ffn_hidden_size,
+            row_multiple=a.moe_pad_multiple,
+            device=full.fc1.weight.device,
+        )
+        with torch.no_grad():
+            local.fc1.weight.copy_(full.fc1.weight[lo:hi])
+            local.fc2.weight.copy_(full.fc2.weight[lo:hi])
+        m.experts, m.ep = local, ep

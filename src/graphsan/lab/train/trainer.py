@@ -31,7 +31,7 @@ import torch
 
 import graphsan
 from graphsan.lab.models import build_model, count_parameters, get_preset
-from graphsan.lab.models.dispatch import shard_experts
+from graphsan.lab.models.moe import shard_experts
 from graphsan.lab.quant import (
     PrecisionConfig,
     PrecisionConfigError,
