@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from graphsan.lab.train.config import ConfigError, TrainConfig
-from graphsan.lab.train.distributed import DistributedError, world_from_env
+from graphsan.lab.train.distributed import (
+    DistributedError,
+    check_device_for_rank,
+    world_from_env,
+)
 from graphsan.lab.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,6 +162,21 @@ def test_torchrun_environment_is_read_and_checked():
         world_from_env(dict(env, WORLD_SIZE="two"))
     with pytest.raises(DistributedError, match="MASTER_PORT not set"):
         world_from_env({k: v for k, v in env.items() if k != "MASTER_PORT"})
+
+
+def test_each_rank_trains_on_its_own_gpu_or_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert check_device_for_rank("auto", 1) == check_device_for_rank("cuda", 1) == "cuda:1"
+    assert check_device_for_rank("cpu", 1) == "cpu"
+    with pytest.raises(
+        DistributedError, match="LOCAL_RANK 2 needs GPU cuda:2, but this machine has 2"
+    ):
+        check_device_for_rank("cuda", 2)
+    with pytest.raises(DistributedError, match="each rank trains on cuda:LOCAL_RANK"):
+        check_device_for_rank("cuda:0", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert check_device_for_rank("auto", 1) == "auto"  # left to resolve_device: the CPU, gloo
 
 
 def test_expert_parallel_size_must_divide_ranks_and_experts():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import traceback
 
@@ -68,6 +69,8 @@ def run_child(
     case = BY_NUMBER[n]
     startup = {"imports": since_start()}
     if torch.cuda.is_available():
+        # one rank of several: its own GPU, before graphsan watches "the" device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.zeros(1, device="cuda")  # the CUDA context, on its own
         torch.cuda.synchronize()
         startup["cuda context"] = since_start()

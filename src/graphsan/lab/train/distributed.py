@@ -127,6 +127,11 @@ def check_device_for_rank(device_name: str, local_rank: int) -> str:
                 f"GPU(s); expected --nproc-per-node <= {n} (or --device cpu)"
             )
         return f"cuda:{local_rank}"
+    if device_name.startswith("cuda:"):
+        raise DistributedError(
+            f"--device {device_name}: under torchrun each rank trains on cuda:LOCAL_RANK; "
+            "expected --device cuda (or auto)"
+        )
     return device_name
 
 
