@@ -211,6 +211,7 @@ def test_two_gpus_match_one_gpu_with_cuda_graphs(tmp_path):
         cuda_graph_modules=["attn", "mamba", "moe_router", "moe_preprocess"],
         cuda_graph_warmup_steps=2,
         capture_grads=(),
+        model_overrides={},
     )
     one = run_ranks_n(cfg, tmp_path / "one", 1)[0]
     two = run_ranks_n(dict(cfg, expert_model_parallel_size=2), tmp_path / "two", 2)

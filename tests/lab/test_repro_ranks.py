@@ -7,10 +7,13 @@ that plays a rank."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from graphsan.cli import main
@@ -137,3 +140,22 @@ def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch, capsys):
     ]
     assert main(["repro", "--nproc", "0"]) == 2
     assert "--nproc 0: expected >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_case_4_on_two_gpus_stops_the_replay_on_every_rank(tmp_path):
+    """The real thing: case 4 and control 2 as two-rank NCCL jobs; case 4 is stopped by graphsan
+    on both ranks, control 2 trains through on both, the ranks' reports are merged."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (one per rank)")
+    reports = tmp_path / "reports"
+    cmd = [sys.executable, "-m", "graphsan.cli", "repro", "--nproc", "2", "--case", "2"]
+    cmd += ["--case", "4", "--report", str(reports), "--json", str(tmp_path / "r.json")]
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rows = {r["case"]["case"]: r["result"] for r in json.loads((tmp_path / "r.json").read_text())}
+    assert [x["outcome"] for x in rows[2]["ranks"]] == ["trained through"] * 2
+    assert [x["outcome"] for x in rows[4]["ranks"]] == ["StaleMemoryError"] * 2
+    assert sorted(p.name for p in reports.iterdir()) == ["case4.rank0.json", "case4.rank1.json"]
+    assert "seen on rank 0, rank 1:" in rows[4]["report"]
