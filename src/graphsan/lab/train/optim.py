@@ -6,11 +6,13 @@ drops the .grad. `main_grad` buffers are zeroed in place (`zero_()`, never reall
 backward graphs hold their addresses), and parameters are updated in place (`copy_`) for the same
 reason.
 
-Data parallel (`dist`, lab/train/distributed.py): `reduce_grads()` averages the main_grads over
-the ranks after the last backward of a step, eagerly, flattened into one all-reduce per group:
-the dense parameters over every rank, the routed experts (when split across ranks) over the ranks
-that hold the same experts. Every rank then holds the gradient of the global batch's loss and
-takes the same step. With experts split, the clipping norm adds the other ranks' experts.
+Data parallel (`dist`, lab/train/distributed.py): the main_grads become views into one
+contiguous fp32 buffer per group, as Megatron's grad buffer (allocated once, before any capture,
+so the backward graphs accumulate into it), and `reduce_grads()` averages each buffer over its
+ranks after the last backward of a step, eagerly, in one all-reduce: the dense parameters over
+every rank, the routed experts (when split across ranks) over the ranks that hold the same
+experts. Every rank then holds the gradient of the global batch's loss and takes the same step.
+With experts split, the clipping norm adds the other ranks' experts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def _accumulate_into_main_grad(p: torch.Tensor) -> None:
@@ -44,6 +45,9 @@ class MainGradAdamW:
             if not hasattr(p, "main_grad"):
                 p.main_grad = torch.zeros_like(p, dtype=torch.float32)
                 p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+        expert_ids = {id(p) for p in _split_expert_params(model)}
+        self.is_expert = [id(p) in expert_ids for p in self.params]
+        self.buffers = self._grad_buffers() if dist is not None and dist.enabled else []
         self.masters = [p.detach().float().clone() for p in self.params]
         for m, p in zip(self.masters, self.params, strict=True):
             m.grad = p.main_grad  # the optimizer reads main_grad directly
@@ -59,25 +63,34 @@ class MainGradAdamW:
             eps=eps,
         )
         self.clip_grad = clip_grad
-        expert_ids = {id(p) for p in _split_expert_params(model)}
-        self.is_expert = [id(p) in expert_ids for p in self.params]
+
+    @torch.no_grad()
+    def _grad_buffers(self) -> list[tuple[torch.Tensor, object]]:
+        """[(buffer, process group)]: the dense main_grads in one buffer (every rank), the split
+        experts' in another (the ranks holding the same experts); main_grads become views."""
+        out = []
+        for expert, group in ((False, None), (True, self.dist.expert_dp_group)):
+            params = [p for p, e in zip(self.params, self.is_expert, strict=True) if e == expert]
+            if not params:
+                continue
+            numel = sum(p.main_grad.numel() for p in params)
+            buf = torch.zeros(numel, device=params[0].main_grad.device, dtype=torch.float32)
+            offset = 0
+            for p in params:
+                n = p.main_grad.numel()
+                view = buf[offset : offset + n].view_as(p.main_grad)
+                view.copy_(p.main_grad)
+                p.main_grad, offset = view, offset + n
+            out.append((buf, group))
+        return out
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """Average every main_grad over the data-parallel ranks, in place (no-op on one rank)."""
-        d = self.dist
-        if d is None or not d.enabled:
-            return
-        dense = [p.main_grad for p, e in zip(self.params, self.is_expert, strict=True) if not e]
-        experts = [p.main_grad for p, e in zip(self.params, self.is_expert, strict=True) if e]
-        for grads, group in ((dense, None), (experts, d.expert_dp_group)):
-            if not grads:
-                continue
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=group)
+        for buf, group in self.buffers:
+            dist.all_reduce(buf, group=group)
             # each expert's gradient already sums the tokens of its whole EP group
-            flat.div_(d.world)
-            torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
+            buf.div_(self.dist.world)
 
     def _clip(self) -> torch.Tensor:
         """Clip the masters' gradients to `clip_grad` (global L2 norm); returns the norm."""
