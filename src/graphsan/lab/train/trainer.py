@@ -229,8 +229,9 @@ def train(cfg: TrainConfig, console=None, callbacks: Sequence[Callback] = ()) ->
     """Train as `cfg` says; `callbacks` are told when the model is built and each step ends.
     Under torchrun every rank calls this; rank 0 prints, every rank returns the same losses."""
     cfg.validate()
-    if cfg.dry_run:
-        with Metrics(cfg.train_iters, quiet=cfg.quiet, console=console) as metrics:
+    if cfg.dry_run:  # nothing to share: under torchrun rank 0 alone prints it
+        quiet = cfg.quiet or os.environ.get("RANK", "0") != "0"
+        with Metrics(cfg.train_iters, quiet=quiet, console=console) as metrics:
             dry_run(cfg, metrics)
         return TrainResult()
     dist = join(cfg)
