@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="graphsan repro",
         description="The Transformer Engine #3316 scenario matrix: each case in its own process "
-        "on one NVIDIA GPU; exits 1 when a case does not end as expected.",
+        "on one NVIDIA GPU (or as N ranks on N GPUs with --nproc); exits 1 when a case does not "
+        "end as expected.",
         formatter_class=DefaultsHelpFormatter,
     )
     add_arguments(parser)

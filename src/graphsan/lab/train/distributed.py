@@ -75,10 +75,6 @@ class Dist:
             dist.all_reduce(t, group=group)
         return t
 
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
