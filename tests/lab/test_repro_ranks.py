@@ -50,6 +50,30 @@ RANK_PROGRAM = textwrap.dedent(
 )
 
 
+# a real rank: the child's own code, with the case trained on the CPU (tiny preset, gloo)
+CPU_CHILD = textwrap.dedent(
+    """
+    import dataclasses, json, sys
+    from graphsan.lab.repro import child
+    n, reference, result = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+    config = child.case_config
+
+    seen = {}
+
+    def cpu_config(case, preset, reference, mamba_heads=0, world_size=1):
+        seen["world size"] = world_size
+        cfg = config(case, "tiny", reference, mamba_heads, world_size)
+        return dataclasses.replace(cfg, device="cpu", seq_length=32, save=result + ".ckpt")
+
+    child.case_config = cpu_config
+    res = child.run_child(n, "tiny", reference)
+    res.startup.update(seen)
+    with open(result, "w") as fh:
+        json.dump(res.to_dict(), fh)
+    """
+)
+
+
 def fake_ranks(monkeypatch, tmp_path, hang: bool):
     program = tmp_path / "rank.py"
     program.write_text(RANK_PROGRAM)
@@ -63,6 +87,30 @@ def fake_ranks(monkeypatch, tmp_path, hang: bool):
         monkeypatch.setenv("FAKE_HANG", "1")
     else:
         monkeypatch.delenv("FAKE_HANG", raising=False)
+
+
+def test_a_case_trains_on_two_ranks_through_the_child_code_and_compares_with_eager(
+    monkeypatch, tmp_path
+):
+    """Case 6 (fixed policy, compared with eager) as two gloo ranks, the experts split across
+    them: both ranks train through with the same (all-reduced) losses, and the eager reference,
+    also on two ranks, agrees."""
+    program = tmp_path / "child.py"
+    program.write_text(CPU_CHILD)
+
+    def command(case, preset, reference, mamba_heads, result_path, report_path=None):
+        return [sys.executable, str(program), str(case.n), "1" if reference else "0", result_path]
+
+    monkeypatch.setattr(runner, "child_command", command)
+    monkeypatch.setenv("PYTHONPATH", SRC)
+    case = repro.BY_NUMBER[6]
+    results = runner.run_matrix([case], "tiny", jobs=2, timeout=240, nproc=2)
+    ((_, res),) = results
+    assert [x["outcome"] for x in res.ranks] == ["trained through"] * 2
+    assert res.startup["world size"] == 2  # the case's configuration knew of both ranks
+    assert len(res.losses) == repro.ITERS
+    assert res.rel_diff_after_eval is not None and res.rel_diff_after_eval < repro.LOSS_RTOL
+    assert res.matched, res.mismatch
 
 
 def test_a_case_on_two_ranks_gets_torchrun_env_and_merges_what_each_saw(monkeypatch, tmp_path):
