@@ -2,18 +2,28 @@
 the fixed state policy vs TE 2.18's (te218, no validation so it cannot fault).
 
     PYTHONPATH=src python3 bench/bench_train.py [--preset small] [--iters 10] [--out FILE]
+    PYTHONPATH=src python3 bench/bench_train.py --nproc 2 [--ep 2] [--variants ...]
 
 Prints a table of step times and ratios (graphed speed-up over eager of the same recipe mix);
 with --out, also writes it, with date, GPU, torch and the command, to FILE (the numbers go into
 docs/PERF.md's "Trainer" section by hand). Never asserts timings.
+
+`--nproc N` is weak scaling: every variant runs under torchrun on 1 GPU and on N GPUs with the
+same per-GPU batch (the global batch grows N times), and the table gives the throughput of N
+GPUs over one GPU's and, on N GPUs, graphed against eager. `--ep` splits the routed experts
+across that many of the N ranks (default 1: data parallel only).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -76,7 +86,97 @@ def out_problem(path: str | None) -> str | None:
     return None
 
 
+def worker(cfg_json: str, result_path: str) -> int:
+    """One rank of a torchrun job (--worker): train, rank 0 writes the result."""
+    r = train(TrainConfig(**json.loads(cfg_json)))
+    if os.environ.get("RANK", "0") == "0":
+        with open(result_path, "w") as fh:
+            json.dump(
+                {"step_ms": r.step_ms, "tokens_per_s": r.tokens_per_s, "loss": r.losses[-1]}, fh
+            )
+    return 0
+
+
+def run_ranks(cfg: TrainConfig, nproc: int) -> dict:
+    """`cfg` under torchrun on `nproc` processes; rank 0's result (step time, tokens/s)."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    fields["world_size"] = None  # each rank reads torchrun's WORLD_SIZE
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc-per-node={nproc}", __file__, "--worker", json.dumps(fields), path]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(path):
+            tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+            raise RuntimeError(f"{nproc} rank(s) failed (exit {proc.returncode}):\n{tail}")
+        with open(path) as fh:
+            return json.load(fh)
+
+
+def weak_scaling(a, names: list[str]) -> int:
+    """Every variant on 1 GPU and on N GPUs, same per-GPU batch; the table of ratios."""
+    n = a.nproc
+    rows = []
+    for name in names:
+        precision, scopes, state = VARIANTS[name]
+        per = {}
+        for nproc in (1, n):
+            cfg = TrainConfig(
+                preset=a.preset,
+                train_iters=a.iters,
+                cuda_graph_warmup_steps=a.warmup,
+                seq_length=a.seq_length,
+                micro_batch_size=a.micro_batch_size,
+                global_batch_size=a.global_batch_size * nproc,
+                precision_config=precision,
+                cuda_graph_modules=scopes,
+                state_policy=state,
+                expert_model_parallel_size=a.ep if nproc > 1 else 1,
+                world_size=nproc,
+                device=a.device,
+                quiet=True,
+                log_interval=10**6,
+            )
+            per[nproc] = run_ranks(cfg, nproc)
+            print(
+                f"{name:<28} {nproc} rank(s): {per[nproc]['step_ms']:8.1f} ms/step "
+                f"{per[nproc]['tokens_per_s']:12,.0f} tok/s",
+                flush=True,
+            )
+        rows.append((name, per[1], per[n]))
+    lines = [
+        f"| variant | 1 GPU tok/s | {n} GPUs tok/s | {n} GPUs / 1 GPU | {n} GPUs ms/step | "
+        f"vs eager on {n} GPUs |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    by_name = {name: many for name, _, many in rows}
+    for name, one, many in rows:
+        eager = by_name.get(name.split(" ")[0] + " eager")
+        vs = f"{eager['step_ms'] / many['step_ms']:.2f}x" if eager and many["step_ms"] else "-"
+        scale = many["tokens_per_s"] / one["tokens_per_s"] if one["tokens_per_s"] else 0.0
+        lines.append(
+            f"| {name} | {one['tokens_per_s']:,.0f} | {many['tokens_per_s']:,.0f} | "
+            f"{scale:.2f}x | {many['step_ms']:.1f} | {vs} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if a.out:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        with open(a.out, "w") as f:
+            f.write(
+                f"# Trainer weak scaling\n\nDate: {datetime.date.today()}  \nGPU: {n} x {gpu}  \n"
+                f"torch: {torch.__version__}  \nCommand: `PYTHONPATH=src python3 "
+                f"{' '.join(sys.argv)}`  \nSetup: preset {a.preset}, {a.iters} iterations, per "
+                f"GPU micro batch {a.micro_batch_size} x seq {a.seq_length}, per-GPU batch "
+                f"{a.global_batch_size} (global {a.global_batch_size} x GPUs), expert parallel "
+                f"{a.ep} on {n} GPUs.\n\n{table}\n"
+            )
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--iters", type=int, default=10)
@@ -86,6 +186,14 @@ def main() -> int:
     ap.add_argument("--global-batch-size", type=int, default=4)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="weak scaling: 1 vs N GPUs (torchrun), same per-GPU batch",
+    )
+    ap.add_argument("--ep", type=int, default=1, help="with --nproc: expert-parallel ranks")
+    ap.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: gloo, a smoke test)")
     a = ap.parse_args()
     problem = out_problem(a.out)
     if problem:  # before the runs, which take minutes
@@ -99,6 +207,22 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
+    if a.nproc:
+        gpus = torch.cuda.device_count() if a.device != "cpu" else a.nproc
+        if a.nproc < 2 or a.nproc > gpus:
+            print(
+                f"bench_train: --nproc {a.nproc}: expected 2 to {max(gpus, 2)} ranks, one GPU "
+                f"each (this machine has {torch.cuda.device_count()} GPU(s))",
+                file=sys.stderr,
+            )
+            return 2
+        if a.nproc % a.ep:
+            print(
+                f"bench_train: --ep {a.ep}: expected a divisor of --nproc {a.nproc}",
+                file=sys.stderr,
+            )
+            return 2
+        return weak_scaling(a, names)
     rows = {}
     for name in names:
         precision, scopes, state = VARIANTS[name]

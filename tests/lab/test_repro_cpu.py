@@ -47,8 +47,8 @@ def test_a_child_trains_case_1_eagerly_and_reports_losses_progress_and_startup(m
     the tiny preset, run by the child's code as the matrix runs it (graphs run eagerly here)."""
     config = repro.case_config
 
-    def cpu_config(case, preset, reference, mamba_heads=0):
-        cfg = config(case, "tiny", reference, mamba_heads)
+    def cpu_config(case, preset, reference, mamba_heads=0, world_size=1):
+        cfg = config(case, "tiny", reference, mamba_heads, world_size)
         return dataclasses.replace(cfg, device="cpu", seq_length=32, save="/tmp/graphsan-child")
 
     monkeypatch.setattr(child, "case_config", cpu_config)
@@ -147,7 +147,7 @@ def test_timeline_and_iteration_come_from_the_child_progress_lines():
 
 
 def _fake_spawn(outcomes: dict[int, dict], spawned: list | None = None):
-    def fake_spawn(case, preset, reference=False, timeout=300, threads=0, mamba_heads=0):
+    def fake_spawn(case, preset, reference=False, timeout=300, threads=0, mamba_heads=0, **_):
         if spawned is not None:
             spawned.append((case.n, reference, threads, mamba_heads))
         losses = [5.0 - 0.1 * i for i in range(repro.ITERS)]

@@ -1,4 +1,4 @@
-"""Latent mixture of experts (Nemotron 3 Super's LatentMoE), single rank, dropless.
+"""Latent mixture of experts (Nemotron 3 Super's LatentMoE), dropless.
 
     router (full hidden state, fp32 logits, sigmoid, expert bias for selection only, top-k,
             normalise, scale)
@@ -14,7 +14,9 @@ past the real total are zero with probability 0. The experts take the padded per
 device offsets (their cumulative sum) and run grouped GEMMs over the whole buffer: no host sync
 there either (rows past the total contribute nothing; tests/lab/test_capture_safety.py checks
 the path for syncs). They run eagerly, as Megatron's routed experts do; no sync stands in the way
-of capturing them later.
+of capturing them later. With expert parallelism (`ep`, set by `shard_experts`) the experts are
+this rank's share and the rows travel by all-to-all (lab/models/dispatch.py), which needs the
+split sizes on the host: that part stays eager, as Megatron's token dispatcher does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from graphsan.lab.models.args import ModelArgs
+from graphsan.lab.models.dispatch import ExpertParallel, dispatch_and_run
 from graphsan.lab.models.layers import MLP, GroupedMLP
 from graphsan.lab.quant import QuantLinear
 
@@ -120,6 +123,7 @@ class LatentMoE(nn.Module):
             args.hidden_size, args.moe_shared_expert_intermediate_size, device=device
         )
         self.fc2_latent = QuantLinear(args.moe_latent_size, args.hidden_size, device=device)
+        self.ep = None  # an ExpertParallel when the experts are split across ranks
 
     def preprocess(self, x: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor):
         """fc1_latent, routing-map padding and permutation (static shapes, graph-capturable)."""
@@ -140,8 +144,14 @@ class LatentMoE(nn.Module):
     def experts_and_combine(self, permuted, probs, token, tokens_per_expert, num_tokens: int):
         """Run the experts on their rows (grouped GEMMs, no host sync), weight by prob, sum per
         token."""
-        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        out = self.experts(permuted, offsets)
+        if self.ep is not None:
+            out, total = dispatch_and_run(
+                self.ep, self.experts, permuted, tokens_per_expert, self.args.moe_pad_multiple
+            )
+            token, probs = token[:total], probs[:total]
+        else:
+            offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+            out = self.experts(permuted, offsets)
         combined = torch.zeros(num_tokens, out.shape[1], device=out.device)
         return combined.index_add_(0, token, out.float() * probs.unsqueeze(-1)).to(permuted.dtype)
 
@@ -154,3 +164,29 @@ class LatentMoE(nn.Module):
         n = x.shape[0] * x.shape[1]
         routed = self.experts_and_combine(*pre, num_tokens=n)
         return self.fc2_latent(routed).reshape(x.shape) + shared
+
+
+def shard_experts(model: nn.Module, ep: ExpertParallel) -> None:
+    """Keep only this rank's experts in every LatentMoE of `model` (weights copied from the
+    full model's, so a run with EP starts from the same weights as one without)."""
+    for m in model.modules():
+        if not isinstance(m, LatentMoE):
+            continue
+        a, full = m.args, m.experts
+        if a.num_experts % ep.size:
+            raise ValueError(
+                f"--expert-model-parallel-size {ep.size}: the model has {a.num_experts} experts; "
+                "expected a divisor of the expert count"
+            )
+        lo, hi = ep.first_expert, ep.first_expert + ep.local_experts
+        local = GroupedMLP(
+            ep.local_experts,
+            a.moe_latent_size,
+            a.moe_ffn_hidden_size,
+            row_multiple=a.moe_pad_multiple,
+            device=full.fc1.weight.device,
+        )
+        with torch.no_grad():
+            local.fc1.weight.copy_(full.fc1.weight[lo:hi])
+            local.fc2.weight.copy_(full.fc2.weight[lo:hi])
+        m.experts, m.ep = local, ep

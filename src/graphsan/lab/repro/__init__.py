@@ -1,4 +1,4 @@
-"""`graphsan repro`: the Transformer Engine #3316 scenario matrix on one GPU.
+"""`graphsan repro`: the Transformer Engine #3316 scenario matrix on one GPU (or N).
 
 Each case trains the `small` hybrid in its own process with
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, per-module CUDA graphs, and validation,
@@ -11,6 +11,7 @@ the buggy policy unchanged); 8 is a prediction the report did not test, and 9 is
     graphsan repro              # every case, a table at the end
     graphsan repro --case 4     # one case (repeatable)
     graphsan repro --list       # the cases, no GPU needed (--json: as JSON)
+    graphsan repro --nproc 2    # each case as a two-rank torch.distributed job (2 GPUs)
 
 Each case has a typed expected outcome (a set where runs legitimately showed more than one, see
 docs/te-3316.md); the table says whether each case matched, and the command exits 1 when one did

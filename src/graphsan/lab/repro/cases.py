@@ -27,6 +27,9 @@ class Outcome(str, enum.Enum):
     ILLEGAL_MEMORY_ACCESS = "illegal memory access"
     DEVICE_SIDE_ASSERT = "device-side assert"  # a kernel's bounds check, on indices overwritten
     SILENT_CORRUPTION = "silent corruption"  # a NaN or infinite loss, or losses off eager's
+    # one rank of several: stopped while another rank had failed (killed while waiting in a
+    # collective, or a collective's error because the peer was gone)
+    PEER_FAILED = "stopped after a peer rank failed"
     OTHER = "other"  # any other error, a process that died or overran its time
 
     @classmethod
@@ -184,15 +187,23 @@ CASES = [
 BY_NUMBER = {c.n: c for c in CASES}
 
 
-def case_config(case: Case, preset: str, reference: bool, mamba_heads: int = 0):
-    """The training configuration of a case (`reference`: its eager, fixed-policy twin)."""
+def case_config(
+    case: Case, preset: str, reference: bool, mamba_heads: int = 0, world_size: int = 1
+):
+    """The training configuration of a case (`reference`: its eager, fixed-policy twin). On
+    `world_size` ranks every rank trains what one GPU does (two microbatches, so the graphs per
+    microbatch are the same) and the routed experts are split across the ranks, as in the
+    reported job."""
     from graphsan.lab.train.config import TrainConfig
 
     return TrainConfig(
         preset=preset,
         train_iters=ITERS,
         micro_batch_size=1,
-        global_batch_size=2,
+        global_batch_size=2 * world_size,
+        world_size=world_size,
+        expert_model_parallel_size=world_size,
+        distributed_timeout_minutes=5,
         seq_length=256,
         eval_interval=EVAL_AT,
         eval_iters=1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import traceback
 
@@ -53,16 +54,23 @@ def first_finding(findings) -> str:
     return one_line(findings[0])
 
 
-def run_child(n: int, preset: str, reference: bool, mamba_heads: int = 0) -> CaseResult:
-    """Run case `n` (or its eager reference) in this process; return what happened."""
+def run_child(
+    n: int, preset: str, reference: bool, mamba_heads: int = 0, report: str | None = None
+) -> CaseResult:
+    """Run case `n` (or its eager reference) in this process, one rank of several under
+    torchrun's environment; return what happened. `report`: where graphsan's JSON report goes
+    (when the case runs graphsan)."""
     import torch
 
     import graphsan
+    from graphsan.lab.train.distributed import world_from_env
     from graphsan.lab.train.trainer import TrainingDiverged, train
 
     case = BY_NUMBER[n]
     startup = {"imports": since_start()}
     if torch.cuda.is_available():
+        # one rank of several: its own GPU, before graphsan watches "the" device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.zeros(1, device="cuda")  # the CUDA context, on its own
         torch.cuda.synchronize()
         startup["cuda context"] = since_start()
@@ -70,7 +78,7 @@ def run_child(n: int, preset: str, reference: bool, mamba_heads: int = 0) -> Cas
     san = None
     if case.graphsan != "off" and not reference:
         san = graphsan.enable(policy=case.graphsan)
-    cfg = case_config(case, preset, reference, mamba_heads)
+    cfg = case_config(case, preset, reference, mamba_heads, world_from_env()[1])
     out = CaseResult(startup=startup)
     try:
         result = train(cfg, callbacks=[progress])
@@ -94,6 +102,8 @@ def run_child(n: int, preset: str, reference: bool, mamba_heads: int = 0) -> Cas
         out.kinds = sorted({getattr(f.kind, "value", f.kind) for f in san.findings})
     if san is not None and san.pinner is not None:
         out.pinned = san.pinner.summary()
+    if san is not None and report:
+        san.report().save(report)
     if out.iteration is None and out.kind is not Outcome.TRAINED_THROUGH:
         out.iteration = progress.done + 1
     if torch.cuda.is_available():

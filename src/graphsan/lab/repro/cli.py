@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 
 from graphsan.lab.repro import runner
@@ -55,7 +57,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(or with -) to stdout, the tables then go to stderr",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds a case may take")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks per case: each case runs as a torch.distributed job of N processes (one "
+        "GPU each, NCCL; data parallel, the routed experts split across the ranks), as under "
+        "torchrun; the table says what each rank saw",
+    )
+    parser.add_argument(
+        "--report",
+        metavar="DIR",
+        help="write graphsan's JSON report of each case that runs it to DIR/caseN.json "
+        "(DIR/caseN.rankR.json per rank with --nproc; `graphsan report` merges them)",
+    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--report-file", help=argparse.SUPPRESS)
     parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
 
@@ -66,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="graphsan repro",
         description="The Transformer Engine #3316 scenario matrix: each case in its own process "
-        "on one NVIDIA GPU; exits 1 when a case does not end as expected.",
+        "on one NVIDIA GPU (or as N ranks on N GPUs with --nproc); exits 1 when a case does not "
+        "end as expected.",
         formatter_class=DefaultsHelpFormatter,
     )
     add_arguments(parser)
@@ -90,6 +109,8 @@ def _check_args(args: argparse.Namespace) -> str:
         return f"--jobs {args.jobs}: expected >= 0 (0: as many as the cases need)"
     if args.mamba_heads < 0:
         return f"--mamba-heads {args.mamba_heads}: expected >= 0 (0: the default width)"
+    if args.nproc < 1:
+        return f"--nproc {args.nproc}: expected >= 1 (ranks per case)"
     from graphsan.lab.models import PRESETS, get_preset
 
     if args.preset not in PRESETS:
@@ -105,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
     if args.child is not None:
         if not args.result:
             return _error("--child needs --result PATH (the file the parent reads)")
-        res = run_child(args.child, args.preset, args.reference, args.mamba_heads)
+        res = run_child(args.child, args.preset, args.reference, args.mamba_heads, args.report_file)
         with open(args.result, "w") as fh:
             json.dump(res.to_dict(), fh)
         return 0
@@ -140,19 +161,44 @@ def main(args: argparse.Namespace) -> int:
             "`graphsan train --preset tiny` runs the lab eagerly on CPU\n"
         )
         return 1
+    gpus = torch.cuda.device_count() if args.nproc > 1 else 1
+    if args.nproc > gpus:
+        return _error(
+            f"--nproc {args.nproc}: each rank needs a GPU of its own and this machine has "
+            f"{gpus}; expected --nproc <= {gpus}"
+        )
+    problem = _prepare_report_dir(args.report)
+    if problem:
+        return _error(problem)
     t0 = time.perf_counter()
-    results = runner.run_matrix(cases, args.preset, args.jobs, args.timeout, args.mamba_heads, out)
+    with tempfile.TemporaryDirectory(prefix="graphsan-repro-reports-") as scratch:
+        # on several ranks the reports are always written: the table's report merges them
+        report_dir = args.report or (scratch if args.nproc > 1 else None)
+        results = runner.run_matrix(
+            cases,
+            args.preset,
+            args.jobs,
+            args.timeout,
+            args.mamba_heads,
+            out,
+            nproc=args.nproc,
+            report_dir=report_dir,
+        )
     print_results(results, out)
     ref = next((r.reference_outcome for _, r in results if r.reference_outcome), None)
     if ref:
         print(f"\neager reference run (for the comparisons): {ref}", file=out)
-    print(
-        f"\nwhole matrix: {time.perf_counter() - t0:.0f} s wall on {torch.cuda.get_device_name()}",
-        file=out,
-    )
+    where = torch.cuda.get_device_name()
+    where = f"{args.nproc} x {where} ({args.nproc} ranks per case)" if args.nproc > 1 else where
+    print(f"\nwhole matrix: {time.perf_counter() - t0:.0f} s wall on {where}", file=out)
     for c, r in results:
         if r.report:
-            print(f"\ncase {c.n}, graphsan's report:\n{r.report}", file=out)
+            merged = " (the ranks' reports merged)" if r.ranks else ""
+            print(f"\ncase {c.n}, graphsan's report{merged}:\n{r.report}", file=out)
+    if args.report:
+        print(
+            f"\ngraphsan's reports: {args.report} (`graphsan report FILE...` reads them)", file=out
+        )
     rows = [{"case": c.to_dict(), "result": r.to_dict()} for c, r in results]
     if args.json is not None:
         _write_json(rows, args.json)
@@ -174,3 +220,21 @@ def _write_json(data, path: str) -> None:
         return
     with open(path, "w") as fh:
         json.dump(data, fh, indent=1, default=str)
+
+
+def _prepare_report_dir(path: str | None) -> str:
+    """Create the --report folder if needed and check it takes files ("" when fine)."""
+    if path is None:
+        return ""
+    from graphsan.command_line import CliError, check_output_file
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--report {path}: is a file; expected a folder"
+    try:
+        os.makedirs(path, exist_ok=True)
+        check_output_file(os.path.join(path, "case1.json"), "--report")
+    except OSError as err:
+        return f"--report {path}: cannot create the folder ({err.strerror})"
+    except CliError as err:
+        return str(err)
+    return ""

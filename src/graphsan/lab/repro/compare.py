@@ -52,4 +52,11 @@ def judge(case: Case, res: CaseResult) -> str:
         return f"expected graphsan's finding to name memory freed in {case.finding_freed_in}"
     if case.compare and kind is Outcome.TRAINED_THROUGH and res.rel_diff_after_eval is None:
         return f"expected a comparison with eager; {res.comparison or 'there was none'}"
+    # on several ranks, a rank that failed by itself failed as the case expects (one that
+    # trained through touched no stale memory; one that stopped waited for a failed peer)
+    for x in res.ranks:
+        rank_kind = Outcome.of(x["outcome"])
+        passive = (Outcome.TRAINED_THROUGH, Outcome.PEER_FAILED)
+        if rank_kind not in case.expected and rank_kind not in passive:
+            return f"rank {x['rank']} ended in {x['outcome']}; expected {' or '.join(case.expected_values())}"
     return ""

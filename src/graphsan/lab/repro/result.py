@@ -24,6 +24,7 @@ class CaseResult:
     pinned: dict | None = None  # the pin policy's summary
     startup: dict[str, float] = field(default_factory=dict)  # phase -> seconds after start
     # filled in by the parent
+    ranks: list[dict] = field(default_factory=list)  # on several ranks: what each one saw
     wall_s: float = 0.0
     timeline: list[float] = field(default_factory=list)  # seconds after start, per iteration
     log_tail: str = ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -11,20 +12,43 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from graphsan.lab.repro import logparse
-from graphsan.lab.repro.cases import Case
+from graphsan.lab.repro.cases import Case, Outcome
 from graphsan.lab.repro.compare import add_comparison, judge
 from graphsan.lab.repro.result import CaseResult
 
+# how long the other ranks may go on after one rank ended (a trained-through job ends within
+# a second on every rank; a rank still running is waiting in a collective for the one that ended)
+PEER_GRACE_S = 30.0
+
 
 def child_command(
-    case: Case, preset: str, reference: bool, mamba_heads: int, result_path: str
+    case: Case,
+    preset: str,
+    reference: bool,
+    mamba_heads: int,
+    result_path: str,
+    report_path: str | None = None,
 ) -> list[str]:
-    """The command line of one case's process."""
+    """The command line of one case's process (one rank's, on several)."""
     cmd = [sys.executable, "-m", "graphsan.cli", "repro", "--child", str(case.n)]
     cmd += ["--preset", preset, "--result", result_path]
     cmd += ["--reference"] if reference else []
     cmd += ["--mamba-heads", str(mamba_heads)] if mamba_heads else []
+    cmd += ["--report-file", report_path] if report_path else []
     return cmd
+
+
+def report_file(directory: str, case: Case, rank: int | None) -> str:
+    """Where a case's graphsan report goes: DIR/case4.json, or DIR/case4.rank1.json."""
+    name = f"case{case.n}" + ("" if rank is None else f".rank{rank}")
+    return os.path.join(directory, f"{name}.json")
+
+
+def free_port() -> int:
+    """A TCP port free now on this host, for the ranks' rendezvous (MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def spawn(
@@ -34,59 +58,161 @@ def spawn(
     timeout: float = 300,
     threads: int = 0,
     mamba_heads: int = 0,
+    nproc: int = 1,
+    report_dir: str | None = None,
+    grace: float = PEER_GRACE_S,
 ) -> CaseResult:
-    """Run one case in a child process; its output is read as it comes, so a case that hangs
-    or overruns still reports how far it got. `threads`: the child's CPU threads (0: torch's
-    default, one per core)."""
+    """Run one case in a child process, or in `nproc` child processes that form one
+    torch.distributed job as torchrun would start it (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT); their output is read as it comes, so a case that hangs or
+    overruns still reports how far it got. `threads`: each child's CPU threads (0: torch's
+    default, one per core). When one rank has ended and the others are still running `grace`
+    seconds later, they are waiting for it: they are stopped."""
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", PYTHONUNBUFFERED="1")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    # the result goes to a file of its own: merged stdout and stderr may interleave in a line
-    fd, result_path = tempfile.mkstemp(prefix=f"graphsan-repro-{case.n}-", suffix=".json")
-    os.close(fd)
-    cmd = child_command(case, preset, reference, mamba_heads, result_path)
+    ranks = list(range(nproc)) if nproc > 1 else [None]
+    if nproc > 1:
+        env.update(WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    want_report = report_dir is not None and case.graphsan != "off" and not reference
+    procs, paths = [], []
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",  # a stray byte must not stop the reader (and then the child)
-        env=env,
-    )
-    log, rc, timed_out = _pump(proc, timeout)
-    wall = time.perf_counter() - t0
-    try:
-        with open(result_path) as fh:
-            text = fh.read()
-    finally:
-        os.unlink(result_path)
-    if timed_out:
-        res = CaseResult(
-            outcome=f"timed out after {timeout:.0f} s",
-            iteration=logparse.last_logged_iteration(log),
+    for rank in ranks:
+        # the result goes to a file of its own: merged stdout and stderr may interleave in a line
+        fd, result_path = tempfile.mkstemp(prefix=f"graphsan-repro-{case.n}-", suffix=".json")
+        os.close(fd)
+        paths.append(result_path)
+        report = report_file(report_dir, case, rank) if want_report else None
+        cmd = child_command(case, preset, reference, mamba_heads, result_path, report)
+        rank_env = env if rank is None else dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",  # a stray byte must not stop the reader (and then the child)
+                env=rank_env,
+            )
         )
-    else:
-        res = logparse.result_of(text, log, rc)
-    res.wall_s = wall
-    res.timeline = logparse.iteration_times(log)
-    res.log_tail = log[-3000:]
-    return res
+    ended = _pump(procs, timeout, grace)
+    wall = time.perf_counter() - t0
+    results = []
+    for (log, rc, how), result_path in zip(ended, paths, strict=True):
+        try:
+            with open(result_path) as fh:
+                text = fh.read()
+        finally:
+            os.unlink(result_path)
+        if how == "timed out":
+            res = CaseResult(
+                outcome=f"timed out after {timeout:.0f} s",
+                iteration=logparse.last_logged_iteration(log),
+            )
+        elif how == "waited for a peer":
+            res = CaseResult(
+                outcome=Outcome.PEER_FAILED.value,
+                iteration=logparse.last_logged_iteration(log),
+                symptom=f"still running {grace:.0f} s after another rank ended: stopped",
+            )
+        else:
+            res = logparse.result_of(text, log, rc)
+        res.wall_s = wall
+        res.timeline = logparse.iteration_times(log)
+        res.log_tail = log[-3000:]
+        results.append(res)
+    if nproc == 1:
+        return results[0]
+    merged = combine(results)
+    reports = [report_file(report_dir, case, r) for r in ranks] if want_report else []
+    merged.report = merge_rank_reports(reports) or merged.report
+    return merged
 
 
-def _pump(proc: subprocess.Popen, timeout: float) -> tuple[str, int, bool]:
-    """(the process's whole output, its exit status, whether it was killed for overrunning);
-    a reader thread drains the pipe so a chatty child never blocks on it."""
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        rc, timed_out = proc.wait(timeout=timeout), False
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc, timed_out = proc.wait(), True
-    reader.join(timeout=10)
-    return "".join(lines), rc, timed_out
+def _pump(
+    procs: list[subprocess.Popen], timeout: float, grace: float
+) -> list[tuple[str, int, str]]:
+    """Per process: (its whole output, its exit status, how it ended: "exited", "timed out"
+    or "waited for a peer"); reader threads drain the pipes so a chatty child never blocks."""
+    logs: list[list[str]] = [[] for _ in procs]
+    readers = []
+    for proc, lines in zip(procs, logs, strict=True):
+        reader = threading.Thread(target=lambda p=proc, ln=lines: ln.extend(p.stdout), daemon=True)
+        reader.start()
+        readers.append(reader)
+    how = ["exited"] * len(procs)
+    start, first_end = time.monotonic(), None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first_end is None and any(p.poll() is not None for p in procs):
+            first_end = now
+        overrun = now - start > timeout
+        stuck = first_end is not None and now - first_end > grace
+        if overrun or stuck:
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    p.kill()
+                    how[i] = "timed out" if overrun else "waited for a peer"
+            break
+        time.sleep(0.05)
+    out = []
+    for proc, lines, reader, h in zip(procs, logs, readers, how, strict=True):
+        rc = proc.wait()
+        reader.join(timeout=10)
+        out.append(("".join(lines), rc, h))
+    return out
+
+
+def combine(results: list[CaseResult]) -> CaseResult:
+    """One result for a case run on several ranks: the first rank that failed by itself speaks
+    for the case (its outcome and finding; the iteration is the earliest any rank failed in),
+    the losses are rank 0's (averaged over the ranks), and `ranks` keeps what each rank saw.
+    A rank that failed only because another had (an error in a collective, or waiting until it
+    was stopped) counts as `Outcome.PEER_FAILED`."""
+    own = [r for r in results if r.kind not in (Outcome.TRAINED_THROUGH, Outcome.OTHER)]
+    own = [r for r in own if r.kind is not Outcome.PEER_FAILED]
+    for r in results:
+        if own and r.kind is Outcome.OTHER:
+            r.symptom = "; ".join(x for x in (r.outcome, r.symptom) if x)
+            r.outcome = Outcome.PEER_FAILED.value
+    failed = own or [r for r in results if r.kind is not Outcome.TRAINED_THROUGH]
+    base = failed[0] if failed else results[0]
+    merged = CaseResult.from_dict(base.to_dict())
+    iterations = [r.iteration for r in failed if r.iteration is not None]
+    merged.iteration = min(iterations) if iterations else base.iteration
+    with_losses = [r for r in results if r.losses]
+    if with_losses:
+        merged.losses, merged.eval_losses = with_losses[0].losses, with_losses[0].eval_losses
+    merged.timeline = results[0].timeline
+    merged.wall_s = max(r.wall_s for r in results)
+    merged.ranks = [
+        {
+            "rank": i,
+            "outcome": r.outcome,
+            "iteration": r.iteration,
+            "finding": r.finding,
+            "symptom": r.symptom,
+        }
+        for i, r in enumerate(results)
+    ]
+    return merged
+
+
+def merge_rank_reports(paths: list[str]) -> str:
+    """graphsan's per-rank reports merged into one summary ("" when none was written)."""
+    from graphsan.report import Report
+    from graphsan.report.ranks import merge_reports
+
+    found = [p for p in paths if os.path.exists(p)]
+    if not found:
+        return ""
+    reports = []
+    for p in found:
+        try:
+            reports.append(Report.load(p))
+        except ValueError as err:
+            return f"(the per-rank reports could not be merged: {err})"
+    return merge_reports(reports, found)
 
 
 def run_matrix(
@@ -96,6 +222,8 @@ def run_matrix(
     timeout: float = 300,
     mamba_heads: int = 0,
     out=None,
+    nproc: int = 1,
+    report_dir: str | None = None,
 ) -> list[tuple[Case, CaseResult]]:
     """Run the cases side by side; each finished case prints one line at once (a slow or hung
     case never hides the others' results). Every result is judged against its case's
@@ -106,15 +234,26 @@ def run_matrix(
     if jobs <= 0:
         jobs = min(len(cases) + (ref_case is not None), cores)
     # share the cores out: every process's torch would otherwise start one thread per core
-    threads = max(1, cores // jobs)
+    threads = max(1, cores // (jobs * nproc))
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         ref_future = (
-            pool.submit(spawn, ref_case, preset, True, timeout, threads, mamba_heads)
+            pool.submit(spawn, ref_case, preset, True, timeout, threads, mamba_heads, nproc=nproc)
             if ref_case
             else None
         )
         futures = {
-            pool.submit(spawn, c, preset, False, timeout, threads, mamba_heads): c for c in cases
+            pool.submit(
+                spawn,
+                c,
+                preset,
+                False,
+                timeout,
+                threads,
+                mamba_heads,
+                nproc=nproc,
+                report_dir=report_dir,
+            ): c
+            for c in cases
         }
         done: dict[int, CaseResult] = {}
         for fut in as_completed(futures):
@@ -134,8 +273,18 @@ def run_matrix(
 def _progress(case: Case, r: CaseResult) -> str:
     first = r.timeline[0] if r.timeline else "-"
     phases = ", ".join(f"{k} {v}" for k, v in r.startup.items())
-    return (
+    line = (
         f"case {case.n} ({case.title}): {r.outcome}, iteration {r.iteration or '-'}, "
         f"{r.wall_s:.0f} s (seconds after start: {phases + ', ' if phases else ''}"
         f"first iteration {first})"
     )
+    return line + (f"; {rank_summary(r)}" if r.ranks else "")
+
+
+def rank_summary(r: CaseResult) -> str:
+    """What each rank saw, in one line: `rank 0: StaleMemoryError (iteration 6); rank 1: ...`."""
+    parts = []
+    for x in r.ranks:
+        it = f" (iteration {x['iteration']})" if x.get("iteration") else ""
+        parts.append(f"rank {x['rank']}: {x['outcome']}{it}")
+    return "; ".join(parts)

@@ -25,13 +25,17 @@ def print_cases(cases: list[Case], out=None) -> None:
 
 
 def print_results(results: list[tuple[Case, CaseResult]], out=None) -> None:
+    """The results; on several ranks a column says what each rank saw."""
     out = out or sys.stdout
+    ranked = any(r.ranks for _, r in results)
     print(
         "| case | recipe | graphed modules | state | graphsan | outcome | as expected | "
-        "iteration | evidence | graphsan's finding | wall s |",
+        "iteration | evidence | graphsan's finding | "
+        + ("what each rank saw | " if ranked else "")
+        + "wall s |",
         file=out,
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|", file=out)
+    print("|---" * (12 if ranked else 11) + "|", file=out)
     for c, r in results:
         evidence = "; ".join(x for x in (r.symptom, r.comparison) if x)
         finding = r.finding
@@ -41,10 +45,21 @@ def print_results(results: list[tuple[Case, CaseResult]], out=None) -> None:
         print(
             f"| {c.n} | {c.precision} | {','.join(c.scopes)} | {c.state} | {c.graphsan} | "
             f"{r.outcome} | {_cell(matched)} | {r.iteration or '-'} | "
-            f"{_cell(evidence)} | {_cell(finding)} | {r.wall_s:.1f} |",
+            f"{_cell(evidence)} | {_cell(finding)} | "
+            + (f"{_cell(_ranks(r))} | " if ranked else "")
+            + f"{r.wall_s:.1f} |",
             file=out,
         )
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ") or "-"
+
+
+def _ranks(r: CaseResult) -> str:
+    """`rank 0: StaleMemoryError @6; rank 1: stopped after a peer rank failed @6`."""
+    parts = []
+    for x in r.ranks:
+        at = f" @{x['iteration']}" if x.get("iteration") else ""
+        parts.append(f"rank {x['rank']}: {x['outcome']}{at}")
+    return "; ".join(parts)

@@ -13,11 +13,26 @@ from pathlib import Path
 import torch
 
 
-def save_checkpoint(directory: str | Path, iteration: int, model, optimizer, *, empty_cache: bool):
+def save_checkpoint(
+    directory: str | Path,
+    iteration: int,
+    model,
+    optimizer,
+    *,
+    empty_cache: bool,
+    name: str = "latest.pt",
+    write: bool = True,
+):
+    """Write `name` in `directory` (unless `write` is False: a rank whose copy another rank
+    writes), then empty the CUDA cache if asked; returns the path."""
     directory = Path(directory)
+    path = directory / name
+    if not write:
+        if empty_cache and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return path
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "latest.pt"
-    tmp = directory / "latest.pt.tmp"
+    tmp = directory / f"{name}.tmp"
     state = {
         "iteration": iteration,
         "model": model.state_dict(),

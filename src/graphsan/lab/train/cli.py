@@ -4,6 +4,8 @@
     graphsan train --preset small --cuda-graph-modules attn mamba moe_router moe_preprocess \\
         --precision-config super-mixed --num-layers-at-end-in-bf16 2 --state-policy te218
     graphsan train --preset super --dry-run       # meta device: counts and recipe table only
+    torchrun --nproc-per-node 2 -m graphsan.cli train --preset small \
+        --expert-model-parallel-size 2            # data + expert parallel, rank 0 prints
 
 `run(argv) -> int` is what `graphsan train` calls (the parser is built only then);
 `python -m graphsan.lab.train ...` runs the same thing on its own.
@@ -36,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--global-batch-size",
         type=int,
         default=None,
-        help="sequences per iteration, a multiple of --micro-batch-size (default: "
-        "--micro-batch-size, one microbatch)",
+        help="sequences per iteration over all ranks, a multiple of --micro-batch-size x "
+        "ranks (default: --micro-batch-size x ranks, one microbatch per rank)",
     )
     a("--seq-length", type=int, default=d.seq_length, help="tokens per sequence")
     a("--lr", type=float, default=d.lr, help="AdamW learning rate (finite, >= 0)")
@@ -98,6 +100,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.num_layers_at_end_in_bf16,
         help="the last N layers run in BF16, whatever the precision file says",
     )
+    a(
+        "--expert-model-parallel-size",
+        type=int,
+        default=d.expert_model_parallel_size,
+        help="under torchrun: ranks that split the routed experts among them (a divisor of "
+        "the number of processes and of the expert count)",
+    )
+    a(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=d.distributed_timeout_minutes,
+        help="under torchrun: how long a collective may wait for the other ranks",
+    )
     a("--seed", type=int, default=d.seed, help="weights and data")
     a("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     a(
@@ -130,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         precision_config=args.precision_config,
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
         seed=args.seed,
         device=args.device,
         data_path=args.data_path,
@@ -140,7 +157,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _error(msg: str, status: int = 2) -> int:
-    print(f"graphsan train: error: {msg}", file=sys.stderr)
+    """One line on stderr; every rank of a torchrun job prints its own, named by its rank."""
+    from graphsan.sanitizer import rank_from_env
+
+    rank = rank_from_env()
+    who = f" [rank {rank}]" if rank is not None else ""
+    print(f"graphsan train{who}: error: {msg}", file=sys.stderr)
     return status
 
 

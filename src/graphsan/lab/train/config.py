@@ -25,7 +25,7 @@ class TrainConfig:
     preset: str = "tiny"
     train_iters: int = 20
     micro_batch_size: int = 2
-    global_batch_size: int | None = None  # default: micro_batch_size (one microbatch)
+    global_batch_size: int | None = None  # default: micro_batch_size x data-parallel ranks
     seq_length: int = 64
     lr: float = 3e-3
     lr_warmup_iters: int = 0
@@ -47,16 +47,27 @@ class TrainConfig:
     log_interval: int = 10
     dry_run: bool = False
     quiet: bool = False
+    expert_model_parallel_size: int = 1  # ranks that share the routed experts (torchrun)
+    distributed_timeout_minutes: float = 10.0  # a collective waiting longer fails
+    world_size: int | None = None  # data-parallel ranks; default: WORLD_SIZE (torchrun) or 1
     model_overrides: dict = field(default_factory=dict)  # ModelArgs fields (tests, benches)
     capture_grads: tuple = ()  # parameter names whose main_grad is returned for every step
 
     @property
     def num_microbatches(self) -> int:
-        return self.global_batch_size // self.micro_batch_size
+        """Microbatches per step on each rank (gradient accumulation steps)."""
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
 
     def validate(self) -> TrainConfig:
+        if self.world_size is None:
+            from graphsan.lab.train.distributed import DistributedError, world_from_env
+
+            try:
+                self.world_size = world_from_env()[1]
+            except DistributedError as err:
+                raise ConfigError(str(err)) from None
         if self.global_batch_size is None:
-            self.global_batch_size = self.micro_batch_size
+            self.global_batch_size = self.micro_batch_size * self.world_size
         if self.preset not in PRESETS:
             raise ConfigError(f"--preset {self.preset}: expected one of {', '.join(PRESETS)}")
         positive = (
@@ -65,6 +76,9 @@ class TrainConfig:
             "global_batch_size",
             "seq_length",
             "log_interval",
+            "world_size",
+            "expert_model_parallel_size",
+            "distributed_timeout_minutes",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -84,10 +98,17 @@ class TrainConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} {getattr(self, name)}: expected >= 0"
                 )
-        if self.global_batch_size % self.micro_batch_size:
+        if self.global_batch_size % (self.micro_batch_size * self.world_size):
+            ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
             raise ConfigError(
                 f"--global-batch-size {self.global_batch_size} is not a multiple of "
-                f"--micro-batch-size {self.micro_batch_size}"
+                f"--micro-batch-size {self.micro_batch_size}{ranks}"
+            )
+        ep = self.expert_model_parallel_size
+        if self.world_size % ep:
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep}: {self.world_size} process(es); expected a "
+                "divisor of the number of processes (torchrun --nproc-per-node x --nnodes)"
             )
         if (self.micro_batch_size * self.seq_length) % 32:
             raise ConfigError(
@@ -119,6 +140,12 @@ class TrainConfig:
             layers = len(get_preset(self.preset).replace(**self.model_overrides).pattern)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model_overrides {self.model_overrides}: {err}") from None
+        experts = get_preset(self.preset).replace(**self.model_overrides).num_experts
+        if experts % ep:
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep}: the {self.preset} model has {experts} "
+                "routed experts; expected a divisor of the expert count"
+            )
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             if getattr(self, name) > layers:
                 raise ConfigError(

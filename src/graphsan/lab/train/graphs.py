@@ -233,6 +233,9 @@ def capture(
     # an unreachable CUDA graph of an earlier run, which a capturing stream forbids (it
     # invalidates the capture; docs/te-3316.md, "Notes from the H200 runs").
     gc.collect()
+    # under torch.distributed, NCCL's watchdog thread polls events while we capture; a global
+    # capture mode would count its calls as illegal inside our capture
+    mode = "thread_local" if torch.distributed.is_initialized() else "global"
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -241,7 +244,10 @@ def capture(
             for st in stages:  # forward graphs, in execution order
                 x = sample()
                 g = torch.cuda.CUDAGraph()
-                with graphsan.label(f"{st.name} fwd mb{mb}"), torch.cuda.graph(g, pool=pool):
+                with (
+                    graphsan.label(f"{st.name} fwd mb{mb}"),
+                    torch.cuda.graph(g, pool=pool, capture_error_mode=mode),
+                ):
                     outs = _flat(st.fn(x))
                 live.append((st, x, g, outs))
             for st, x, g, outs in reversed(live):  # backward graphs, in reverse
@@ -249,7 +255,10 @@ def capture(
                 douts = [o for o in outs if o.requires_grad]
                 grad_bufs = tuple(torch.empty_like(o) for o in douts)
                 bg = torch.cuda.CUDAGraph()
-                with graphsan.label(f"{st.name} bwd mb{mb}"), torch.cuda.graph(bg, pool=pool):
+                with (
+                    graphsan.label(f"{st.name} bwd mb{mb}"),
+                    torch.cuda.graph(bg, pool=pool, capture_error_mode=mode),
+                ):
                     grads = torch.autograd.grad(
                         douts, [x, *st.params], grad_bufs, allow_unused=True
                     )

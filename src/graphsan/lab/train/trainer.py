@@ -9,6 +9,11 @@
 
 Megatron's order within an iteration is kept: train step, then validation, then save, then the
 manual GC, so they all fall on the same iteration when their intervals coincide.
+
+Under torchrun (lab/train/distributed.py) each rank trains its share of every global batch
+(micro x accumulation x ranks = the same global batch as one process), the main_grads are
+averaged after the last backward, the routed experts may be split across ranks
+(--expert-model-parallel-size), losses are averaged over the ranks, and only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 import graphsan
 from graphsan.lab.models import build_model, count_parameters, get_preset
+from graphsan.lab.models.moe import shard_experts
 from graphsan.lab.quant import (
     PrecisionConfig,
     PrecisionConfigError,
@@ -39,6 +45,7 @@ from graphsan.lab.train.callbacks import Callback
 from graphsan.lab.train.checkpoint import save_checkpoint
 from graphsan.lab.train.config import ConfigError, TrainConfig
 from graphsan.lab.train.data import build_data
+from graphsan.lab.train.distributed import Dist, DistributedError, check_device_for_rank, setup
 from graphsan.lab.train.metrics import Metrics, memory_gib
 from graphsan.lab.train.optim import MainGradAdamW
 
@@ -49,6 +56,7 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)  # LM loss per step (mean over microbatches)
     mtp_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # per step, before clipping
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (iteration, loss)
     main_grads: list[dict] = field(default_factory=list)  # per step: {param name: fp32 cpu}
     recipe_table: list[tuple[str, str]] = field(default_factory=list)
@@ -218,17 +226,41 @@ def dry_run(cfg: TrainConfig, metrics: Metrics) -> None:
 
 
 def train(cfg: TrainConfig, console=None, callbacks: Sequence[Callback] = ()) -> TrainResult:
-    """Train as `cfg` says; `callbacks` are told when the model is built and each step ends."""
+    """Train as `cfg` says; `callbacks` are told when the model is built and each step ends.
+    Under torchrun every rank calls this; rank 0 prints, every rank returns the same losses."""
     cfg.validate()
-    with Metrics(cfg.train_iters, quiet=cfg.quiet, console=console) as metrics:
-        if cfg.dry_run:
+    if cfg.dry_run:  # nothing to share: under torchrun rank 0 alone prints it
+        quiet = cfg.quiet or os.environ.get("RANK", "0") != "0"
+        with Metrics(cfg.train_iters, quiet=quiet, console=console) as metrics:
             dry_run(cfg, metrics)
-            return TrainResult()
-        return _train(cfg, metrics, callbacks)
+        return TrainResult()
+    dist = join(cfg)
+    try:
+        quiet = cfg.quiet or not dist.is_main
+        with Metrics(cfg.train_iters, quiet=quiet, console=console) as metrics:
+            return _train(cfg, metrics, callbacks, dist)
+    finally:
+        dist.close()
 
 
-def _train(cfg: TrainConfig, metrics: Metrics, callbacks: Sequence[Callback]) -> TrainResult:
-    return Trainer(cfg, metrics, callbacks).train()
+def join(cfg: TrainConfig) -> Dist:
+    """This process's place in the job (torchrun's environment; one process without it)."""
+    if cfg.world_size == 1:
+        return Dist()
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = resolve_device(check_device_for_rank(cfg.device, local_rank))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return setup(device, cfg.expert_model_parallel_size, cfg.distributed_timeout_minutes)
+    except DistributedError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _train(
+    cfg: TrainConfig, metrics: Metrics, callbacks: Sequence[Callback], dist: Dist | None = None
+) -> TrainResult:
+    return Trainer(cfg, metrics, callbacks, dist).train()
 
 
 class _Clock:
@@ -282,12 +314,24 @@ class _Clock:
 class Trainer:
     """One run: the model with its recipes and graphs, the optimizer, the data."""
 
-    def __init__(self, cfg: TrainConfig, metrics: Metrics, callbacks: Sequence[Callback] = ()):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        metrics: Metrics,
+        callbacks: Sequence[Callback] = (),
+        dist: Dist | None = None,
+    ):
         self.cfg, self.metrics, self.callbacks = cfg, metrics, list(callbacks)
-        self.device = device = resolve_device(cfg.device)
+        self.dist = dist = dist or Dist()
+        name = check_device_for_rank(cfg.device, dist.local_rank) if dist.enabled else cfg.device
+        self.device = device = resolve_device(name)
         check_memory(cfg, device)
         self.result = TrainResult(device=str(device))
         self.model = model = build_model(model_args(cfg), device=device, seed=cfg.seed)
+        self.param_counts = count_parameters(model)  # of the whole model, before any split
+        ep = dist.expert_parallel(model.args.num_experts)
+        if ep is not None:
+            shard_experts(model, ep)
         for cb in self.callbacks:
             cb.on_model_built(model)
         self.result.recipe_table, self.ambient = bind_precision(model, cfg)
@@ -296,7 +340,7 @@ class Trainer:
             if isinstance(m, QuantModule):  # QuantLinear and the experts' GroupedQuantLinear
                 m.skip_weight_update = self.skip
                 m.state_policy = cfg.state_policy
-        self.opt = MainGradAdamW(model, cfg.lr)
+        self.opt = MainGradAdamW(model, cfg.lr, dist=dist)
         self.data = build_data(cfg.data_path, model.args.vocab_size, cfg.seq_length, cfg.seed)
         self.params = dict(model.named_parameters())
         for name in cfg.capture_grads:
@@ -316,7 +360,7 @@ class Trainer:
     def train(self) -> TrainResult:
         cfg, result = self.cfg, self.result
         self._print_header()
-        losses, mtp_losses = [], []
+        losses, mtp_losses, norms = [], [], []
         with _manual_gc(cfg.manual_gc_interval):
             self.model.train()
             for it in range(1, cfg.train_iters + 1):
@@ -326,6 +370,7 @@ class Trainer:
                 lm, mtp, norm = self.train_step(it)
                 losses.append(lm)
                 mtp_losses.append(mtp)
+                norms.append(norm)
                 for cb in self.callbacks:
                     cb.on_step_end(it)
                 self._log(it, losses, mtp, norm)
@@ -334,6 +379,7 @@ class Trainer:
             steady_s = self.clock.steady_seconds()
         result.losses = [x.item() for x in losses]
         result.mtp_losses = [x.item() for x in mtp_losses if x is not None]
+        result.grad_norms = [float(x) for x in norms]
         steady_iters = self.clock.steady_iters
         if steady_iters and steady_s > 0:
             result.step_ms = 1000 * steady_s / steady_iters
@@ -383,7 +429,7 @@ class Trainer:
         for mb in range(num_mb):
             self.skip.fill_(0 if mb == 0 else 1)
             self.counter.index = mb
-            tokens, labels = self.data.batch("train", ((it - 1) * num_mb + mb) * mbs, mbs)
+            tokens, labels = self.data.batch("train", self._sample("train", it, mb), mbs)
             out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
             (out["loss"] / num_mb).backward()
             lm += out["lm_loss"] / num_mb
@@ -391,6 +437,7 @@ class Trainer:
                 mtp += out["mtp_loss"] / num_mb
             # a live autograd graph would keep grad accumulators alive into a later capture
             del out
+        self.opt.reduce_grads()
         if cfg.capture_grads:
             self.result.main_grads.append(
                 {
@@ -399,9 +446,28 @@ class Trainer:
                 }
             )
         norm = self.opt.step(self._lr_at(it))
+        self._reduce_router_counts()
         model.update_expert_bias()
         self.clock.steady_iters += 1
-        return lm, (mtp if model.mtp is not None else None), norm
+        losses = self.dist.all_reduce_mean_(torch.stack([lm, mtp]))
+        return losses[0], (losses[1] if model.mtp is not None else None), norm
+
+    def _sample(self, split: str, step: int, mb: int) -> int:
+        """The first sample of microbatch `mb` of this rank in `step` (1-based for training,
+        0-based eval iteration): the global batch is split across the ranks in rank order."""
+        cfg = self.cfg
+        per_rank = cfg.num_microbatches
+        first_step = step - 1 if split == "train" else step
+        index = (first_step * cfg.world_size + self.dist.rank) * per_rank + mb
+        return index * cfg.micro_batch_size
+
+    def _reduce_router_counts(self) -> None:
+        """The aux-loss-free bias follows the whole batch's expert load: sum it over the ranks."""
+        if not self.dist.enabled:
+            return
+        for name, buf in self.model.named_buffers():
+            if name.endswith("local_tokens_per_expert"):
+                self.dist.all_reduce_sum_(buf)
 
     def evaluate(self, it: int) -> float:
         """Eager validation (model.eval() + no_grad), between manual collections."""
@@ -416,9 +482,10 @@ class Trainer:
                 for k in range(cfg.eval_iters):
                     for mb in range(num_mb):
                         self.skip.fill_(0 if k == 0 and mb == 0 else 1)
-                        tokens, labels = self.data.batch("valid", (k * num_mb + mb) * mbs, mbs)
+                        tokens, labels = self.data.batch("valid", self._sample("valid", k, mb), mbs)
                         total += model(tokens.to(device), labels.to(device))["lm_loss"]
             model.train()
+            total = self.dist.all_reduce_mean_(total)
             loss = (total / max(1, cfg.eval_iters * num_mb)).item()
         if cfg.manual_gc_interval:
             gc.collect()
@@ -430,9 +497,17 @@ class Trainer:
         return loss
 
     def save(self, it: int) -> None:
-        cfg = self.cfg
+        cfg, d = self.cfg, self.dist
         path = save_checkpoint(
-            cfg.save, it, self.model, self.opt, empty_cache=cfg.empty_cache_on_save
+            cfg.save,
+            it,
+            self.model,
+            self.opt,
+            empty_cache=cfg.empty_cache_on_save,
+            # data-parallel ranks hold the same weights: the first EP group writes, one file per
+            # expert shard (every rank empties its cache, as every Megatron rank does)
+            name="latest.pt" if d.ep_size == 1 else f"latest.ep{d.rank % d.ep_size}.pt",
+            write=d.rank < d.ep_size,
         )
         self.metrics.print(
             f"saved checkpoint {path} at iteration {it}"
@@ -461,9 +536,17 @@ class Trainer:
         self.metrics.advance(f"loss {losses[-1].item():.3f}" if it % cfg.log_interval == 0 else "")
 
     def _print_header(self) -> None:
-        cfg = self.cfg
-        total, active = count_parameters(self.model)
+        cfg, d = self.cfg, self.dist
+        total, active = self.param_counts
         graphs = ",".join(cfg.cuda_graph_modules) if self.use_graphs else "none"
+        if d.enabled:
+            self.metrics.print(
+                f"distributed: {d.world} ranks ({torch.distributed.get_backend()}), data "
+                f"parallel {d.world}, expert parallel {d.ep_size} "
+                f"({self.model.args.num_experts // d.ep_size} experts per rank) | global batch "
+                f"{cfg.global_batch_size} = {cfg.micro_batch_size} x {cfg.num_microbatches} "
+                f"microbatch(es) x {d.world} ranks"
+            )
         self.metrics.print(
             f"graphsan train: preset {cfg.preset} ({total / 1e6:.1f} M params, {active / 1e6:.1f} "
             f"M active) on {self.device} | precision {cfg.precision_config or 'bf16'} | graphs "
