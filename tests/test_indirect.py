@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 
 from graphsan import sanitizer
@@ -128,3 +129,15 @@ def test_reading_tables_can_be_turned_off(env, san):
     san.table_budget = 0
     g = capture(env)
     assert BIG not in g.__dict__["_graphsan_state"].blocks
+
+
+def test_a_table_is_read_up_to_its_tensor_not_into_the_stale_rest_of_its_block(env, san):
+    """A 16-byte table in a 512-byte block whose rest holds old float data: the whole block
+    does not look like a table; up to the requested size it does."""
+    stale = np.full(62, 0x3F80_0000_3F80_0000, dtype="<u8").tobytes()
+    env["memory"][TABLE] = words(BIG, SMALL + 64) + stale
+    g = capture(env)
+    assert BIG not in g.__dict__["_graphsan_state"].blocks
+    san.memory.requested[TABLE] = 16
+    g = capture(env)
+    assert BIG in g.__dict__["_graphsan_state"].blocks

@@ -284,7 +284,10 @@ class Sanitizer:
         if self.table_budget <= 0:
             return []
         tables = table_candidates(refs, view, pool, self.table_block, self.table_budget)
-        contents = self._read_tables([(addr, size) for addr, size, _ in tables])
+        requested = self.memory.requested
+        contents = self._read_tables(
+            [(addr, min(size, requested.get(addr, size))) for addr, size, _ in tables]
+        )
         out = []
         for (addr, _, via), data in zip(tables, contents, strict=True):
             out += table_references(addr, data, via, view)
