@@ -69,10 +69,12 @@ def test_nvfp4_kernel_edge_inputs(tk, order, strided):
 
 def test_launcher_picks_the_words_kernels_where_they_fit(tk, monkeypatch):
     """bf16 with unit column stride goes to the bf16-word kernels (MXFP8 with a columnwise part,
-    NVFP4 rowwise, the RHT copy, and columnwise without SR); float32, a column stride of 2, SR
-    columnwise without RHT, MXFP8 rowwise alone and `_strided=True` go to the strided kernels."""
+    NVFP4 rowwise and columnwise without RHT or SR); NVFP4 columnwise with RHT or SR (1D blocks)
+    to the fused column kernel, any stride; float32, a column stride of 2, 2D blocks with SR,
+    MXFP8 rowwise alone and `_strided=True` go to the strided kernels."""
     calls = []
-    for name in ("_mxfp8_words", "_mxfp8_strided", "_nvfp4_row_words", "_nvfp4_col_words"):
+    names = ("_mxfp8_words", "_mxfp8_strided", "_nvfp4_row_words", "_nvfp4_col_words")
+    for name in names + ("_nvfp4_col_fused",):
         monkeypatch.setattr(tk, name, lambda *a, name=name: calls.append(name))
     monkeypatch.setattr(tk, "_nvfp4_strided", lambda *a: calls.append("_nvfp4_strided"))
     monkeypatch.setattr(tk, "global_amax", lambda x: torch.zeros(()))
@@ -93,9 +95,12 @@ def test_launcher_picks_the_words_kernels_where_they_fit(tk, monkeypatch):
     assert picked(tk.mxfp8_quantize_both, wide) == "_mxfp8_strided"
     assert picked(tk.nvfp4_quantize, bf16, -1) == "_nvfp4_row_words"
     assert picked(tk.nvfp4_quantize, bf16, -1, generator=g) == "_nvfp4_row_words"
-    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, generator=g) == "_nvfp4_row_words"
+    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, generator=g) == "_nvfp4_col_fused"
+    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True) == "_nvfp4_col_fused"
+    assert picked(tk.nvfp4_quantize, wide, 0, generator=g) == "_nvfp4_col_fused"
     assert picked(tk.nvfp4_quantize, bf16, 0) == "_nvfp4_col_words"
-    assert picked(tk.nvfp4_quantize, bf16, 0, generator=g) == "_nvfp4_strided"
+    assert picked(tk.nvfp4_quantize, bf16, 0, True, generator=g) == "_nvfp4_strided"
+    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, _strided=True) == "_nvfp4_strided"
     assert picked(tk.nvfp4_quantize, bf16.float(), -1) == "_nvfp4_strided"
     assert picked(tk.nvfp4_quantize, wide, 0) == "_nvfp4_strided"
     assert picked(tk.nvfp4_quantize, bf16, -1, _strided=True) == "_nvfp4_strided"
@@ -164,3 +169,27 @@ def test_nvfp4_col_words_kernel(tk, order):
             b = nvfp4.quantize_reference(x, 0, block_2d, order)
             assert torch.equal(a.scale, b.scale), (name, block_2d)
             assert torch.equal(a.data, b.data), (name, block_2d)
+
+
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_col_fused_kernel(tk, order):
+    """The fused columnwise kernel (RHT and/or SR): two programs down the rows (the second
+    partial), three across the columns (the last partial), bf16 and float32, a column slice and a
+    column stride of 2, NaN in a block and an all-NaN block; bytes and the post-RHT amax equal
+    the reference's, the SR bits drawn from equally seeded generators."""
+    x = edge_inputs((144, 160), 9, "cpu")
+    x[16:32, 7] = math.nan
+    x[40, 9] = math.nan
+    cases = {"bf16": x, "float32": x.float()}
+    cases["slice"] = edge_inputs((32, 320), 10, "cpu")[:, 64:256]
+    cases["stride2"] = edge_inputs((32, 256), 11, "cpu")[:, ::2]
+    for name, x in cases.items():
+        for use_rht, sr in ((True, False), (True, True), (False, True)):
+            g1 = torch.Generator().manual_seed(3) if sr else None
+            g2 = torch.Generator().manual_seed(3) if sr else None
+            a = tk.nvfp4_quantize(x, 0, False, order, use_rht, g1)
+            b = nvfp4.quantize_reference(x, 0, False, order, use_rht, g2)
+            where = (name, use_rht, sr)
+            assert torch.equal(a.amax, b.amax), where
+            assert torch.equal(a.scale, b.scale), where
+            assert torch.equal(a.data, b.data), where

@@ -45,7 +45,7 @@ from .elements import (
     group_amax,
     nan_to_zero_abs,
     pack_nibbles,
-    random_bits,
+    sr_bits,
     unpack_nibbles,
 )
 from .formats import E2M1_MAX, FLT_MAX, INV_6, NVFP4_BLOCK, NVFP4_GLOBAL_MAX
@@ -97,8 +97,7 @@ def _reference(x, axis, block_2d, order, rht, generator) -> NVFP4Tensor:
     vec_max = block_amax(x32, block_2d)
     scale = block_scale(vec_max, s_enc, order)
     enc = encode_factor(scale, s_dec)
-    rbits = random_bits(x32.shape, generator, x32.device) if generator is not None else None
-    codes = encode_elements(x32, enc, rbits)
+    codes = encode_elements(x32, enc, sr_bits(x32.shape, axis, generator, x32.device))
     return NVFP4Tensor(pack_nibbles(codes), scale, amax, -1 if axis != 0 else 0, block_2d, rht)
 
 
@@ -139,8 +138,7 @@ def quantize_grouped(
     vec_max = block_amax(x32, block_2d)
     scale = block_scale(vec_max, s_enc, order)
     enc = encode_factor(scale, s_dec)
-    rbits = random_bits(x32.shape, generator, x32.device) if generator is not None else None
-    codes = encode_elements(x32, enc, rbits)
+    codes = encode_elements(x32, enc, sr_bits(x32.shape, axis, generator, x32.device))
     return NVFP4Tensor(
         pack_nibbles(codes), scale, amax[:num_groups], -1 if axis != 0 else 0, block_2d, rht
     )

@@ -7,9 +7,11 @@ elsewhere; `_strided=True` runs the strided kernels everywhere, for the benchmar
 compare the two.
 
 NVFP4: the global amax is accumulated into a device buffer (atomic max, no host sync) and the
-quantize kernel reads it there. The RHT (bf16, torch) and the random bits for SR
-(`torch.randint` on the caller's generator, exactly as the reference draws them) are prepared in
-torch, so SR stays reproducible and graph-capturable.
+quantize kernel reads it there. Columnwise copies with RHT or SR (1D blocks) run the fused column
+kernel (`nvfp4_col.py`: the transform and the Philox SR bits in registers, from a seed drawn on
+the caller's generator as the reference draws it); elsewhere the RHT (bf16, torch) and the SR
+bits (`elements.sr_bits`, as the reference draws them) are prepared in torch. Either way SR is
+reproducible and graph-capturable.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import functools
 import torch
 import triton
 
-from ..elements import random_bits
+from ..elements import random_seed, sr_bits
 from ..formats import FP8_BITS, FP8_MAX, INV_6, MXFP8_BLOCK, NVFP4_BLOCK, fp32_reciprocal
 from ..rht import rht as apply_rht
 from ..tensors import MXFP8Tensor, NVFP4Tensor
@@ -31,6 +33,7 @@ from .nvfp4 import (
     nvfp4_row_strided_kernel,
     nvfp4_row_words_kernel,
 )
+from .nvfp4_col import nvfp4_col_fused_kernel
 
 # Launch parameters, fixed: the fastest tiles of bench/tile_sweep.py (docs/PERF.md).
 MXFP8_STRIDED_TILE = {"BM": 32, "BN": 128, "SPLIT": 2, "num_warps": 2}
@@ -40,6 +43,7 @@ NVFP4_ROW_STRIDED_TILE = {"BR": 32, "BC": 128, "num_warps": 4}
 NVFP4_COL_STRIDED_TILE = {"BM": 256, "BK": 64, "num_warps": 4}
 NVFP4_ROW_WORDS_TILE = {"BR": 16, "CW": 64, "num_warps": 2}
 NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
+NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 4}  # not swept yet
 AMAX_TILE = (4096, 16)  # (elements per load round, rounds per program)
 # Compiled without fp contraction: no rounding step of the reference may be fused away.
 _COMPILE_OPTIONS = {"enable_fp_fusion": False}
@@ -195,6 +199,8 @@ def nvfp4_quantize(
     _strided: bool = False,
 ) -> NVFP4Tensor:
     """NVFP4; `amax` may pass a precomputed global amax buffer (valid only without RHT)."""
+    if axis == 0 and (rht or generator is not None) and not block_2d and not _strided:
+        return _nvfp4_col_fused(x, order, rht, generator, amax)
     src = x.t() if axis == 0 else x
     if rht:
         src = apply_rht(src).contiguous()
@@ -206,7 +212,7 @@ def nvfp4_quantize(
     data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(r, c // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
     if generator is not None:
-        rbits = random_bits(src.shape, generator, dev)
+        rbits = sr_bits(src.shape, axis, generator, dev)
     else:
         rbits = torch.empty(1, dtype=torch.uint8, device=dev)
     if not _strided and (axis != 0 or rht) and words_fit(src):
@@ -216,6 +222,62 @@ def nvfp4_quantize(
     else:
         _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator)
     return NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
+
+
+def _nvfp4_col_fused(x, order, rht, generator, amax):
+    """Columnwise with RHT and/or SR in one kernel (`nvfp4_col.py`): with RHT a first pass of
+    the same kernel takes the post-RHT global amax; SR bits come from a seed drawn on the
+    generator, as the reference draws them."""
+    m, k = x.shape
+    dev = x.device
+    bits = x.dtype == torch.bfloat16
+    xs = x.view(torch.int16) if bits else x
+    tile = NVFP4_COL_FUSED_TILE
+    grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k, tile["BK"]))
+    data = torch.empty(k, m // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(k, m // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
+    seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
+    args = {
+        "INV_6": INV_6,
+        "LEGACY": order == "legacy",
+        "RHT": rht,
+        "SR": generator is not None,
+        "BF16_BITS": bits,
+        "HW_FP8": _hw_fp8_for(x),
+        **tile,
+        **_COMPILE_OPTIONS,
+    }
+    if rht:
+        amax = torch.zeros((), dtype=torch.float32, device=dev)
+        nvfp4_col_fused_kernel[grid](
+            xs,
+            m,
+            k,
+            x.stride(0),
+            x.stride(1),
+            amax,
+            seed,
+            data.view(torch.int64),
+            scale,
+            AMAX_ONLY=True,
+            **args,
+        )
+    elif amax is None:
+        amax = global_amax(x)
+    nvfp4_col_fused_kernel[grid](
+        xs,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        amax,
+        seed,
+        data.view(torch.int64),
+        scale,
+        AMAX_ONLY=False,
+        **args,
+    )
+    return NVFP4Tensor(data, scale, amax, 0, False, rht)
 
 
 def _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator):
