@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graphsan.lab.quant import mxfp8, nvfp4
+from tests.lab.grouped_checks import check_nvfp4_grouped_kernels
 from tests.lab.kernel_checks import (
     STRIDED,
     assert_mxfp8_matches,
@@ -193,3 +194,19 @@ def test_nvfp4_col_fused_kernel(tk, order):
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
             assert torch.equal(a.data, b.data), where
+
+
+def test_nvfp4_grouped_kernels(tk, monkeypatch):
+    """Grouped NVFP4 (one amax per row group, from device-side groups): every operand kind
+    against the reference, with an empty group and padding rows; the group amax over several
+    programs along the columns, tiles whose rows span groups (rowwise counts not multiples of
+    16) and tiles within one group; inputs the kernels do not take (float32 rowwise) left to the
+    reference."""
+    monkeypatch.setitem(tk.GROUP_AMAX_TILE, "BC", 32)
+    monkeypatch.setitem(tk.GROUP_AMAX_TILE, "ITERS", 2)
+    assert check_nvfp4_grouped_kernels(tk, (32, 0, 16, 48), "cpu") == 8
+    assert check_nvfp4_grouped_kernels(tk, (8, 0, 24, 40), "cpu", "legacy") == 3
+    x = torch.zeros(32, 64)
+    groups = torch.zeros(32, dtype=torch.int64)
+    assert tk.nvfp4_quantize_grouped(x, groups, 1, -1) is None
+    assert tk.nvfp4_quantize_grouped(x, groups, 1, 0, rht=True) is not None

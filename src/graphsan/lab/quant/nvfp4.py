@@ -121,9 +121,39 @@ def quantize_grouped(
     ignored by the amax, quantized with S_enc = 1). The result's `amax` is float32 [num_groups]
     (post-RHT with `rht`). Stochastic rounding draws the same number of bits as `quantize`, in one
     call, so it is reproducible but does not repeat a per-group loop's bits.
+
+    On CUDA the kernels run (`kernels.launch.nvfp4_quantize_grouped`: the same bytes, the
+    per-group amax reduced on the device); `quantize_grouped_reference` is their oracle.
     """
     _check_args(x, axis, block_2d, order, rht, generator)
     check_groups(x, groups, "NVFP4")
+    fast = kernels.launcher(x)
+    if fast is not None:
+        q = fast.nvfp4_quantize_grouped(
+            x, groups, num_groups, axis, block_2d, order, rht, generator
+        )
+        if q is not None:
+            return q
+    return _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator)
+
+
+def quantize_grouped_reference(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    axis: int = -1,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """`quantize_grouped` in torch on any device."""
+    _check_args(x, axis, block_2d, order, rht, generator)
+    check_groups(x, groups, "NVFP4")
+    return _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator)
+
+
+def _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator):
     src = x.t() if axis == 0 else x  # rows (the groups) run along the last dim when axis == 0
     if rht:
         src = apply_rht(src)

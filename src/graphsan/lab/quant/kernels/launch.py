@@ -28,6 +28,7 @@ from ..tensors import MXFP8Tensor, NVFP4Tensor
 from .mxfp8 import mxfp8_strided_kernel, mxfp8_words_kernel
 from .nvfp4 import (
     amax_kernel,
+    group_amax_kernel,
     nvfp4_col_strided_kernel,
     nvfp4_col_words_kernel,
     nvfp4_row_strided_kernel,
@@ -44,6 +45,7 @@ NVFP4_COL_STRIDED_TILE = {"BM": 256, "BK": 64, "num_warps": 4}
 NVFP4_ROW_WORDS_TILE = {"BR": 16, "CW": 64, "num_warps": 2}
 NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
 NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 4}  # not swept yet
+GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}  # not swept yet
 AMAX_TILE = (4096, 16)  # (elements per load round, rounds per program)
 # Compiled without fp contraction: no rounding step of the reference may be fused away.
 _COMPILE_OPTIONS = {"enable_fp_fusion": False}
@@ -224,59 +226,123 @@ def nvfp4_quantize(
     return NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
 
 
-def _nvfp4_col_fused(x, order, rht, generator, amax):
+def nvfp4_quantize_grouped(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    axis: int = -1,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor | None:
+    """`nvfp4.quantize_grouped` (one global amax per row group) in kernels, no host sync: the
+    per-group amax (`group_amax_kernel`, or the fused column kernel's amax pass after the RHT)
+    into a device buffer, gathered per row, which the quantize kernels read as their global
+    amax. bf16 with unit column stride (the words kernels), or any columnwise input with RHT or
+    SR and 1D blocks (the fused kernel); None elsewhere (the caller runs the reference)."""
+    m, k = x.shape
+    dev = x.device
+    fused = axis == 0 and (rht or generator is not None) and not block_2d
+    if not fused and not words_fit(x):
+        return None
+    amax = torch.zeros(num_groups + 1, dtype=torch.float32, device=dev)  # the last: no group
+    if not rht:
+        _group_amax(x, groups, num_groups, amax)
+    if fused:
+        q = _nvfp4_col_fused(x, order, rht, generator, amax, (groups, num_groups))
+    else:
+        row_amax = amax[groups]  # each row's group's amax
+        src = x.t() if axis == 0 else x
+        r, c = src.shape
+        data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
+        scale = torch.empty(r, c // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
+        if axis == 0:
+            _nvfp4_col_words(x, row_amax, data, scale, order, block_2d, per_row=True)
+        else:
+            if generator is not None:
+                rbits = sr_bits(src.shape, axis, generator, dev)
+            else:
+                rbits = torch.empty(1, dtype=torch.uint8, device=dev)
+            _nvfp4_row_words(
+                x, src, row_amax, rbits, data, scale, order, block_2d, generator, per_row=True
+            )
+        q = NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
+    q.amax = q.amax[:num_groups]
+    return q
+
+
+def _group_amax(x, groups, num_groups, amax):
+    """Each group's max |x| (NaN ignored) into amax[group] (zeroed, [num_groups + 1])."""
+    m, k = x.shape
+    bits = x.dtype == torch.bfloat16
+    tile = GROUP_AMAX_TILE
+    iters = max(1, min(tile["ITERS"], triton.cdiv(k, tile["BC"])))
+    grid = (triton.cdiv(m, tile["BR"]), triton.cdiv(k, tile["BC"] * iters))
+    group_amax_kernel[grid](
+        x.view(torch.int16) if bits else x,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        groups,
+        amax,
+        num_groups,
+        BF16_BITS=bits,
+        BR=tile["BR"],
+        BC=tile["BC"],
+        ITERS=iters,
+        num_warps=tile["num_warps"],
+    )
+
+
+def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None):
     """Columnwise with RHT and/or SR in one kernel (`nvfp4_col.py`): with RHT a first pass of
-    the same kernel takes the post-RHT global amax; SR bits come from a seed drawn on the
-    generator, as the reference draws them."""
+    the same kernel takes the post-RHT global amax (per group with `grouped` = (groups,
+    num_groups), into the zeroed buffer `amax`); SR bits come from a seed drawn on the generator,
+    as the reference draws them."""
     m, k = x.shape
     dev = x.device
     bits = x.dtype == torch.bfloat16
-    xs = x.view(torch.int16) if bits else x
     tile = NVFP4_COL_FUSED_TILE
     grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k, tile["BK"]))
     data = torch.empty(k, m // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(k, m // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
     seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
-    args = {
-        "INV_6": INV_6,
-        "LEGACY": order == "legacy",
-        "RHT": rht,
-        "SR": generator is not None,
-        "BF16_BITS": bits,
-        "HW_FP8": _hw_fp8_for(x),
-        **tile,
-        **_COMPILE_OPTIONS,
-    }
-    if rht:
-        amax = torch.zeros((), dtype=torch.float32, device=dev)
+    groups, count = grouped if grouped is not None else (seed, 0)
+
+    def run(amax_buffer, amax_only):
         nvfp4_col_fused_kernel[grid](
-            xs,
+            x.view(torch.int16) if bits else x,
             m,
             k,
             x.stride(0),
             x.stride(1),
-            amax,
+            amax_buffer,
+            groups,
+            count,
             seed,
             data.view(torch.int64),
             scale,
-            AMAX_ONLY=True,
-            **args,
+            INV_6=INV_6,
+            LEGACY=order == "legacy",
+            RHT=rht,
+            SR=generator is not None,
+            AMAX_ONLY=amax_only,
+            BF16_BITS=bits,
+            HW_FP8=_hw_fp8_for(x),
+            GROUPED=grouped is not None,
+            **tile,
+            **_COMPILE_OPTIONS,
         )
+
+    if rht:
+        if grouped is None:
+            amax = torch.zeros((), dtype=torch.float32, device=dev)
+        run(amax, True)
     elif amax is None:
         amax = global_amax(x)
-    nvfp4_col_fused_kernel[grid](
-        xs,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        amax,
-        seed,
-        data.view(torch.int64),
-        scale,
-        AMAX_ONLY=False,
-        **args,
-    )
+    run(amax[groups] if grouped is not None else amax, False)  # grouped: each row's own amax
     return NVFP4Tensor(data, scale, amax, 0, False, rht)
 
 
@@ -307,7 +373,7 @@ def _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d,
     )
 
 
-def _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generator):
+def _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generator, per_row=False):
     """src as int64 words [R, C/4], data written as int16 words (4 nibbles)."""
     r, c = src.shape
     tile = NVFP4_ROW_WORDS_TILE
@@ -327,12 +393,13 @@ def _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generato
         SR=generator is not None,
         HW_FP8=_hw_fp8_for(x),
         MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PER_ROW=per_row,
         **tile,
         **_COMPILE_OPTIONS,
     )
 
 
-def _nvfp4_col_words(x, amax, data, scale, order, block_2d):
+def _nvfp4_col_words(x, amax, data, scale, order, block_2d, per_row=False):
     """Columnwise, no RHT, no SR: x as int64 words [M, K/4], the transposed data written as
     int64 words [K, M/16] (one per column and 16-row block)."""
     m, k = x.shape
@@ -351,6 +418,7 @@ def _nvfp4_col_words(x, amax, data, scale, order, block_2d):
         BLOCK_2D=block_2d,
         HW_FP8=_hw_fp8_for(x),
         MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PER_ROW=per_row,
         **tile,
         **_COMPILE_OPTIONS,
     )

@@ -47,6 +47,47 @@ def amax_kernel(x_ptr, N, amax_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 
 @triton.jit
+def group_amax_kernel(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    group_ptr,
+    amax_ptr,
+    G,
+    BF16_BITS: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    ITERS: tl.constexpr,
+):
+    """Per-group max |x| (NaN ignored) of x [M, K] whose row r belongs to group group_ptr[r]
+    (int64; G for a row in no group, which is skipped) into amax_ptr[group] (float32, starting
+    at 0). A program reduces BR rows over ITERS * BC columns, then makes one atomic max when its
+    rows share a group (the usual case: groups span many rows) and one per row otherwise."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < M
+    acc = tl.zeros((BR, BC), dtype=tl.float32)
+    base = x_ptr + rows.to(tl.int64)[:, None] * stride_m
+    for i in range(ITERS):
+        cols = (tl.program_id(1) * ITERS + i) * BC + tl.arange(0, BC)
+        mask = rmask[:, None] & (cols < K)[None, :]
+        v = tl.load(base + cols.to(tl.int64)[None, :] * stride_k, mask=mask, other=0)
+        if BF16_BITS:
+            v = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        a = tl.abs(v.to(tl.float32))
+        acc = tl.maximum(acc, tl.where(a != a, 0.0, a))
+    row_max = tl.max(acc, axis=1)
+    group = tl.load(group_ptr + rows, mask=rmask, other=G)
+    first = tl.min(group, axis=0)
+    if first == tl.max(tl.where(rmask, group, first), axis=0):
+        if first < G:
+            tl.atomic_max(amax_ptr + first, tl.max(row_max, axis=0))
+    else:
+        tl.atomic_max(amax_ptr + group, row_max, mask=rmask & (group < G))
+
+
+@triton.jit
 def _e2m1_code(m):
     """E2M1 magnitude code (int32, 0-7) of a non-negative float32 m, nearest even; values past
     6, inf and NaN give 7. The grid step is 0.5 below 2, 1 on [2, 4), 2 from 4 on; adding
@@ -88,8 +129,13 @@ def _e4m3_scale(s, HW_FP8: tl.constexpr):
 
 
 @triton.jit
-def _global_scales(amax_ptr):
-    amax = tl.load(amax_ptr)
+def _global_scales(amax_ptr, row=0, mask=True, PER_ROW: tl.constexpr = False):
+    """S_enc and S_dec (step 1) of the amax at amax_ptr, or with PER_ROW of each row's own amax
+    (amax_ptr[row], float32 [rows]: grouped quantization, the row's group's amax)."""
+    if PER_ROW:
+        amax = tl.load(amax_ptr + row, mask=mask, other=0.0)
+    else:
+        amax = tl.load(amax_ptr)
     s_enc = tl.minimum(tl.math.div_rn(GLOBAL_MAX, amax), FLT_MAX)
     s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
     return s_enc, tl.math.div_rn(1.0, s_enc)
@@ -237,6 +283,7 @@ def nvfp4_row_words_kernel(
     MAXNUM: tl.constexpr,
     BR: tl.constexpr,
     CW: tl.constexpr,
+    PER_ROW: tl.constexpr = False,
 ):
     """NVFP4 along the last dim of a bf16 [R, C] source seen as int64 words xw [R, CWT = C/4]
     (row stride stride_rw words). Data is written as an int16 view [R, C/4] (the 4 nibbles of a
@@ -251,7 +298,7 @@ def nvfp4_row_words_kernel(
     mask = (offs_r < R) & (offs_w < CWT)
     w = tl.load(xw_ptr + offs_r * stride_rw + offs_w, mask=mask, other=0)
     x0, x1, x2, x3 = bf16_lanes(w)
-    s_enc, s_dec = _global_scales(amax_ptr)
+    s_enc, s_dec = _global_scales(amax_ptr, offs_r, offs_r < R, PER_ROW)
     am = tl.maximum(
         tl.maximum(abs_for_max(x0, MAXNUM), abs_for_max(x1, MAXNUM)),
         tl.maximum(abs_for_max(x2, MAXNUM), abs_for_max(x3, MAXNUM)),
@@ -305,6 +352,7 @@ def nvfp4_col_words_kernel(
     MAXNUM: tl.constexpr,
     NB: tl.constexpr,
     CW: tl.constexpr,
+    PER_ROW: tl.constexpr = False,
 ):
     """NVFP4 down the columns of a bf16 [M, K] source seen as int64 words xw [M, KW = K/4] (row
     stride stride_mw words), written transposed: data as an int64 view [K, M/16] (one word per
@@ -325,7 +373,8 @@ def nvfp4_col_words_kernel(
     bot = tl.load(xw_ptr + (blk * 16 + 8 + row) * stride_mw + offs_w, mask=mask, other=0)
     t0, t1, t2, t3 = bf16_lanes(top)
     b0, b1, b2, b3 = bf16_lanes(bot)
-    s_enc, s_dec = _global_scales(amax_ptr)
+    first = pid_m * NB + tl.arange(0, NB)[:, None]  # a block's first row names its group
+    s_enc, s_dec = _global_scales(amax_ptr, first * 16, first < M // 16, PER_ROW)
     v0 = tl.max(tl.maximum(abs_for_max(t0, MAXNUM), abs_for_max(b0, MAXNUM)), axis=1)
     v1 = tl.max(tl.maximum(abs_for_max(t1, MAXNUM), abs_for_max(b1, MAXNUM)), axis=1)
     v2 = tl.max(tl.maximum(abs_for_max(t2, MAXNUM), abs_for_max(b2, MAXNUM)), axis=1)

@@ -141,6 +141,8 @@ def nvfp4_col_fused_kernel(
     stride_m,
     stride_k,
     amax_ptr,
+    group_ptr,
+    G,
     seed_ptr,
     data_ptr,
     scale_ptr,
@@ -153,12 +155,16 @@ def nvfp4_col_fused_kernel(
     HW_FP8: tl.constexpr,
     NB: tl.constexpr,
     BK: tl.constexpr,
+    GROUPED: tl.constexpr = False,
 ):
     """NVFP4 of x^T (16x1 blocks down x's columns, 1D blocks), written transposed: data as an
     int64 view [K, M/16] (one word per column and block, row 2j of the block in the low nibble of
     byte j), scales uint8 [K, M/16]. RHT: each block transformed first; SR: random bytes from
     Philox keyed by the int64 at seed_ptr, counter = the block's index in [K, M/16].
-    AMAX_ONLY: only the NaN-ignoring max |block| into amax_ptr (the post-RHT global amax)."""
+    AMAX_ONLY: only the NaN-ignoring max |block| into amax_ptr (the post-RHT global amax).
+    GROUPED (rows in groups, every group's row count a multiple of 16): AMAX_ONLY takes one
+    amax per group, amax_ptr[group_ptr[first row of the block]] (int64 groups, G = none: skipped);
+    the quantize pass reads each block's amax at amax_ptr[its first row] (float32 [M])."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     blk = pid_m * NB + tl.arange(0, NB)[:, None]
@@ -190,9 +196,14 @@ def nvfp4_col_fused_kernel(
         tl.maximum(_amax_part(x8, x9, x10, x11), _amax_part(x12, x13, x14, x15)),
     )
     if AMAX_ONLY:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(vec, axis=1), axis=0))
+        if GROUPED:
+            bmask = blk < M // 16
+            group = tl.load(group_ptr + blk * 16, mask=bmask, other=G)
+            tl.atomic_max(amax_ptr + group, tl.max(vec, axis=1)[:, None], mask=bmask & (group < G))
+        else:
+            tl.atomic_max(amax_ptr, tl.max(tl.max(vec, axis=1), axis=0))
     else:
-        s_enc, s_dec = _global_scales(amax_ptr)
+        s_enc, s_dec = _global_scales(amax_ptr, blk * 16, blk < M // 16, GROUPED)
         sbyte, enc = _block_scale(vec, s_enc, s_dec, INV_6, LEGACY, HW_FP8)
         out = col.to(tl.int64) * (M // 16) + blk
         if SR:
