@@ -25,6 +25,7 @@ from ..elements import random_seed, sr_bits
 from ..formats import FP8_BITS, FP8_MAX, INV_6, MXFP8_BLOCK, NVFP4_BLOCK, fp32_reciprocal
 from ..rht import rht as apply_rht
 from ..tensors import MXFP8Tensor, NVFP4Tensor
+from .gemm import dequant_kernel, qgemm_kernel
 from .mxfp8 import mxfp8_strided_kernel, mxfp8_words_kernel
 from .nvfp4 import (
     amax_kernel,
@@ -46,6 +47,8 @@ NVFP4_ROW_WORDS_TILE = {"BR": 16, "CW": 64, "num_warps": 2}
 NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
 NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 4}  # not swept yet
 GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}  # not swept yet
+DEQUANT_TILE = {"BP": 32, "BQ": 128, "num_warps": 4}  # not swept yet
+GEMM_TILE = {"BI": 128, "BJ": 128, "BR": 64, "GROUP": 8, "num_warps": 8, "num_stages": 3}
 AMAX_TILE = (4096, 16)  # (elements per load round, rounds per program)
 # Compiled without fp contraction: no rounding step of the reference may be fused away.
 _COMPILE_OPTIONS = {"enable_fp_fusion": False}
@@ -422,3 +425,112 @@ def _nvfp4_col_words(x, amax, data, scale, order, block_2d, per_row=False):
         **tile,
         **_COMPILE_OPTIONS,
     )
+
+
+# --- the emulated GEMM -------------------------------------------------------------------------
+
+# Whether QuantLinear's GEMMs run the fused packed-operand GEMM (`quantized_mm`) instead of
+# one-pass operand preparation (`gemm_operand`) and cuBLAS. Off: the fused kernel decodes every
+# operand tile once per output tile, about 15 integer operations per element against 0.5 tensor
+# core multiply-adds at 128x128 tiles on Hopper, so it is expected to be ALU-bound; the benchmark
+# (bench/bench_quant_linear.py) times both.
+FUSED_GEMM = False
+
+
+def gemm_operand(q) -> torch.Tensor | None:
+    """The exact bf16 values of an MXFP8 or NVFP4 operand without its per-tensor factor, in its
+    logical shape (a transposed view for NVFP4 columnwise), from one pass over the packed data
+    (`dequant_kernel`); None for other tensors. The same values as `linear.gemm_operand`."""
+    if isinstance(q, NVFP4Tensor):
+        fmt, (p, q2), sp, sq = 0, q.data.shape, 1, NVFP4_BLOCK
+        cols = q2 * 2
+    elif isinstance(q, MXFP8Tensor):
+        fmt, (p, cols) = (1 if q.fmt == "e4m3" else 2), q.data.shape
+        sp, sq = (MXFP8_BLOCK, 1) if q.axis == 0 else (1, MXFP8_BLOCK)
+    else:
+        return None
+    if q.data.stride(1) != 1:
+        return None
+    out = torch.empty(p, cols, dtype=torch.bfloat16, device=q.data.device)
+    tile = DEQUANT_TILE
+    grid = (triton.cdiv(p, tile["BP"]), triton.cdiv(cols, tile["BQ"]))
+    dequant_kernel[grid](
+        q.data,
+        q.scale,
+        out.view(torch.int16),
+        p,
+        cols,
+        q.data.stride(0),
+        q.scale.stride(0),
+        q.scale.stride(1),
+        FMT=fmt,
+        SP=sp,
+        SQ=sq,
+        **tile,
+    )
+    return out.t() if isinstance(q, NVFP4Tensor) and q.axis == 0 else out
+
+
+def _gemm_view(q, r_is_q: bool):
+    """An operand as the GEMM kernel reads it: (data, scale, rows X, reduction R, data strides
+    (x, r), scale strides (x, r-block), format), where the reduction runs along the logical
+    dim q (r_is_q) or p of q's logical [p, q] shape; None where the blocks do not run along it."""
+    d, s = q.data, q.scale
+    if isinstance(q, NVFP4Tensor):
+        if r_is_q != (q.axis != 0):
+            return None
+        return d, s, d.shape[0], d.shape[1] * 2, d.stride(0), d.stride(1), *s.stride(), 0
+    if isinstance(q, MXFP8Tensor):
+        fmt = 1 if q.fmt == "e4m3" else 2
+        if r_is_q and q.axis != 0:
+            return d, s, d.shape[0], d.shape[1], d.stride(0), d.stride(1), *s.stride(), fmt
+        if not r_is_q and q.axis == 0:
+            return (
+                d,
+                s,
+                d.shape[1],
+                d.shape[0],
+                d.stride(1),
+                d.stride(0),
+                s.stride(1),
+                s.stride(0),
+                fmt,
+            )
+    return None
+
+
+def quantized_mm(a, b, transpose_a, transpose_b, alpha, out=None):
+    """op(a) @ op(b) * alpha (float32) from the packed operands in one kernel, or added into
+    `out` (float32) when given; None where the kernel does not take the operands (FP8
+    per-tensor, mixed kinds): the caller runs the torch emulation."""
+    if type(a) is not type(b) or not isinstance(a, (NVFP4Tensor, MXFP8Tensor)):
+        return None
+    va, vb = _gemm_view(a, not transpose_a), _gemm_view(b, transpose_b)
+    if va is None or vb is None or va[3] != vb[3]:
+        return None
+    i, j, r = va[2], vb[2], va[3]
+    c = out if out is not None else torch.empty(i, j, dtype=torch.float32, device=a.data.device)
+    tile = GEMM_TILE
+    grid = (triton.cdiv(i, tile["BI"]) * triton.cdiv(j, tile["BJ"]),)
+    qgemm_kernel[grid](
+        va[0],
+        va[1],
+        vb[0],
+        vb[1],
+        c,
+        alpha if alpha is not None else c,
+        i,
+        j,
+        r,
+        *va[4:8],
+        *vb[4:8],
+        c.stride(0),
+        c.stride(1),
+        FMT_A=va[8],
+        FMT_B=vb[8],
+        ALPHA=alpha is not None,
+        ACCUMULATE=out is not None,
+        BF16_DOT=c.is_cuda,
+        **tile,
+    )
+    return c
