@@ -47,10 +47,13 @@ def _bf16_round(y):
 
 
 @triton.jit
-def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+def _rht16(
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, ROUND: tl.constexpr
+):
     """b @ (diag(s) H16 / 4) for the block b = (x0..x15), in `rht.rht`'s order: multiply by
     s_j / 4 (exact), then the stages h = 1, 2, 4, 8 of (y_i, y_i+h) -> (y_i + y_i+h, y_i - y_i+h),
-    then bf16 rounding. The signs are rht.RHT_SIGNS (the kernel tests compare with rht.rht)."""
+    then bf16 rounding where ROUND. The signs are rht.RHT_SIGNS (the kernel tests compare with
+    rht.rht)."""
     y0, y1, y2, y3 = x0 * 0.25, x1 * 0.25, x2 * 0.25, x3 * -0.25
     y4, y5, y6, y7 = x4 * 0.25, x5 * -0.25, x6 * -0.25, x7 * -0.25
     y8, y9, y10, y11 = x8 * -0.25, x9 * -0.25, x10 * -0.25, x11 * 0.25
@@ -87,24 +90,13 @@ def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
     y5, y13 = _bf(y5, y13)
     y6, y14 = _bf(y6, y14)
     y7, y15 = _bf(y7, y15)
-    return (
-        _bf16_round(y0),
-        _bf16_round(y1),
-        _bf16_round(y2),
-        _bf16_round(y3),
-        _bf16_round(y4),
-        _bf16_round(y5),
-        _bf16_round(y6),
-        _bf16_round(y7),
-        _bf16_round(y8),
-        _bf16_round(y9),
-        _bf16_round(y10),
-        _bf16_round(y11),
-        _bf16_round(y12),
-        _bf16_round(y13),
-        _bf16_round(y14),
-        _bf16_round(y15),
-    )
+    if ROUND:
+        y0, y1, y2, y3 = _bf16_round(y0), _bf16_round(y1), _bf16_round(y2), _bf16_round(y3)
+        y4, y5, y6, y7 = _bf16_round(y4), _bf16_round(y5), _bf16_round(y6), _bf16_round(y7)
+        y8, y9, y10, y11 = _bf16_round(y8), _bf16_round(y9), _bf16_round(y10), _bf16_round(y11)
+        y12, y13 = _bf16_round(y12), _bf16_round(y13)
+        y14, y15 = _bf16_round(y14), _bf16_round(y15)
+    return y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15
 
 
 @triton.jit
@@ -189,19 +181,22 @@ def nvfp4_col_fused_kernel(
     x15 = _load_row(p, 15, stride_m, mask, BF16_BITS)
     if RHT:
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, not AMAX_ONLY
         )
     vec = tl.maximum(
         tl.maximum(_amax_part(x0, x1, x2, x3), _amax_part(x4, x5, x6, x7)),
         tl.maximum(_amax_part(x8, x9, x10, x11), _amax_part(x12, x13, x14, x15)),
     )
     if AMAX_ONLY:
+        # the transform is not rounded in this pass: rounding is monotonic, so the largest
+        # rounded |value| is the rounded largest one, and one rounding per block suffices
         if GROUPED:
             bmask = blk < M // 16
             group = tl.load(group_ptr + blk * 16, mask=bmask, other=G)
-            tl.atomic_max(amax_ptr + group, tl.max(vec, axis=1)[:, None], mask=bmask & (group < G))
+            bmax = _bf16_round(tl.max(vec, axis=1)[:, None])
+            tl.atomic_max(amax_ptr + group, bmax, mask=bmask & (group < G))
         else:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(vec, axis=1), axis=0))
+            tl.atomic_max(amax_ptr, _bf16_round(tl.max(tl.max(vec, axis=1), axis=0)))
     else:
         s_enc, s_dec = _global_scales(amax_ptr, blk * 16, blk < M // 16, GROUPED)
         sbyte, enc = _block_scale(vec, s_enc, s_dec, INV_6, LEGACY, HW_FP8)
