@@ -200,8 +200,8 @@ def test_nvfp4_grouped_kernels(tk, monkeypatch):
     """Grouped NVFP4 (one amax per row group, from device-side groups): every operand kind
     against the reference, with an empty group and padding rows; the group amax over several
     programs along the columns, tiles whose rows span groups (rowwise counts not multiples of
-    16) and tiles within one group; inputs the kernels do not take (float32 rowwise) left to the
-    reference."""
+    16) and tiles within one group; inputs the kernels do not take (float32 rowwise, columnwise
+    SR with 2D blocks) left to the reference."""
     monkeypatch.setitem(tk.GROUP_AMAX_TILE, "BC", 32)
     monkeypatch.setitem(tk.GROUP_AMAX_TILE, "ITERS", 2)
     assert check_nvfp4_grouped_kernels(tk, (32, 0, 16, 48), "cpu") == 8
@@ -210,3 +210,5 @@ def test_nvfp4_grouped_kernels(tk, monkeypatch):
     groups = torch.zeros(32, dtype=torch.int64)
     assert tk.nvfp4_quantize_grouped(x, groups, 1, -1) is None
     assert tk.nvfp4_quantize_grouped(x, groups, 1, 0, rht=True) is not None
+    g = torch.Generator()
+    assert tk.nvfp4_quantize_grouped(x.bfloat16(), groups, 1, 0, True, generator=g) is None

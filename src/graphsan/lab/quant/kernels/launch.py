@@ -242,13 +242,14 @@ def nvfp4_quantize_grouped(
     """`nvfp4.quantize_grouped` (one global amax per row group) in kernels, no host sync: the
     per-group amax (`group_amax_kernel`, or the fused column kernel's amax pass after the RHT)
     into a device buffer, gathered per row, which the quantize kernels read as their global
-    amax. bf16 with unit column stride (the words kernels), or any columnwise input with RHT or
-    SR and 1D blocks (the fused kernel); None elsewhere (the caller runs the reference)."""
+    amax. bf16 with unit column stride (the words kernels; columnwise without SR), or any
+    columnwise input with RHT or SR and 1D blocks (the fused kernel); None elsewhere (the caller
+    runs the reference)."""
     m, k = x.shape
     dev = x.device
     fused = axis == 0 and (rht or generator is not None) and not block_2d
-    if not fused and not words_fit(x):
-        return None
+    if not fused and (not words_fit(x) or (axis == 0 and generator is not None)):
+        return None  # the column words kernel has no SR
     amax = torch.zeros(num_groups + 1, dtype=torch.float32, device=dev)  # the last: no group
     if not rht:
         _group_amax(x, groups, num_groups, amax)
