@@ -23,6 +23,12 @@ from tests.lab.kernel_checks import (
     nvfp4_edge_cases,
 )
 
+# Triton is imported here, after tests/conftest.py set TRITON_INTERPRET where CUDA is absent.
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from graphsan.lab.quant.kernels.nvfp4 import _e2m1_lane  # noqa: E402
+
 pytestmark = [
     pytest.mark.skipif(
         torch.cuda.is_available(),
@@ -32,6 +38,15 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning"),
 ]
+
+
+@triton.jit
+def _sr_encode_kernel(v_ptr, r_ptr, out_ptr, N: tl.constexpr):
+    """The kernels' E2M1 encoder with SR, element by element (the random byte in lane 0)."""
+    i = tl.arange(0, N)
+    v = tl.load(v_ptr + i)
+    r = tl.load(r_ptr + i).to(tl.uint32)
+    tl.store(out_ptr + i, _e2m1_lane(v, r, 0, True))
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +227,24 @@ def test_nvfp4_grouped_kernels(tk, monkeypatch):
     assert tk.nvfp4_quantize_grouped(x, groups, 1, 0, rht=True) is not None
     g = torch.Generator()
     assert tk.nvfp4_quantize_grouped(x.bfloat16(), groups, 1, 0, True, generator=g) is None
+
+
+def test_sr_code_matches_the_reference_for_every_random_byte(tk):
+    """The kernels' stochastic-rounding encoder (`_e2m1_lane` with SR) against
+    `elements.e2m1_stochastic` for values at and next to every grid point and step boundary,
+    past 6, NaN, -0.0 and tiny ones, each with all 256 random bytes."""
+    from graphsan.lab.quant.elements import e2m1_stochastic
+
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    near = torch.cat((grid, grid.nextafter(torch.tensor(9.0)), grid.nextafter(torch.tensor(-1.0))))
+    base = torch.cat((near, torch.tensor([0.25, 1.75, 3.5, 5.0, 7.0, 1e30, math.nan, 1e-40])))
+    values = torch.cat((base, -base, torch.tensor([-0.0, -1e-40])))
+    v = values.repeat_interleave(256)
+    r = torch.arange(256, dtype=torch.int32).repeat(values.numel())
+    n = triton.next_power_of_2(v.numel())
+    vp = torch.cat((v, torch.zeros(n - v.numel())))
+    rp = torch.cat((r, torch.zeros(n - r.numel(), dtype=torch.int32)))
+    out = torch.empty(n, dtype=torch.int32)
+    _sr_encode_kernel[(1,)](vp, rp, out, N=n)
+    ref = e2m1_stochastic(v.clamp(-6, 6), r.to(torch.uint8))
+    assert torch.equal(out[: v.numel()].to(torch.uint8), ref)

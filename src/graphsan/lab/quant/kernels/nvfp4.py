@@ -100,18 +100,19 @@ def _e2m1_code(m):
 
 
 @triton.jit
-def _e2m1_sr_grid(v, r):
-    """Stochastic rounding of float32 v to the E2M1 grid (magnitude, float32) with 8 random bits r:
-    the reference's formula, step for step (clamp to 6, NaN -> 6)."""
-    v = tl.where(v > E2M1_MAX, E2M1_MAX, tl.where(v < -E2M1_MAX, -E2M1_MAX, v))
+def _e2m1_sr_code(v, r):
+    """E2M1 magnitude code (int32, 0-7) of float32 v stochastically rounded with 8 random bits r:
+    the reference's t = a + (r / 256) * step(a) for a = min(|v|, 6) (NaN -> 6), the same float
+    operations, then the code of floor(t / step(t)) * step(t) read off directly: with
+    c = [t >= 2] + [t >= 4], step(t) = 2^(c - 1) and the code is floor(t / step(t)) + 2c (t < 8,
+    so the reference's min(., 6) never acts)."""
     m = tl.abs(v)
-    m = tl.where(m != m, E2M1_MAX, m)
+    m = tl.where(m != m, E2M1_MAX, tl.minimum(m, E2M1_MAX))
     u = r.to(tl.float32) * 0.00390625
-    step = tl.where(m < 2.0, 0.5, tl.where(m < 4.0, 1.0, 2.0))
-    t = m + u * step
-    step_t = tl.where(t < 2.0, 0.5, tl.where(t < 4.0, 1.0, 2.0))
-    inv_step_t = tl.where(t < 2.0, 2.0, tl.where(t < 4.0, 1.0, 0.5))
-    return tl.minimum(tl.floor(t * inv_step_t) * step_t, E2M1_MAX)
+    t = m + u * tl.where(m < 2.0, 0.5, tl.where(m < 4.0, 1.0, 2.0))
+    c = (t >= 2.0).to(tl.int32) + (t >= 4.0).to(tl.int32)
+    inv_step = ((128 - c) << 23).to(tl.float32, bitcast=True)
+    return tl.floor(t * inv_step).to(tl.int32) + 2 * c
 
 
 @triton.jit
@@ -193,10 +194,10 @@ def nvfp4_row_strided_kernel(
     v = tl.reshape(tl.reshape(x, (BR, BC // 16, 16)) * enc[:, :, None], (BR, BC))
     if SR:
         r = tl.load(rbits_ptr + offs_r[:, None] * C + offs_c[None, :], mask=mask, other=0)
-        m = _e2m1_sr_grid(v, r)
+        mag = _e2m1_sr_code(v, r)
     else:
-        m = tl.abs(v)
-    code = _e2m1_code(m) | tl.where(v < 0.0, 8, 0)
+        mag = _e2m1_code(tl.abs(v))
+    code = mag | tl.where(v < 0.0, 8, 0)
     lo, hi = tl.split(tl.reshape(code, (BR, BC // 2, 2)))
     packed = (lo | (hi << 4)).to(tl.uint8)
     dc = pid_c * (BC // 2) + tl.arange(0, BC // 2)
@@ -250,10 +251,10 @@ def nvfp4_col_strided_kernel(
     v = x * enc[:, None, :]
     if SR:  # the bits are drawn for the transposed [K, M] source, as the reference draws them
         r = tl.load(rbits_ptr + col * M + offs_m, mask=mask, other=0)
-        m = _e2m1_sr_grid(v, r)
+        mag = _e2m1_sr_code(v, r)
     else:
-        m = tl.abs(v)
-    code = _e2m1_code(m) | tl.where(v < 0.0, 8, 0)
+        mag = _e2m1_code(tl.abs(v))
+    code = mag | tl.where(v < 0.0, 8, 0)
     # rows 2j and 2j+1 of a block -> byte j, low nibble first
     shift = (tl.arange(0, 2) * 4)[None, None, :, None]
     packed = tl.sum(tl.reshape(code, (NB, 8, 2, BK)) << shift, axis=2).to(tl.uint8)
@@ -330,10 +331,10 @@ def _e2m1_lane(v, r, J: tl.constexpr, SR: tl.constexpr):
     """E2M1 code with sign (int32, 0-15) of float32 v, shifted to nibble J; SR with the random
     byte J of the int32 words r."""
     if SR:
-        m = _e2m1_sr_grid(v, (r >> (8 * J)) & 0xFF)
+        mag = _e2m1_sr_code(v, (r >> (8 * J)) & 0xFF)
     else:
-        m = tl.abs(v)
-    return (_e2m1_code(m) | tl.where(v < 0.0, 8, 0)) << (4 * J)
+        mag = _e2m1_code(tl.abs(v))
+    return (mag | tl.where(v < 0.0, 8, 0)) << (4 * J)
 
 
 @triton.jit
