@@ -45,9 +45,11 @@ NVFP4_ROW_STRIDED_TILE = {"BR": 32, "BC": 128, "num_warps": 4}
 NVFP4_COL_STRIDED_TILE = {"BM": 256, "BK": 64, "num_warps": 4}
 NVFP4_ROW_WORDS_TILE = {"BR": 16, "CW": 64, "num_warps": 2}
 NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
-NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 4}  # not swept yet
-GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}  # not swept yet
-DEQUANT_TILE = {"BP": 32, "BQ": 128, "num_warps": 4}  # not swept yet
+# Not in the sweep yet: the fused column kernel takes the column words kernel's best tile (8
+# blocks x 64 columns, 2 warps: 128 values per thread); the others are first choices.
+NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 2}
+GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}
+DEQUANT_TILE = {"BP": 32, "BQ": 128, "num_warps": 4}
 GEMM_TILE = {"BI": 128, "BJ": 128, "BR": 64, "GROUP": 8, "num_warps": 8, "num_stages": 3}
 AMAX_TILE = (4096, 16)  # (elements per load round, rounds per program)
 # Compiled without fp contraction: no rounding step of the reference may be fused away.
@@ -468,6 +470,7 @@ def gemm_operand(q) -> torch.Tensor | None:
         SP=sp,
         SQ=sq,
         **tile,
+        **_COMPILE_OPTIONS,
     )
     return out.t() if isinstance(q, NVFP4Tensor) and q.axis == 0 else out
 
@@ -533,5 +536,6 @@ def quantized_mm(a, b, transpose_a, transpose_b, alpha, out=None):
         ACCUMULATE=out is not None,
         BF16_DOT=c.is_cuda,
         **tile,
+        **_COMPILE_OPTIONS,
     )
     return c
