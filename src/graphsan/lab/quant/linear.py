@@ -149,7 +149,7 @@ def quantized_mm(
         c = fast.quantized_mm(a, b, transpose_a, transpose_b, gemm_alpha(a, b), out)
         if c is not None:
             return c
-    return quantized_mm_reference(a, b, transpose_a, transpose_b, out)
+    return _values_mm(gemm_operand(a), gemm_operand(b), a, b, transpose_a, transpose_b, out)
 
 
 def quantized_mm_reference(
@@ -159,9 +159,14 @@ def quantized_mm_reference(
     transpose_b: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`quantized_mm` in torch: dequantize each operand to bf16, bf16 GEMM with float32
-    accumulation, alpha."""
-    a_val, b_val = gemm_operand(a), gemm_operand(b)
+    """`quantized_mm` in torch on any device: dequantize each operand to bf16, bf16 GEMM with
+    float32 accumulation, alpha."""
+    a_val, b_val = gemm_operand_reference(a), gemm_operand_reference(b)
+    return _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out)
+
+
+def _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out):
+    """The bf16 GEMM of the operand values, alpha, and the addition into `out`."""
     c = mm_fp32(a_val.t() if transpose_a else a_val, b_val.t() if transpose_b else b_val)
     alpha = gemm_alpha(a, b)
     c = c if alpha is None else c * alpha
