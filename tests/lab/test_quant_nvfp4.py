@@ -294,7 +294,6 @@ def test_wgrad_with_rht_close_to_without():
 
 @pytest.mark.parametrize("axis", [-1, 0], ids=["rowwise", "columnwise"])
 def test_stochastic_rounding_is_unbiased_and_reproducible(axis):
-    """Rowwise draws torch.randint bytes, columnwise Philox bytes per block: both unbiased."""
     g = torch.Generator().manual_seed(21)
     v = torch.rand(32, generator=g) * 5.5 + 0.1
     v[0] = 6.0  # the row max, so the scale is exactly amax-derived and equal for every row
@@ -326,10 +325,10 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(axis):
     assert torch.equal(a.data, b.data) and not torch.equal(a.data, c.data)
 
 
-def test_columnwise_sr_bits_are_philox_per_block():
+def test_sr_bits_are_philox_per_block():
     """Philox4x32-10 gives the published known answer (key 0, counter 0); block b of an
-    [R, C] source takes the 16 bytes of counter b, lowest byte of word 0 first; the columnwise
-    reference draws one seed and uses exactly these bits."""
+    [R, C] source takes the 16 bytes of counter b, lowest byte of word 0 first; the reference
+    draws one seed and uses exactly these bits (columnwise: for the source x^T)."""
     from graphsan.lab.quant.elements import (
         block_random_bits,
         e2m1_stochastic,
@@ -358,6 +357,12 @@ def test_columnwise_sr_bits_are_philox_per_block():
     codes = e2m1_stochastic(v.reshape(48, 64).clamp(-6, 6), r)
     assert torch.equal(q.scale, plain.scale)
     assert torch.equal(codes_of(q), codes)
+    q = nvfp4.quantize_reference(x, -1, generator=torch.Generator().manual_seed(9))
+    r = block_random_bits(random_seed(torch.Generator().manual_seed(9), "cpu"), 64, 48)
+    plain = nvfp4.quantize_reference(x, -1)
+    s_dec = nvfp4.global_scales(plain.amax)[1]
+    v = x.reshape(64, 3, 16) * nvfp4.encode_factor(plain.scale, s_dec).unsqueeze(-1)
+    assert torch.equal(codes_of(q), e2m1_stochastic(v.reshape(64, 48).clamp(-6, 6), r))
 
 
 def test_stochastic_rounding_formula():

@@ -172,14 +172,6 @@ def e2m1_stochastic(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
     return code | ((v < 0).to(torch.uint8) << 3)
 
 
-def random_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
-    """8 random bits per element for `e2m1_stochastic`, from `generator` (graph-safe: randint on
-    the device, no host sync)."""
-    return torch.randint(
-        0, 256, tuple(shape), generator=generator, device=device, dtype=torch.uint8
-    )
-
-
 # Philox4x32-10 (Salmon et al., SC 2011) with the round and key constants of Triton's
 # `tl.randint4x`, so a kernel draws in registers exactly the bits `block_random_bits` returns.
 _PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
@@ -228,16 +220,14 @@ def block_random_bits(seed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return ((words.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).reshape(rows, cols)
 
 
-def sr_bits(shape, axis: int, generator: torch.Generator | None, device) -> torch.Tensor | None:
-    """The 8 random bits per element of stochastic rounding, in the quantized source's layout
-    `shape` (None without a generator). Rowwise copies draw `torch.randint` bytes; columnwise
-    copies draw one seed and take Philox bytes per 16-element block (`block_random_bits`), which
-    the fused columnwise kernel makes in registers instead of reading a bits tensor."""
+def sr_bits(shape, generator: torch.Generator | None, device) -> torch.Tensor | None:
+    """The 8 random bits per element of stochastic rounding for a source of `shape` quantized
+    in 16-element blocks along its last dim (None without a generator): one seed drawn from the
+    generator, then Philox bytes per block (`block_random_bits`), which the kernels make in
+    registers instead of reading a bits tensor."""
     if generator is None:
         return None
-    if axis == 0:
-        return block_random_bits(random_seed(generator, device), *shape)
-    return random_bits(shape, generator, device)
+    return block_random_bits(random_seed(generator, device), *shape)
 
 
 def _e2m1_step(a: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,15 @@ bf16 before the global amax and the quantization; `amax` is then the post-RHT am
     q = quantize(x, axis=-1, block_2d=False, order="current", rht=False, generator=None)
     q.data; q.scale; q.amax; dequantize(q)
 
-`generator` set means stochastic rounding (the random bits come from `torch.randint` on that
-generator: graph-capturable, no host sync, no data-dependent shapes). With `block_2d` each 16x16
-tile's scale byte is repeated over its 16 rows; rows beyond the tensor count as zeros.
+`generator` set means stochastic rounding (one seed drawn from that generator, then Philox bytes
+per 16-element block, `elements.sr_bits`: graph-capturable, no host sync, no data-dependent
+shapes). With `block_2d` each 16x16 tile's scale byte is repeated over its 16 rows; rows beyond
+the tensor count as zeros.
 
 On CUDA, `quantize` runs the Triton kernels (`graphsan.lab.quant.kernels`) when Triton is
-importable; `quantize_reference` is their fallback and their oracle. `quantize_grouped` (torch,
-any device) gives each row group (expert) of a stacked tensor its own global amax, for the
-grouped expert GEMMs.
+importable; `quantize_reference` is their fallback and their oracle. `quantize_grouped` gives
+each row group (expert) of a stacked tensor its own global amax, for the grouped expert GEMMs
+(kernels on CUDA, `quantize_grouped_reference` elsewhere).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def _reference(x, axis, block_2d, order, rht, generator) -> NVFP4Tensor:
     vec_max = block_amax(x32, block_2d)
     scale = block_scale(vec_max, s_enc, order)
     enc = encode_factor(scale, s_dec)
-    codes = encode_elements(x32, enc, sr_bits(x32.shape, axis, generator, x32.device))
+    codes = encode_elements(x32, enc, sr_bits(x32.shape, generator, x32.device))
     return NVFP4Tensor(pack_nibbles(codes), scale, amax, -1 if axis != 0 else 0, block_2d, rht)
 
 
@@ -168,7 +169,7 @@ def _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, genera
     vec_max = block_amax(x32, block_2d)
     scale = block_scale(vec_max, s_enc, order)
     enc = encode_factor(scale, s_dec)
-    codes = encode_elements(x32, enc, sr_bits(x32.shape, axis, generator, x32.device))
+    codes = encode_elements(x32, enc, sr_bits(x32.shape, generator, x32.device))
     return NVFP4Tensor(
         pack_nibbles(codes), scale, amax[:num_groups], -1 if axis != 0 else 0, block_2d, rht
     )

@@ -7,11 +7,12 @@ elsewhere; `_strided=True` runs the strided kernels everywhere, for the benchmar
 compare the two.
 
 NVFP4: the global amax is accumulated into a device buffer (atomic max, no host sync) and the
-quantize kernel reads it there. Columnwise copies with RHT or SR (1D blocks) run the fused column
-kernel (`nvfp4_col.py`: the transform and the Philox SR bits in registers, from a seed drawn on
-the caller's generator as the reference draws it); elsewhere the RHT (bf16, torch) and the SR
-bits (`elements.sr_bits`, as the reference draws them) are prepared in torch. Either way SR is
-reproducible and graph-capturable.
+quantize kernel reads it there. SR bits are Philox bytes per 16-element block from one seed
+drawn on the caller's generator, as the reference draws them (`elements.sr_bits`): the words
+kernels and the fused column kernel make them in registers, the strided kernels read them from
+a tensor (`elements.block_random_bits`). Columnwise copies with RHT or SR (1D blocks) run the
+fused column kernel (`nvfp4_col.py`: the transform in registers too); with the strided kernels
+forced, the RHT is the torch one. Either way SR is reproducible and graph-capturable.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import functools
 import torch
 import triton
 
-from ..elements import random_seed, sr_bits
+from ..elements import block_random_bits, random_seed
 from ..formats import FP8_BITS, FP8_MAX, INV_6, MXFP8_BLOCK, NVFP4_BLOCK, fp32_reciprocal
 from ..rht import rht as apply_rht
 from ..tensors import MXFP8Tensor, NVFP4Tensor
@@ -218,15 +219,13 @@ def nvfp4_quantize(
     dev = x.device
     data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(r, c // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
-    if generator is not None:
-        rbits = sr_bits(src.shape, axis, generator, dev)
-    else:
-        rbits = torch.empty(1, dtype=torch.uint8, device=dev)
+    seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
     if not _strided and (axis != 0 or rht) and words_fit(src):
-        _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generator)
+        _nvfp4_row_words(x, src, amax, seed, data, scale, order, block_2d, generator)
     elif not _strided and axis == 0 and generator is None and words_fit(x):
         _nvfp4_col_words(x, amax, data, scale, order, block_2d)
     else:
+        rbits = block_random_bits(seed, r, c) if generator is not None else seed
         _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator)
     return NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
 
@@ -266,12 +265,9 @@ def nvfp4_quantize_grouped(
         if axis == 0:
             _nvfp4_col_words(x, row_amax, data, scale, order, block_2d, per_row=True)
         else:
-            if generator is not None:
-                rbits = sr_bits(src.shape, axis, generator, dev)
-            else:
-                rbits = torch.empty(1, dtype=torch.uint8, device=dev)
+            seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
             _nvfp4_row_words(
-                x, src, row_amax, rbits, data, scale, order, block_2d, generator, per_row=True
+                x, src, row_amax, seed, data, scale, order, block_2d, generator, per_row=True
             )
         q = NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
     q.amax = q.amax[:num_groups]
@@ -379,8 +375,9 @@ def _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d,
     )
 
 
-def _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generator, per_row=False):
-    """src as int64 words [R, C/4], data written as int16 words (4 nibbles)."""
+def _nvfp4_row_words(x, src, amax, seed, data, scale, order, block_2d, generator, per_row=False):
+    """src as int64 words [R, C/4], data written as int16 words (4 nibbles); SR bits from the
+    int64 `seed` (Philox per block, in the kernel)."""
     r, c = src.shape
     tile = NVFP4_ROW_WORDS_TILE
     grid = (triton.cdiv(r, tile["BR"]), triton.cdiv(c // 4, tile["CW"]))
@@ -390,7 +387,7 @@ def _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generato
         c // 4,
         src.stride(0) // 4,
         amax,
-        rbits.view(torch.int32) if generator is not None else rbits,
+        seed,
         data.view(torch.int16),
         scale,
         INV_6=INV_6,

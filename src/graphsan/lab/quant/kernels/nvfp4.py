@@ -273,7 +273,7 @@ def nvfp4_row_words_kernel(
     CWT,
     stride_rw,
     amax_ptr,
-    rbits_ptr,
+    seed_ptr,
     data_ptr,
     scale_ptr,
     INV_6: tl.constexpr,
@@ -288,7 +288,9 @@ def nvfp4_row_words_kernel(
 ):
     """NVFP4 along the last dim of a bf16 [R, C] source seen as int64 words xw [R, CWT = C/4]
     (row stride stride_rw words). Data is written as an int16 view [R, C/4] (the 4 nibbles of a
-    word, element 0 lowest), scales uint8 [R, C/16]; SR bits are read as an int32 view [R, C/4].
+    word, element 0 lowest), scales uint8 [R, C/16]; SR bits are Philox bytes per block (keyed by
+    the int64 at seed_ptr, counter = the block's index in [R, C/16]: `elements.block_random_bits`),
+    the block's four 32-bit words one per data word.
     A program covers BR rows x CW words: the 64-bit loads and the 16-bit stores of their four
     nibbles have one tile shape, so one layout with whole 16-element blocks in each thread (block
     maxima in registers: no shuffle, and no shared memory for 1D blocks)."""
@@ -312,8 +314,10 @@ def nvfp4_row_words_kernel(
         vec = tl.max(tl.reshape(am, (BR, CW // 4, 4)), axis=2)
     sbyte, enc = _block_scale(nan_to_0(vec, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
     enc = tl.reshape(tl.broadcast_to(enc[:, :, None], (BR, CW // 4, 4)), (BR, CW))
+    sc = pid_c * (CW // 4) + tl.arange(0, CW // 4)[None, :]
     if SR:
-        r = tl.load(rbits_ptr + offs_r * CWT + offs_w, mask=mask, other=0)
+        w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), offs_r.to(tl.int64) * (CWT // 4) + sc)
+        r = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BR, CW))  # w0 w1 w2 w3
     else:
         r = 0
     word = _e2m1_lane(x0 * enc, r, 0, SR)
@@ -321,7 +325,6 @@ def nvfp4_row_words_kernel(
     word |= _e2m1_lane(x2 * enc, r, 2, SR)
     word |= _e2m1_lane(x3 * enc, r, 3, SR)
     tl.store(data_ptr + offs_r * CWT + offs_w, word.to(tl.int16), mask=mask)
-    sc = pid_c * (CW // 4) + tl.arange(0, CW // 4)[None, :]
     smask = (offs_r < R) & (sc < CWT // 4)
     tl.store(scale_ptr + offs_r * (CWT // 4) + sc, sbyte, mask=smask)
 
