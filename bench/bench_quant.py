@@ -20,8 +20,9 @@
    separate kernel or fused into the op before); the amax pass has its own row, and "end to end"
    rows time both, crediting both reads of the input where the two passes read it as it is
    (the RHT rows credit one read: their 50% target counts the bytes the operation must move).
-   The columnwise RHT and SR rows: "default" is the fused column kernel (transform and Philox
-   bits in registers), "strided" the torch RHT and bits handed to the strided kernel. The
+   The RHT and SR rows: "default" is the fused column kernel (transform and Philox bits in
+   registers) or the row words kernel (Philox bits in registers), "strided" the torch RHT and
+   the bits handed to the strided kernel as a tensor. The
    grouped rows (GROUPS equal row groups, one amax each): "default" is the grouped kernels,
    "strided" the torch reference the routed experts ran before them.
 2. QuantLinear forward+backward step time per recipe vs a bf16 `nn.Linear` (tokens = in = out =
@@ -93,12 +94,12 @@ def main() -> None:
     # the device's default generator: CUDA-graph capture (device time) handles it
     gen = torch.cuda.default_generators[torch.cuda.current_device()]
 
-    def col_fused(rht, sr):
+    def col_fused(rht, sr, axis=0):
         def run(v, seed=None):
             if seed is not None:  # the byte comparison: the same generator state per family
                 torch.cuda.manual_seed(seed)
             g = gen if sr else None
-            return tk.nvfp4_quantize(x, 0, rht=rht, generator=g, _strided=STRIDED[v])
+            return tk.nvfp4_quantize(x, axis, rht=rht, generator=g, _strided=STRIDED[v])
 
         run.seeded = True
         return run
@@ -149,6 +150,8 @@ def main() -> None:
          lambda: nvfp4.quantize_reference(x, 0, rht=True), row_bytes_nv, 0.50),
         ("nvfp4 col SR end to end (no RHT)", col_fused(False, True),
          lambda: nvfp4.quantize_reference(x, 0, generator=gen), row_bytes_nv + 2 * elems, None),
+        ("nvfp4 rowwise SR end to end (dgrad dY)", col_fused(False, True, -1),
+         lambda: nvfp4.quantize_reference(x, -1, generator=gen), row_bytes_nv + 2 * elems, None),
         (f"nvfp4 grouped rowwise, {GROUPS} groups, end to end", grouped(-1, False, False),
          None, row_bytes_nv + 2 * elems, None),
         (f"nvfp4 grouped col RHT+SR, {GROUPS} groups, end to end", grouped(0, True, True),
