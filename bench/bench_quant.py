@@ -15,12 +15,18 @@
    time: the calls replayed from a CUDA graph, so the host's launch cost (Python argument
    checks, output allocation, Triton's launcher: tens of microseconds, a large part of a 0.1 ms
    kernel) is not in them; the copy is timed the same way. The "eager ms" columns time one call
-   alone, launch included, as an eager caller sees it. The RHT+SR row is timed eagerly only. The NVFP4 quantize
+   alone, launch included, as an eager caller sees it. The NVFP4 quantize
    rows time the quantize kernel given the global amax (computed once, as TE computes it in a
    separate kernel or fused into the op before); the amax pass has its own row, and "end to end"
-   rows time both, crediting both reads of the input.
+   rows time both, crediting both reads of the input where the two passes read it as it is
+   (the RHT rows credit one read: their 50% target counts the bytes the operation must move).
+   The RHT and SR rows: "default" is the fused column kernel (transform and Philox bits in
+   registers) or the row words kernel (Philox bits in registers), "strided" the torch RHT and
+   the bits handed to the strided kernel as a tensor. The
+   grouped rows (GROUPS equal row groups, one amax each): "default" is the grouped kernels,
+   "strided" the torch reference the routed experts ran before them.
 2. QuantLinear forward+backward step time per recipe vs a bf16 `nn.Linear` (tokens = in = out =
-   size), as a ratio.
+   size), as a ratio, with both GEMM paths: bench_quant_linear.py (also runnable alone).
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ import argparse
 import datetime
 
 import torch
+from bench_quant_linear import quant_linear_table
 from quant_timing import bench, bench_device, same_bytes
 
-from graphsan.lab.quant import QuantLinear, get_recipe, kernels, mxfp8, nvfp4
+from graphsan.lab.quant import kernels, mxfp8, nvfp4
 
 STRIDED = {"strided": True, "default": False}  # kernel family -> the launchers' `_strided`
+GROUPS = 8  # experts in the grouped rows
 
 
 def main() -> None:
@@ -83,11 +91,36 @@ def main() -> None:
     row_bytes_mx = 2 * elems + elems + elems // 32
     row_bytes_nv = 2 * elems + elems // 2 + elems // 16
 
-    def sr_rht(v, seed=None):
-        g = torch.Generator(device=dev).manual_seed(seed) if seed is not None else gen
-        return tk.nvfp4_quantize(x, 0, rht=True, generator=g, _strided=STRIDED[v])
+    # the device's default generator: CUDA-graph capture (device time) handles it
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
 
-    gen = torch.Generator(device=dev).manual_seed(0)
+    def col_fused(rht, sr, axis=0):
+        def run(v, seed=None):
+            if seed is not None:  # the byte comparison: the same generator state per family
+                torch.cuda.manual_seed(seed)
+            g = gen if sr else None
+            return tk.nvfp4_quantize(x, axis, rht=rht, generator=g, _strided=STRIDED[v])
+
+        run.seeded = True
+        return run
+
+    sr_rht = col_fused(True, True)
+    groups = torch.arange(n, device=dev) // (n // GROUPS)  # GROUPS equal experts
+
+    def grouped(axis, rht, sr):
+        def run(v, seed=None):
+            if seed is not None:
+                torch.cuda.manual_seed(seed)
+            g = gen if sr else None
+            if v == "strided":  # the torch reference: what the experts ran before the kernels
+                return nvfp4.quantize_grouped_reference(
+                    x, groups, GROUPS, axis, rht=rht, generator=g
+                )
+            return nvfp4.quantize_grouped(x, groups, GROUPS, axis, rht=rht, generator=g)
+
+        run.seeded = True
+        return run
+
     rows = [
         # name, triton fn of the family, reference fn, bytes moved, target fraction of copy bw
         ("mxfp8 row+col (1 pass)", lambda v: tk.mxfp8_quantize_both(x, _strided=STRIDED[v]), ref_both,
@@ -111,8 +144,18 @@ def main() -> None:
          lambda: nvfp4.quantize_reference(x, -1), row_bytes_nv + 2 * elems, None),
         ("nvfp4 columnwise 1D end to end", lambda v: tk.nvfp4_quantize(x, 0, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, 0), row_bytes_nv + 2 * elems, None),
-        ("nvfp4 col RHT+SR (wgrad dY)", sr_rht,
-         lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, None),
+        ("nvfp4 col RHT+SR end to end (wgrad dY)", sr_rht,
+         lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, 0.50),
+        ("nvfp4 col RHT end to end (wgrad X)", col_fused(True, False),
+         lambda: nvfp4.quantize_reference(x, 0, rht=True), row_bytes_nv, 0.50),
+        ("nvfp4 col SR end to end (no RHT)", col_fused(False, True),
+         lambda: nvfp4.quantize_reference(x, 0, generator=gen), row_bytes_nv + 2 * elems, None),
+        ("nvfp4 rowwise SR end to end (dgrad dY)", col_fused(False, True, -1),
+         lambda: nvfp4.quantize_reference(x, -1, generator=gen), row_bytes_nv + 2 * elems, None),
+        (f"nvfp4 grouped rowwise, {GROUPS} groups, end to end", grouped(-1, False, False),
+         None, row_bytes_nv + 2 * elems, None),
+        (f"nvfp4 grouped col RHT+SR, {GROUPS} groups, end to end", grouped(0, True, True),
+         None, row_bytes_nv, None),
     ]  # fmt: skip
     print()
     head = " | ".join(f"{v} ms" for v in families)
@@ -129,21 +172,18 @@ def main() -> None:
         eager_t = {v: bench(lambda v=v, fast=fast: fast(v), args.iters) for v in families}
         times = {}
         for v in families:
-            if fast is sr_rht:  # a generator of its own: time it eagerly
-                times[v] = None
-            else:
-                times[v] = bench_device(lambda v=v, fast=fast: fast(v), args.iters)
+            times[v] = bench_device(lambda v=v, fast=fast: fast(v), args.iters)
             if times[v] is None:
                 times[v] = eager_t[v]
-        t_ref = bench(ref, max(3, args.iters // 4), warmup=1)
+        t_ref = bench(ref, max(3, args.iters // 4), warmup=1) if ref else eager_t["strided"]
         best_v = min(families, key=lambda v: times[v])
         best = times[best_v]
         frac = {v: nbytes / t / copy_bw for v, t in times.items()}
         tgt = "-"
         if target:
             tgt = f">= {target:.0%} {'ok' if nbytes / best / copy_bw >= target else 'MISSED'}"
-        if fast is sr_rht:  # the same generator state for both
-            outs = [sr_rht(v, seed=1) for v in families]
+        if getattr(fast, "seeded", False):  # the same generator state for both
+            outs = [fast(v, seed=1) for v in families]
         else:
             outs = [fast(v) for v in families]
         equal = all(same_bytes(outs[0], o) for o in outs[1:])
@@ -162,30 +202,7 @@ def main() -> None:
         return
 
     print()
-    print(f"QuantLinear fwd+bwd, x [{n}, {n}] bf16, weight [{n}, {n}]: step time vs bf16 nn.Linear")
-    xg = torch.randn(n, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    base = torch.nn.Linear(n, n, bias=False, device=dev, dtype=torch.bfloat16)
-
-    def step(mod):
-        def run():
-            xg.grad = None
-            mod(xg).backward(dy)
-
-        return run
-
-    t_base = bench(step(base), max(3, args.iters // 2))
-    print("| recipe | ms/step | vs nn.Linear |")
-    print("|---|---|---|")
-    print(f"| nn.Linear (bf16) | {t_base * 1e3:.2f} | 1.00 |")
-    recipes = ["bf16", "fp8", "mxfp8", "nvfp4"]
-    for name in recipes:
-        lin = QuantLinear(n, n, device=dev)
-        lin.set_recipe(get_recipe(name))
-        t = bench(step(lin), max(3, args.iters // 2))
-        print(f"| QuantLinear {lin.recipe.describe()} | {t * 1e3:.2f} | {t / t_base:.2f} |")
-        del lin
-        torch.cuda.empty_cache()
+    quant_linear_table(n, args.iters)
 
 
 if __name__ == "__main__":

@@ -154,3 +154,41 @@ def check_against_loop(recipe, device):
         check_close(x.grad[s:t], rdx, mdx, out_rounds)
         check_close(main[e], rdw, mdw, int(cuda))
         assert main[e].abs().sum() > 0
+
+
+# (axis, block_2d, rht, sr) of every NVFP4 operand kind the grouped experts quantize
+NVFP4_GROUPED_KINDS = [
+    (-1, False, False, False),  # X rowwise
+    (-1, False, False, True),  # dY rowwise (SR)
+    (-1, True, False, False),  # stacked weights, rowwise
+    (0, True, False, False),  # stacked weights, columnwise
+    (0, False, False, False),  # plain columnwise
+    (0, False, True, False),  # X columnwise (RHT)
+    (0, False, True, True),  # dY columnwise (RHT, SR)
+    (0, False, False, True),  # columnwise SR without RHT
+]
+
+
+def check_nvfp4_grouped_kernels(tk, counts, device, order="current"):
+    """`tk.nvfp4_quantize_grouped` byte-equal to the torch reference for every operand kind
+    (columnwise kinds only where every count is a multiple of 16), SR from equally seeded
+    generators; the per-group amax too, including 0 for an empty group."""
+    g = torch.Generator().manual_seed(sum(counts))
+    x = grouped_rows(counts, 96, g, pad=16, device=device)
+    x[3, 5] = float("nan")
+    groups = row_groups(counts, x.shape[0], device)
+    n = len(counts)
+    checked = 0
+    for axis, block_2d, use_rht, sr in NVFP4_GROUPED_KINDS:
+        if axis == 0 and any(c % 16 for c in counts):
+            continue
+        g1 = torch.Generator(device=device).manual_seed(4) if sr else None
+        g2 = torch.Generator(device=device).manual_seed(4) if sr else None
+        a = tk.nvfp4_quantize_grouped(x, groups.index, n, axis, block_2d, order, use_rht, g1)
+        b = nvfp4_fmt.quantize_grouped_reference(
+            x, groups.index, n, axis, block_2d, order, use_rht, g2
+        )
+        assert a is not None, (axis, block_2d, use_rht, sr)
+        assert_same_bytes(a, b)
+        checked += 1
+    return checked

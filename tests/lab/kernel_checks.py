@@ -121,3 +121,72 @@ def assert_nvfp4_matches(tk, x, order, seed, strided=False):
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
             assert torch.equal(a.data, b.data), where
+
+
+def quantized_gemm_cases(recipe, m, k, n, device, seed=0):
+    """The three GEMMs of a quantized Linear with x [m, k], weight [n, k] and dy [m, n], as
+    (name, a, b, transpose_a, transpose_b) with the operands the table names."""
+    from tests.lab.quant_oracles import skewed
+
+    g = torch.Generator().manual_seed(seed)
+    x, w, dy = (skewed(r, c, g).to(device) for r, c in ((m, k), (n, k), (m, n)))
+    qw, qx, qg = (recipe.quantizers()[r] for r in ("weight", "input", "grad_output"))
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    w_row, w_col = qw.quantize(w, -1), qw.quantize(w, 0)
+    x_row, x_col = qx.quantize(x, -1), qx.quantize(x, 0)
+    dy_row, dy_col = qg.quantize(dy, -1, generator=gen), qg.quantize(dy, 0, generator=gen)
+    return [
+        ("fprop", x_row, w_row, False, True),
+        ("dgrad", dy_row, w_col, False, False),
+        ("wgrad", dy_col, x_col, True, False),
+    ]
+
+
+def assert_quantized_mm_matches(tk, recipe, m, k, n, device, seed=0):
+    """`tk.quantized_mm` (the packed-operand GEMM) against dequantize-then-GEMM in float64:
+    |C - C64| <= R * 2^-23 * (|A||B|)_ij * alpha, the float32 accumulation bound over the
+    reduction length R with a factor 2 to spare; also with accumulation into a float32 output.
+    Returns the largest error as a fraction of that bound."""
+    from graphsan.lab.quant.linear import gemm_alpha, gemm_operand
+    from tests.lab.quant_oracles import ref_mm
+
+    worst = 0.0
+    for name, a, b, ta, tb in quantized_gemm_cases(recipe, m, k, n, device, seed):
+        av, bv = gemm_operand(a), gemm_operand(b)
+        av, bv = (av.t() if ta else av), (bv.t() if tb else bv)
+        alpha = gemm_alpha(a, b)
+        ref, mag = ref_mm(av, bv, alpha)
+        bound = av.shape[1] * 2.0**-23 * mag + 1e-30
+        got = tk.quantized_mm(a, b, ta, tb, alpha)
+        assert got is not None and got.dtype == torch.float32, name
+        assert got.shape == ref.shape, name
+        err = (got.double() - ref).abs()
+        assert (err <= bound).all(), (name, (err / bound).max().item())
+        worst = max(worst, (err / bound).max().item())
+        base = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7)).to(device)
+        out = base.clone()
+        assert tk.quantized_mm(a, b, ta, tb, alpha, out) is out
+        assert ((out.double() - base.double() - ref).abs() <= bound + 2.0**-23).all(), name
+    return worst
+
+
+def assert_gemm_operands_match(tk, device, shape):
+    """`tk.gemm_operand` (one pass over the packed data) equals the torch dequantization bit for
+    bit: NVFP4 of every operand kind, MXFP8 E4M3 and E5M2 in both directions, on `edge_inputs`
+    (NaN, -inf, a subnormal, a zero tile) with one block scaled to 2^-130 (scale bytes below 3,
+    where the bf16 values round)."""
+    from graphsan.lab.quant.linear import gemm_operand_reference
+
+    x = edge_inputs(shape, 12, device).float()
+    x[32:64, 64:96] *= 2.0**-130
+    ops = []
+    for axis, block_2d, use_rht in NVFP4_KINDS:
+        g = torch.Generator(device=device).manual_seed(2)
+        ops.append(nvfp4.quantize(x.bfloat16(), axis, block_2d, "current", use_rht, g))
+    for fmt in ("e4m3", "e5m2"):
+        ops += [mxfp8.quantize(x, -1, fmt), mxfp8.quantize(x, 0, fmt)]
+    assert any((q.scale < 3).any() for q in ops[-4:])
+    for q in ops:
+        got, ref = tk.gemm_operand(q), gemm_operand_reference(q)
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), type(q).__name__

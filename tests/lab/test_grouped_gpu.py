@@ -1,6 +1,6 @@
 """GPU: the grouped expert GEMMs on CUDA (torch._grouped_mm, bf16 result) against the per-expert
-loop in float64; stacked quantization (torch reference) byte-equal to the per-expert Triton path;
-the MoE expert path runs with host syncs made errors."""
+loop in float64; stacked quantization (grouped kernels) byte-equal to the per-expert Triton path
+and to the torch reference; the MoE expert path runs with host syncs made errors."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tests.lab.grouped_checks import (
     NO_SR,
     RECIPES,
     check_against_loop,
+    check_nvfp4_grouped_kernels,
     check_stack_equals_groups,
 )
 
@@ -29,6 +30,26 @@ def test_grouped_gemms_match_the_per_expert_loop_on_cuda(name):
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_stacked_quantization_equals_per_expert_on_cuda(name, role, axis):
     check_stack_equals_groups(NO_SR[name], role, axis, "cuda")
+
+
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_grouped_nvfp4_kernels_match_the_reference_on_cuda(order, monkeypatch):
+    """The grouped NVFP4 kernels (per-group amax on the device) byte-equal to the torch reference
+    for every operand kind, SR included; and `nvfp4.quantize_grouped` runs them on CUDA."""
+    pytest.importorskip("triton")
+    from graphsan.lab.quant import kernels, nvfp4
+
+    assert kernels.available()
+    from graphsan.lab.quant.kernels import launch as tk
+
+    assert check_nvfp4_grouped_kernels(tk, (64, 0, 32, 96), "cuda", order) == 8
+    assert check_nvfp4_grouped_kernels(tk, (8, 0, 24, 40), "cuda", order) == 3
+    calls = []
+    orig = tk.nvfp4_quantize_grouped
+    monkeypatch.setattr(tk, "nvfp4_quantize_grouped", lambda *a: calls.append(1) or orig(*a))
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    nvfp4.quantize_grouped(x, torch.zeros(64, dtype=torch.int64, device="cuda"), 1)
+    assert calls
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "nvfp4"])

@@ -292,29 +292,77 @@ def test_wgrad_with_rht_close_to_without():
     assert e_rht < e_plain * 1.5
 
 
-def test_stochastic_rounding_is_unbiased_and_reproducible():
+@pytest.mark.parametrize("axis", [-1, 0], ids=["rowwise", "columnwise"])
+def test_stochastic_rounding_is_unbiased_and_reproducible(axis):
     g = torch.Generator().manual_seed(21)
     v = torch.rand(32, generator=g) * 5.5 + 0.1
     v[0] = 6.0  # the row max, so the scale is exactly amax-derived and equal for every row
     v[1] = -2.7
     x = v.repeat(4096, 1)  # 4096 independent draws of the same 32 values
+    if axis == 0:  # the columnwise copy of x^T quantizes x's rows
+        x = x.t().contiguous()
+
+    def values(q):  # dequantized, one row per draw
+        out = nvfp4.dequantize(q).double()
+        return out.t() if axis == 0 else out
+
     gen = torch.Generator().manual_seed(1)
-    q = nvfp4.quantize(x, generator=gen)
-    sr = nvfp4.dequantize(q).double()
-    rn = nvfp4.dequantize(nvfp4.quantize(x)).double()[0]
-    target = x[0].double()
+    q = nvfp4.quantize(x, axis, generator=gen)
+    sr = values(q)
+    rn = values(nvfp4.quantize(x, axis))[0]
+    target = v.double()
     mean = sr.mean(0)
-    std = sr.std(0) / math.sqrt(x.shape[0])
+    std = sr.std(0) / math.sqrt(sr.shape[0])
     assert ((mean - target).abs() <= 5 * std + 1e-6).all()
     assert (mean - target).pow(2).mean().sqrt() < (rn - target).pow(2).mean().sqrt()
     # SR outputs are neighbours of the value on the grid: at most two distinct codes per column
-    codes = codes_of(q)
+    codes = codes_of(q)  # one row per draw either way: columnwise stores the copy of x.t()
     assert all(codes[:, j].unique().numel() <= 2 for j in range(32))
 
-    a = nvfp4.quantize(x, generator=torch.Generator().manual_seed(5))
-    b = nvfp4.quantize(x, generator=torch.Generator().manual_seed(5))
-    c = nvfp4.quantize(x, generator=torch.Generator().manual_seed(6))
+    a = nvfp4.quantize(x, axis, generator=torch.Generator().manual_seed(5))
+    b = nvfp4.quantize(x, axis, generator=torch.Generator().manual_seed(5))
+    c = nvfp4.quantize(x, axis, generator=torch.Generator().manual_seed(6))
     assert torch.equal(a.data, b.data) and not torch.equal(a.data, c.data)
+
+
+def test_sr_bits_are_philox_per_block():
+    """Philox4x32-10 gives the published known answer (key 0, counter 0); block b of an
+    [R, C] source takes the 16 bytes of counter b, lowest byte of word 0 first; the reference
+    draws one seed and uses exactly these bits (columnwise: for the source x^T)."""
+    from graphsan.lab.quant.elements import (
+        block_random_bits,
+        e2m1_stochastic,
+        philox4x32,
+        random_seed,
+    )
+
+    zero = torch.zeros(1, dtype=torch.int64)
+    words = [int(w) for w in philox4x32(torch.tensor(0), zero)]
+    assert words == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    seed = torch.tensor(0x0123456789ABCDEF)
+    bits = block_random_bits(seed, 3, 32)
+    for row, blk in ((0, 0), (1, 1), (2, 1)):
+        w = philox4x32(seed, torch.tensor([row * 2 + blk]))
+        want = [(int(w[j // 4]) >> (8 * (j % 4))) & 0xFF for j in range(16)]
+        assert bits[row, blk * 16 : blk * 16 + 16].tolist() == want
+    many = block_random_bits(seed, 256, 256).double()
+    assert abs(many.mean().item() - 127.5) < 1.0  # 65536 bytes: standard error 0.29
+
+    x = torch.randn(64, 48) * 3  # columnwise: the source is x^T [48, 64], 4 blocks per row
+    q = nvfp4.quantize_reference(x, 0, generator=torch.Generator().manual_seed(9))
+    r = block_random_bits(random_seed(torch.Generator().manual_seed(9), "cpu"), 48, 64)
+    plain = nvfp4.quantize_reference(x, 0)  # the same scales; only the rounding differs
+    s_dec = nvfp4.global_scales(plain.amax)[1]
+    v = x.t().reshape(48, 4, 16) * nvfp4.encode_factor(plain.scale, s_dec).unsqueeze(-1)
+    codes = e2m1_stochastic(v.reshape(48, 64).clamp(-6, 6), r)
+    assert torch.equal(q.scale, plain.scale)
+    assert torch.equal(codes_of(q), codes)
+    q = nvfp4.quantize_reference(x, -1, generator=torch.Generator().manual_seed(9))
+    r = block_random_bits(random_seed(torch.Generator().manual_seed(9), "cpu"), 64, 48)
+    plain = nvfp4.quantize_reference(x, -1)
+    s_dec = nvfp4.global_scales(plain.amax)[1]
+    v = x.reshape(64, 3, 16) * nvfp4.encode_factor(plain.scale, s_dec).unsqueeze(-1)
+    assert torch.equal(codes_of(q), e2m1_stochastic(v.reshape(64, 48).clamp(-6, 6), r))
 
 
 def test_stochastic_rounding_formula():

@@ -9,9 +9,11 @@ import torch
 from graphsan.lab.quant import QuantLinear, get_recipe, mxfp8, nvfp4
 from tests.lab.kernel_checks import (
     STRIDED,
+    assert_gemm_operands_match,
     assert_mxfp8_matches,
     assert_nvfp4_edges_match,
     assert_nvfp4_matches,
+    assert_quantized_mm_matches,
     edge_inputs,
     mxfp8_inputs,
     nvfp4_edge_cases,
@@ -191,10 +193,13 @@ def test_sr_graph_replay_gives_identical_bits_with_same_seed(tk):
     assert torch.equal(eager.scale, out["scale"])
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["prepared-operands", "fused-gemm"])
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8"])
-def test_quantlinear_graph_capture_with_skip_flag(tk, name):
+def test_quantlinear_graph_capture_with_skip_flag(tk, name, fused, monkeypatch):
     """Capture fwd+bwd; the skip flag (device tensor) decides on replay whether the workspace is
-    re-quantized, with no re-allocation."""
+    re-quantized, with no re-allocation. Both GEMM paths (operand preparation + cuBLAS, and the
+    fused packed-operand GEMM)."""
+    monkeypatch.setattr(tk, "FUSED_GEMM", fused)
     torch.manual_seed(0)
     lin = QuantLinear(256, 128, device="cuda")
     lin.set_recipe(get_recipe(name))
@@ -252,3 +257,43 @@ def test_quantlinear_triton_equals_reference_path(tk, monkeypatch):
             and torch.equal(g1, x.grad)
             and torch.equal(m1, lin.weight.main_grad)
         )
+
+
+def test_gemm_operand_preparation_matches_reference(tk):
+    assert_gemm_operands_match(tk, "cuda", (256, 640))
+
+
+GEMM_RECIPES = {
+    "mxfp8": get_recipe("mxfp8"),
+    "mxfp8-hybrid": get_recipe("mxfp8", fp8_format="hybrid"),
+    "nvfp4": get_recipe("nvfp4"),
+    "nvfp4-plain": get_recipe("nvfp4", rht=False, sr=False, weight_2d=False, order="legacy"),
+}
+
+
+@pytest.mark.parametrize("shape", [(512, 384, 640), (4096, 96, 160), (256, 2048, 1024)])
+@pytest.mark.parametrize("name", list(GEMM_RECIPES))
+def test_packed_gemm_matches_dequantize_then_gemm(tk, name, shape):
+    """The compiled fused GEMM (tensor cores) within the float32 accumulation bound of the
+    float64 product, every GEMM orientation, partial tiles."""
+    assert_quantized_mm_matches(tk, GEMM_RECIPES[name], *shape, "cuda")
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_quantlinear_fused_gemm_close_to_prepared_operands(tk, name, monkeypatch):
+    """QuantLinear fwd+bwd with the fused GEMM agrees with the prepared-operand path (same
+    operands, another float32 accumulation order) to 2^-16 of each output's largest value."""
+    torch.manual_seed(2)
+    lin = QuantLinear(512, 256, device="cuda")
+    lin.set_recipe(get_recipe(name, **({"sr": False} if name == "nvfp4" else {})))
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(tk, "FUSED_GEMM", fused)
+        x.grad = None
+        lin.weight.main_grad.zero_()
+        y = lin(x)
+        y.backward(torch.ones_like(y))
+        results.append((y.float(), x.grad.float(), lin.weight.main_grad.clone()))
+    for a, b in zip(*results, strict=True):
+        assert ((a - b).abs() <= b.abs().max() * 2.0**-16 + 2.0**-8 * b.abs()).all()

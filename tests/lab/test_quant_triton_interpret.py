@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graphsan.lab.quant import mxfp8, nvfp4
+from tests.lab.grouped_checks import check_nvfp4_grouped_kernels
 from tests.lab.kernel_checks import (
     STRIDED,
     assert_mxfp8_matches,
@@ -22,6 +23,12 @@ from tests.lab.kernel_checks import (
     nvfp4_edge_cases,
 )
 
+# Triton is imported here, after tests/conftest.py set TRITON_INTERPRET where CUDA is absent.
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from graphsan.lab.quant.kernels.nvfp4 import _e2m1_lane  # noqa: E402
+
 pytestmark = [
     pytest.mark.skipif(
         torch.cuda.is_available(),
@@ -31,6 +38,15 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning"),
 ]
+
+
+@triton.jit
+def _sr_encode_kernel(v_ptr, r_ptr, out_ptr, N: tl.constexpr):
+    """The kernels' E2M1 encoder with SR, element by element (the random byte in lane 0)."""
+    i = tl.arange(0, N)
+    v = tl.load(v_ptr + i)
+    r = tl.load(r_ptr + i).to(tl.uint32)
+    tl.store(out_ptr + i, _e2m1_lane(v, r, 0, True))
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +85,12 @@ def test_nvfp4_kernel_edge_inputs(tk, order, strided):
 
 def test_launcher_picks_the_words_kernels_where_they_fit(tk, monkeypatch):
     """bf16 with unit column stride goes to the bf16-word kernels (MXFP8 with a columnwise part,
-    NVFP4 rowwise, the RHT copy, and columnwise without SR); float32, a column stride of 2, SR
-    columnwise without RHT, MXFP8 rowwise alone and `_strided=True` go to the strided kernels."""
+    NVFP4 rowwise and columnwise without RHT or SR); NVFP4 columnwise with RHT or SR (1D blocks)
+    to the fused column kernel, any stride; float32, a column stride of 2, 2D blocks with SR,
+    MXFP8 rowwise alone and `_strided=True` go to the strided kernels."""
     calls = []
-    for name in ("_mxfp8_words", "_mxfp8_strided", "_nvfp4_row_words", "_nvfp4_col_words"):
+    names = ("_mxfp8_words", "_mxfp8_strided", "_nvfp4_row_words", "_nvfp4_col_words")
+    for name in names + ("_nvfp4_col_fused",):
         monkeypatch.setattr(tk, name, lambda *a, name=name: calls.append(name))
     monkeypatch.setattr(tk, "_nvfp4_strided", lambda *a: calls.append("_nvfp4_strided"))
     monkeypatch.setattr(tk, "global_amax", lambda x: torch.zeros(()))
@@ -93,9 +111,12 @@ def test_launcher_picks_the_words_kernels_where_they_fit(tk, monkeypatch):
     assert picked(tk.mxfp8_quantize_both, wide) == "_mxfp8_strided"
     assert picked(tk.nvfp4_quantize, bf16, -1) == "_nvfp4_row_words"
     assert picked(tk.nvfp4_quantize, bf16, -1, generator=g) == "_nvfp4_row_words"
-    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, generator=g) == "_nvfp4_row_words"
+    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, generator=g) == "_nvfp4_col_fused"
+    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True) == "_nvfp4_col_fused"
+    assert picked(tk.nvfp4_quantize, wide, 0, generator=g) == "_nvfp4_col_fused"
     assert picked(tk.nvfp4_quantize, bf16, 0) == "_nvfp4_col_words"
-    assert picked(tk.nvfp4_quantize, bf16, 0, generator=g) == "_nvfp4_strided"
+    assert picked(tk.nvfp4_quantize, bf16, 0, True, generator=g) == "_nvfp4_strided"
+    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, _strided=True) == "_nvfp4_strided"
     assert picked(tk.nvfp4_quantize, bf16.float(), -1) == "_nvfp4_strided"
     assert picked(tk.nvfp4_quantize, wide, 0) == "_nvfp4_strided"
     assert picked(tk.nvfp4_quantize, bf16, -1, _strided=True) == "_nvfp4_strided"
@@ -164,3 +185,66 @@ def test_nvfp4_col_words_kernel(tk, order):
             b = nvfp4.quantize_reference(x, 0, block_2d, order)
             assert torch.equal(a.scale, b.scale), (name, block_2d)
             assert torch.equal(a.data, b.data), (name, block_2d)
+
+
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_col_fused_kernel(tk, order):
+    """The fused columnwise kernel (RHT and/or SR): two programs down the rows (the second
+    partial), three across the columns (the last partial), bf16 and float32, a column slice and a
+    column stride of 2, NaN in a block and an all-NaN block; bytes and the post-RHT amax equal
+    the reference's, the SR bits drawn from equally seeded generators."""
+    x = edge_inputs((144, 160), 9, "cpu")
+    x[16:32, 7] = math.nan
+    x[40, 9] = math.nan
+    cases = {"bf16": x, "float32": x.float()}
+    cases["slice"] = edge_inputs((32, 320), 10, "cpu")[:, 64:256]
+    cases["stride2"] = edge_inputs((32, 256), 11, "cpu")[:, ::2]
+    for name, x in cases.items():
+        for use_rht, sr in ((True, False), (True, True), (False, True)):
+            g1 = torch.Generator().manual_seed(3) if sr else None
+            g2 = torch.Generator().manual_seed(3) if sr else None
+            a = tk.nvfp4_quantize(x, 0, False, order, use_rht, g1)
+            b = nvfp4.quantize_reference(x, 0, False, order, use_rht, g2)
+            where = (name, use_rht, sr)
+            assert torch.equal(a.amax, b.amax), where
+            assert torch.equal(a.scale, b.scale), where
+            assert torch.equal(a.data, b.data), where
+
+
+def test_nvfp4_grouped_kernels(tk, monkeypatch):
+    """Grouped NVFP4 (one amax per row group, from device-side groups): every operand kind
+    against the reference, with an empty group and padding rows; the group amax over several
+    programs along the columns, tiles whose rows span groups (rowwise counts not multiples of
+    16) and tiles within one group; inputs the kernels do not take (float32 rowwise, columnwise
+    SR with 2D blocks) left to the reference."""
+    monkeypatch.setitem(tk.GROUP_AMAX_TILE, "BC", 32)
+    monkeypatch.setitem(tk.GROUP_AMAX_TILE, "ITERS", 2)
+    assert check_nvfp4_grouped_kernels(tk, (32, 0, 16, 48), "cpu") == 8
+    assert check_nvfp4_grouped_kernels(tk, (8, 0, 24, 40), "cpu", "legacy") == 3
+    x = torch.zeros(32, 64)
+    groups = torch.zeros(32, dtype=torch.int64)
+    assert tk.nvfp4_quantize_grouped(x, groups, 1, -1) is None
+    assert tk.nvfp4_quantize_grouped(x, groups, 1, 0, rht=True) is not None
+    g = torch.Generator()
+    assert tk.nvfp4_quantize_grouped(x.bfloat16(), groups, 1, 0, True, generator=g) is None
+
+
+def test_sr_code_matches_the_reference_for_every_random_byte(tk):
+    """The kernels' stochastic-rounding encoder (`_e2m1_lane` with SR) against
+    `elements.e2m1_stochastic` for values at and next to every grid point and step boundary,
+    past 6, NaN, -0.0 and tiny ones, each with all 256 random bytes."""
+    from graphsan.lab.quant.elements import e2m1_stochastic
+
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    near = torch.cat((grid, grid.nextafter(torch.tensor(9.0)), grid.nextafter(torch.tensor(-1.0))))
+    base = torch.cat((near, torch.tensor([0.25, 1.75, 3.5, 5.0, 7.0, 1e30, math.nan, 1e-40])))
+    values = torch.cat((base, -base, torch.tensor([-0.0, -1e-40])))
+    v = values.repeat_interleave(256)
+    r = torch.arange(256, dtype=torch.int32).repeat(values.numel())
+    n = triton.next_power_of_2(v.numel())
+    vp = torch.cat((v, torch.zeros(n - v.numel())))
+    rp = torch.cat((r, torch.zeros(n - r.numel(), dtype=torch.int32)))
+    out = torch.empty(n, dtype=torch.int32)
+    _sr_encode_kernel[(1,)](vp, rp, out, N=n)
+    ref = e2m1_stochastic(v.clamp(-6, 6), r.to(torch.uint8))
+    assert torch.equal(out[: v.numel()].to(torch.uint8), ref)

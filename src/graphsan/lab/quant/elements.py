@@ -172,12 +172,62 @@ def e2m1_stochastic(v: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
     return code | ((v < 0).to(torch.uint8) << 3)
 
 
-def random_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
-    """8 random bits per element for `e2m1_stochastic`, from `generator` (graph-safe: randint on
-    the device, no host sync)."""
-    return torch.randint(
-        0, 256, tuple(shape), generator=generator, device=device, dtype=torch.uint8
-    )
+# Philox4x32-10 (Salmon et al., SC 2011) with the round and key constants of Triton's
+# `tl.randint4x`, so a kernel draws in registers exactly the bits `block_random_bits` returns.
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+_U32 = 0xFFFFFFFF
+
+
+def random_seed(generator: torch.Generator, device) -> torch.Tensor:
+    """One int64 seed (0-dim, on the device) drawn from `generator` for `block_random_bits`:
+    graph-safe (randint on the device, no host sync); a replay draws a fresh seed."""
+    return torch.randint(0, 2**62, (), generator=generator, device=device, dtype=torch.int64)
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of the 64-bit product of the constant a and uint32 values b (int64
+    tensors), from 16-bit halves of b so no partial product leaves int64."""
+    t = a * (b & 0xFFFF)  # < 2^48
+    u = a * (b >> 16)  # < 2^48
+    return (u + (t >> 16)) >> 16, (((u & 0xFFFF) << 16) + t) & _U32
+
+
+def philox4x32(seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 of counters (c0, c1) = (counter mod 2^32, counter >> 32), c2 = c3 = 0, key
+    (seed mod 2^32, seed >> 32): four uint32 words as int64 tensors, as Triton's
+    `tl.randint4x(seed, counter)` returns them for an int64 counter."""
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    c0, c1 = counter & _U32, (counter >> 32) & _U32
+    c2 = c3 = torch.zeros_like(counter)
+    for _ in range(10):
+        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND[1], c2)
+        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & _U32, (k1 + _PHILOX_KEY[1]) & _U32
+    return c0, c1, c2, c3
+
+
+def block_random_bits(seed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """8 random bits per element of an [rows, cols] source quantized in 16-element blocks along
+    its last dim (cols a multiple of 16), from a counter-based generator: block b (row-major
+    index in [rows, cols/16]) takes the 16 bytes of `philox4x32(seed, b)`, element j of the
+    block byte j % 4 (lowest first) of word j // 4. One Philox call per block, so a kernel that
+    holds a whole block makes its bits in registers (uint8 [rows, cols])."""
+    counter = torch.arange(rows * (cols // 16), dtype=torch.int64, device=seed.device)
+    words = torch.stack(philox4x32(seed, counter), dim=-1)  # [blocks, 4]
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=seed.device)
+    return ((words.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).reshape(rows, cols)
+
+
+def sr_bits(shape, generator: torch.Generator | None, device) -> torch.Tensor | None:
+    """The 8 random bits per element of stochastic rounding for a source of `shape` quantized
+    in 16-element blocks along its last dim (None without a generator): one seed drawn from the
+    generator, then Philox bytes per block (`block_random_bits`), which the kernels make in
+    registers instead of reading a bits tensor."""
+    if generator is None:
+        return None
+    return block_random_bits(random_seed(generator, device), *shape)
 
 
 def _e2m1_step(a: torch.Tensor) -> torch.Tensor:

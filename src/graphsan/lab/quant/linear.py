@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import nvfp4
+from . import kernels, nvfp4
 from .elements import div, fp8_decode
 from .formats import MXFP8_BLOCK, NVFP4_ALPHA_DIVISOR, NVFP4_BLOCK
 from .recipe import Quantizer, Recipe, get_recipe
@@ -76,7 +76,18 @@ class WeightWorkspace:
 
 def gemm_operand(q: QTensor) -> torch.Tensor:
     """Exact bf16 values of a quantized operand in its logical [rows, cols] shape, without the
-    per-tensor factor (which goes into alpha)."""
+    per-tensor factor (which goes into alpha). On CUDA one Triton pass over the packed MXFP8 or
+    NVFP4 data (`kernels.launch.gemm_operand`); `gemm_operand_reference` is its oracle."""
+    fast = kernels.launcher(q.data)
+    if fast is not None:
+        values = fast.gemm_operand(q)
+        if values is not None:
+            return values
+    return gemm_operand_reference(q)
+
+
+def gemm_operand_reference(q: QTensor) -> torch.Tensor:
+    """`gemm_operand` in torch, on any device."""
     if isinstance(q, NVFP4Tensor):
         values = nvfp4.block_values(q)  # E2M1 x E4M3: exact in bf16
         values = values.t() if q.axis == 0 else values
@@ -121,12 +132,45 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.to(torch.float32), b.to(torch.float32))
 
 
-def quantized_mm(a: QTensor, b: QTensor, transpose_a: bool = False, transpose_b: bool = False):
-    """op(a) @ op(b) * alpha in float32, from exactly dequantized bf16 operands."""
-    a_val, b_val = gemm_operand(a), gemm_operand(b)
-    out = mm_fp32(a_val.t() if transpose_a else a_val, b_val.t() if transpose_b else b_val)
+def quantized_mm(
+    a: QTensor,
+    b: QTensor,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """op(a) @ op(b) * alpha in float32, from exactly dequantized bf16 operands; added into the
+    float32 `out` when given (and `out` returned). On CUDA each operand is prepared by one
+    Triton pass over its packed data (`gemm_operand`) and the bf16 GEMM is cuBLAS's; with
+    `kernels.launch.FUSED_GEMM` one Triton GEMM reads the packed operands instead
+    (`kernels.launch.quantized_mm`, tested against `quantized_mm_reference`)."""
+    fast = kernels.launcher(a.data)
+    if fast is not None and fast.FUSED_GEMM:
+        c = fast.quantized_mm(a, b, transpose_a, transpose_b, gemm_alpha(a, b), out)
+        if c is not None:
+            return c
+    return _values_mm(gemm_operand(a), gemm_operand(b), a, b, transpose_a, transpose_b, out)
+
+
+def quantized_mm_reference(
+    a: QTensor,
+    b: QTensor,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`quantized_mm` in torch on any device: dequantize each operand to bf16, bf16 GEMM with
+    float32 accumulation, alpha."""
+    a_val, b_val = gemm_operand_reference(a), gemm_operand_reference(b)
+    return _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out)
+
+
+def _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out):
+    """The bf16 GEMM of the operand values, alpha, and the addition into `out`."""
+    c = mm_fp32(a_val.t() if transpose_a else a_val, b_val.t() if transpose_b else b_val)
     alpha = gemm_alpha(a, b)
-    return out if alpha is None else out * alpha
+    c = c if alpha is None else c * alpha
+    return c if out is None else out.add_(c)
 
 
 # --- autograd ---------------------------------------------------------------------------------
@@ -178,7 +222,7 @@ class _QuantLinearFn(torch.autograd.Function):
                 dx = quantized_mm(dy_row, plan.w_columnwise).to(dy.dtype)
             if ctx.x_saved is not None:
                 dy_col = q.quantize(dy, axis=0, generator=plan.generator)
-                plan.main_grad.add_(quantized_mm(dy_col, ctx.x_saved, transpose_a=True))
+                quantized_mm(dy_col, ctx.x_saved, transpose_a=True, out=plan.main_grad)
         else:
             dy16 = dy.to(torch.bfloat16)
             if ctx.needs_input_grad[0]:

@@ -18,14 +18,15 @@ bf16 before the global amax and the quantization; `amax` is then the post-RHT am
     q = quantize(x, axis=-1, block_2d=False, order="current", rht=False, generator=None)
     q.data; q.scale; q.amax; dequantize(q)
 
-`generator` set means stochastic rounding (the random bits come from `torch.randint` on that
-generator: graph-capturable, no host sync, no data-dependent shapes). With `block_2d` each 16x16
-tile's scale byte is repeated over its 16 rows; rows beyond the tensor count as zeros.
+`generator` set means stochastic rounding (one seed drawn from that generator, then Philox bytes
+per 16-element block, `elements.sr_bits`: graph-capturable, no host sync, no data-dependent
+shapes). With `block_2d` each 16x16 tile's scale byte is repeated over its 16 rows; rows beyond
+the tensor count as zeros.
 
 On CUDA, `quantize` runs the Triton kernels (`graphsan.lab.quant.kernels`) when Triton is
-importable; `quantize_reference` is their fallback and their oracle. `quantize_grouped` (torch,
-any device) gives each row group (expert) of a stacked tensor its own global amax, for the
-grouped expert GEMMs.
+importable; `quantize_reference` is their fallback and their oracle. `quantize_grouped` gives
+each row group (expert) of a stacked tensor its own global amax, for the grouped expert GEMMs
+(kernels on CUDA, `quantize_grouped_reference` elsewhere).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .elements import (
     group_amax,
     nan_to_zero_abs,
     pack_nibbles,
-    random_bits,
+    sr_bits,
     unpack_nibbles,
 )
 from .formats import E2M1_MAX, FLT_MAX, INV_6, NVFP4_BLOCK, NVFP4_GLOBAL_MAX
@@ -97,8 +98,7 @@ def _reference(x, axis, block_2d, order, rht, generator) -> NVFP4Tensor:
     vec_max = block_amax(x32, block_2d)
     scale = block_scale(vec_max, s_enc, order)
     enc = encode_factor(scale, s_dec)
-    rbits = random_bits(x32.shape, generator, x32.device) if generator is not None else None
-    codes = encode_elements(x32, enc, rbits)
+    codes = encode_elements(x32, enc, sr_bits(x32.shape, generator, x32.device))
     return NVFP4Tensor(pack_nibbles(codes), scale, amax, -1 if axis != 0 else 0, block_2d, rht)
 
 
@@ -122,9 +122,39 @@ def quantize_grouped(
     ignored by the amax, quantized with S_enc = 1). The result's `amax` is float32 [num_groups]
     (post-RHT with `rht`). Stochastic rounding draws the same number of bits as `quantize`, in one
     call, so it is reproducible but does not repeat a per-group loop's bits.
+
+    On CUDA the kernels run (`kernels.launch.nvfp4_quantize_grouped`: the same bytes, the
+    per-group amax reduced on the device); `quantize_grouped_reference` is their oracle.
     """
     _check_args(x, axis, block_2d, order, rht, generator)
     check_groups(x, groups, "NVFP4")
+    fast = kernels.launcher(x)
+    if fast is not None:
+        q = fast.nvfp4_quantize_grouped(
+            x, groups, num_groups, axis, block_2d, order, rht, generator
+        )
+        if q is not None:
+            return q
+    return _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator)
+
+
+def quantize_grouped_reference(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    axis: int = -1,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """`quantize_grouped` in torch on any device."""
+    _check_args(x, axis, block_2d, order, rht, generator)
+    check_groups(x, groups, "NVFP4")
+    return _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator)
+
+
+def _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator):
     src = x.t() if axis == 0 else x  # rows (the groups) run along the last dim when axis == 0
     if rht:
         src = apply_rht(src)
@@ -139,8 +169,7 @@ def quantize_grouped(
     vec_max = block_amax(x32, block_2d)
     scale = block_scale(vec_max, s_enc, order)
     enc = encode_factor(scale, s_dec)
-    rbits = random_bits(x32.shape, generator, x32.device) if generator is not None else None
-    codes = encode_elements(x32, enc, rbits)
+    codes = encode_elements(x32, enc, sr_bits(x32.shape, generator, x32.device))
     return NVFP4Tensor(
         pack_nibbles(codes), scale, amax[:num_groups], -1 if axis != 0 else 0, block_2d, rht
     )

@@ -8,6 +8,7 @@ and the tests compare the two byte for byte (compiled on the GPU, in Triton's in
     kernels/launch.py     the launchers: which kernel runs for which input, tiles, outputs
     kernels/mxfp8.py      MXFP8 kernels: strided (any input), bf16 words (columnwise, both)
     kernels/nvfp4.py      global amax; NVFP4 row and column kernels, strided and bf16 words
+    kernels/nvfp4_col.py  NVFP4 columnwise with the RHT and stochastic rounding fused
     kernels/common.py     FP8 bytes from bit fields, bf16 words, NaN-ignoring block maxima
 
 Every kernel has a "strided" form for any floating dtype and strides, and the hot directions

@@ -7,9 +7,12 @@ elsewhere; `_strided=True` runs the strided kernels everywhere, for the benchmar
 compare the two.
 
 NVFP4: the global amax is accumulated into a device buffer (atomic max, no host sync) and the
-quantize kernel reads it there. The RHT (bf16, torch) and the random bits for SR
-(`torch.randint` on the caller's generator, exactly as the reference draws them) are prepared in
-torch, so SR stays reproducible and graph-capturable.
+quantize kernel reads it there. SR bits are Philox bytes per 16-element block from one seed
+drawn on the caller's generator, as the reference draws them (`elements.sr_bits`): the words
+kernels and the fused column kernel make them in registers, the strided kernels read them from
+a tensor (`elements.block_random_bits`). Columnwise copies with RHT or SR (1D blocks) run the
+fused column kernel (`nvfp4_col.py`: the transform in registers too); with the strided kernels
+forced, the RHT is the torch one. Either way SR is reproducible and graph-capturable.
 """
 
 from __future__ import annotations
@@ -19,18 +22,21 @@ import functools
 import torch
 import triton
 
-from ..elements import random_bits
+from ..elements import block_random_bits, random_seed
 from ..formats import FP8_BITS, FP8_MAX, INV_6, MXFP8_BLOCK, NVFP4_BLOCK, fp32_reciprocal
 from ..rht import rht as apply_rht
 from ..tensors import MXFP8Tensor, NVFP4Tensor
+from .gemm import dequant_kernel, qgemm_kernel
 from .mxfp8 import mxfp8_strided_kernel, mxfp8_words_kernel
 from .nvfp4 import (
     amax_kernel,
+    group_amax_kernel,
     nvfp4_col_strided_kernel,
     nvfp4_col_words_kernel,
     nvfp4_row_strided_kernel,
     nvfp4_row_words_kernel,
 )
+from .nvfp4_col import nvfp4_col_fused_kernel
 
 # Launch parameters, fixed: the fastest tiles of bench/tile_sweep.py (docs/PERF.md).
 MXFP8_STRIDED_TILE = {"BM": 32, "BN": 128, "SPLIT": 2, "num_warps": 2}
@@ -40,6 +46,12 @@ NVFP4_ROW_STRIDED_TILE = {"BR": 32, "BC": 128, "num_warps": 4}
 NVFP4_COL_STRIDED_TILE = {"BM": 256, "BK": 64, "num_warps": 4}
 NVFP4_ROW_WORDS_TILE = {"BR": 16, "CW": 64, "num_warps": 2}
 NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
+# Not in the sweep yet: the fused column kernel takes the column words kernel's best tile (8
+# blocks x 64 columns, 2 warps: 128 values per thread); the others are first choices.
+NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 2}
+GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}
+DEQUANT_TILE = {"BP": 32, "BQ": 128, "num_warps": 4}
+GEMM_TILE = {"BI": 128, "BJ": 128, "BR": 64, "GROUP": 8, "num_warps": 8, "num_stages": 3}
 AMAX_TILE = (4096, 16)  # (elements per load round, rounds per program)
 # Compiled without fp contraction: no rounding step of the reference may be fused away.
 _COMPILE_OPTIONS = {"enable_fp_fusion": False}
@@ -195,6 +207,8 @@ def nvfp4_quantize(
     _strided: bool = False,
 ) -> NVFP4Tensor:
     """NVFP4; `amax` may pass a precomputed global amax buffer (valid only without RHT)."""
+    if axis == 0 and (rht or generator is not None) and not block_2d and not _strided:
+        return _nvfp4_col_fused(x, order, rht, generator, amax)
     src = x.t() if axis == 0 else x
     if rht:
         src = apply_rht(src).contiguous()
@@ -205,17 +219,133 @@ def nvfp4_quantize(
     dev = x.device
     data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(r, c // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
-    if generator is not None:
-        rbits = random_bits(src.shape, generator, dev)
-    else:
-        rbits = torch.empty(1, dtype=torch.uint8, device=dev)
+    seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
     if not _strided and (axis != 0 or rht) and words_fit(src):
-        _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generator)
+        _nvfp4_row_words(x, src, amax, seed, data, scale, order, block_2d, generator)
     elif not _strided and axis == 0 and generator is None and words_fit(x):
         _nvfp4_col_words(x, amax, data, scale, order, block_2d)
     else:
+        rbits = block_random_bits(seed, r, c) if generator is not None else seed
         _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator)
     return NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
+
+
+def nvfp4_quantize_grouped(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    axis: int = -1,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor | None:
+    """`nvfp4.quantize_grouped` (one global amax per row group) in kernels, no host sync: the
+    per-group amax (`group_amax_kernel`, or the fused column kernel's amax pass after the RHT)
+    into a device buffer, gathered per row, which the quantize kernels read as their global
+    amax. bf16 with unit column stride (the words kernels; columnwise without SR), or any
+    columnwise input with RHT or SR and 1D blocks (the fused kernel); None elsewhere (the caller
+    runs the reference)."""
+    m, k = x.shape
+    dev = x.device
+    fused = axis == 0 and (rht or generator is not None) and not block_2d
+    if not fused and (not words_fit(x) or (axis == 0 and generator is not None)):
+        return None  # the column words kernel has no SR
+    amax = torch.zeros(num_groups + 1, dtype=torch.float32, device=dev)  # the last: no group
+    if not rht:
+        _group_amax(x, groups, num_groups, amax)
+    if fused:
+        q = _nvfp4_col_fused(x, order, rht, generator, amax, (groups, num_groups))
+    else:
+        row_amax = amax[groups]  # each row's group's amax
+        src = x.t() if axis == 0 else x
+        r, c = src.shape
+        data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
+        scale = torch.empty(r, c // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
+        if axis == 0:
+            _nvfp4_col_words(x, row_amax, data, scale, order, block_2d, per_row=True)
+        else:
+            seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
+            _nvfp4_row_words(
+                x, src, row_amax, seed, data, scale, order, block_2d, generator, per_row=True
+            )
+        q = NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
+    q.amax = q.amax[:num_groups]
+    return q
+
+
+def _group_amax(x, groups, num_groups, amax):
+    """Each group's max |x| (NaN ignored) into amax[group] (zeroed, [num_groups + 1])."""
+    m, k = x.shape
+    bits = x.dtype == torch.bfloat16
+    tile = GROUP_AMAX_TILE
+    iters = max(1, min(tile["ITERS"], triton.cdiv(k, tile["BC"])))
+    grid = (triton.cdiv(m, tile["BR"]), triton.cdiv(k, tile["BC"] * iters))
+    group_amax_kernel[grid](
+        x.view(torch.int16) if bits else x,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        groups,
+        amax,
+        num_groups,
+        BF16_BITS=bits,
+        BR=tile["BR"],
+        BC=tile["BC"],
+        ITERS=iters,
+        num_warps=tile["num_warps"],
+    )
+
+
+def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None):
+    """Columnwise with RHT and/or SR in one kernel (`nvfp4_col.py`): with RHT a first pass of
+    the same kernel takes the post-RHT global amax (per group with `grouped` = (groups,
+    num_groups), into the zeroed buffer `amax`); SR bits come from a seed drawn on the generator,
+    as the reference draws them."""
+    m, k = x.shape
+    dev = x.device
+    bits = x.dtype == torch.bfloat16
+    tile = NVFP4_COL_FUSED_TILE
+    grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k, tile["BK"]))
+    data = torch.empty(k, m // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(k, m // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
+    seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
+    groups, count = grouped if grouped is not None else (seed, 0)
+
+    def run(amax_buffer, amax_only):
+        nvfp4_col_fused_kernel[grid](
+            x.view(torch.int16) if bits else x,
+            m,
+            k,
+            x.stride(0),
+            x.stride(1),
+            amax_buffer,
+            groups,
+            count,
+            seed,
+            data.view(torch.int64),
+            scale,
+            INV_6=INV_6,
+            LEGACY=order == "legacy",
+            RHT=rht,
+            SR=generator is not None,
+            AMAX_ONLY=amax_only,
+            BF16_BITS=bits,
+            HW_FP8=_hw_fp8_for(x),
+            GROUPED=grouped is not None,
+            **tile,
+            **_COMPILE_OPTIONS,
+        )
+
+    if rht:
+        if grouped is None:
+            amax = torch.zeros((), dtype=torch.float32, device=dev)
+        run(amax, True)
+    elif amax is None:
+        amax = global_amax(x)
+    run(amax[groups] if grouped is not None else amax, False)  # grouped: each row's own amax
+    return NVFP4Tensor(data, scale, amax, 0, False, rht)
 
 
 def _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator):
@@ -245,8 +375,9 @@ def _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d,
     )
 
 
-def _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generator):
-    """src as int64 words [R, C/4], data written as int16 words (4 nibbles)."""
+def _nvfp4_row_words(x, src, amax, seed, data, scale, order, block_2d, generator, per_row=False):
+    """src as int64 words [R, C/4], data written as int16 words (4 nibbles); SR bits from the
+    int64 `seed` (Philox per block, in the kernel)."""
     r, c = src.shape
     tile = NVFP4_ROW_WORDS_TILE
     grid = (triton.cdiv(r, tile["BR"]), triton.cdiv(c // 4, tile["CW"]))
@@ -256,7 +387,7 @@ def _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generato
         c // 4,
         src.stride(0) // 4,
         amax,
-        rbits.view(torch.int32) if generator is not None else rbits,
+        seed,
         data.view(torch.int16),
         scale,
         INV_6=INV_6,
@@ -265,12 +396,13 @@ def _nvfp4_row_words(x, src, amax, rbits, data, scale, order, block_2d, generato
         SR=generator is not None,
         HW_FP8=_hw_fp8_for(x),
         MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PER_ROW=per_row,
         **tile,
         **_COMPILE_OPTIONS,
     )
 
 
-def _nvfp4_col_words(x, amax, data, scale, order, block_2d):
+def _nvfp4_col_words(x, amax, data, scale, order, block_2d, per_row=False):
     """Columnwise, no RHT, no SR: x as int64 words [M, K/4], the transposed data written as
     int64 words [K, M/16] (one per column and 16-row block)."""
     m, k = x.shape
@@ -289,6 +421,118 @@ def _nvfp4_col_words(x, amax, data, scale, order, block_2d):
         BLOCK_2D=block_2d,
         HW_FP8=_hw_fp8_for(x),
         MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PER_ROW=per_row,
         **tile,
         **_COMPILE_OPTIONS,
     )
+
+
+# --- the emulated GEMM -------------------------------------------------------------------------
+
+# Whether QuantLinear's GEMMs run the fused packed-operand GEMM (`quantized_mm`) instead of
+# one-pass operand preparation (`gemm_operand`) and cuBLAS. Off: the fused kernel decodes every
+# operand tile once per output tile, about 15 integer operations per element against 0.5 tensor
+# core multiply-adds at 128x128 tiles on Hopper, so it is expected to be ALU-bound; the benchmark
+# (bench/bench_quant_linear.py) times both.
+FUSED_GEMM = False
+
+
+def gemm_operand(q) -> torch.Tensor | None:
+    """The exact bf16 values of an MXFP8 or NVFP4 operand without its per-tensor factor, in its
+    logical shape (a transposed view for NVFP4 columnwise), from one pass over the packed data
+    (`dequant_kernel`); None for other tensors. The same values as `linear.gemm_operand`."""
+    if isinstance(q, NVFP4Tensor):
+        fmt, (p, q2), sp, sq = 0, q.data.shape, 1, NVFP4_BLOCK
+        cols = q2 * 2
+    elif isinstance(q, MXFP8Tensor):
+        fmt, (p, cols) = (1 if q.fmt == "e4m3" else 2), q.data.shape
+        sp, sq = (MXFP8_BLOCK, 1) if q.axis == 0 else (1, MXFP8_BLOCK)
+    else:
+        return None
+    if q.data.stride(1) != 1:
+        return None
+    out = torch.empty(p, cols, dtype=torch.bfloat16, device=q.data.device)
+    tile = DEQUANT_TILE
+    grid = (triton.cdiv(p, tile["BP"]), triton.cdiv(cols, tile["BQ"]))
+    dequant_kernel[grid](
+        q.data,
+        q.scale,
+        out.view(torch.int16),
+        p,
+        cols,
+        q.data.stride(0),
+        q.scale.stride(0),
+        q.scale.stride(1),
+        FMT=fmt,
+        SP=sp,
+        SQ=sq,
+        **tile,
+        **_COMPILE_OPTIONS,
+    )
+    return out.t() if isinstance(q, NVFP4Tensor) and q.axis == 0 else out
+
+
+def _gemm_view(q, r_is_q: bool):
+    """An operand as the GEMM kernel reads it: (data, scale, rows X, reduction R, data strides
+    (x, r), scale strides (x, r-block), format), where the reduction runs along the logical
+    dim q (r_is_q) or p of q's logical [p, q] shape; None where the blocks do not run along it."""
+    d, s = q.data, q.scale
+    if isinstance(q, NVFP4Tensor):
+        if r_is_q != (q.axis != 0):
+            return None
+        return d, s, d.shape[0], d.shape[1] * 2, d.stride(0), d.stride(1), *s.stride(), 0
+    if isinstance(q, MXFP8Tensor):
+        fmt = 1 if q.fmt == "e4m3" else 2
+        if r_is_q and q.axis != 0:
+            return d, s, d.shape[0], d.shape[1], d.stride(0), d.stride(1), *s.stride(), fmt
+        if not r_is_q and q.axis == 0:
+            return (
+                d,
+                s,
+                d.shape[1],
+                d.shape[0],
+                d.stride(1),
+                d.stride(0),
+                s.stride(1),
+                s.stride(0),
+                fmt,
+            )
+    return None
+
+
+def quantized_mm(a, b, transpose_a, transpose_b, alpha, out=None):
+    """op(a) @ op(b) * alpha (float32) from the packed operands in one kernel, or added into
+    `out` (float32) when given; None where the kernel does not take the operands (FP8
+    per-tensor, mixed kinds): the caller runs the torch emulation."""
+    if type(a) is not type(b) or not isinstance(a, (NVFP4Tensor, MXFP8Tensor)):
+        return None
+    va, vb = _gemm_view(a, not transpose_a), _gemm_view(b, transpose_b)
+    if va is None or vb is None or va[3] != vb[3]:
+        return None
+    i, j, r = va[2], vb[2], va[3]
+    c = out if out is not None else torch.empty(i, j, dtype=torch.float32, device=a.data.device)
+    tile = GEMM_TILE
+    grid = (triton.cdiv(i, tile["BI"]) * triton.cdiv(j, tile["BJ"]),)
+    qgemm_kernel[grid](
+        va[0],
+        va[1],
+        vb[0],
+        vb[1],
+        c,
+        alpha if alpha is not None else c,
+        i,
+        j,
+        r,
+        *va[4:8],
+        *vb[4:8],
+        c.stride(0),
+        c.stride(1),
+        FMT_A=va[8],
+        FMT_B=vb[8],
+        ALPHA=alpha is not None,
+        ACCUMULATE=out is not None,
+        BF16_DOT=c.is_cuda,
+        **tile,
+        **_COMPILE_OPTIONS,
+    )
+    return c

@@ -47,6 +47,47 @@ def amax_kernel(x_ptr, N, amax_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 
 @triton.jit
+def group_amax_kernel(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    group_ptr,
+    amax_ptr,
+    G,
+    BF16_BITS: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    ITERS: tl.constexpr,
+):
+    """Per-group max |x| (NaN ignored) of x [M, K] whose row r belongs to group group_ptr[r]
+    (int64; G for a row in no group, which is skipped) into amax_ptr[group] (float32, starting
+    at 0). A program reduces BR rows over ITERS * BC columns, then makes one atomic max when its
+    rows share a group (the usual case: groups span many rows) and one per row otherwise."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < M
+    acc = tl.zeros((BR, BC), dtype=tl.float32)
+    base = x_ptr + rows.to(tl.int64)[:, None] * stride_m
+    for i in range(ITERS):
+        cols = (tl.program_id(1) * ITERS + i) * BC + tl.arange(0, BC)
+        mask = rmask[:, None] & (cols < K)[None, :]
+        v = tl.load(base + cols.to(tl.int64)[None, :] * stride_k, mask=mask, other=0)
+        if BF16_BITS:
+            v = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        a = tl.abs(v.to(tl.float32))
+        acc = tl.maximum(acc, tl.where(a != a, 0.0, a))
+    row_max = tl.max(acc, axis=1)
+    group = tl.load(group_ptr + rows, mask=rmask, other=G)
+    first = tl.min(group, axis=0)
+    if first == tl.max(tl.where(rmask, group, first), axis=0):
+        if first < G:
+            tl.atomic_max(amax_ptr + first, tl.max(row_max, axis=0))
+    else:
+        tl.atomic_max(amax_ptr + group, row_max, mask=rmask & (group < G))
+
+
+@triton.jit
 def _e2m1_code(m):
     """E2M1 magnitude code (int32, 0-7) of a non-negative float32 m, nearest even; values past
     6, inf and NaN give 7. The grid step is 0.5 below 2, 1 on [2, 4), 2 from 4 on; adding
@@ -59,18 +100,19 @@ def _e2m1_code(m):
 
 
 @triton.jit
-def _e2m1_sr_grid(v, r):
-    """Stochastic rounding of float32 v to the E2M1 grid (magnitude, float32) with 8 random bits r:
-    the reference's formula, step for step (clamp to 6, NaN -> 6)."""
-    v = tl.where(v > E2M1_MAX, E2M1_MAX, tl.where(v < -E2M1_MAX, -E2M1_MAX, v))
+def _e2m1_sr_code(v, r):
+    """E2M1 magnitude code (int32, 0-7) of float32 v stochastically rounded with 8 random bits r:
+    the reference's t = a + (r / 256) * step(a) for a = min(|v|, 6) (NaN -> 6), the same float
+    operations, then the code of floor(t / step(t)) * step(t) read off directly: with
+    c = [t >= 2] + [t >= 4], step(t) = 2^(c - 1) and the code is floor(t / step(t)) + 2c (t < 8,
+    so the reference's min(., 6) never acts)."""
     m = tl.abs(v)
-    m = tl.where(m != m, E2M1_MAX, m)
+    m = tl.where(m != m, E2M1_MAX, tl.minimum(m, E2M1_MAX))
     u = r.to(tl.float32) * 0.00390625
-    step = tl.where(m < 2.0, 0.5, tl.where(m < 4.0, 1.0, 2.0))
-    t = m + u * step
-    step_t = tl.where(t < 2.0, 0.5, tl.where(t < 4.0, 1.0, 2.0))
-    inv_step_t = tl.where(t < 2.0, 2.0, tl.where(t < 4.0, 1.0, 0.5))
-    return tl.minimum(tl.floor(t * inv_step_t) * step_t, E2M1_MAX)
+    t = m + u * tl.where(m < 2.0, 0.5, tl.where(m < 4.0, 1.0, 2.0))
+    c = (t >= 2.0).to(tl.int32) + (t >= 4.0).to(tl.int32)
+    inv_step = ((128 - c) << 23).to(tl.float32, bitcast=True)
+    return tl.floor(t * inv_step).to(tl.int32) + 2 * c
 
 
 @triton.jit
@@ -88,8 +130,13 @@ def _e4m3_scale(s, HW_FP8: tl.constexpr):
 
 
 @triton.jit
-def _global_scales(amax_ptr):
-    amax = tl.load(amax_ptr)
+def _global_scales(amax_ptr, row=0, mask=True, PER_ROW: tl.constexpr = False):
+    """S_enc and S_dec (step 1) of the amax at amax_ptr, or with PER_ROW of each row's own amax
+    (amax_ptr[row], float32 [rows]: grouped quantization, the row's group's amax)."""
+    if PER_ROW:
+        amax = tl.load(amax_ptr + row, mask=mask, other=0.0)
+    else:
+        amax = tl.load(amax_ptr)
     s_enc = tl.minimum(tl.math.div_rn(GLOBAL_MAX, amax), FLT_MAX)
     s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
     return s_enc, tl.math.div_rn(1.0, s_enc)
@@ -147,10 +194,10 @@ def nvfp4_row_strided_kernel(
     v = tl.reshape(tl.reshape(x, (BR, BC // 16, 16)) * enc[:, :, None], (BR, BC))
     if SR:
         r = tl.load(rbits_ptr + offs_r[:, None] * C + offs_c[None, :], mask=mask, other=0)
-        m = _e2m1_sr_grid(v, r)
+        mag = _e2m1_sr_code(v, r)
     else:
-        m = tl.abs(v)
-    code = _e2m1_code(m) | tl.where(v < 0.0, 8, 0)
+        mag = _e2m1_code(tl.abs(v))
+    code = mag | tl.where(v < 0.0, 8, 0)
     lo, hi = tl.split(tl.reshape(code, (BR, BC // 2, 2)))
     packed = (lo | (hi << 4)).to(tl.uint8)
     dc = pid_c * (BC // 2) + tl.arange(0, BC // 2)
@@ -204,10 +251,10 @@ def nvfp4_col_strided_kernel(
     v = x * enc[:, None, :]
     if SR:  # the bits are drawn for the transposed [K, M] source, as the reference draws them
         r = tl.load(rbits_ptr + col * M + offs_m, mask=mask, other=0)
-        m = _e2m1_sr_grid(v, r)
+        mag = _e2m1_sr_code(v, r)
     else:
-        m = tl.abs(v)
-    code = _e2m1_code(m) | tl.where(v < 0.0, 8, 0)
+        mag = _e2m1_code(tl.abs(v))
+    code = mag | tl.where(v < 0.0, 8, 0)
     # rows 2j and 2j+1 of a block -> byte j, low nibble first
     shift = (tl.arange(0, 2) * 4)[None, None, :, None]
     packed = tl.sum(tl.reshape(code, (NB, 8, 2, BK)) << shift, axis=2).to(tl.uint8)
@@ -226,7 +273,7 @@ def nvfp4_row_words_kernel(
     CWT,
     stride_rw,
     amax_ptr,
-    rbits_ptr,
+    seed_ptr,
     data_ptr,
     scale_ptr,
     INV_6: tl.constexpr,
@@ -237,10 +284,13 @@ def nvfp4_row_words_kernel(
     MAXNUM: tl.constexpr,
     BR: tl.constexpr,
     CW: tl.constexpr,
+    PER_ROW: tl.constexpr = False,
 ):
     """NVFP4 along the last dim of a bf16 [R, C] source seen as int64 words xw [R, CWT = C/4]
     (row stride stride_rw words). Data is written as an int16 view [R, C/4] (the 4 nibbles of a
-    word, element 0 lowest), scales uint8 [R, C/16]; SR bits are read as an int32 view [R, C/4].
+    word, element 0 lowest), scales uint8 [R, C/16]; SR bits are Philox bytes per block (keyed by
+    the int64 at seed_ptr, counter = the block's index in [R, C/16]: `elements.block_random_bits`),
+    the block's four 32-bit words one per data word.
     A program covers BR rows x CW words: the 64-bit loads and the 16-bit stores of their four
     nibbles have one tile shape, so one layout with whole 16-element blocks in each thread (block
     maxima in registers: no shuffle, and no shared memory for 1D blocks)."""
@@ -251,7 +301,7 @@ def nvfp4_row_words_kernel(
     mask = (offs_r < R) & (offs_w < CWT)
     w = tl.load(xw_ptr + offs_r * stride_rw + offs_w, mask=mask, other=0)
     x0, x1, x2, x3 = bf16_lanes(w)
-    s_enc, s_dec = _global_scales(amax_ptr)
+    s_enc, s_dec = _global_scales(amax_ptr, offs_r, offs_r < R, PER_ROW)
     am = tl.maximum(
         tl.maximum(abs_for_max(x0, MAXNUM), abs_for_max(x1, MAXNUM)),
         tl.maximum(abs_for_max(x2, MAXNUM), abs_for_max(x3, MAXNUM)),
@@ -264,8 +314,10 @@ def nvfp4_row_words_kernel(
         vec = tl.max(tl.reshape(am, (BR, CW // 4, 4)), axis=2)
     sbyte, enc = _block_scale(nan_to_0(vec, MAXNUM), s_enc, s_dec, INV_6, LEGACY, HW_FP8)
     enc = tl.reshape(tl.broadcast_to(enc[:, :, None], (BR, CW // 4, 4)), (BR, CW))
+    sc = pid_c * (CW // 4) + tl.arange(0, CW // 4)[None, :]
     if SR:
-        r = tl.load(rbits_ptr + offs_r * CWT + offs_w, mask=mask, other=0)
+        w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), offs_r.to(tl.int64) * (CWT // 4) + sc)
+        r = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BR, CW))  # w0 w1 w2 w3
     else:
         r = 0
     word = _e2m1_lane(x0 * enc, r, 0, SR)
@@ -273,7 +325,6 @@ def nvfp4_row_words_kernel(
     word |= _e2m1_lane(x2 * enc, r, 2, SR)
     word |= _e2m1_lane(x3 * enc, r, 3, SR)
     tl.store(data_ptr + offs_r * CWT + offs_w, word.to(tl.int16), mask=mask)
-    sc = pid_c * (CW // 4) + tl.arange(0, CW // 4)[None, :]
     smask = (offs_r < R) & (sc < CWT // 4)
     tl.store(scale_ptr + offs_r * (CWT // 4) + sc, sbyte, mask=smask)
 
@@ -283,10 +334,10 @@ def _e2m1_lane(v, r, J: tl.constexpr, SR: tl.constexpr):
     """E2M1 code with sign (int32, 0-15) of float32 v, shifted to nibble J; SR with the random
     byte J of the int32 words r."""
     if SR:
-        m = _e2m1_sr_grid(v, (r >> (8 * J)) & 0xFF)
+        mag = _e2m1_sr_code(v, (r >> (8 * J)) & 0xFF)
     else:
-        m = tl.abs(v)
-    return (_e2m1_code(m) | tl.where(v < 0.0, 8, 0)) << (4 * J)
+        mag = _e2m1_code(tl.abs(v))
+    return (mag | tl.where(v < 0.0, 8, 0)) << (4 * J)
 
 
 @triton.jit
@@ -305,6 +356,7 @@ def nvfp4_col_words_kernel(
     MAXNUM: tl.constexpr,
     NB: tl.constexpr,
     CW: tl.constexpr,
+    PER_ROW: tl.constexpr = False,
 ):
     """NVFP4 down the columns of a bf16 [M, K] source seen as int64 words xw [M, KW = K/4] (row
     stride stride_mw words), written transposed: data as an int64 view [K, M/16] (one word per
@@ -325,7 +377,8 @@ def nvfp4_col_words_kernel(
     bot = tl.load(xw_ptr + (blk * 16 + 8 + row) * stride_mw + offs_w, mask=mask, other=0)
     t0, t1, t2, t3 = bf16_lanes(top)
     b0, b1, b2, b3 = bf16_lanes(bot)
-    s_enc, s_dec = _global_scales(amax_ptr)
+    first = pid_m * NB + tl.arange(0, NB)[:, None]  # a block's first row names its group
+    s_enc, s_dec = _global_scales(amax_ptr, first * 16, first < M // 16, PER_ROW)
     v0 = tl.max(tl.maximum(abs_for_max(t0, MAXNUM), abs_for_max(b0, MAXNUM)), axis=1)
     v1 = tl.max(tl.maximum(abs_for_max(t1, MAXNUM), abs_for_max(b1, MAXNUM)), axis=1)
     v2 = tl.max(tl.maximum(abs_for_max(t2, MAXNUM), abs_for_max(b2, MAXNUM)), axis=1)
