@@ -10,12 +10,12 @@ static device input, a gather through a device table of buffer addresses, and th
 share one memory pool and must replay in capture order. After a random step one fault is
 injected into memory some live graph uses, or, in control trials, nothing:
 
-    free          a parameter the graphs read is rebound to fresh memory; the old block is freed
-    free-reuse    the same, then a new tensor of the same size takes the freed block
-    resize        the parameter's storage is resized (`resize_`), which moves it
-    data-rebind   `p.data = p.data.clone()`: same values, new address
+    free          a graphed stage's static input is replaced by a new tensor; the old one dies
+    free-reuse    the same, then new tensors of the same size take the freed block
+    resize        a parameter the graphs read is resized (`resize_`), which moves its storage
+    data-rebind   `p.data = p.data.clone()` on such a parameter: same values, new address
     set           `p.set_(clone)` under no_grad
-    empty-cache   a freed parameter block, then `torch.cuda.empty_cache()`
+    empty-cache   a freed static input, then `torch.cuda.empty_cache()`
     host-free     the pinned host batch the loader graph copies from is freed and re-pinned
     table-free    a buffer named in the address table is freed and its block reused
     replay-order  the pool-sharing graphs replay out of order (the third re-carved memory the
@@ -45,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import Counter, defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,18 +157,40 @@ class Injector:
             raise RuntimeError("no parameter is referenced by a live graph")
         return self.rng.choice(cands)
 
+    def _static_input(self):
+        """A graphed stage's static input (one microbatch's), which its graphs read."""
+        found = []
+        for m in self.model.modules():
+            for v in vars(m).values():
+                stage = getattr(v, "stage", None)
+                for i, g in enumerate(getattr(stage, "graphs", None) or ()):
+                    if isinstance(getattr(g, "static_in", None), self.torch.Tensor):
+                        found.append((f"{stage.name} mb{i} static input", g))
+        if not found:
+            raise RuntimeError("no graphed stage with a static input in the model")
+        return self.rng.choice(found)
+
     def inject(self, kind: str) -> None:
         torch = self.torch
-        if kind in DEVICE_FAULTS:
+        if kind in ("free", "free-reuse", "empty-cache"):
+            name, g = self._static_input()
+            old = g.static_in
+            alive = weakref.ref(old.untyped_storage())
+            addr = old.data_ptr()
+            g.static_in = torch.empty_like(old)
+            del old
+            if alive() is not None:  # something else holds it: nothing was freed
+                self.injected = "no-hazard"
+                return
+            if kind == "free-reuse":
+                self.keep += [torch.empty_like(g.static_in) for _ in range(4)]
+            if kind == "empty-cache":
+                torch.cuda.empty_cache()
+            self.injected = f"{kind}: {name} at {addr:#x}"
+        elif kind in DEVICE_FAULTS:
             name, p = self._referenced_param()
             old = p.data_ptr()
-            if kind in ("free", "free-reuse", "empty-cache"):
-                p.data = torch.empty_like(p)
-                if kind == "free-reuse":
-                    self.keep += [torch.empty_like(p) for _ in range(4)]
-                if kind == "empty-cache":
-                    torch.cuda.empty_cache()
-            elif kind == "resize":
+            if kind == "resize":
                 p.data.resize_(p.numel() + 4096)
             elif kind == "data-rebind":
                 p.data = p.data.clone()

@@ -53,6 +53,7 @@ from graphsan.report.timeline import Timeline, node_summary
 __all__ = ["POLICIES", "Policy", "Sanitizer", "check_policy", "rank_from_env"]
 
 _PENDING = "_graphsan_pending"
+_YOUNG = "_graphsan_young"  # weak references to the young tensors at capture begin
 
 
 def check_policy(policy: str | Policy) -> Policy:
@@ -198,6 +199,8 @@ class Sanitizer:
                 label = f"graph#{gid}"
             tag = self.memory.capture_started(gid, torch.cuda.current_stream().cuda_stream)
             graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device(), tag)
+            if self.pinner is not None:
+                graph.__dict__[_YOUNG] = self.pinner.young_tensors()
             self.timeline.capture_begun(gid)
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
@@ -213,10 +216,14 @@ class Sanitizer:
         try:
             from graphsan.cuda import driver
 
-            # the pinner's young objects are listed first: the walk and the log drain allocate
-            # enough Python objects to promote an input made just before the capture to the
-            # oldest generation, out of the cheap search
-            young = self.pinner.young_objects() if self.pinner is not None else None
+            # the pinner's young objects: those of now, listed before the walk and the log drain
+            # allocate, and the tensors that were young when the capture began
+            young = None
+            begun = graph.__dict__.pop(_YOUNG, ())
+            if self.pinner is not None:
+                young = self.pinner.young_objects()
+                earlier = [t for t in (r() for r in begun) if t is not None]
+                young = earlier + young if young is not None else earlier or None
             t0 = time.perf_counter()
             handle = driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
             nodes, stats = driver.walk(handle)

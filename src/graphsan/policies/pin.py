@@ -74,6 +74,15 @@ class Pinner:
         objects = gc.get_objects(generation=0) + gc.get_objects(generation=1)
         return objects if len(objects) <= YOUNG_SCAN_LIMIT else None
 
+    def young_tensors(self) -> list:
+        """Weak references to the tensors among the youngest objects, taken when a capture
+        begins: an input made just before it can be promoted out of the young generations by
+        the allocations of the capture itself."""
+        objects = gc.get_objects(generation=0) + gc.get_objects(generation=1)
+        if len(objects) > YOUNG_SCAN_LIMIT:
+            return []
+        return [weakref.ref(o) for o in objects if isinstance(o, torch.Tensor)]
+
     def pin(self, state: GraphState, young: list | None = None) -> None:
         """A graph was captured: pin what `young` objects own now, queue the rest."""
         if young:
