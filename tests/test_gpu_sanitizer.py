@@ -93,6 +93,7 @@ def test_triton_kernel_graph():
     pytest.importorskip("triton")
     rc, result, log = run_program("triton", policy="raise")
     assert rc == 0, log[-3000:]
+    assert result["freed_by_del"], "an object cycle kept the input's storage after `del x`"
     assert result["replay"] == "raised", log[-3000:]
     f = result["findings"][0]
     assert "add_one" in f["kernel"], f

@@ -1,4 +1,6 @@
-"""A Triton kernel."""
+"""A Triton kernel whose input is freed after the capture."""
+
+import weakref
 
 import triton
 import triton.language as tl
@@ -19,7 +21,11 @@ torch.cuda.synchronize()
 g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g, stream=s):
     add_one[(64,)](x, y, x.numel(), BLOCK=1024)
+storage = weakref.ref(x.untyped_storage())
 del x
+# the premise: nothing else keeps the input's memory (an object cycle would hold it until a
+# collection, and a replay on live memory is no finding)
+out["freed_by_del"] = storage() is None
 out["replay"] = replay_guarded(g)
 out["healthy"] = healthy()
 finish()

@@ -52,7 +52,8 @@ def _fp8_value(b, EBITS: tl.constexpr, MBITS: tl.constexpr):
         v = tl.where((e == 15) & (m == 7), float("nan"), v)
     else:
         v = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), v)
-    return tl.where((b & 0x80) != 0, -v, v)
+    # the sign by its bit: a negation may compile to 0 - v, which loses the sign of zero
+    return (v.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
