@@ -15,8 +15,38 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tests.pin_helpers import capture, fake_san, pinner_for  # noqa: E402
+from graphsan.context import Context
+from graphsan.core.memory_map import MemoryMap
+from graphsan.core.records import GraphInfo, Reference
+from graphsan.core.tracker import Tracker
+from graphsan.policies.pin import Pinner
+
+
+def _raise(err: BaseException) -> None:
+    raise err
+
+
+def capture(tracker: Tracker, pinner: Pinner, gid: int, tensors: list[torch.Tensor]) -> None:
+    """A graph of one kernel per tensor, registered and pinned as a capture would be."""
+    segments = [
+        {
+            "address": t.untyped_storage().data_ptr(),
+            "total_size": t.untyped_storage().nbytes(),
+            "segment_pool_id": (0, 0),
+            "blocks": [
+                {
+                    "address": t.untyped_storage().data_ptr(),
+                    "size": t.untyped_storage().nbytes(),
+                    "state": "active_allocated",
+                }
+            ],
+        }
+        for t in tensors
+    ]
+    refs = [Reference(i, "k", 0, 0, t.data_ptr()) for i, t in enumerate(tensors)]
+    info = GraphInfo(gid, f"g{gid}", [], (1, gid), 0)
+    state = tracker.add_graph(info, refs, MemoryMap.from_snapshot({"segments": segments}))
+    pinner.pin(state)
 
 
 def main() -> None:
@@ -32,20 +62,21 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for n in args.objects:
         clutter = [[i] for i in range(n)]  # gc-tracked containers, like a large program's
-        san = fake_san()
-        pinner = pinner_for(san)
+        tracker = Tracker()
+        allocator = types.SimpleNamespace(redirect_resize=None)
+        pinner = Pinner(tracker, allocator, Context(), _raise, device_type="cpu")
         owners = types.SimpleNamespace(t=[])
         for gid in range(1, args.graphs + 1):
             ts = [torch.empty(16) for _ in range(args.blocks_per_graph)]
             owners.t.extend(ts)
-            capture(san, pinner, gid, ts)
+            capture(tracker, pinner, gid, ts)
         objects = len(gc.get_objects())
         t0 = time.perf_counter()
         pinner.flush()
         ms = (time.perf_counter() - t0) * 1e3
         blocks = pinner.summary()["blocks"]
         print(f"| {objects:,} | {args.graphs} | {blocks} | {ms:.0f} | {ms / objects * 1e6:.0f} |")
-        del clutter, owners, pinner, san
+        del clutter, owners, pinner, tracker
 
 
 if __name__ == "__main__":

@@ -163,6 +163,17 @@ def test_the_lab_never_imports_the_entry_points():
     assert bad == []
 
 
+def test_benchmarks_stand_on_the_package_not_on_the_tests():
+    root = SRC.parent
+    bad = [
+        f"{path.relative_to(root)} imports {dep}"
+        for path in sorted((root / "bench").glob("*.py"))
+        for dep in sorted(imports_of(path, path.stem))
+        if dep == "tests" or dep.startswith("tests.")
+    ]
+    assert bad == []
+
+
 def test_no_import_cycles_through_the_lab_either():
     assert find_cycle(whole_graph()) is None
 
