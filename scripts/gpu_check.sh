@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine: the recurring checks named as arguments, each under its own time limit so
 # one slow part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes:
-#   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~5.5 min)
-#   call 2:  bash scripts/gpu_check.sh example repro bench scale
-#   (quant: the Triton kernel tests and bench_quant; train: bench_train; sweep: the kernels'
+#   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~8 min)
+#            or the halves: sanitizer-tests (~1.5 min), lab-tests (~6.5 min)
+#   call 2:  bash scripts/gpu_check.sh faults             (1,000 fault-injection trials, <= 8 min)
+#   call 3:  bash scripts/gpu_check.sh example repro bench scale
+#   (quant: the Triton kernel tests and bench_quant; quantlinear: bench_quant_linear; train: bench_train; sweep: the kernels'
 #   launch parameters; scale: capture cost against live blocks, bench_capture_scale)
 # One-off investigations (case 1 with synchronous launches, wider Mamba workspaces) are in
 # scripts/investigations.sh.
@@ -14,7 +16,19 @@ for part in ${*:-tests}; do
   echo "=== $part ($(date +%T))"
   case $part in
     tests)
-      timeout 540 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
+      timeout 580 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
+    sanitizer-tests)
+      timeout 300 python3 -m pytest -q -m gpu tests --ignore=tests/lab -p no:cacheprovider 2>&1 \
+        | tee "$OUT/sanitizer-tests.log" | tail -15 ;;
+    lab-tests)
+      timeout 540 python3 -m pytest -q -m gpu tests/lab -p no:cacheprovider 2>&1 \
+        | tee "$OUT/lab-tests.log" | tail -15 ;;
+    faults)  # docs/coverage.md
+      timeout 540 python3 bench/bench_faults.py --trials 1000 --workers 16 --time-limit 450 \
+        --json "$OUT/faults.json" 2>&1 | tee "$OUT/faults.log" | tail -24 ;;
+    quantlinear)
+      timeout 300 python3 bench/bench_quant_linear.py --iters 10 2>&1 \
+        | tee "$OUT/bench_quant_linear.log" | tail -16 ;;
     example)
       timeout 60 python3 examples/stale_input.py > "$OUT/example_off.log" 2>&1; echo "without graphsan: exit $?"
       grep -m1 -o "an illegal memory access[^.]*" "$OUT/example_off.log"
@@ -28,7 +42,7 @@ for part in ${*:-tests}; do
       timeout 270 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py ${QUANT_K:+-k "$QUANT_K"} \
         -p no:cacheprovider 2>&1 | tail -5
       timeout 220 python3 bench/bench_quant.py --iters 10 ${QUANT_SKIP_LINEAR:+--skip-linear} 2>&1 \
-        | tee "$OUT/bench_quant.log" | tail -24 ;;
+        | tee "$OUT/bench_quant.log" | grep -E "^\| (kernel|---|nvfp4|mxfp8)" ;;
     train)
       timeout 240 python3 bench/bench_train.py --iters 8 --out "$OUT/PERF-train.md" 2>&1 \
         | tee "$OUT/bench_train.log" | tail -14 ;;
@@ -36,6 +50,7 @@ for part in ${*:-tests}; do
       timeout 120 python3 bench/tile_sweep.py --iters 10 2>&1 | tee "$OUT/tile_sweep.log" | tail -20 ;;
     scale)  # capture cost against live blocks and graph count
       timeout 330 python3 bench/bench_capture_scale.py 2>&1 | tee "$OUT/bench_capture_scale.log" | tail -22 ;;
-    *) echo "unknown part $part (tests, example, repro, bench, quant, train, sweep, scale)" ;;
+    *) echo "unknown part $part (tests, sanitizer-tests, lab-tests, faults, example, repro, bench," \
+         "quant, quantlinear, train, sweep, scale)" ;;
   esac
 done

@@ -23,7 +23,7 @@ def _all_programs_side_by_side():
         + [("reowned", "off", None), ("reowned", "raise", None), ("moved", "record", None)]
         + [(n, "raise", None) for n in ("matmul", "triton", "pool_reuse", "no_false_alarms")]
         + [("internal_error", "raise", None), ("graphed_callables_ok", "raise", EXPANDABLE)]
-        + [("compile_ok", "raise", None)]
+        + [("compile_ok", "raise", None), ("hf_forward_ok", "raise", None)]
     )
 
 
@@ -167,3 +167,13 @@ def test_torch_compile_cuda_graph_trees_are_watched_without_false_alarms():
     assert rc == 0, log[-3000:]
     assert result["findings"] == [] and result["ok"] and result["healthy"]
     assert len(result["graphs"]) >= 2, "the compiled forward and backward graphs were seen"
+
+
+def test_a_hugging_face_forward_graph_replays_without_findings():
+    rc, result, log = run_program("hf_forward_ok", policy="raise", timeout=400)
+    assert rc == 0, log[-3000:]
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    assert result["findings"] == [] and result["ok"] and result["healthy"], log[-3000:]
+    (graph,) = result["graphs"]
+    assert graph["tables_read"] >= 1, "the int64 ids were read as a possible pointer table"

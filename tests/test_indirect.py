@@ -141,3 +141,13 @@ def test_a_table_is_read_up_to_its_tensor_not_into_the_stale_rest_of_its_block(e
     san.memory.requested[TABLE] = 16
     g = capture(env)
     assert BIG in g.__dict__["_graphsan_state"].blocks
+
+
+def test_the_report_counts_the_tables_read_and_the_references_they_gave(env, san):
+    capture(env)
+    (entry,) = [g for g in san.report().graphs if g["id"] == max(san.graph_stats)]
+    assert (entry["tables_read"], entry["indirect"]) == (1, 2)  # BIG and SMALL + 64
+    san.table_budget = 0
+    capture(env)
+    (entry,) = [g for g in san.report().graphs if g["id"] == max(san.graph_stats)]
+    assert (entry["tables_read"], entry["indirect"]) == (0, 0)

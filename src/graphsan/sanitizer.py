@@ -254,7 +254,8 @@ class Sanitizer:
             view = self.memory.view(device, sync=False)
             t1 = time.perf_counter()
             refs = references(nodes, view, foreign=lambda v: driver.address_range(v) is not None)
-            refs += self._indirect(refs, view, pool)
+            indirect, tables_read = self._indirect(refs, view, pool)
+            refs += indirect
             t2 = time.perf_counter()
             info = GraphInfo(gid, label, tuple(site), pool, device)
             copies = [r.address for r in refs if isinstance(r.param, str)]
@@ -279,17 +280,20 @@ class Sanitizer:
                 allocator_view_s=t1 - t0,
                 references_s=t2 - t1,
                 tracker_s=t3 - t2,
+                tables_read=tables_read,
+                indirect=len(indirect),
             )
             if self.pinner is not None:
                 self.pinner.pin(state, young)
         except Exception as err:
             self._internal_error(err)
 
-    def _indirect(self, refs: list, view, pool) -> list:
+    def _indirect(self, refs: list, view, pool) -> tuple[list, int]:
         """References read from the small buffers the kernel arguments point at (pointer
-        tables), after the capture ended: see `core.scan.table_candidates`."""
+        tables), after the capture ended (see `core.scan.table_candidates`), and how many
+        blocks were read."""
         if self.table_budget <= 0:
-            return []
+            return [], 0
         tables = table_candidates(refs, view, pool, self.table_block, self.table_budget)
         requested = self.memory.requested
         contents = self._read_tables(
@@ -298,7 +302,7 @@ class Sanitizer:
         out = []
         for (addr, _, via), data in zip(tables, contents, strict=True):
             out += table_references(addr, data, via, view)
-        return out
+        return out, sum(1 for data in contents if data)
 
     def _read_tables(self, spans: list[tuple[int, int]]) -> list[bytes]:
         """The tables' bytes, or empty ones where they cannot be read now (a capture running on

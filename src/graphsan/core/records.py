@@ -292,6 +292,10 @@ class GraphStats:
     references_s: float = 0.0
     tracker_s: float = 0.0
     replays_judged: int = 0
+    # small blocks read as possible pointer tables at capture end, and the indirect references
+    # they gave
+    tables_read: int = 0
+    indirect: int = 0
 
     def to_dict(self) -> dict:
         """The JSON form (schema v3's graph entry)."""
@@ -315,6 +319,8 @@ class GraphStats:
             "foreign": c.foreign,
             "temporary": c.temporary,
             "host": c.host,
+            "tables_read": self.tables_read,
+            "indirect": self.indirect,
             "analysis_ms": ms(sum(stages)),
             "analysis_ms_by_stage": dict(
                 zip(
