@@ -576,7 +576,8 @@ class Trainer:
             self.metrics.print(
                 f"distributed: {d.world} ranks ({torch.distributed.get_backend()}), data "
                 f"parallel {d.world}, expert parallel {d.ep_size} "
-                f"({self.model.args.num_experts // d.ep_size} experts per rank) | global batch "
+                f"({self.model.args.num_experts // d.ep_size} experts per rank)"
+                f"{', distributed optimizer' if self.opt.sharded else ''} | global batch "
                 f"{cfg.global_batch_size} = {cfg.micro_batch_size} x {cfg.num_microbatches} "
                 f"microbatch(es) x {d.world} ranks"
             )
