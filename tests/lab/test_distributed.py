@@ -254,9 +254,11 @@ def test_expert_parallel_size_must_divide_ranks_and_experts():
 
 
 @pytest.mark.gpu
-def test_two_gpus_match_one_gpu_with_cuda_graphs(tmp_path):
-    """NCCL, expert parallel 2, the scenario's graphed scopes, MXFP8: the losses of two GPUs
-    agree with one GPU's on the same global batch within the matrix's tolerance."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["all-reduce", "dist-opt"])
+def test_two_gpus_match_one_gpu_with_cuda_graphs(sharded, tmp_path):
+    """NCCL, expert parallel 2, the scenario's graphed scopes, MXFP8, the optimizer replicated
+    or sharded: the losses of two GPUs agree with one GPU's on the same global batch within
+    the matrix's tolerance."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (NCCL between two ranks)")
     from graphsan.lab.repro.cases import LOSS_RTOL
@@ -276,7 +278,11 @@ def test_two_gpus_match_one_gpu_with_cuda_graphs(tmp_path):
         model_overrides={},
     )
     one = run_ranks_n(cfg, tmp_path / "one", 1)[0]
-    two = run_ranks_n(dict(cfg, expert_model_parallel_size=2), tmp_path / "two", 2)
+    two = run_ranks_n(
+        dict(cfg, expert_model_parallel_size=2, use_distributed_optimizer=sharded),
+        tmp_path / "two",
+        2,
+    )
     for r in two:
         rel = [abs(x - y) / abs(y) for x, y in zip(r["losses"], one["losses"], strict=True)]
         assert max(rel) <= LOSS_RTOL, rel
