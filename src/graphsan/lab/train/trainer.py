@@ -12,7 +12,8 @@ manual GC, so they all fall on the same iteration when their intervals coincide.
 
 Under torchrun (lab/train/distributed.py) each rank trains its share of every global batch
 (micro x accumulation x ranks = the same global batch as one process), the main_grads are
-averaged after the last backward, the routed experts may be split across ranks
+averaged after the last backward (reduce-scattered into shards with the distributed optimizer,
+--use-distributed-optimizer), the routed experts may be split across ranks
 (--expert-model-parallel-size), losses are averaged over the ranks, and only rank 0 prints.
 """
 
