@@ -253,6 +253,16 @@ def test_expert_parallel_size_must_divide_ranks_and_experts():
     assert TrainConfig(preset="tiny", world_size=2).validate().global_batch_size == 4
 
 
+def test_the_memory_check_counts_the_sharded_optimizer():
+    """Each of 4 ranks holds a quarter of the fp32 masters and moments (12 of 16 bytes)."""
+    from graphsan.lab.train.trainer import memory_needed
+
+    plain = TrainConfig(preset="tiny", world_size=4).validate()
+    need, _, trainable = memory_needed(plain)
+    sharded, _, _ = memory_needed(plain.replace(use_distributed_optimizer=True))
+    assert need - sharded == 12 * trainable * 3 // 4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sharded", [False, True], ids=["all-reduce", "dist-opt"])
 def test_two_gpus_match_one_gpu_with_cuda_graphs(sharded, tmp_path):

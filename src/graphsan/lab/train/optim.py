@@ -114,6 +114,9 @@ class MainGradAdamW:
         # decay by the whole parameter's shape (a shard's piece of a matrix is 1-D)
         decay = [m for m, d in zip(self.masters, dims, strict=True) if d >= 2]
         no_decay = [m for m, d in zip(self.masters, dims, strict=True) if d < 2]
+        if not decay and not no_decay:  # a rank whose shards hold only padding steps nothing
+            no_decay = [torch.zeros(0, device=self.params[0].device)]
+            no_decay[0].grad = torch.zeros_like(no_decay[0])
         self.opt = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": weight_decay},
@@ -262,7 +265,7 @@ class MainGradAdamW:
         optimizer."""
         keys = ("exp_avg", "exp_avg_sq")
         state = self.opt.state
-        step = next((float(s["step"]) for s in state.values() if "step" in s), 0.0)
+        step = max((float(s["step"]) for s in state.values() if "step" in s), default=0.0)
         if not self.sharded:
             full = {"masters": [m.detach().clone() for m in self.masters]}
             for k in keys:

@@ -91,15 +91,21 @@ def resolve_device(name: str) -> torch.device:
 # Bytes per trainable parameter besides the weight itself: fp32 main_grad, fp32 master copy and
 # AdamW's two fp32 moments (activations and workspaces come on top).
 TRAIN_STATE_BYTES = 16
+SHARDED_STATE_BYTES = 12  # the master and the moments, which the distributed optimizer shards
 
 
 def memory_needed(cfg: TrainConfig) -> tuple[int, int, int]:
     """(bytes needed on the device at least, bytes of the weights, trainable parameters), from
-    the model built on the meta device, as `--dry-run` does."""
+    the model built on the meta device, as `--dry-run` does. With the distributed optimizer each
+    rank holds 1/ranks of the masters and moments (the experts' too: 1/E of the experts over
+    ranks/E shards)."""
     model = build_model(model_args(cfg), device="meta")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return weights + TRAIN_STATE_BYTES * trainable, weights, trainable
+    state = TRAIN_STATE_BYTES * trainable
+    if cfg.use_distributed_optimizer and (cfg.world_size or 1) > 1:
+        state -= SHARDED_STATE_BYTES * trainable * (cfg.world_size - 1) // cfg.world_size
+    return weights + state, weights, trainable
 
 
 def free_memory(device: torch.device) -> int | None:
