@@ -260,18 +260,18 @@ class MainGradAdamW:
     def state_dict(self) -> dict:
         """The full state of every parameter, in `self.params` order, whether sharded or not:
         fp32 masters, Adam moments and the step count (sharded, gathered with one all-gather
-        per buffer and state on every rank of the group: a collective, so every rank calls it).
+        per buffer and state on every rank of the group: a collective, so every rank calls it;
+        unsharded, the live tensors themselves: write or copy them before the next step).
         The same format either way, so a checkpoint loads with or without the distributed
         optimizer."""
         keys = ("exp_avg", "exp_avg_sq")
         state = self.opt.state
         step = max((float(s["step"]) for s in state.values() if "step" in s), default=0.0)
-        if not self.sharded:
-            full = {"masters": [m.detach().clone() for m in self.masters]}
+        if not self.sharded:  # references, no copies: a save allocates nothing on the device
+            full = {"masters": [m.detach() for m in self.masters]}
             for k in keys:
                 full[k] = [
-                    state[m][k].clone() if k in state[m] else torch.zeros_like(m)
-                    for m in self.masters
+                    state[m][k] if k in state[m] else torch.zeros_like(m) for m in self.masters
                 ]
             return {"step": step, **full}
         full = {k: [None] * len(self.params) for k in ("masters", *keys)}
