@@ -1,6 +1,7 @@
 """The lab on two processes (torchrun, gloo on CPU): the same global batch gives the same losses
-as one process, with data parallelism alone and with the routed experts split across the ranks;
-only rank 0 prints; bad distributed settings are one clear line. The GPU twin (two GPUs, NCCL,
+as one process, with data parallelism alone and with the routed experts split across the ranks,
+with the optimizer replicated or sharded (the distributed optimizer, also against the replicated
+one on a toy of odd sizes, and resumed from a checkpoint); only rank 0 prints; bad distributed settings are one clear line. The GPU twin (two GPUs, NCCL,
 CUDA graphs) is at the end, skipped with fewer than two GPUs."""
 
 from __future__ import annotations
