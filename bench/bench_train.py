@@ -11,7 +11,10 @@ docs/PERF.md's "Trainer" section by hand). Never asserts timings.
 `--nproc N` is weak scaling: every variant runs under torchrun on 1 GPU and on N GPUs with the
 same per-GPU batch (the global batch grows N times), and the table gives the throughput of N
 GPUs over one GPU's and, on N GPUs, graphed against eager. `--ep` splits the routed experts
-across that many of the N ranks (default 1: data parallel only).
+across that many of the N ranks (default 1: data parallel only). `--use-distributed-optimizer`
+also runs every variant on N GPUs with the sharded optimizer (reduce-scatter, sharded fp32
+masters and Adam states, all-gather) and gives its throughput and peak memory beside the
+all-reduce one's.
 """
 
 from __future__ import annotations
@@ -92,7 +95,13 @@ def worker(cfg_json: str, result_path: str) -> int:
     if os.environ.get("RANK", "0") == "0":
         with open(result_path, "w") as fh:
             json.dump(
-                {"step_ms": r.step_ms, "tokens_per_s": r.tokens_per_s, "loss": r.losses[-1]}, fh
+                {
+                    "step_ms": r.step_ms,
+                    "tokens_per_s": r.tokens_per_s,
+                    "loss": r.losses[-1],
+                    "peak_mem_gib": r.peak_mem_gib,
+                },
+                fh,
             )
     return 0
 
@@ -120,7 +129,8 @@ def weak_scaling(a, names: list[str]) -> int:
     for name in names:
         precision, scopes, state = VARIANTS[name]
         per = {}
-        for nproc in (1, n):
+        runs = [(1, False), (n, False)] + ([(n, True)] if a.use_distributed_optimizer else [])
+        for nproc, sharded in runs:
             cfg = TrainConfig(
                 preset=a.preset,
                 train_iters=a.iters,
@@ -132,25 +142,31 @@ def weak_scaling(a, names: list[str]) -> int:
                 cuda_graph_modules=scopes,
                 state_policy=state,
                 expert_model_parallel_size=a.ep if nproc > 1 else 1,
+                use_distributed_optimizer=sharded,
                 world_size=nproc,
                 device=a.device,
                 quiet=True,
                 log_interval=10**6,
             )
-            per[nproc] = run_ranks(cfg, nproc)
+            key = "dist-opt" if sharded else nproc
+            per[key] = run_ranks(cfg, nproc)
             print(
-                f"{name:<28} {nproc} rank(s): {per[nproc]['step_ms']:8.1f} ms/step "
-                f"{per[nproc]['tokens_per_s']:12,.0f} tok/s",
+                f"{name:<28} {nproc} rank(s){' dist-opt' if sharded else ''}: "
+                f"{per[key]['step_ms']:8.1f} ms/step {per[key]['tokens_per_s']:12,.0f} tok/s "
+                f"peak {per[key]['peak_mem_gib']:.2f} GiB",
                 flush=True,
             )
-        rows.append((name, per[1], per[n]))
+        rows.append((name, per[1], per[n], per.get("dist-opt")))
     lines = [
         f"| variant | 1 GPU tok/s | {n} GPUs tok/s | {n} GPUs / 1 GPU | {n} GPUs ms/step | "
         f"vs eager on {n} GPUs |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    by_name = {name: many for name, _, many in rows}
-    for name, one, many in rows:
+    if a.use_distributed_optimizer:
+        lines[0] += " dist-opt tok/s | dist-opt / all-reduce | peak GiB all-reduce / dist-opt |"
+        lines[1] += "---:|---:|---:|"
+    by_name = {name: many for name, _, many, _ in rows}
+    for name, one, many, sharded in rows:
         eager = by_name.get(name.split(" ")[0] + " eager")
         vs = f"{eager['step_ms'] / many['step_ms']:.2f}x" if eager and many["step_ms"] else "-"
         scale = many["tokens_per_s"] / one["tokens_per_s"] if one["tokens_per_s"] else 0.0
@@ -158,10 +174,17 @@ def weak_scaling(a, names: list[str]) -> int:
             f"| {name} | {one['tokens_per_s']:,.0f} | {many['tokens_per_s']:,.0f} | "
             f"{scale:.2f}x | {many['step_ms']:.1f} | {vs} |"
         )
+        if sharded:
+            ratio = sharded["tokens_per_s"] / many["tokens_per_s"] if many["tokens_per_s"] else 0
+            lines[-1] += (
+                f" {sharded['tokens_per_s']:,.0f} | {ratio:.2f}x | "
+                f"{many['peak_mem_gib']:.2f} / {sharded['peak_mem_gib']:.2f} |"
+            )
     table = "\n".join(lines)
     print(table)
     if a.out:
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        dopt = " (and with the distributed optimizer)" if a.use_distributed_optimizer else ""
         with open(a.out, "w") as f:
             f.write(
                 f"# Trainer weak scaling\n\nDate: {datetime.date.today()}  \nGPU: {n} x {gpu}  \n"
@@ -169,7 +192,7 @@ def weak_scaling(a, names: list[str]) -> int:
                 f"{' '.join(sys.argv)}`  \nSetup: preset {a.preset}, {a.iters} iterations, per "
                 f"GPU micro batch {a.micro_batch_size} x seq {a.seq_length}, per-GPU batch "
                 f"{a.global_batch_size} (global {a.global_batch_size} x GPUs), expert parallel "
-                f"{a.ep} on {n} GPUs.\n\n{table}\n"
+                f"{a.ep} on {n} GPUs{dopt}.\n\n{table}\n"
             )
     return 0
 
@@ -193,6 +216,11 @@ def main() -> int:
         help="weak scaling: 1 vs N GPUs (torchrun), same per-GPU batch",
     )
     ap.add_argument("--ep", type=int, default=1, help="with --nproc: expert-parallel ranks")
+    ap.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="with --nproc: also run every variant on N GPUs with the sharded optimizer",
+    )
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: gloo, a smoke test)")
     a = ap.parse_args()
     problem = out_problem(a.out)
@@ -204,6 +232,12 @@ def main() -> int:
     if bad:
         print(
             f"bench_train: unknown variant {bad[0]!r}; expected some of {list(VARIANTS)}",
+            file=sys.stderr,
+        )
+        return 2
+    if a.use_distributed_optimizer and not a.nproc:
+        print(
+            "bench_train: --use-distributed-optimizer: expected --nproc N (it shards over ranks)",
             file=sys.stderr,
         )
         return 2

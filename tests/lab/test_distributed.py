@@ -1,6 +1,7 @@
 """The lab on two processes (torchrun, gloo on CPU): the same global batch gives the same losses
-as one process, with data parallelism alone and with the routed experts split across the ranks;
-only rank 0 prints; bad distributed settings are one clear line. The GPU twin (two GPUs, NCCL,
+as one process, with data parallelism alone and with the routed experts split across the ranks,
+with the optimizer replicated or sharded (the distributed optimizer, also against the replicated
+one on a toy of odd sizes, and resumed from a checkpoint); only rank 0 prints; bad distributed settings are one clear line. The GPU twin (two GPUs, NCCL,
 CUDA graphs) is at the end, skipped with fewer than two GPUs."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from graphsan.lab.train.distributed import (
     world_from_env,
 )
 from graphsan.lab.train.trainer import train
+from tests.lab.distributed_program import KeepModel
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = Path(__file__).with_name("distributed_program.py")
@@ -59,6 +61,7 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240) -> subproces
 
 
 def run_ranks(cfg: dict, tmp_path: Path) -> list[dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "result"
     proc = torchrun([str(PROGRAM), json.dumps(cfg), str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -69,13 +72,20 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["data-parallel", "expert-parallel"])
-def test_two_ranks_match_one_process_on_the_same_global_batch(ep, tmp_path):
+@pytest.mark.parametrize(
+    "ep, sharded",
+    [(1, False), (2, False), (1, True), (2, True)],
+    ids=["data-parallel", "expert-parallel", "dist-opt", "dist-opt-expert-parallel"],
+)
+def test_two_ranks_match_one_process_on_the_same_global_batch(ep, sharded, tmp_path):
     """2 ranks x 2 microbatches x 2 sequences = one process's 4 microbatches x 2: the losses,
-    the validation loss and a router gradient (reduced over the ranks) agree."""
-    one = train(TrainConfig(**tiny(), world_size=1))
-    ranks = run_ranks(tiny(expert_model_parallel_size=ep), tmp_path)
-    for r in ranks:
+    the validation loss, a router gradient (reduced over the ranks) and the parameters agree,
+    with the optimizer replicated or sharded (--use-distributed-optimizer)."""
+    one = train(TrainConfig(**tiny(), world_size=1), callbacks=[keep := KeepModel()])
+    ranks = run_ranks(
+        tiny(expert_model_parallel_size=ep, use_distributed_optimizer=sharded), tmp_path
+    )
+    for rank, r in enumerate(ranks):
         assert close(r["losses"], one.losses), (r["losses"], one.losses)
         assert close(r["mtp_losses"], one.mtp_losses)
         assert close(r["grad_norms"], one.grad_norms)  # the experts of both ranks count
@@ -83,8 +93,57 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(ep, tmp_path):
         grad = torch.tensor(r["main_grads"]["layers.2.mixer.router.weight"])
         ref = one.main_grads[-1]["layers.2.mixer.router.weight"]
         assert (grad - ref).norm() <= 1e-2 * ref.norm()
-    # every rank took the same steps, so they report the same (all-reduced) losses
+        for name, p in keep.model.named_parameters():
+            got, want = torch.tensor(r["params"][name]), p.detach().float().reshape(-1)
+            if got.numel() != want.numel():  # experts split: this rank holds its share of them
+                want = want.reshape(ep, -1)[rank % ep]
+            assert (got - want).norm() <= 1e-2 * want.norm(), name
+    # every rank took the same steps, so they report the same (all-reduced) losses and hold the
+    # same dense parameters
     assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["params"]["embedding.weight"] == ranks[1]["params"]["embedding.weight"]
+
+
+@pytest.mark.parametrize("nproc", [4])
+def test_distributed_optimizer_steps_as_the_all_reduce_one(nproc, tmp_path):
+    """A toy model of odd sizes (the buffers are padded to a multiple of the ranks), every
+    expert-parallel size dividing the ranks (with 4 ranks and EP 2 the experts are sharded
+    over two ranks too): reduce-scatter + sharded AdamW + all-gather leave the parameters the
+    all-reduce optimizer gives, bit for bit without clipping (a wrong division or a shard
+    stepped against another slice shows here), to rounding with it; a state saved sharded and
+    loaded into fresh optimizers, sharded or not, continues as the original."""
+    out = tmp_path / "opt"
+    proc = torchrun([str(PROGRAM), "optimizer", str(out)], nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(nproc):
+        report = json.loads(Path(f"{out}.rank{r}.json").read_text())
+        assert set(report) >= {"ep1-clip1e+09", "ep2-clip0.05"}
+        for case, row in report.items():
+            exact = case.endswith("clip1e+09")
+            limit = 0.0 if exact else 1e-6
+            assert max(row["param_diff"]) <= limit, (r, case, row)
+            assert max(row["unsharded_load_diff"]) <= limit, (r, case, row)
+            assert max(row["resumed_diff"]) == 0.0, (r, case, row)
+            assert max(row["norm_rel"]) <= 1e-6, (r, case, row)
+
+
+def test_a_resumed_sharded_run_continues_identically(tmp_path):
+    """Two ranks with the distributed optimizer and the experts split: 2 iterations saved (one
+    file per expert shard, the shards' states gathered), then --load and 2 more, give the
+    losses and parameters of 4 iterations in one go, exactly."""
+    common = dict(expert_model_parallel_size=2, use_distributed_optimizer=True, eval_interval=0)
+    common.update(capture_grads=(), save=str(tmp_path / "ckpt"))
+    whole = run_ranks(tiny(train_iters=4, **common), tmp_path / "whole")
+    run_ranks(tiny(train_iters=2, save_interval=2, **common), tmp_path / "first")
+    names = sorted((tmp_path / "ckpt").iterdir())
+    assert [p.name for p in names] == ["latest.ep0.pt", "latest.ep1.pt"]
+    resumed = run_ranks(
+        tiny(train_iters=4, load=str(tmp_path / "ckpt"), **common), tmp_path / "rest"
+    )
+    for r in range(2):
+        assert resumed[r]["losses"] == whole[r]["losses"][2:]
+        assert resumed[r]["grad_norms"] == whole[r]["grad_norms"][2:]
+        assert resumed[r]["params"] == whole[r]["params"]
 
 
 def test_only_rank_0_prints_and_the_global_batch_is_split(tmp_path):
@@ -107,13 +166,17 @@ def test_only_rank_0_prints_and_the_global_batch_is_split(tmp_path):
             "1",
             "--expert-model-parallel-size",
             "2",
+            "--use-distributed-optimizer",
         ]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert out.count("graphsan train: preset tiny") == 1  # the header, once for the job
     assert sum(line.startswith("iter ") for line in out.splitlines()) == 2
-    assert "2 ranks (gloo), data parallel 2, expert parallel 2 (4 experts per rank)" in out
+    assert (
+        "2 ranks (gloo), data parallel 2, expert parallel 2 (4 experts per rank), distributed "
+        "optimizer | global batch" in out
+    )
     assert "global batch 8 = 2 x 2 microbatch(es) x 2 ranks" in out
 
 
@@ -191,10 +254,22 @@ def test_expert_parallel_size_must_divide_ranks_and_experts():
     assert TrainConfig(preset="tiny", world_size=2).validate().global_batch_size == 4
 
 
+def test_the_memory_check_counts_the_sharded_optimizer():
+    """Each of 4 ranks holds a quarter of the fp32 masters and moments (12 of 16 bytes)."""
+    from graphsan.lab.train.trainer import memory_needed
+
+    plain = TrainConfig(preset="tiny", world_size=4).validate()
+    need, _, trainable = memory_needed(plain)
+    sharded, _, _ = memory_needed(plain.replace(use_distributed_optimizer=True))
+    assert need - sharded == 12 * trainable * 3 // 4
+
+
 @pytest.mark.gpu
-def test_two_gpus_match_one_gpu_with_cuda_graphs(tmp_path):
-    """NCCL, expert parallel 2, the scenario's graphed scopes, MXFP8: the losses of two GPUs
-    agree with one GPU's on the same global batch within the matrix's tolerance."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["all-reduce", "dist-opt"])
+def test_two_gpus_match_one_gpu_with_cuda_graphs(sharded, tmp_path):
+    """NCCL, expert parallel 2, the scenario's graphed scopes, MXFP8, the optimizer replicated
+    or sharded: the losses of two GPUs agree with one GPU's on the same global batch within
+    the matrix's tolerance."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (NCCL between two ranks)")
     from graphsan.lab.repro.cases import LOSS_RTOL
@@ -214,7 +289,11 @@ def test_two_gpus_match_one_gpu_with_cuda_graphs(tmp_path):
         model_overrides={},
     )
     one = run_ranks_n(cfg, tmp_path / "one", 1)[0]
-    two = run_ranks_n(dict(cfg, expert_model_parallel_size=2), tmp_path / "two", 2)
+    two = run_ranks_n(
+        dict(cfg, expert_model_parallel_size=2, use_distributed_optimizer=sharded),
+        tmp_path / "two",
+        2,
+    )
     for r in two:
         rel = [abs(x - y) / abs(y) for x, y in zip(r["losses"], one["losses"], strict=True)]
         assert max(rel) <= LOSS_RTOL, rel

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from graphsan.lab.train import TrainConfig, train
+from graphsan.lab.train import ConfigError, TrainConfig, train
 from graphsan.lab.train.cli import run
 from graphsan.lab.train.data import SyntheticTokens
 
@@ -219,3 +219,38 @@ def test_dry_run_super_prints_counts_and_recipes_on_meta(capsys):
     assert "[last 14 layers]" in out
     if torch.cuda.is_available():
         assert torch.cuda.memory_allocated() == before
+
+
+def test_a_resumed_run_continues_identically(tmp_path):
+    """2 iterations saved, then --load and 2 more: the losses, norms and weights of 4 in one go
+    (the data, the learning rate and the Adam states follow the saved iteration)."""
+    from tests.lab.distributed_program import KeepModel
+
+    base = dict(TINY, seq_length=32, lr_warmup_iters=3, save=str(tmp_path))
+    whole = train(TrainConfig(**base, train_iters=4), callbacks=[a := KeepModel()])
+    train(TrainConfig(**base, train_iters=2, save_interval=2))
+    rest = train(
+        TrainConfig(**base, train_iters=4, load=str(tmp_path)), callbacks=[b := KeepModel()]
+    )
+    assert rest.losses == whole.losses[2:] and rest.grad_norms == whole.grad_norms[2:]
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_line(tmp_path, capsys):
+    base = dict(TINY, seq_length=32, save=str(tmp_path))
+    train(TrainConfig(**base, train_iters=2, save_interval=2))
+    with pytest.raises(ConfigError, match="model argument hidden_size is 64 there; expected 96"):
+        train(
+            TrainConfig(
+                **base, train_iters=4, load=str(tmp_path), model_overrides={"hidden_size": 96}
+            )
+        )
+    with pytest.raises(ConfigError, match="at iteration 2; expected --train-iters above it"):
+        train(TrainConfig(**base, train_iters=2, load=str(tmp_path)))
+    rc = run(["--device", "cpu", "--quiet", "--load", str(tmp_path / "none")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [
+        f"graphsan train: error: --load {tmp_path / 'none'}: no latest.pt there; expected a "
+        "directory written by --save (with the same --expert-model-parallel-size)"
+    ]

@@ -67,6 +67,17 @@ elif spec["kind"] == "transitions":
     out["losses"] = r.losses
     out["evals"] = r.eval_losses
     out["stages"] = r.graphed_stages
+elif spec["kind"] == "resume":
+    # graphed: the resumed run captures its graphs after its own warm-up steps
+    import graphsan
+    cfg = dict(precision_config="mxfp8-all", cuda_graph_modules=("attn", "mamba", "moe_router",
+               "moe_preprocess"), capture_grads=(), save=spec["save"])
+    whole = run(train_iters=6, **cfg)
+    run(train_iters=3, save_interval=3, **cfg)
+    with graphsan.watch(policy="record") as san:
+        rest = run(train_iters=6, load=spec["save"], **cfg)
+    out = {"whole": whole.losses, "rest": rest.losses, "stages": rest.graphed_stages,
+           "findings": [str(f) for f in san.findings]}
 print("RESULT " + json.dumps(out))
 """
 
@@ -124,3 +135,13 @@ def test_two_eval_transitions_with_empty_cache_and_expandable_segments(tmp_path,
     assert res["disabled_reason"] is None
     assert res["graphs_watched"] >= len(res["stages"]) > 0
     assert res["findings"] == []
+
+
+def test_a_resumed_graphed_run_continues_as_the_whole_one(tmp_path):
+    """3 iterations saved, --load and 3 more (graphs captured after the resumed run's own warm-up
+    steps, under the sanitizer): the losses of 6 in one go."""
+    res = _run({"kind": "resume", "save": str(tmp_path)})
+    assert res["stages"] and res["findings"] == []
+    assert len(res["rest"]) == 3
+    for x, y in zip(res["rest"], res["whole"][3:], strict=True):
+        assert abs(x - y) <= 1e-3 * abs(y), (res["rest"], res["whole"])

@@ -1,8 +1,12 @@
-"""Checkpoint save (torch.save of model, optimizer and iteration), written atomically.
+"""Checkpoints: save (torch.save of model, optimizer and iteration, written atomically) and load.
 
 Megatron Core 0.19 calls `torch.cuda.empty_cache()` after every save; `empty_cache=True` does the
 same (under expandable segments that unmaps freed memory, which is how TE #3316 turns a stale
 pointer into an illegal address).
+
+The optimizer's state is the full state of every parameter (`MainGradAdamW.state_dict`): with
+the distributed optimizer the ranks' shards are gathered before the write, so one file holds it
+all and loads with or without sharding (each rank then takes its own shard).
 """
 
 from __future__ import annotations
@@ -13,15 +17,20 @@ from pathlib import Path
 import torch
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and what was expected."""
+
+
 def save_checkpoint(
     directory: str | Path,
     iteration: int,
     model,
-    optimizer,
+    optimizer_state: dict | None,
     *,
     empty_cache: bool,
     name: str = "latest.pt",
     write: bool = True,
+    extra: dict | None = None,
 ):
     """Write `name` in `directory` (unless `write` is False: a rank whose copy another rank
     writes), then empty the CUDA cache if asked; returns the path."""
@@ -36,11 +45,45 @@ def save_checkpoint(
     state = {
         "iteration": iteration,
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state,
         "model_args": vars(model.args),
+        **(extra or {}),
     }
     torch.save(state, tmp)
     os.replace(tmp, path)
     if empty_cache and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return path
+
+
+def load_checkpoint(directory: str | Path, name: str, model_args: dict) -> dict:
+    """The checkpoint `name` in `directory`, checked against this run's model arguments."""
+    path = Path(directory) / name
+    if not path.is_file():
+        raise CheckpointError(
+            f"--load {directory}: no {name} there; expected a directory written by --save "
+            "(with the same --expert-model-parallel-size)"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a truncated or foreign file: say which, not a traceback
+        raise CheckpointError(f"--load {path}: cannot be read ({err})") from None
+    keys = ("iteration", "model", "optimizer", "model_args")
+    missing = [k for k in keys if k not in state] if isinstance(state, dict) else list(keys)
+    if missing or state["optimizer"] is None:
+        raise CheckpointError(
+            f"--load {path}: keys {missing or ['optimizer']} missing; expected a checkpoint of "
+            "graphsan train"
+        )
+    if state["model_args"] != model_args:
+        diff = sorted(
+            k
+            for k in set(model_args) | set(state["model_args"])
+            if state["model_args"].get(k) != model_args.get(k)
+        )
+        k = diff[0]
+        raise CheckpointError(
+            f"--load {path}: model argument {k} is {state['model_args'].get(k)!r} there; "
+            f"expected {model_args.get(k)!r} (the same --preset and model settings)"
+        )
+    return state

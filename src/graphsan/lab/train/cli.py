@@ -4,8 +4,10 @@
     graphsan train --preset small --cuda-graph-modules attn mamba moe_router moe_preprocess \\
         --precision-config super-mixed --num-layers-at-end-in-bf16 2 --state-policy te218
     graphsan train --preset super --dry-run       # meta device: counts and recipe table only
-    torchrun --nproc-per-node 2 -m graphsan.cli train --preset small \
+    torchrun --nproc-per-node 2 -m graphsan.cli train --preset small \\
         --expert-model-parallel-size 2            # data + expert parallel, rank 0 prints
+    torchrun --nproc-per-node 2 -m graphsan.cli train --use-distributed-optimizer \\
+        --save-interval 10 --save ckpt            # sharded optimizer states; resume: --load ckpt
 
 `run(argv) -> int` is what `graphsan train` calls (the parser is built only then);
 `python -m graphsan.lab.train ...` runs the same thing on its own.
@@ -54,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--save-interval", type=int, default=d.save_interval, help="0: no checkpoints")
     a("--save", default=d.save, help="checkpoint directory")
+    a(
+        "--load",
+        default=None,
+        metavar="DIR",
+        help="resume from the checkpoint a run saved in DIR (its --save): weights, optimizer "
+        "state and iteration",
+    )
     a(
         "--empty-cache-on-save",
         action="store_true",
@@ -113,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.distributed_timeout_minutes,
         help="under torchrun: how long a collective may wait for the other ranks",
     )
+    a(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="under torchrun: reduce-scatter the gradients and shard the fp32 masters and Adam "
+        "states over the data-parallel ranks (Megatron's distributed optimizer)",
+    )
     a("--seed", type=int, default=d.seed, help="weights and data")
     a("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     a(
@@ -138,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         manual_gc_interval=args.manual_gc_interval,
         save_interval=args.save_interval,
         save=args.save,
+        load=args.load,
         empty_cache_on_save=args.empty_cache_on_save,
         cuda_graph_modules=_scopes(args.cuda_graph_modules),
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
@@ -147,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16,
         expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
+        use_distributed_optimizer=args.use_distributed_optimizer,
         seed=args.seed,
         device=args.device,
         data_path=args.data_path,

@@ -34,6 +34,7 @@ class TrainConfig:
     manual_gc_interval: int = 0  # >0: automatic GC off, gc.collect() every N iterations
     save_interval: int = 0
     save: str = "out/checkpoints"
+    load: str | None = None  # a --save directory to resume from
     empty_cache_on_save: bool = False
     cuda_graph_modules: tuple = ()
     cuda_graph_warmup_steps: int = 3
@@ -49,6 +50,7 @@ class TrainConfig:
     quiet: bool = False
     expert_model_parallel_size: int = 1  # ranks that share the routed experts (torchrun)
     distributed_timeout_minutes: float = 10.0  # a collective waiting longer fails
+    use_distributed_optimizer: bool = False  # shard masters and Adam states over the ranks
     world_size: int | None = None  # data-parallel ranks; default: WORLD_SIZE (torchrun) or 1
     model_overrides: dict = field(default_factory=dict)  # ModelArgs fields (tests, benches)
     capture_grads: tuple = ()  # parameter names whose main_grad is returned for every step
@@ -152,7 +154,7 @@ class TrainConfig:
                     f"--{name.replace('_', '-')} {getattr(self, name)}: the {self.preset} model "
                     f"has {layers} layers; expected at most {layers}"
                 )
-        for name in ("data_path", "precision_config"):
+        for name in ("data_path", "precision_config", "load"):
             value = getattr(self, name)
             if value is not None and not str(value).strip():
                 raise ConfigError(

@@ -12,7 +12,8 @@ manual GC, so they all fall on the same iteration when their intervals coincide.
 
 Under torchrun (lab/train/distributed.py) each rank trains its share of every global batch
 (micro x accumulation x ranks = the same global batch as one process), the main_grads are
-averaged after the last backward, the routed experts may be split across ranks
+averaged after the last backward (reduce-scattered into shards with the distributed optimizer,
+--use-distributed-optimizer), the routed experts may be split across ranks
 (--expert-model-parallel-size), losses are averaged over the ranks, and only rank 0 prints.
 """
 
@@ -42,7 +43,7 @@ from graphsan.lab.quant import (
 from graphsan.lab.quant.precision import CONFIG_DIR
 from graphsan.lab.train import graphs as cuda_graphs
 from graphsan.lab.train.callbacks import Callback
-from graphsan.lab.train.checkpoint import save_checkpoint
+from graphsan.lab.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from graphsan.lab.train.config import ConfigError, TrainConfig
 from graphsan.lab.train.data import build_data
 from graphsan.lab.train.distributed import Dist, DistributedError, check_device_for_rank, setup
@@ -90,15 +91,21 @@ def resolve_device(name: str) -> torch.device:
 # Bytes per trainable parameter besides the weight itself: fp32 main_grad, fp32 master copy and
 # AdamW's two fp32 moments (activations and workspaces come on top).
 TRAIN_STATE_BYTES = 16
+SHARDED_STATE_BYTES = 12  # the master and the moments, which the distributed optimizer shards
 
 
 def memory_needed(cfg: TrainConfig) -> tuple[int, int, int]:
     """(bytes needed on the device at least, bytes of the weights, trainable parameters), from
-    the model built on the meta device, as `--dry-run` does."""
+    the model built on the meta device, as `--dry-run` does. With the distributed optimizer each
+    rank holds 1/ranks of the masters and moments (the experts' too: 1/E of the experts over
+    ranks/E shards)."""
     model = build_model(model_args(cfg), device="meta")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return weights + TRAIN_STATE_BYTES * trainable, weights, trainable
+    state = TRAIN_STATE_BYTES * trainable
+    if cfg.use_distributed_optimizer and (cfg.world_size or 1) > 1:
+        state -= SHARDED_STATE_BYTES * trainable * (cfg.world_size - 1) // cfg.world_size
+    return weights + state, weights, trainable
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -267,10 +274,10 @@ class _Clock:
     """Wall time of the log interval (for the per-interval throughput) and of the steady state
     (every train step after the first or after graph capture, side work excluded)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, first: int = 1):
+        self.device, self.first = device, first
         self.interval_start: float | None = None
-        self.interval_first = 1
+        self.interval_first = first
         self.steady_start: float | None = None
         self.steady_iters = 0
         self.excluded = 0.0
@@ -286,7 +293,7 @@ class _Clock:
     def start_iteration(self, it: int) -> None:
         if self.interval_start is None:
             self.interval_start, self.interval_first = self.now(), it
-        if self.steady_start is None and it > 1:
+        if self.steady_start is None and it > self.first:
             self.steady_start, self.steady_iters, self.excluded = self.now(), 0, 0.0
 
     def restart_steady(self) -> None:
@@ -340,9 +347,15 @@ class Trainer:
             if isinstance(m, QuantModule):  # QuantLinear and the experts' GroupedQuantLinear
                 m.skip_weight_update = self.skip
                 m.state_policy = cfg.state_policy
-        self.opt = MainGradAdamW(model, cfg.lr, dist=dist)
+        self.opt = MainGradAdamW(
+            model, cfg.lr, dist=dist, distributed_optimizer=cfg.use_distributed_optimizer
+        )
+        self.start_iteration = 1  # the first iteration this run trains (after --load: later)
+        if cfg.load is not None:
+            self.start_iteration = self.load(cfg.load) + 1
         self.data = build_data(cfg.data_path, model.args.vocab_size, cfg.seq_length, cfg.seed)
         self.params = dict(model.named_parameters())
+        self._trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
         for name in cfg.capture_grads:
             if name not in self.params:
                 raise ValueError(f"capture_grads: no parameter {name!r} in the model")
@@ -354,7 +367,7 @@ class Trainer:
             )
             self.use_graphs = False
         self.counter = cuda_graphs.MicrobatchCounter()
-        self.clock = _Clock(device)
+        self.clock = _Clock(device, self.start_iteration)
 
     # ---- the loop ----
     def train(self) -> TrainResult:
@@ -363,8 +376,9 @@ class Trainer:
         losses, mtp_losses, norms = [], [], []
         with _manual_gc(cfg.manual_gc_interval):
             self.model.train()
-            for it in range(1, cfg.train_iters + 1):
-                if self.use_graphs and it == cfg.cuda_graph_warmup_steps + 1:
+            first = self.start_iteration
+            for it in range(first, cfg.train_iters + 1):
+                if self.use_graphs and it == first + cfg.cuda_graph_warmup_steps:
                     self.capture_graphs()
                 self.clock.start_iteration(it)
                 lm, mtp, norm = self.train_step(it)
@@ -439,11 +453,10 @@ class Trainer:
             del out
         self.opt.reduce_grads()
         if cfg.capture_grads:
+            # a sharded optimizer holds only its shard reduced: gather the whole (a collective)
+            grads = dict(zip(self._trainable_names, self.opt.reduced_main_grads(), strict=True))
             self.result.main_grads.append(
-                {
-                    n: self.params[n].main_grad.detach().float().cpu().clone()
-                    for n in cfg.capture_grads
-                }
+                {n: grads[n].detach().float().cpu().clone() for n in cfg.capture_grads}
             )
         norm = self.opt.step(self._lr_at(it))
         self._reduce_router_counts()
@@ -496,24 +509,51 @@ class Trainer:
         self.clock.interval_start = None
         return loss
 
+    def _checkpoint_name(self) -> str:
+        d = self.dist
+        return "latest.pt" if d.ep_size == 1 else f"latest.ep{d.rank % d.ep_size}.pt"
+
     def save(self, it: int) -> None:
         cfg, d = self.cfg, self.dist
+        # data-parallel ranks hold the same weights: the first EP group writes, one file per
+        # expert shard (every rank empties its cache, as every Megatron rank does); a sharded
+        # optimizer's state is gathered first, which every rank of its groups takes part in
+        write = d.rank < d.ep_size
+        state = self.opt.state_dict() if write or self.opt.sharded else None
         path = save_checkpoint(
             cfg.save,
             it,
             self.model,
-            self.opt,
+            state if write else None,
             empty_cache=cfg.empty_cache_on_save,
-            # data-parallel ranks hold the same weights: the first EP group writes, one file per
-            # expert shard (every rank empties its cache, as every Megatron rank does)
-            name="latest.pt" if d.ep_size == 1 else f"latest.ep{d.rank % d.ep_size}.pt",
-            write=d.rank < d.ep_size,
+            name=self._checkpoint_name(),
+            write=write,
+            extra={"expert_model_parallel_size": d.ep_size},
         )
         self.metrics.print(
             f"saved checkpoint {path} at iteration {it}"
             + (" (+ empty_cache)" if cfg.empty_cache_on_save else "")
         )
         self.clock.interval_start = None
+
+    def load(self, directory: str) -> int:
+        """Restore the model, the optimizer (each rank its shard) and the iteration of a
+        checkpoint in `directory` (--load); returns the iteration it was saved at."""
+        cfg = self.cfg
+        try:
+            state = load_checkpoint(directory, self._checkpoint_name(), vars(self.model.args))
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+        except (CheckpointError, RuntimeError, ValueError) as err:
+            raise ConfigError(str(err).splitlines()[0]) from None
+        it = int(state["iteration"])
+        if it >= cfg.train_iters:
+            raise ConfigError(
+                f"--load {directory}: the checkpoint is at iteration {it}; expected "
+                f"--train-iters above it (now {cfg.train_iters})"
+            )
+        self.metrics.print(f"loaded checkpoint {directory} at iteration {it}")
+        return it
 
     # ---- logging ----
     def _log(self, it: int, losses: list, mtp, norm) -> None:
@@ -543,7 +583,8 @@ class Trainer:
             self.metrics.print(
                 f"distributed: {d.world} ranks ({torch.distributed.get_backend()}), data "
                 f"parallel {d.world}, expert parallel {d.ep_size} "
-                f"({self.model.args.num_experts // d.ep_size} experts per rank) | global batch "
+                f"({self.model.args.num_experts // d.ep_size} experts per rank)"
+                f"{', distributed optimizer' if self.opt.sharded else ''} | global batch "
                 f"{cfg.global_batch_size} = {cfg.micro_batch_size} x {cfg.num_microbatches} "
                 f"microbatch(es) x {d.world} ranks"
             )
