@@ -196,6 +196,7 @@ def main() -> None:
     elems = p["NB"] * 16 * p["BK"]
     fn = nvfp4_col_fused_kernel
     base = {"INV_6": INV_6, "LEGACY": False, "BF16_BITS": True, "HW_FP8": True, "GROUPED": False}
+    base |= {"MAXNUM": True}
     for name, rht, sr, amax_only in (
         ("RHT amax pass", True, False, True),
         ("RHT+SR quantize pass", True, True, False),

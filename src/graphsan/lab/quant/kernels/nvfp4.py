@@ -100,7 +100,7 @@ def _e2m1_code(m):
 
 
 @triton.jit
-def _e2m1_sr_code(v, r, J: tl.constexpr = 0):
+def _e2m1_sr_code(v, r, J: tl.constexpr = 0, MAXNUM: tl.constexpr = False):
     """E2M1 magnitude code (int32, 0-7) of float32 v stochastically rounded with the 8 random
     bits in byte J of the 32-bit integers r: the reference's t = a + (r / 256) * step(a) for
     a = min(|v|, 6) (NaN -> 6), the same float operations, then the code of
@@ -108,9 +108,13 @@ def _e2m1_sr_code(v, r, J: tl.constexpr = 0):
     never acts). No int/float conversion (a quarter of the float rate or less on sm_90): r / 256
     is (1 + r / 256) - 1, the float whose mantissa holds the byte minus one (both exact); the
     code is 2 * (exponent - 127) + 2 + the mantissa's top bit for t >= 1, which is
-    (bits >> 22) - 252, 1 on [0.5, 1) where (bits >> 23) - 125 is 1, 0 below."""
+    (bits >> 22) - 252, 1 on [0.5, 1) where (bits >> 23) - 125 is 1, 0 below. MAXNUM (compiled
+    kernels): `tl.minimum` returns the non-NaN operand, so NaN becomes 6 without a select."""
     m = tl.abs(v)
-    m = tl.where(m != m, E2M1_MAX, tl.minimum(m, E2M1_MAX))
+    if MAXNUM:
+        m = tl.minimum(m, E2M1_MAX)
+    else:
+        m = tl.where(m != m, E2M1_MAX, tl.minimum(m, E2M1_MAX))
     r = r.to(tl.int32)
     if J < 2:
         b = r << (15 - 8 * J)
@@ -328,21 +332,21 @@ def nvfp4_row_words_kernel(
         r = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BR, CW))  # w0 w1 w2 w3
     else:
         r = 0
-    word = _e2m1_lane(x0 * enc, r, 0, SR)
-    word |= _e2m1_lane(x1 * enc, r, 1, SR)
-    word |= _e2m1_lane(x2 * enc, r, 2, SR)
-    word |= _e2m1_lane(x3 * enc, r, 3, SR)
+    word = _e2m1_lane(x0 * enc, r, 0, SR, MAXNUM)
+    word |= _e2m1_lane(x1 * enc, r, 1, SR, MAXNUM)
+    word |= _e2m1_lane(x2 * enc, r, 2, SR, MAXNUM)
+    word |= _e2m1_lane(x3 * enc, r, 3, SR, MAXNUM)
     tl.store(data_ptr + offs_r * CWT + offs_w, word.to(tl.int16), mask=mask)
     smask = (offs_r < R) & (sc < CWT // 4)
     tl.store(scale_ptr + offs_r * (CWT // 4) + sc, sbyte, mask=smask)
 
 
 @triton.jit
-def _e2m1_lane(v, r, J: tl.constexpr, SR: tl.constexpr):
+def _e2m1_lane(v, r, J: tl.constexpr, SR: tl.constexpr, MAXNUM: tl.constexpr = False):
     """E2M1 code with sign (int32, 0-15) of float32 v, shifted to nibble J; SR with the random
-    byte J of the int32 words r."""
+    byte J of the int32 words r (MAXNUM: as `_e2m1_sr_code`)."""
     if SR:
-        mag = _e2m1_sr_code(v, r, J)
+        mag = _e2m1_sr_code(v, r, J, MAXNUM)
     else:
         mag = _e2m1_code(tl.abs(v))
     return (mag | tl.where(v < 0.0, 8, 0)) << (4 * J)
