@@ -204,12 +204,12 @@ def main() -> None:
         ("SR (no RHT)", False, True, False),
     ):
         flags = {**base, "RHT": rht, "SR": sr, "AMAX_ONLY": amax_only}
-        jobs.append(("fused", f"nvfp4 col fused {name}", fn, fused, flags, p, elems))
+        jobs.append(("fused", f"nvfp4 fused col, {name}", fn, fused, flags, p, elems))
     p = dict(tk.NVFP4_ROW_WORDS_TILE)
     flags = {**nv, "SR": True, "BLOCK_2D": False, "MAXNUM": True, "PER_ROW": False}
     elems = p["BR"] * p["CW"] * 4
     fn = nv_kernels.nvfp4_row_words_kernel
-    jobs.append(("fused", "nvfp4 rowwise SR 1D", fn, nv_row_words, flags, p, elems))
+    jobs.append(("fused", "nvfp4 rowwise SR words", fn, nv_row_words, flags, p, elems))
     p = dict(tk.NVFP4_COL_WORDS_TILE)
     flags = {k: v for k, v in nv.items() if k != "SR"} | {
         "BLOCK_2D": False,
@@ -218,7 +218,7 @@ def main() -> None:
     }
     elems = p["NB"] * 16 * p["CW"] * 4
     fn = nv_kernels.nvfp4_col_words_kernel
-    jobs.append(("fused", "nvfp4 columnwise 1D (plain)", fn, nv_col_words, flags, p, elems))
+    jobs.append(("fused", "nvfp4 columnwise words (plain)", fn, nv_col_words, flags, p, elems))
 
     print(f"# sm_90 SASS, {n}x{n} bf16 specialisation, triton {triton.__version__}")
     print("| kernel | instr/elem | elem/thread | regs | stack B | smem B | memory per thread |")
@@ -230,7 +230,8 @@ def main() -> None:
         params = dict(params)
         warps = params.pop("num_warps")
         kernel = compile_sm90(fn, fn_args, {**flags, **params}, warps)
-        summarise(f"{name} {family}", kernel, elems, warps, args.dump, mix)
+        label = name if family == "fused" else f"{name} {family}"
+        summarise(label, kernel, elems, warps, args.dump, mix)
     if mix:
         print("\n# instruction mix, SASS instructions per element")
         print(f"| kernel | {' | '.join(MIX)} | other |")
