@@ -105,11 +105,13 @@ def _e2m1_sr_code(v, r, J: tl.constexpr = 0, MAXNUM: tl.constexpr = False):
     bits in byte J of the 32-bit integers r: the reference's t = a + (r / 256) * step(a) for
     a = min(|v|, 6) (NaN -> 6), the same float operations, then the code of
     floor(t / step(t)) * step(t) read off t's bits (0 <= t < 8, so the reference's min(., 6)
-    never acts). No int/float conversion (a quarter of the float rate or less on sm_90): r / 256
-    is (1 + r / 256) - 1, the float whose mantissa holds the byte minus one (both exact); the
-    code is 2 * (exponent - 127) + 2 + the mantissa's top bit for t >= 1, which is
-    (bits >> 22) - 252, 1 on [0.5, 1) where (bits >> 23) - 125 is 1, 0 below. MAXNUM (compiled
-    kernels): `tl.minimum` returns the non-NaN operand, so NaN becomes 6 without a select."""
+    never acts). No int/float conversion (a quarter of the float rate or less on sm_90) and no
+    compare: u * step(a) is (u / 2) * (2 step(a)), u / 2 the float 0.5 (1 + r / 256) whose
+    mantissa holds the byte, minus 0.5, and 2 step(a) a's power of two clamped to [1, 4] (all
+    exact, so t is the reference's); the code is 2 * (exponent - 127) + 2 + the mantissa's top
+    bit for t >= 1, which is (bits >> 22) - 252, 1 on [0.5, 1) where (bits >> 23) - 125 is 1, 0
+    below. MAXNUM (compiled kernels): `tl.minimum` returns the non-NaN operand, so NaN becomes 6
+    without a select."""
     m = tl.abs(v)
     if MAXNUM:
         m = tl.minimum(m, E2M1_MAX)
@@ -120,9 +122,10 @@ def _e2m1_sr_code(v, r, J: tl.constexpr = 0, MAXNUM: tl.constexpr = False):
         b = r << (15 - 8 * J)
     else:
         b = r >> (8 * J - 15)
-    one_u = ((b & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True)
-    u = one_u - 1.0
-    t = m + u * tl.where(m < 2.0, 0.5, tl.where(m < 4.0, 1.0, 2.0))
+    half_u = ((b & 0x7F8000) | 0x3F000000).to(tl.float32, bitcast=True) - 0.5  # (r / 256) / 2
+    # 2 step(a): a's power of two (0 below the normal range) clamped to [1, 4]
+    two_step = (m.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    t = m + half_u * tl.minimum(tl.maximum(two_step, 1.0), 4.0)
     bits = t.to(tl.int32, bitcast=True)
     return tl.maximum(tl.maximum((bits >> 22) - 252, (bits >> 23) - 125), 0)
 
