@@ -1,7 +1,7 @@
 """Instruction counts of the quantize kernels, compiled offline for sm_90 (no GPU needed).
 
     PYTHONPATH=src python3 bench/quant_sass.py [--size 8192] [--kernels strided words fused]
-        [--mix] [--dump DIR]
+        [--mix] [--fused-tile NB BK WARPS] [--dump DIR]
 
 Each Triton quantize kernel (the strided family, the bf16-words family, and "fused": the NVFP4
 column kernel with RHT and/or SR, both of its passes, next to the rowwise SR words kernel and the
@@ -119,6 +119,13 @@ def main() -> None:
         choices=["strided", "words", "fused"],
     )
     ap.add_argument("--mix", action="store_true", help="also print the instruction mix")
+    ap.add_argument(
+        "--fused-tile",
+        nargs=3,
+        type=int,
+        metavar=("NB", "BK", "WARPS"),
+        help="compile the fused column kernel with this tile instead of the launcher's",
+    )
     ap.add_argument("--dump", help="write each kernel's SASS here")
     args = ap.parse_args()
     n = args.size
@@ -193,6 +200,10 @@ def main() -> None:
     fused += [("G", "i32", 0), ("seed_ptr", "*i64", 0), ("data_ptr", "*i64", 0)]
     fused += [("scale_ptr", "*u8", 0)]
     p = dict(tk.NVFP4_COL_FUSED_TILE)
+    if args.fused_tile:
+        if any(v < 1 or v & (v - 1) for v in args.fused_tile):
+            ap.error(f"--fused-tile {args.fused_tile}: NB, BK and WARPS must be powers of two")
+        p = dict(zip(("NB", "BK", "num_warps"), args.fused_tile, strict=True))
     elems = p["NB"] * 16 * p["BK"]
     fn = nvfp4_col_fused_kernel
     base = {"INV_6": INV_6, "LEGACY": False, "BF16_BITS": True, "HW_FP8": True, "GROUPED": False}
