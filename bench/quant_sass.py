@@ -1,15 +1,21 @@
 """Instruction counts of the quantize kernels, compiled offline for sm_90 (no GPU needed).
 
-    PYTHONPATH=src python3 bench/quant_sass.py [--size 8192] [--kernels strided words] [--dump DIR]
+    PYTHONPATH=src python3 bench/quant_sass.py [--size 8192] [--kernels strided words fused]
+        [--mix] [--fused-tile NB BK WARPS] [--dump DIR]
 
-Each Triton quantize kernel (the strided family and the bf16-words family) is compiled the way a launch on a size x size bf16 tensor specialises
+Each Triton quantize kernel (the strided family, the bf16-words family, and "fused": the NVFP4
+column kernel with RHT and/or SR, both of its passes, next to the rowwise SR words kernel and the
+plain column words kernel) is compiled the way a launch on a size x size bf16 tensor specialises
 it (integer arguments divisible by 16 marked so, a unit stride made a constant, fp contraction off
 as the launcher asks), disassembled with Triton's bundled cuobjdump, and summarised: SASS
 instructions per element (static count x threads per program / elements per program: the kernels
 have no loops, so this is what every thread issues), registers per thread, shared memory, and the
 memory instructions (load/store widths, shared-memory round trips, shuffles, barriers). A proxy
 for the GPU time of instruction-bound kernels, and a check of the access pattern; not a timing.
---dump writes each kernel's SASS to DIR.
+--mix adds each kernel's instruction mix per element, grouped by the unit or the purpose the
+opcodes mostly serve (float arithmetic, integer multiply and logic for Philox and bit fields,
+conversions, which run at a quarter or less of the float rate on sm_90); --dump writes each
+kernel's SASS to DIR.
 """
 
 from __future__ import annotations
@@ -29,10 +35,23 @@ from graphsan.lab.quant.formats import FP8_BITS, INV_6, fp32_reciprocal
 from graphsan.lab.quant.kernels import launch as tk
 from graphsan.lab.quant.kernels import mxfp8 as mx_kernels
 from graphsan.lab.quant.kernels import nvfp4 as nv_kernels
+from graphsan.lab.quant.kernels.nvfp4_col import nvfp4_col_fused_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 MEMORY_OPS = re.compile(r"(LDG|STG|LDS|STS|LDSM|STSM|LDL|STL|ATOM|RED|BAR|SHFL)")
+# Opcode groups of the --mix table; an opcode in none of them counts as "other".
+MIX = {
+    "FADD/FMUL/FFMA": ("FADD", "FMUL", "FFMA"),
+    "FSETP/FSEL/FMNMX": ("FSETP", "FSEL", "FMNMX"),
+    "IMAD": ("IMAD",),
+    "IADD3/LEA": ("IADD3", "LEA", "IABS", "IMNMX", "VIMNMX"),
+    "LOP3/SHF/PRMT": ("LOP3", "SHF", "PRMT", "SHL", "SHR", "BMSK"),
+    "ISETP/SEL": ("ISETP", "SEL"),
+    "MOV": ("MOV", "S2R", "S2UR", "CS2R", "ULDC", "UMOV", "R2UR"),
+    "I2F/F2I/FRND/F2F": ("I2F", "F2I", "FRND", "F2F", "F2FP", "I2FP", "F2IP"),
+    "memory": ("LDG", "STG", "LDS", "STS", "ATOM", "RED", "SHFL", "BAR", "LDL", "STL"),
+}
 
 
 def compile_sm90(fn, args, consts, num_warps):
@@ -55,7 +74,15 @@ def compile_sm90(fn, args, consts, num_warps):
     )
 
 
-def summarise(name, kernel, elements, num_warps, dump):
+def _group(op):
+    base = op.split(".")[0]
+    for group, names in MIX.items():
+        if base in names:
+            return group
+    return "other"
+
+
+def summarise(name, kernel, elements, num_warps, dump, mix=None):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -66,12 +93,16 @@ def summarise(name, kernel, elements, num_warps, dump):
     ops = [op for op in ops if op != "NOP"]
     mem = collections.Counter(op for op in ops if MEMORY_OPS.match(op))
     regs = re.search(r"REG:(\d+)", res.stdout)
+    stack = re.search(r"STACK:(\d+)", res.stdout)
     per_elem = len(ops) * num_warps * 32 / elements
     print(
         f"| {name} | {per_elem:.1f} | {elements // (num_warps * 32)} | "
-        f"{regs.group(1) if regs else '?'} | "
+        f"{regs.group(1) if regs else '?'} | {stack.group(1) if stack else '?'} | "
         f"{kernel.metadata.shared} | {', '.join(f'{k} {v}' for k, v in sorted(mem.items()))} |"
     )
+    if mix is not None:
+        groups = collections.Counter(_group(op) for op in ops)
+        mix.append((name, {g: v * num_warps * 32 / elements for g, v in groups.items()}))
     if dump:
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, re.sub(r"\W+", "_", name) + ".sass"), "w") as f:
@@ -82,7 +113,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=8192)
     ap.add_argument(
-        "--kernels", nargs="+", default=["strided", "words"], choices=["strided", "words"]
+        "--kernels",
+        nargs="+",
+        default=["strided", "words", "fused"],
+        choices=["strided", "words", "fused"],
+    )
+    ap.add_argument("--mix", action="store_true", help="also print the instruction mix")
+    ap.add_argument(
+        "--fused-tile",
+        nargs=3,
+        type=int,
+        metavar=("NB", "BK", "WARPS"),
+        help="compile the fused column kernel with this tile instead of the launcher's",
     )
     ap.add_argument("--dump", help="write each kernel's SASS here")
     args = ap.parse_args()
@@ -112,7 +154,7 @@ def main() -> None:
     nv_row_words += [
         ("stride_rw", "i32", n // 4),
         ("amax_ptr", "*fp32", 0),
-        ("rbits_ptr", "*i32", 0),
+        ("seed_ptr", "*i64", 0),
     ]
     nv_row_words += [("data_ptr", "*i16", 0), ("scale_ptr", "*u8", 0)]
     nv_col_words = [("xw_ptr", "*i64", 0), ("M", "i32", n), ("KW", "i32", n // 4)]
@@ -143,7 +185,7 @@ def main() -> None:
         jobs.append(("strided", f"nvfp4 columnwise {d}", fn, nv_col, flags, p, p["BM"] * p["BK"]))
         p = dict(tk.NVFP4_ROW_WORDS_TILE)
         fn = nv_kernels.nvfp4_row_words_kernel
-        flags = {**flags, "MAXNUM": True}
+        flags = {**flags, "MAXNUM": True, "PER_ROW": False}
         elems = p["BR"] * p["CW"] * 4
         jobs.append(("words", f"nvfp4 rowwise {d}", fn, nv_row_words, flags, p, elems))
         p = dict(tk.NVFP4_COL_WORDS_TILE)
@@ -152,16 +194,62 @@ def main() -> None:
         elems = p["NB"] * 16 * p["CW"] * 4
         jobs.append(("words", f"nvfp4 columnwise {d}", fn, nv_col_words, flags, p, elems))
 
+    # the fused column kernel as `launch._nvfp4_col_fused` runs it on bf16 (int16 bits), not grouped
+    fused = [("x_ptr", "*i16", 0), ("M", "i32", n), ("K", "i32", n), ("stride_m", "i32", n)]
+    fused += [("stride_k", "i32", 1), ("amax_ptr", "*fp32", 0), ("group_ptr", "*i64", 0)]
+    fused += [("G", "i32", 0), ("seed_ptr", "*i64", 0), ("data_ptr", "*i64", 0)]
+    fused += [("scale_ptr", "*u8", 0)]
+    p = dict(tk.NVFP4_COL_FUSED_TILE)
+    if args.fused_tile:
+        if any(v < 1 or v & (v - 1) for v in args.fused_tile):
+            ap.error(f"--fused-tile {args.fused_tile}: NB, BK and WARPS must be powers of two")
+        p = dict(zip(("NB", "BK", "num_warps"), args.fused_tile, strict=True))
+    elems = p["NB"] * 16 * p["BK"]
+    fn = nvfp4_col_fused_kernel
+    base = {"INV_6": INV_6, "LEGACY": False, "BF16_BITS": True, "HW_FP8": True, "GROUPED": False}
+    base |= {"MAXNUM": True}
+    for name, rht, sr, amax_only in (
+        ("RHT amax pass", True, False, True),
+        ("RHT+SR quantize pass", True, True, False),
+        ("RHT quantize pass", True, False, False),
+        ("SR (no RHT)", False, True, False),
+    ):
+        flags = {**base, "RHT": rht, "SR": sr, "AMAX_ONLY": amax_only}
+        jobs.append(("fused", f"nvfp4 fused col, {name}", fn, fused, flags, p, elems))
+    p = dict(tk.NVFP4_ROW_WORDS_TILE)
+    flags = {**nv, "SR": True, "BLOCK_2D": False, "MAXNUM": True, "PER_ROW": False}
+    elems = p["BR"] * p["CW"] * 4
+    fn = nv_kernels.nvfp4_row_words_kernel
+    jobs.append(("fused", "nvfp4 rowwise SR words", fn, nv_row_words, flags, p, elems))
+    p = dict(tk.NVFP4_COL_WORDS_TILE)
+    flags = {k: v for k, v in nv.items() if k != "SR"} | {
+        "BLOCK_2D": False,
+        "MAXNUM": True,
+        "PER_ROW": False,
+    }
+    elems = p["NB"] * 16 * p["CW"] * 4
+    fn = nv_kernels.nvfp4_col_words_kernel
+    jobs.append(("fused", "nvfp4 columnwise words (plain)", fn, nv_col_words, flags, p, elems))
+
     print(f"# sm_90 SASS, {n}x{n} bf16 specialisation, triton {triton.__version__}")
-    print("| kernel | instr/elem | elem/thread | regs | smem B | memory instructions per thread |")
-    print("|---|---|---|---|---|---|")
+    print("| kernel | instr/elem | elem/thread | regs | stack B | smem B | memory per thread |")
+    print("|---|---|---|---|---|---|---|")
+    mix = [] if args.mix else None
     for family, name, fn, fn_args, flags, params, elems in jobs:
         if family not in args.kernels:
             continue
         params = dict(params)
         warps = params.pop("num_warps")
         kernel = compile_sm90(fn, fn_args, {**flags, **params}, warps)
-        summarise(f"{name} {family}", kernel, elems, warps, args.dump)
+        label = name if family == "fused" else f"{name} {family}"
+        summarise(label, kernel, elems, warps, args.dump, mix)
+    if mix:
+        print("\n# instruction mix, SASS instructions per element")
+        print(f"| kernel | {' | '.join(MIX)} | other |")
+        print("|---|" + "---|" * (len(MIX) + 1))
+        for name, groups in mix:
+            cells = [f"{groups.get(g, 0.0):.1f}" for g in (*MIX, "other")]
+            print(f"| {name} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

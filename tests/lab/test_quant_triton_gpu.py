@@ -112,6 +112,28 @@ def test_nvfp4_words_kernels_edges_and_nan_blocks(tk, order, path, monkeypatch):
                 assert torch.equal(a.data, b.data), where
 
 
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_col_fused_kernel_nan_blocks(tk, order):
+    """The fused column kernel (RHT and/or SR) compiled: NaN in a block, an all-NaN block, -0.0
+    and partial tiles in both dimensions (NaN leaves its block maxima and the SR clamp through
+    the GPU's NaN-ignoring maximum and minimum), bf16 and float32; bytes and amax as the
+    reference's, the SR bits from equally seeded generators."""
+    x = inputs((272, 1040), 6)
+    x[16:32, 7] = float("nan")
+    x[40, 9] = float("nan")
+    x[64:80, 100:104] = -0.0
+    for name, src in (("bf16", x), ("float32", x.float())):
+        for use_rht, sr in ((True, False), (True, True), (False, True)):
+            g1 = torch.Generator(device="cuda").manual_seed(7) if sr else None
+            g2 = torch.Generator(device="cuda").manual_seed(7) if sr else None
+            a = tk.nvfp4_quantize(src, 0, False, order, use_rht, g1)
+            b = nvfp4.quantize_reference(src, 0, False, order, use_rht, g2)
+            where = (name, use_rht, sr)
+            assert torch.equal(a.amax, b.amax), where
+            assert torch.equal(a.scale, b.scale), where
+            assert torch.equal(a.data, b.data), where
+
+
 @STRIDED
 @pytest.mark.parametrize("shape", [(32, 128), (48, 64), (1024, 4096), (4096, 96)])
 @pytest.mark.parametrize("order", ["current", "legacy"])

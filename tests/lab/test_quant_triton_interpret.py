@@ -41,12 +41,13 @@ pytestmark = [
 
 
 @triton.jit
-def _sr_encode_kernel(v_ptr, r_ptr, out_ptr, N: tl.constexpr):
-    """The kernels' E2M1 encoder with SR, element by element (the random byte in lane 0)."""
+def _sr_encode_kernel(v_ptr, r_ptr, out_ptr, N: tl.constexpr, J: tl.constexpr):
+    """The kernels' E2M1 encoder with SR, element by element (the random byte in lane J of a
+    word whose other bytes are set, so a lane that reads beyond its byte shows)."""
     i = tl.arange(0, N)
     v = tl.load(v_ptr + i)
-    r = tl.load(r_ptr + i).to(tl.uint32)
-    tl.store(out_ptr + i, _e2m1_lane(v, r, 0, True))
+    r = (tl.load(r_ptr + i).to(tl.uint32) << (8 * J)) | (0xA5A5A5A5 & ~(0xFF << (8 * J)))
+    tl.store(out_ptr + i, (_e2m1_lane(v, r, J, True) >> (4 * J)) & 0xF)
 
 
 @pytest.fixture(scope="module")
@@ -232,19 +233,22 @@ def test_nvfp4_grouped_kernels(tk, monkeypatch):
 def test_sr_code_matches_the_reference_for_every_random_byte(tk):
     """The kernels' stochastic-rounding encoder (`_e2m1_lane` with SR) against
     `elements.e2m1_stochastic` for values at and next to every grid point and step boundary,
-    past 6, NaN, -0.0 and tiny ones, each with all 256 random bytes."""
+    past 6, NaN, -0.0 and tiny ones, and a dense sweep of [0, 6.5] (so the sums t land on both
+    sides of every code boundary), each with all 256 random bytes, in each byte of the word."""
     from graphsan.lab.quant.elements import e2m1_stochastic
 
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     near = torch.cat((grid, grid.nextafter(torch.tensor(9.0)), grid.nextafter(torch.tensor(-1.0))))
     base = torch.cat((near, torch.tensor([0.25, 1.75, 3.5, 5.0, 7.0, 1e30, math.nan, 1e-40])))
-    values = torch.cat((base, -base, torch.tensor([-0.0, -1e-40])))
+    sweep = torch.linspace(0.0, 6.5, 1301)
+    values = torch.cat((base, -base, torch.tensor([-0.0, -1e-40]), sweep, -sweep))
     v = values.repeat_interleave(256)
     r = torch.arange(256, dtype=torch.int32).repeat(values.numel())
     n = triton.next_power_of_2(v.numel())
     vp = torch.cat((v, torch.zeros(n - v.numel())))
     rp = torch.cat((r, torch.zeros(n - r.numel(), dtype=torch.int32)))
-    out = torch.empty(n, dtype=torch.int32)
-    _sr_encode_kernel[(1,)](vp, rp, out, N=n)
     ref = e2m1_stochastic(v.clamp(-6, 6), r.to(torch.uint8))
-    assert torch.equal(out[: v.numel()].to(torch.uint8), ref)
+    for lane in range(4):
+        out = torch.empty(n, dtype=torch.int32)
+        _sr_encode_kernel[(1,)](vp, rp, out, N=n, J=lane)
+        assert torch.equal(out[: v.numel()].to(torch.uint8), ref), lane

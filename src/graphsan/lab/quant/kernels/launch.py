@@ -334,6 +334,7 @@ def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None):
             BF16_BITS=bits,
             HW_FP8=_hw_fp8_for(x),
             GROUPED=grouped is not None,
+            MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
             **tile,
             **_COMPILE_OPTIONS,
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .common import abs_for_max, nan_to_0
 from .nvfp4 import _block_scale, _e2m1_lane, _global_scales
 
 
@@ -100,28 +101,23 @@ def _rht16(
 
 
 @triton.jit
-def _amax_part(a, b, c, d):
-    """NaN-ignoring max of |a|, |b|, |c|, |d| (NaN -> 0 first: this holds in the interpreter and
-    compiled alike)."""
-    a = tl.abs(a)
-    b = tl.abs(b)
-    c = tl.abs(c)
-    d = tl.abs(d)
-    a = tl.where(a != a, 0.0, a)
-    b = tl.where(b != b, 0.0, b)
-    c = tl.where(c != c, 0.0, c)
-    d = tl.where(d != d, 0.0, d)
+def _amax_part(a, b, c, d, MAXNUM: tl.constexpr):
+    """NaN-ignoring max of |a|, |b|, |c|, |d| (NaN only if all four are; `abs_for_max`)."""
+    a = abs_for_max(a, MAXNUM)
+    b = abs_for_max(b, MAXNUM)
+    c = abs_for_max(c, MAXNUM)
+    d = abs_for_max(d, MAXNUM)
     return tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
 
 
 @triton.jit
-def _quad(a, b, c, d, enc, w, SR: tl.constexpr):
+def _quad(a, b, c, d, enc, w, SR: tl.constexpr, MAXNUM: tl.constexpr):
     """Codes of four consecutive block elements as 16 bits (first lowest); SR with the bytes of
     the random word w."""
-    q = _e2m1_lane(a * enc, w, 0, SR)
-    q |= _e2m1_lane(b * enc, w, 1, SR)
-    q |= _e2m1_lane(c * enc, w, 2, SR)
-    q |= _e2m1_lane(d * enc, w, 3, SR)
+    q = _e2m1_lane(a * enc, w, 0, SR, MAXNUM)
+    q |= _e2m1_lane(b * enc, w, 1, SR, MAXNUM)
+    q |= _e2m1_lane(c * enc, w, 2, SR, MAXNUM)
+    q |= _e2m1_lane(d * enc, w, 3, SR, MAXNUM)
     return q.to(tl.int64) & 0xFFFF
 
 
@@ -148,6 +144,7 @@ def nvfp4_col_fused_kernel(
     NB: tl.constexpr,
     BK: tl.constexpr,
     GROUPED: tl.constexpr = False,
+    MAXNUM: tl.constexpr = False,
 ):
     """NVFP4 of x^T (16x1 blocks down x's columns, 1D blocks), written transposed: data as an
     int64 view [K, M/16] (one word per column and block, row 2j of the block in the low nibble of
@@ -156,7 +153,9 @@ def nvfp4_col_fused_kernel(
     AMAX_ONLY: only the NaN-ignoring max |block| into amax_ptr (the post-RHT global amax).
     GROUPED (rows in groups, every group's row count a multiple of 16): AMAX_ONLY takes one
     amax per group, amax_ptr[group_ptr[first row of the block]] (int64 groups, G = none: skipped);
-    the quantize pass reads each block's amax at amax_ptr[its first row] (float32 [M])."""
+    the quantize pass reads each block's amax at amax_ptr[its first row] (float32 [M]).
+    MAXNUM (compiled kernels, `common.abs_for_max`): NaN leaves maxima and the SR clamp through
+    the GPU's NaN-ignoring maximum and minimum, without a compare and select per element."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     blk = pid_m * NB + tl.arange(0, NB)[:, None]
@@ -184,9 +183,10 @@ def nvfp4_col_fused_kernel(
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, not AMAX_ONLY
         )
     vec = tl.maximum(
-        tl.maximum(_amax_part(x0, x1, x2, x3), _amax_part(x4, x5, x6, x7)),
-        tl.maximum(_amax_part(x8, x9, x10, x11), _amax_part(x12, x13, x14, x15)),
+        tl.maximum(_amax_part(x0, x1, x2, x3, MAXNUM), _amax_part(x4, x5, x6, x7, MAXNUM)),
+        tl.maximum(_amax_part(x8, x9, x10, x11, MAXNUM), _amax_part(x12, x13, x14, x15, MAXNUM)),
     )
+    vec = nan_to_0(vec, MAXNUM)
     if AMAX_ONLY:
         # the transform is not rounded in this pass: rounding is monotonic, so the largest
         # rounded |value| is the rounded largest one, and one rounding per block suffices
@@ -203,14 +203,18 @@ def nvfp4_col_fused_kernel(
         out = col.to(tl.int64) * (M // 16) + blk
         if SR:
             w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), out)
+            # zero, but made from the block's own values: Triton then moves the four words to
+            # the elements' layout, not the sixteen floats made from them
+            z = sbyte.to(tl.int32) >> 8
+            w0, w1, w2, w3 = w0 ^ z, w1 ^ z, w2 ^ z, w3 ^ z
         else:
             w0 = 0
             w1 = 0
             w2 = 0
             w3 = 0
-        word = _quad(x0, x1, x2, x3, enc, w0, SR)
-        word |= _quad(x4, x5, x6, x7, enc, w1, SR) << 16
-        word |= _quad(x8, x9, x10, x11, enc, w2, SR) << 32
-        word |= _quad(x12, x13, x14, x15, enc, w3, SR) << 48
+        word = _quad(x0, x1, x2, x3, enc, w0, SR, MAXNUM)
+        word |= _quad(x4, x5, x6, x7, enc, w1, SR, MAXNUM) << 16
+        word |= _quad(x8, x9, x10, x11, enc, w2, SR, MAXNUM) << 32
+        word |= _quad(x12, x13, x14, x15, enc, w3, SR, MAXNUM) << 48
         tl.store(data_ptr + out, word, mask=mask)
         tl.store(scale_ptr + out, sbyte, mask=mask)
