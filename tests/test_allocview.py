@@ -14,7 +14,13 @@ import random
 
 import pytest
 
-from graphsan.core.memory_map import AllocatorView, MemoryMap, ViewError, layout
+from graphsan.core.memory_map import (
+    KEEP_REQUESTED,
+    AllocatorView,
+    MemoryMap,
+    ViewError,
+    layout,
+)
 from graphsan.core.records import DEFAULT_POOL
 
 PAGE = 2 << 20
@@ -180,6 +186,7 @@ class ModelAllocator:
                         {
                             "address": a,
                             "size": s,
+                            "requested_size": self.requested.get(a, s) if used else s,
                             "state": "active_allocated" if used else "inactive",
                         }
                         for a, s, used in seg["blocks"]
@@ -192,7 +199,12 @@ class ModelAllocator:
                 if a > pos:
                     blocks.append({"address": pos, "size": a - pos, "state": "inactive"})
                 blocks.append(
-                    {"address": a, "size": self.exp_blocks[a], "state": "active_allocated"}
+                    {
+                        "address": a,
+                        "size": self.exp_blocks[a],
+                        "requested_size": self.requested.get(a, self.exp_blocks[a]),
+                        "state": "active_allocated",
+                    }
                 )
                 pos = a + self.exp_blocks[a]
             if hi > pos:
@@ -265,6 +277,8 @@ def test_the_view_equals_a_snapshot_after_every_event(seed, expandable):
             same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
     view.apply(model.log, pool_of)
     same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
+    small = {a: n for a, n in model.requested.items() if n <= KEEP_REQUESTED}
+    assert view.requested == small, "the requested sizes pointer tables are read up to"
 
 
 def test_a_lost_event_is_noticed_so_the_view_can_be_reseeded():

@@ -138,7 +138,7 @@ def test_a_table_is_read_up_to_its_tensor_not_into_the_stale_rest_of_its_block(e
     env["memory"][TABLE] = words(BIG, SMALL + 64) + stale
     g = capture(env)
     assert BIG not in g.__dict__["_graphsan_state"].blocks
-    san.memory.requested[TABLE] = 16
+    env["map"].requested[TABLE] = 16
     g = capture(env)
     assert BIG in g.__dict__["_graphsan_state"].blocks
 

@@ -295,7 +295,7 @@ class Sanitizer:
         if self.table_budget <= 0:
             return [], 0
         tables = table_candidates(refs, view, pool, self.table_block, self.table_budget)
-        requested = self.memory.requested
+        requested = view.requested
         contents = self._read_tables(
             [(addr, min(size, requested.get(addr, size))) for addr, size, _ in tables]
         )

@@ -123,9 +123,10 @@ class SegmentIndex:
 class MemoryMap(SegmentIndex):
     """Address lookup over the segments of an allocator snapshot."""
 
-    def __init__(self, segments: list[Segment]):
+    def __init__(self, segments: list[Segment], requested: dict[DataPtr, int] | None = None):
         self.segments = sorted(segments, key=lambda s: s.address)
         self._starts = [s.address for s in self.segments]
+        self.requested = requested if requested is not None else {}  # see KEEP_REQUESTED
 
     @classmethod
     def from_snapshot(
@@ -135,10 +136,11 @@ class MemoryMap(SegmentIndex):
         frame_filter: Callable[[list[Frame]], list[Frame]] | None = None,
     ) -> MemoryMap:
         """`frame_filter` trims allocation stacks (e.g. to the user's own frames)."""
-        segments = []
+        segments, requested = [], {}
         for seg in snapshot.get("segments", ()):
             if device is not None and seg.get("device", device) != device:
                 continue
+            _note_requested(seg, requested)
             addr = int(seg["address"])
             blocks, cursor = [], addr
             for b in seg.get("blocks", ()):
@@ -158,7 +160,7 @@ class MemoryMap(SegmentIndex):
                     blocks,
                 )
             )
-        return cls(segments)
+        return cls(segments, requested)
 
     def locate(self, addr: DataPtr) -> tuple[Segment, Block] | None:
         seg = self.segment_at(addr)
@@ -283,6 +285,9 @@ class ViewSegment:
 # come from the small pool
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
+# Requested sizes are kept for live blocks up to this many bytes: the largest block read as a
+# pointer table (core.scan.TABLE_BLOCK), read up to its tensor's end, not into the stale rest
+KEEP_REQUESTED = 4 << 10
 
 
 def block_size(requested: int, free: int, expandable: bool) -> int:
@@ -311,14 +316,16 @@ class AllocatorView(SegmentIndex):
         self._starts: list[DataPtr] = []
         self.events = 0  # trace entries applied since the seed
         self.seeds = 0  # snapshots taken (the first one, and after any lost event)
+        self.requested: dict[DataPtr, int] = {}  # see KEEP_REQUESTED
 
     # -- building ----------------------------------------------------------------------------
     def seed(self, snapshot: dict[str, Any], device: int | None = None) -> None:
         """Replace the whole state by a snapshot's (`torch.cuda.memory._snapshot()` shape)."""
-        self.segments, self._starts = [], []
+        self.segments, self._starts, self.requested = [], [], {}
         for seg in snapshot.get("segments", ()):
             if device is not None and seg.get("device", device) != device:
                 continue
+            _note_requested(seg, self.requested)
             pool = tuple(seg.get("segment_pool_id", DEFAULT_POOL))
             vs = ViewSegment(
                 int(seg["address"]),
@@ -347,10 +354,13 @@ class AllocatorView(SegmentIndex):
                 free = gap.address + gap.size - addr
                 block = block_size(size, free, seg.expandable)
                 seg.add(addr, block)
+                if size <= KEEP_REQUESTED:
+                    self.requested[addr] = size
             elif action == "free_completed":
                 seg = self.segment_at(addr)
                 if seg is None or not seg.remove(addr):
                     raise ViewError(f"free of unknown block {addr:#x}")
+                self.requested.pop(addr, None)
             elif action == "segment_alloc":
                 if self.segments_in(addr, addr + size):
                     raise ViewError(f"segment at {addr:#x} overlaps a known one")
@@ -424,6 +434,14 @@ class AllocatorView(SegmentIndex):
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.segments)
+
+
+def _note_requested(seg: dict[str, Any], requested: dict[DataPtr, int]) -> None:
+    """The requested sizes of a snapshot segment's small live blocks (KEEP_REQUESTED)."""
+    for b in seg.get("blocks", ()):
+        size = int(b.get("requested_size", b["size"]))
+        if size <= KEEP_REQUESTED and str(b["state"]).startswith("active") and "address" in b:
+            requested[int(b["address"])] = size
 
 
 def _next_alloc(entries: list[Entry], i: int) -> Entry | None:

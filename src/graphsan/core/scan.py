@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from graphsan.core.memory_map import MemoryMap
+from graphsan.core.memory_map import KEEP_REQUESTED, MemoryMap
 from graphsan.core.records import CopyArgs, KernelArgs, PoolId, Reference
 
 
@@ -130,7 +130,7 @@ def _param_of(offsets: list[int], off: int) -> tuple[int, int]:
 
 # What capture end reads of the device buffers kernel arguments point at (pointer tables):
 # blocks up to TABLE_BLOCK bytes, TABLE_BUDGET bytes per graph in all.
-TABLE_BLOCK = 4 << 10
+TABLE_BLOCK = KEEP_REQUESTED
 TABLE_BUDGET = 64 << 10
 
 

@@ -39,7 +39,6 @@ import torch
 from graphsan.context import Context, python_stack, user_frames
 from graphsan.core.memory_map import AllocatorView, MemoryMap, ViewError
 from graphsan.core.records import DEFAULT_POOL, Frame, FreeEvent, PoolId, Release
-from graphsan.core.scan import TABLE_BLOCK
 from graphsan.core.tracker import Tracker
 from graphsan.report.timeline import Timeline
 
@@ -49,7 +48,6 @@ MAX_ENTRIES = 1 << 18
 # Below this many new entries a drain applies them; above it (and above twice the blocks the view
 # holds) a fresh snapshot is cheaper.
 RESEED_ENTRIES = 20_000
-SMALL_REQUEST = TABLE_BLOCK  # requested sizes kept up to the largest block read as a table
 # Frames kept per allocation stack (innermost first while walking; user frames are picked later):
 # every allocation pays for the walk, and the innermost 24 reach the user's code through torch's
 # call wrappers.
@@ -168,9 +166,6 @@ class AllocatorWatch:
         self.captures: dict[str, tuple[int, PoolId | None]] = {}  # tag -> (stream, pool)
         # tag -> (address, requested size, allocation site) of each allocation the capture made
         self.carves: dict[str, list[tuple[int, int, Site | None]]] = {}
-        # requested sizes of live blocks up to SMALL_REQUEST bytes: a pointer table is read up
-        # to its tensor's end, not into the stale bytes of the rest of its block
-        self.requested: dict[int, int] = {}
         self._saved_metadata: list[str] = []
         self._reseed = False
         self.timeline: Timeline | None = None  # gets watched frees and empty_cache releases
@@ -186,19 +181,8 @@ class AllocatorWatch:
         view = self.views.get(device)
         if view is None:
             view = self.views[device] = AllocatorView(self._frames_of)
-            self._seed(view, device)
+            view.seed(_snapshot(), device)
         return view
-
-    def _seed(self, view: AllocatorView, device: int) -> None:
-        snap = _snapshot()
-        view.seed(snap, device)
-        for seg in snap.get("segments", ()):
-            if seg.get("device", device) != device:
-                continue
-            for b in seg.get("blocks", ()):
-                size = int(b.get("requested_size", b["size"]))
-                if str(b["state"]).startswith("active") and size <= SMALL_REQUEST:
-                    self.requested[int(b["address"])] = size
 
     def sync(self) -> None:
         """Apply the allocator's event log to the views."""
@@ -216,11 +200,10 @@ class AllocatorWatch:
             entries = traces[device] if device < len(traces) else []
             if self.captures:
                 self._note_carves(entries)
-            self._note_requested(entries)
             # a full ring buffer may have overwritten entries; and past RESEED_ENTRIES a snapshot,
             # walked in C++, is cheaper than applying the entries in Python
             if len(entries) >= min(MAX_ENTRIES, max(RESEED_ENTRIES, 2 * len(view))):
-                self._seed(view, device)
+                view.seed(_snapshot(), device)
                 continue
             unsure: list[tuple[int, PoolId]] = []
             try:
@@ -228,23 +211,10 @@ class AllocatorWatch:
                     raise ViewError("a capture failed: where its segments went is not known")
                 view.apply(entries, functools.partial(self._pool_of, unsure=unsure))
             except ViewError:
-                self._seed(view, device)
+                view.seed(_snapshot(), device)
                 continue
             if unsure:
                 self._check_pools(view, unsure, device)
-
-    def _note_requested(self, entries) -> None:
-        requested = self.requested
-        for e in entries:
-            action = e["action"]
-            if action == "alloc":
-                size = int(e["size"])
-                if size <= SMALL_REQUEST:
-                    requested[int(e["addr"])] = size
-                else:
-                    requested.pop(int(e["addr"]), None)
-            elif action == "free_completed":
-                requested.pop(int(e["addr"]), None)
 
     def _note_carves(self, entries) -> None:
         """Keep the allocations made under a capture's tag: the ranges its replays write (the
