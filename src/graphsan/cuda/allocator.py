@@ -9,7 +9,9 @@ alloc/free events, storage changes and cache releases, turned into calls on the 
 - The log carries no pool. While a graph is captured, the allocator's user metadata names the
   capture, so its log entries carry the tag: a new segment made for a tagged allocation on the
   capture stream is the graph pool's (capture_begin's own allocations come before the tag);
-  one made on another stream during the capture is looked up in that pool's snapshot. Segments
+  one made on another stream during the capture, or untagged (the metadata does not reach the
+  autograd engine's worker thread, which runs a captured backward), is looked up in the ending
+  capture's pool snapshot. Segments
   made inside a `beginAllocate*ToPool` window (torch.compile's graph trees, `use_mem_pool`)
   belong to that window's pool.
 - Allocation stacks are taken by the GPU-trace allocation callback as raw (code, instruction)
@@ -198,33 +200,47 @@ class AllocatorWatch:
         reseed, self._reseed = self._reseed, False
         for device, view in self.views.items():
             entries = traces[device] if device < len(traces) else []
+            self._apply(view, entries, device, reseed)
             if self.captures:
-                self._note_carves(entries)
-            # a full ring buffer may have overwritten entries; and past RESEED_ENTRIES a snapshot,
-            # walked in C++, is cheaper than applying the entries in Python
-            if len(entries) >= min(MAX_ENTRIES, max(RESEED_ENTRIES, 2 * len(view))):
-                view.seed(_snapshot(), device)
-                continue
-            unsure: list[tuple[int, PoolId]] = []
-            try:
-                if reseed:
-                    raise ViewError("a capture failed: where its segments went is not known")
-                view.apply(entries, functools.partial(self._pool_of, unsure=unsure))
-            except ViewError:
-                view.seed(_snapshot(), device)
-                continue
-            if unsure:
-                self._check_pools(view, unsure, device)
+                self._note_carves(entries, view)
 
-    def _note_carves(self, entries) -> None:
-        """Keep the allocations made under a capture's tag: the ranges its replays write (the
-        replay order of a shared pool, `graphsan.core.order`)."""
+    def _apply(self, view: AllocatorView, entries: list, device: int, reseed: bool) -> None:
+        # a full ring buffer may have overwritten entries; and past RESEED_ENTRIES a snapshot,
+        # walked in C++, is cheaper than applying the entries in Python
+        if len(entries) >= min(MAX_ENTRIES, max(RESEED_ENTRIES, 2 * len(view))):
+            view.seed(_snapshot(), device)
+            return
+        unsure: list[tuple[int, PoolId]] = []
+        try:
+            if reseed:
+                raise ViewError("a capture failed: where its segments went is not known")
+            view.apply(entries, functools.partial(self._pool_of, unsure=unsure))
+        except ViewError:
+            view.seed(_snapshot(), device)
+            return
+        if unsure:
+            self._check_pools(view, unsure, device)
+
+    def _note_carves(self, entries, view: AllocatorView) -> None:
+        """Keep the allocations each capture made: the ranges its replays write (the replay
+        order of a shared pool, `graphsan.core.order`). An allocation carries the capture's tag,
+        or (made by another thread, see `_pool_of`) lies in the pool of the one capture ending."""
+        ending: dict[PoolId, list[str]] = {}
+        for tag, (_, pool) in self.captures.items():
+            if pool is not None:
+                ending.setdefault(pool, []).append(tag)
         for e in entries:
-            if e["action"] == "alloc":
-                carves = self.carves.get(e.get("user_metadata", ""))
-                if carves is not None:
-                    addr = int(e["addr"])
-                    carves.append((addr, int(e["size"]), self.sites.get(addr)))
+            if e["action"] != "alloc":
+                continue
+            addr = int(e["addr"])
+            carves = self.carves.get(e.get("user_metadata", ""))
+            if carves is None and ending:
+                seg = view.segment_at(addr)
+                tags = ending.get(tuple(seg.pool)) if seg is not None else None
+                if tags is not None and len(tags) == 1:
+                    carves = self.carves.get(tags[0])
+            if carves is not None:
+                carves.append((addr, int(e["size"]), self.sites.get(addr)))
 
     def _pool_of(self, entry, following, unsure: list) -> PoolId:
         """The pool of a new segment (see the module docstring)."""
@@ -239,21 +255,33 @@ class AllocatorWatch:
         for route_stream, pool in reversed(self.routes):
             if route_stream is None or route_stream == stream:
                 return pool
+        # Untagged while a capture ends: another thread may have made it for the capture (the
+        # autograd engine's worker thread runs a captured backward and does not see the
+        # allocator's user metadata), so the ending captures' pool snapshots decide.
+        addr = int(entry["addr"])
+        for _, pool in self.captures.values():
+            if pool is not None:
+                unsure.append((addr, pool))
         return DEFAULT_POOL
 
     def _check_pools(self, view: AllocatorView, unsure: list, device: int) -> None:
-        """Segments a capture made on streams other than its own: the pool's if its snapshot
-        has them (streams the capture forked to), else the default pool's."""
-        for pool in {p for _, p in unsure}:
-            own = {
+        """Segments whose pool the log leaves open (made on a stream other than the capture's,
+        or untagged while a capture ended): the first candidate pool whose snapshot has them,
+        else the default pool."""
+        own: dict[PoolId, set[int]] = {}
+        for pool in dict.fromkeys(p for _, p in unsure):
+            own[pool] = {
                 int(s["address"])
                 for s in _snapshot(pool)["segments"]
                 if s.get("device", device) == device and tuple(s["segment_pool_id"]) == pool
             }
-            for addr, p in unsure:
-                seg = view.segment_at(addr)
-                if p == pool and seg is not None and seg.address == addr:
-                    seg.pool = pool if addr in own else DEFAULT_POOL
+        candidates: dict[int, list[PoolId]] = {}
+        for addr, pool in unsure:
+            candidates.setdefault(addr, []).append(pool)
+        for addr, pools in candidates.items():
+            seg = view.segment_at(addr)
+            if seg is not None and seg.address == addr:
+                seg.pool = next((p for p in pools if addr in own[p]), DEFAULT_POOL)
 
     # -- captures ---------------------------------------------------------------------------
     def capture_started(self, gid: int, stream: int) -> str:
