@@ -32,8 +32,9 @@ import weakref
 import torch
 
 from graphsan.context import Context, python_stack
-from graphsan.core.order import Conflict, PoolOrder
-from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged, Kind
+from graphsan.core.order import PoolOrder
+from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
+from graphsan.core.replay import ReplayOrders
 from graphsan.core.scan import (
     TABLE_BLOCK,
     TABLE_BUDGET,
@@ -41,7 +42,7 @@ from graphsan.core.scan import (
     table_candidates,
     table_references,
 )
-from graphsan.core.tracker import Tracker, pool_name
+from graphsan.core.tracker import Tracker
 from graphsan.cuda import hooks
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.host import HostWatch
@@ -92,7 +93,6 @@ class Sanitizer:
         self.tracker = Tracker()
         self.findings: list[Finding] = []
         self.graph_stats: dict[int, GraphStats] = {}  # by graph id, in capture order
-        self.orders: dict[tuple, PoolOrder] = {}  # (device, pool) -> the pool's replay order
         self.rank = rank_from_env()
         self.active = False
         self.disabled_reason: str | None = None
@@ -101,13 +101,12 @@ class Sanitizer:
         # bytes per graph (0 turns the reading off)
         self.table_block = TABLE_BLOCK
         self.table_budget = TABLE_BUDGET
-        # follow the replay order of graphs sharing a pool (graphs captured from now on)
-        self.replay_order = True
         self.report_path: str | None = None
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
         self.host = HostWatch(self.tracker, self.memory._free_event, self._internal_error)
+        self.pool_orders = ReplayOrders(self.tracker, self.memory.site_frames)
         self.tracker.host_owner = self.host.owner
-        self.tracker.order_reads = self._order_reads
+        self.tracker.order_reads = self.pool_orders.judges
         self.timeline = Timeline(self.rank)
         self.memory.timeline = self.timeline
         self.hooks = hooks.GraphHooks(self)
@@ -133,6 +132,21 @@ class Sanitizer:
             self.pinner.detach()
             self.pinner.release_all()
             self.pinner = None
+
+    # -- replay orders (a change applies to graphs captured from now on) ---------------------
+    @property
+    def replay_order(self) -> bool:
+        """Follow the replay order of graphs sharing a pool."""
+        return self.pool_orders.enabled
+
+    @replay_order.setter
+    def replay_order(self, value: bool) -> None:
+        self.pool_orders.enabled = value
+
+    @property
+    def orders(self) -> dict[tuple, PoolOrder]:
+        """(device, pool) -> the pool's replay order."""
+        return self.pool_orders.orders
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Sanitizer:
@@ -264,7 +278,7 @@ class Sanitizer:
                 self.host.find(outside)
             state = self.tracker.add_graph(info, refs, view, host=self.host.locate)
             hooks.set_graph_state(graph, state)
-            self._order(info, carved, refs, view)
+            self.pool_orders.add_capture(info, carved, refs, view)
             t3 = time.perf_counter()
             self.graph_stats[gid] = GraphStats(
                 gid,
@@ -349,34 +363,6 @@ class Sanitizer:
             if len(keep) != len(refs):
                 self.tracker.retain(state.info.id, addr, keep)
 
-    def _order(self, info: GraphInfo, carved: list, refs: list, view) -> None:
-        """Add the capture to its pool's replay order (`graphsan.core.order`): what it carved
-        in its own pool, what it reads there; graphs a new conflict involves count replays."""
-        if not self.replay_order:
-            return
-        in_pool = []
-        for addr, size, site in carved:
-            seg = view.segment_at(addr)
-            if seg is not None and seg.pool == info.pool:
-                in_pool.append((addr, size, site))
-        key = (info.device, info.pool)
-        order = self.orders.get(key)
-        if order is None:
-            if not in_pool:
-                return  # nothing carved: no later graph of the pool can depend on this one
-            order = self.orders[key] = PoolOrder()
-        if in_pool:
-            order.carvers.add(info.id)
-        for gid in order.add_graph(info.id, in_pool, refs):
-            g = self.tracker.graphs.get(gid)
-            if g is not None:
-                g.reads = True
-        if len(order.sequence) > 1:  # shared: from now on the carvers' replays are counted
-            for gid in order.carvers:
-                g = self.tracker.graphs.get(gid)
-                if g is not None:
-                    g.order = order
-
     def capture_failed(self, graph) -> None:
         """capture_end raised (an invalidated capture): no graph to watch."""
         self.memory.capture_pool = None
@@ -395,10 +381,7 @@ class Sanitizer:
 
     def _forget(self, gid: int) -> None:
         try:
-            g = self.tracker.graphs.get(gid)
-            order = self.orders.get((g.info.device, g.info.pool)) if g is not None else None
-            if order is not None:
-                order.forget(gid)
+            self.pool_orders.forget(gid)
             self.tracker.forget(gid)
             if self.pinner is not None:
                 self.pinner.release(gid)
@@ -415,9 +398,12 @@ class Sanitizer:
             if self.pinner is not None:
                 self.pinner.flush()
             info = state.info
-            order = self.orders.get((info.device, info.pool)) if state.reads else None
-            hazards = order.hazards(info.id) if order is not None else ()
-            findings = self._order_findings(info, hazards) if hazards else []
+            findings = []
+            hazards = self.pool_orders.hazards(state)
+            if hazards:
+                phase, step = self.context.current()
+                judged = Judged(self.rank, time.time())
+                findings = self.pool_orders.findings(info, hazards, phase, step, judged)
             if state.dirty and not any(wb.freed is not None for wb in state.blocks.values()):
                 state.dirty = False  # nothing the graph uses was freed: nothing to judge
             judging = state.dirty
@@ -439,57 +425,6 @@ class Sanitizer:
             return
         if findings:
             self._apply_policy(state, findings)
-
-    def _order_reads(self, wb) -> bool:
-        """Every graph watching the freed pool block carved it or reads it as another graph's
-        output, which the pool's replay order judges: a later capture re-carving it is legal in
-        capture order (graphs whose user drops an earlier graph's output between captures)."""
-        if not self.replay_order or not wb.graphs:
-            return False
-        for gid in wb.graphs:
-            g = self.tracker.graphs.get(gid)
-            order = self.orders.get((g.info.device, g.info.pool)) if g is not None else None
-            if order is None or not order.judges(gid, wb.address):
-                return False
-        return True
-
-    def _order_findings(self, info: GraphInfo, hazards: list[Conflict]) -> list[Finding]:
-        """A replay-order finding per range the graph reads that another graph of the pool
-        re-carved and replayed since the range's writer last did."""
-        phase, step = self.context.current()
-        now = time.time()
-        return [self._order_finding(info, c, phase, step, now) for c in hazards]
-
-    def _order_finding(self, info: GraphInfo, c: Conflict, phase, step, now: float) -> Finding:
-        graphs = self.tracker.graphs
-
-        def who(gid: int) -> str:
-            g = graphs.get(gid)
-            return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
-
-        return Finding(
-            kind=Kind.REPLAY_ORDER,
-            graph=info,
-            node=c.ref.node,
-            kernel=c.ref.kernel,
-            param=c.ref.param,
-            offset=c.ref.offset,
-            address=c.ref.address,
-            nbytes=c.end - c.start,
-            block_address=c.start,
-            pool=pool_name(info.pool, info.pool),
-            alloc_stack=tuple(self.memory.site_frames(c.site)),
-            phase=phase,
-            step=step,
-            now=(
-                f"written by {who(c.producer)}; {who(c.carver)} also carved it in this pool "
-                f"and has replayed since the writer last did: the range holds its data"
-            ),
-            rank=self.rank,
-            found_at=now,
-            written_by=c.producer,
-            carved_by=c.carver,
-        )
 
     def _apply_policy(self, state, findings: list[Finding]) -> None:
         new = []
