@@ -19,6 +19,7 @@ ALLOWED = {
     "graphsan.report": ("graphsan.core", "graphsan.report"),
     "graphsan.policies": ("graphsan.core", "graphsan.context", "graphsan.cuda.allocator"),
     "graphsan.cuda": ("graphsan.core", "graphsan.context", "graphsan.report.timeline"),
+    "graphsan.capture": ("graphsan.core", "graphsan.cuda", "graphsan.report.timeline"),
 }
 # imports no sanitizer module may make; the CLI alone dispatches `graphsan train|repro` to the lab
 NEVER = {"graphsan.lab"}

@@ -1,11 +1,11 @@
-"""The sanitizer: wires graph hooks and allocator events to the tracker and applies the policy.
+"""The sanitizer: routes graph hooks to the capture analysis, the replay orders and the tracker,
+and applies the policy.
 
-At capture end it reads the graph being captured (`cuda.driver`), finds the device addresses in
-its arguments (`core.scan`) and confirms them against the allocator view (`cuda.allocator`,
-`core.memory_map`; no per-capture snapshot), and registers the graph's watched blocks
-(`core.tracker`). At replay, a
-graph whose watched memory changed is judged *before* launch; the policy decides what happens to
-findings:
+At capture end the capture analysis (`graphsan.capture`) turns the graph being captured into
+its watched blocks (`core.tracker`) and its place in its pool's replay order (`core.replay`).
+At replay, a graph whose watched memory changed is judged by the tracker *before* launch, and a
+graph that reads another graph's output in a shared pool is checked against the pool's replay
+order; the policy decides what happens to findings:
 
 - "raise": `StaleMemoryError` from `replay()`; the graph is not launched (and stays blocked);
 - "warn": each finding is printed once, the replay goes on;
@@ -31,24 +31,19 @@ import weakref
 
 import torch
 
+from graphsan.capture import CaptureAnalysis, stream_handle
 from graphsan.context import Context, python_stack
-from graphsan.core.order import Conflict, PoolOrder
-from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged, Kind
-from graphsan.core.scan import (
-    TABLE_BLOCK,
-    TABLE_BUDGET,
-    references,
-    table_candidates,
-    table_references,
-)
-from graphsan.core.tracker import Tracker, pool_name
+from graphsan.core.order import PoolOrder
+from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
+from graphsan.core.replay import ReplayOrders
+from graphsan.core.tracker import Tracker
 from graphsan.cuda import hooks
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.host import HostWatch
 from graphsan.policies import POLICIES, Policy
 from graphsan.policies.pin import Pinner
 from graphsan.report import Report, StaleMemoryError, format_finding
-from graphsan.report.timeline import Timeline, node_summary
+from graphsan.report.timeline import Timeline
 
 __all__ = ["POLICIES", "Policy", "Sanitizer", "check_policy", "rank_from_env"]
 
@@ -58,14 +53,6 @@ _YOUNG = "_graphsan_young"  # weak references to the young tensors at capture be
 
 def check_policy(policy: str | Policy) -> Policy:
     return Policy.parse(policy)
-
-
-def _stream() -> int | None:
-    """The current CUDA stream's handle (the timeline's track), None where it cannot be read."""
-    try:
-        return int(torch.cuda.current_stream().cuda_stream)
-    except Exception:
-        return None
 
 
 def rank_from_env() -> int | None:
@@ -92,24 +79,21 @@ class Sanitizer:
         self.tracker = Tracker()
         self.findings: list[Finding] = []
         self.graph_stats: dict[int, GraphStats] = {}  # by graph id, in capture order
-        self.orders: dict[tuple, PoolOrder] = {}  # (device, pool) -> the pool's replay order
         self.rank = rank_from_env()
         self.active = False
         self.disabled_reason: str | None = None
         self._failed = False  # an internal error disabled it
-        # pointer tables read at capture end: blocks up to table_block bytes, table_budget
-        # bytes per graph (0 turns the reading off)
-        self.table_block = TABLE_BLOCK
-        self.table_budget = TABLE_BUDGET
-        # follow the replay order of graphs sharing a pool (graphs captured from now on)
-        self.replay_order = True
         self.report_path: str | None = None
         self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
         self.host = HostWatch(self.tracker, self.memory._free_event, self._internal_error)
+        self.pool_orders = ReplayOrders(self.tracker, self.memory.site_frames)
         self.tracker.host_owner = self.host.owner
-        self.tracker.order_reads = self._order_reads
+        self.tracker.order_reads = self.pool_orders.judges
         self.timeline = Timeline(self.rank)
         self.memory.timeline = self.timeline
+        self.capture = CaptureAnalysis(
+            self.memory, self.tracker, self.host, self.pool_orders, self.timeline
+        )
         self.hooks = hooks.GraphHooks(self)
         self.pinner: Pinner | None = None  # while the policy is pin
         self._policy = Policy.RAISE
@@ -133,6 +117,39 @@ class Sanitizer:
             self.pinner.detach()
             self.pinner.release_all()
             self.pinner = None
+
+    # -- replay orders and pointer tables (a change applies to graphs captured from now on) ---
+    @property
+    def replay_order(self) -> bool:
+        """Follow the replay order of graphs sharing a pool."""
+        return self.pool_orders.enabled
+
+    @replay_order.setter
+    def replay_order(self, value: bool) -> None:
+        self.pool_orders.enabled = value
+
+    @property
+    def orders(self) -> dict[tuple, PoolOrder]:
+        """(device, pool) -> the pool's replay order."""
+        return self.pool_orders.orders
+
+    @property
+    def table_block(self) -> int:
+        """Pointer tables read at capture end are blocks up to this many bytes."""
+        return self.capture.table_block
+
+    @table_block.setter
+    def table_block(self, value: int) -> None:
+        self.capture.table_block = value
+
+    @property
+    def table_budget(self) -> int:
+        """Bytes of pointer tables read per graph (0 turns the reading off)."""
+        return self.capture.table_budget
+
+    @table_budget.setter
+    def table_budget(self, value: int) -> None:
+        self.capture.table_budget = value
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Sanitizer:
@@ -214,8 +231,6 @@ class Sanitizer:
         if pending is None or not self.active:
             return None
         try:
-            from graphsan.cuda import driver
-
             # the pinner's young objects: those of now, listed before the walk and the log drain
             # allocate, and the tensors that were young when the capture began
             young = None
@@ -224,10 +239,7 @@ class Sanitizer:
                 young = self.pinner.young_objects()
                 earlier = [t for t in (r() for r in begun) if t is not None]
                 young = earlier + young if young is not None else earlier or None
-            t0 = time.perf_counter()
-            handle = driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
-            nodes, stats = driver.walk(handle)
-            return nodes, stats, time.perf_counter() - t0, young
+            return self.capture.walk(), young
         except Exception as err:
             self._internal_error(err)
             return None
@@ -238,144 +250,19 @@ class Sanitizer:
         if pending is None or not self.active:
             return
         gid, label, site, device, tag = pending
+        walk, young = walked if walked is not None else (None, None)
         try:
-            pool = tuple(int(x) for x in graph.pool())
-            t0 = time.perf_counter()
-            carved = self.memory.capture_ended(tag, pool)
-        except Exception as err:
-            self._internal_error(err)
-            return
-        if walked is None:
-            return
-        try:
-            from graphsan.cuda import driver
-
-            nodes, stats, walk_s, young = walked
-            view = self.memory.view(device, sync=False)
-            t1 = time.perf_counter()
-            refs = references(nodes, view, foreign=lambda v: driver.address_range(v) is not None)
-            indirect, tables_read = self._indirect(refs, view, pool)
-            refs += indirect
-            t2 = time.perf_counter()
-            info = GraphInfo(gid, label, tuple(site), pool, device)
-            copies = [r.address for r in refs if isinstance(r.param, str)]
-            outside = [a for a in copies if view.locate(a) is None and driver.is_host(a)]
-            if outside:  # pinned host memory: blocks not recorded at pin_memory() are looked up
-                self.host.find(outside)
-            state = self.tracker.add_graph(info, refs, view, host=self.host.locate)
+            info = GraphInfo(gid, label, tuple(site), tuple(int(x) for x in graph.pool()), device)
+            captured = self.capture.ended(info, tag, walk)
+            if captured is None:
+                return
+            state, stats = captured
+            self.graph_stats[gid] = stats
             hooks.set_graph_state(graph, state)
-            self._order(info, carved, refs, view)
-            t3 = time.perf_counter()
-            self.graph_stats[gid] = GraphStats(
-                gid,
-                label,
-                info.capture_site,
-                pool,
-                stats,
-                state.counts,
-                len(state.blocks),
-                self.timeline.captured(gid, label, device, _stream()),
-                node_summary(nodes),
-                walk_s=walk_s,
-                allocator_view_s=t1 - t0,
-                references_s=t2 - t1,
-                tracker_s=t3 - t2,
-                tables_read=tables_read,
-                indirect=len(indirect),
-            )
             if self.pinner is not None:
                 self.pinner.pin(state, young)
         except Exception as err:
             self._internal_error(err)
-
-    def _indirect(self, refs: list, view, pool) -> tuple[list, int]:
-        """References read from the small buffers the kernel arguments point at (pointer
-        tables), after the capture ended (see `core.scan.table_candidates`), and how many
-        blocks were read."""
-        if self.table_budget <= 0:
-            return [], 0
-        tables = table_candidates(refs, view, pool, self.table_block, self.table_budget)
-        requested = view.requested
-        contents = self._read_tables(
-            [(addr, min(size, requested.get(addr, size))) for addr, size, _ in tables]
-        )
-        out = []
-        for (addr, _, via), data in zip(tables, contents, strict=True):
-            out += table_references(addr, data, via, view)
-        return out, sum(1 for data in contents if data)
-
-    def _read_tables(self, spans: list[tuple[int, int]]) -> list[bytes]:
-        """The tables' bytes, or empty ones where they cannot be read now (a capture running on
-        this stream, a driver error): an unread table hides what it names, nothing more."""
-        if not spans or torch.cuda.is_current_stream_capturing():
-            return [b""] * len(spans)
-        from graphsan.cuda import driver
-
-        try:
-            return driver.read_device(spans, torch.cuda.current_stream().cuda_stream)
-        except driver.DriverError:
-            return [b""] * len(spans)
-
-    def _reread_tables(self, state) -> None:
-        """Before judging: the tables that named a freed block are read again, and a reference
-        the table no longer holds (it was rewritten) is dropped."""
-        stale = {}  # freed block -> its indirect references
-        for addr, wb in state.blocks.items():
-            if wb.freed is not None:
-                refs = state.refs.get(addr, ())
-                if any(r.through is not None for r in refs):
-                    stale[addr] = refs
-        if not stale:
-            return
-        tables = sorted(
-            {
-                r.through
-                for refs in stale.values()
-                for r in refs
-                if r.through is not None
-                and r.through in state.blocks
-                and state.blocks[r.through].freed is None  # a freed table is a finding itself
-            }
-        )
-        spans = [(t, state.blocks[t].size) for t in tables]
-        words = {}
-        for t, data in zip(tables, self._read_tables(spans), strict=True):
-            if data:
-                words[t] = {
-                    int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data) - 7, 8)
-                }
-        for addr, refs in stale.items():
-            keep = [r for r in refs if r.through not in words or r.address in words[r.through]]
-            if len(keep) != len(refs):
-                self.tracker.retain(state.info.id, addr, keep)
-
-    def _order(self, info: GraphInfo, carved: list, refs: list, view) -> None:
-        """Add the capture to its pool's replay order (`graphsan.core.order`): what it carved
-        in its own pool, what it reads there; graphs a new conflict involves count replays."""
-        if not self.replay_order:
-            return
-        in_pool = []
-        for addr, size, site in carved:
-            seg = view.segment_at(addr)
-            if seg is not None and seg.pool == info.pool:
-                in_pool.append((addr, size, site))
-        key = (info.device, info.pool)
-        order = self.orders.get(key)
-        if order is None:
-            if not in_pool:
-                return  # nothing carved: no later graph of the pool can depend on this one
-            order = self.orders[key] = PoolOrder()
-        if in_pool:
-            order.carvers.add(info.id)
-        for gid in order.add_graph(info.id, in_pool, refs):
-            g = self.tracker.graphs.get(gid)
-            if g is not None:
-                g.reads = True
-        if len(order.sequence) > 1:  # shared: from now on the carvers' replays are counted
-            for gid in order.carvers:
-                g = self.tracker.graphs.get(gid)
-                if g is not None:
-                    g.order = order
 
     def capture_failed(self, graph) -> None:
         """capture_end raised (an invalidated capture): no graph to watch."""
@@ -395,10 +282,7 @@ class Sanitizer:
 
     def _forget(self, gid: int) -> None:
         try:
-            g = self.tracker.graphs.get(gid)
-            order = self.orders.get((g.info.device, g.info.pool)) if g is not None else None
-            if order is not None:
-                order.forget(gid)
+            self.pool_orders.forget(gid)
             self.tracker.forget(gid)
             if self.pinner is not None:
                 self.pinner.release(gid)
@@ -415,14 +299,17 @@ class Sanitizer:
             if self.pinner is not None:
                 self.pinner.flush()
             info = state.info
-            order = self.orders.get((info.device, info.pool)) if state.reads else None
-            hazards = order.hazards(info.id) if order is not None else ()
-            findings = self._order_findings(info, hazards) if hazards else []
+            findings = []
+            hazards = self.pool_orders.hazards(state)
+            if hazards:
+                phase, step = self.context.current()
+                judged = Judged(self.rank, time.time())
+                findings = self.pool_orders.findings(info, hazards, phase, step, judged)
             if state.dirty and not any(wb.freed is not None for wb in state.blocks.values()):
                 state.dirty = False  # nothing the graph uses was freed: nothing to judge
             judging = state.dirty
             if judging:
-                self._reread_tables(state)
+                self.capture.reread_tables(state)
                 as_of = self.tracker.free_seq  # frees after this are not in the view yet
                 view = self.memory.view(info.device)
                 judged = Judged(self.rank, time.time(), self.memory.last_release)
@@ -432,64 +319,13 @@ class Sanitizer:
                 stop = bool(findings) and self.policy.stops_replay
                 found_at = findings[0].found_at if findings else time.time()
                 self.timeline.replay(
-                    info.id, info.label, info.device, _stream(), len(findings), stop, found_at
+                    info.id, info.label, info.device, stream_handle(), len(findings), stop, found_at
                 )
         except Exception as err:
             self._internal_error(err)
             return
         if findings:
             self._apply_policy(state, findings)
-
-    def _order_reads(self, wb) -> bool:
-        """Every graph watching the freed pool block carved it or reads it as another graph's
-        output, which the pool's replay order judges: a later capture re-carving it is legal in
-        capture order (graphs whose user drops an earlier graph's output between captures)."""
-        if not self.replay_order or not wb.graphs:
-            return False
-        for gid in wb.graphs:
-            g = self.tracker.graphs.get(gid)
-            order = self.orders.get((g.info.device, g.info.pool)) if g is not None else None
-            if order is None or not order.judges(gid, wb.address):
-                return False
-        return True
-
-    def _order_findings(self, info: GraphInfo, hazards: list[Conflict]) -> list[Finding]:
-        """A replay-order finding per range the graph reads that another graph of the pool
-        re-carved and replayed since the range's writer last did."""
-        phase, step = self.context.current()
-        now = time.time()
-        return [self._order_finding(info, c, phase, step, now) for c in hazards]
-
-    def _order_finding(self, info: GraphInfo, c: Conflict, phase, step, now: float) -> Finding:
-        graphs = self.tracker.graphs
-
-        def who(gid: int) -> str:
-            g = graphs.get(gid)
-            return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
-
-        return Finding(
-            kind=Kind.REPLAY_ORDER,
-            graph=info,
-            node=c.ref.node,
-            kernel=c.ref.kernel,
-            param=c.ref.param,
-            offset=c.ref.offset,
-            address=c.ref.address,
-            nbytes=c.end - c.start,
-            block_address=c.start,
-            pool=pool_name(info.pool, info.pool),
-            alloc_stack=tuple(self.memory.site_frames(c.site)),
-            phase=phase,
-            step=step,
-            now=(
-                f"written by {who(c.producer)}; {who(c.carver)} also carved it in this pool "
-                f"and has replayed since the writer last did: the range holds its data"
-            ),
-            rank=self.rank,
-            found_at=now,
-            written_by=c.producer,
-            carved_by=c.carver,
-        )
 
     def _apply_policy(self, state, findings: list[Finding]) -> None:
         new = []

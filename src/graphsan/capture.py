@@ -1,0 +1,194 @@
+"""The capture analysis: what a capture's end turns into, the graph's watched memory
+(`GraphState`) and what capturing it cost and found (`GraphStats`).
+
+Just before the original `capture_end`, `walk` reads the graph still being captured
+(`cuda.driver`). After it, `ended` takes the steps in order:
+
+1. the allocator view is brought up to date and gives the capture's carves (`cuda.allocator`);
+2. the device addresses in the nodes' arguments are confirmed against it (`core.scan.references`;
+   addresses outside it that the driver knows are foreign memory);
+3. the small blocks they point at are read as pointer tables, after the capture ended
+   (`core.scan.table_candidates`, `table_references`): what a table names is watched too;
+4. copies from host memory the allocator does not own are looked up among the live pinned host
+   storages (`cuda.host`);
+5. the tracker registers the blocks to watch (`core.tracker`);
+6. the capture joins its pool's replay order (`core.replay`).
+
+At replay, `reread_tables` reads again the tables that named a freed block, before it is judged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from graphsan.core.records import CopyArgs, GraphInfo, GraphStats, KernelArgs, WalkStats
+from graphsan.core.replay import ReplayOrders
+from graphsan.core.scan import (
+    TABLE_BLOCK,
+    TABLE_BUDGET,
+    references,
+    table_candidates,
+    table_references,
+)
+from graphsan.core.tracker import GraphState, Tracker
+from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.host import HostWatch
+from graphsan.report.timeline import Timeline, node_summary
+
+__all__ = ["CaptureAnalysis", "Walk", "stream_handle"]
+
+
+def stream_handle() -> int | None:
+    """The current CUDA stream's handle (the timeline's track), None where it cannot be read."""
+    try:
+        return int(torch.cuda.current_stream().cuda_stream)
+    except Exception:
+        return None
+
+
+@dataclass
+class Walk:
+    """The graph still being captured, as `cuda.driver.walk` read it, and how long that took."""
+
+    nodes: list[KernelArgs | CopyArgs]
+    stats: WalkStats
+    seconds: float
+
+
+class CaptureAnalysis:
+    """Turns each capture's end into a watched graph. Reading pointer tables is bounded: blocks
+    up to `table_block` bytes, `table_budget` bytes per graph (0 turns the reading off)."""
+
+    def __init__(
+        self,
+        memory: AllocatorWatch,
+        tracker: Tracker,
+        host: HostWatch,
+        orders: ReplayOrders,
+        timeline: Timeline,
+    ) -> None:
+        self.memory = memory
+        self.tracker = tracker
+        self.host = host
+        self.orders = orders
+        self.timeline = timeline
+        self.table_block = TABLE_BLOCK
+        self.table_budget = TABLE_BUDGET
+
+    def walk(self) -> Walk:
+        """Read the graph being captured on the current stream (call before `capture_end`)."""
+        from graphsan.cuda import driver
+
+        t0 = time.perf_counter()
+        handle = driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
+        nodes, stats = driver.walk(handle)
+        return Walk(nodes, stats, time.perf_counter() - t0)
+
+    def ended(
+        self, info: GraphInfo, tag: str, walk: Walk | None
+    ) -> tuple[GraphState, GraphStats] | None:
+        """The capture tagged `tag` in the allocator's log ended: its graph's state and stats,
+        or None without a walk (the allocator's bookkeeping of the capture is done either way)."""
+        t0 = time.perf_counter()
+        carved = self.memory.capture_ended(tag, info.pool)
+        if walk is None:
+            return None
+        from graphsan.cuda import driver
+
+        view = self.memory.view(info.device, sync=False)
+        t1 = time.perf_counter()
+        refs = references(walk.nodes, view, foreign=lambda v: driver.address_range(v) is not None)
+        indirect, tables_read = self._indirect(refs, view, info.pool)
+        refs += indirect
+        t2 = time.perf_counter()
+        copies = [r.address for r in refs if isinstance(r.param, str)]
+        outside = [a for a in copies if view.locate(a) is None and driver.is_host(a)]
+        if outside:  # pinned host memory: blocks not recorded at pin_memory() are looked up
+            self.host.find(outside)
+        state = self.tracker.add_graph(info, refs, view, host=self.host.locate)
+        self.orders.add_capture(info, carved, refs, view)
+        t3 = time.perf_counter()
+        stats = GraphStats(
+            info.id,
+            info.label,
+            info.capture_site,
+            info.pool,
+            walk.stats,
+            state.counts,
+            len(state.blocks),
+            self.timeline.captured(info.id, info.label, info.device, stream_handle()),
+            node_summary(walk.nodes),
+            walk_s=walk.seconds,
+            allocator_view_s=t1 - t0,
+            references_s=t2 - t1,
+            tracker_s=t3 - t2,
+            tables_read=tables_read,
+            indirect=len(indirect),
+        )
+        return state, stats
+
+    # -- pointer tables -----------------------------------------------------------------------
+    def _indirect(self, refs: list, view, pool) -> tuple[list, int]:
+        """References read from the small buffers the kernel arguments point at (pointer
+        tables), after the capture ended (see `core.scan.table_candidates`), and how many
+        blocks were read."""
+        if self.table_budget <= 0:
+            return [], 0
+        tables = table_candidates(refs, view, pool, self.table_block, self.table_budget)
+        requested = view.requested
+        contents = _read_tables(
+            [(addr, min(size, requested.get(addr, size))) for addr, size, _ in tables]
+        )
+        out = []
+        for (addr, _, via), data in zip(tables, contents, strict=True):
+            out += table_references(addr, data, via, view)
+        return out, sum(1 for data in contents if data)
+
+    def reread_tables(self, state: GraphState) -> None:
+        """Before judging: the tables that named a freed block are read again, and a reference
+        the table no longer holds (it was rewritten) is dropped."""
+        stale = {}  # freed block -> its indirect references
+        for addr, wb in state.blocks.items():
+            if wb.freed is not None:
+                refs = state.refs.get(addr, ())
+                if any(r.through is not None for r in refs):
+                    stale[addr] = refs
+        if not stale:
+            return
+        tables = sorted(
+            {
+                r.through
+                for refs in stale.values()
+                for r in refs
+                if r.through is not None
+                and r.through in state.blocks
+                and state.blocks[r.through].freed is None  # a freed table is a finding itself
+            }
+        )
+        spans = [(t, state.blocks[t].size) for t in tables]
+        words = {}
+        for t, data in zip(tables, _read_tables(spans), strict=True):
+            if data:
+                words[t] = {
+                    int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data) - 7, 8)
+                }
+        for addr, refs in stale.items():
+            keep = [r for r in refs if r.through not in words or r.address in words[r.through]]
+            if len(keep) != len(refs):
+                self.tracker.retain(state.info.id, addr, keep)
+
+
+def _read_tables(spans: list[tuple[int, int]]) -> list[bytes]:
+    """The tables' bytes, or empty ones where they cannot be read now (a capture running on
+    this stream, a driver error): an unread table hides what it names, nothing more."""
+    if not spans or torch.cuda.is_current_stream_capturing():
+        return [b""] * len(spans)
+    from graphsan.cuda import driver
+
+    try:
+        return driver.read_device(spans, torch.cuda.current_stream().cuda_stream)
+    except driver.DriverError:
+        return [b""] * len(spans)

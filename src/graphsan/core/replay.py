@@ -1,0 +1,146 @@
+"""The replay orders of the process's shared pools, kept in step with the tracker's graphs, and
+the findings of a replay that would read another graph's data (pure: no CUDA, no torch).
+
+`core.order.PoolOrder` models one pool; `ReplayOrders` keeps one per (device, pool) that a
+capture carved memory in, tells each graph whether its replays are counted (`GraphState.order`)
+or checked (`GraphState.reads`), answers the tracker whether a freed pool block is the order's
+to judge (`judges`), and turns a reader's conflicts into `replay-order` findings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from graphsan.core.memory_map import SegmentIndex
+from graphsan.core.order import Conflict, PoolOrder
+from graphsan.core.records import (
+    DataPtr,
+    Finding,
+    Frame,
+    GraphId,
+    GraphInfo,
+    Judged,
+    Kind,
+    PoolId,
+    Reference,
+)
+from graphsan.core.tracker import GraphState, Tracker, WatchedBlock, pool_name
+
+# a capture's carves: (address, requested size, allocation site as the adapter recorded it)
+Carves = list[tuple[DataPtr, int, object]]
+
+
+class ReplayOrders:
+    """(device, pool) -> that pool's `PoolOrder`, for the graphs the tracker watches."""
+
+    def __init__(self, tracker: Tracker, site_frames: Callable[[object], list[Frame]]) -> None:
+        self.tracker = tracker
+        self.site_frames = site_frames  # a carve's site as user frames, outermost first
+        self.orders: dict[tuple[int, PoolId], PoolOrder] = {}
+        self.enabled = True  # follow the order of graphs captured from now on
+
+    def add_capture(
+        self, info: GraphInfo, carved: Carves, refs: list[Reference], view: SegmentIndex
+    ) -> None:
+        """Add the capture to its pool's replay order: what it carved in its own pool, what it
+        reads there; graphs a new conflict involves count replays."""
+        if not self.enabled:
+            return
+        in_pool = []
+        for addr, size, site in carved:
+            seg = view.segment_at(addr)
+            if seg is not None and seg.pool == info.pool:
+                in_pool.append((addr, size, site))
+        key = (info.device, info.pool)
+        order = self.orders.get(key)
+        if order is None:
+            if not in_pool:
+                return  # nothing carved: no later graph of the pool can depend on this one
+            order = self.orders[key] = PoolOrder()
+        if in_pool:
+            order.carvers.add(info.id)
+        graphs = self.tracker.graphs
+        for gid in order.add_graph(info.id, in_pool, refs):
+            g = graphs.get(gid)
+            if g is not None:
+                g.reads = True
+        if len(order.sequence) > 1:  # shared: from now on the carvers' replays are counted
+            for gid in order.carvers:
+                g = graphs.get(gid)
+                if g is not None:
+                    g.order = order
+
+    def _order_of(self, gid: GraphId) -> PoolOrder | None:
+        g = self.tracker.graphs.get(gid)
+        return self.orders.get((g.info.device, g.info.pool)) if g is not None else None
+
+    def forget(self, gid: GraphId) -> None:
+        """The graph is gone (call before the tracker forgets it): it reads nothing any more."""
+        order = self._order_of(gid)
+        if order is not None:
+            order.forget(gid)
+
+    def judges(self, wb: WatchedBlock) -> bool:
+        """Every graph watching the freed pool block carved it or reads it as another graph's
+        output, which the pool's replay order judges: a later capture re-carving it is legal in
+        capture order (graphs whose user drops an earlier graph's output between captures)."""
+        if not self.enabled or not wb.graphs:
+            return False
+        for gid in wb.graphs:
+            order = self._order_of(gid)
+            if order is None or not order.judges(gid, wb.address):
+                return False
+        return True
+
+    # -- replay -------------------------------------------------------------------------------
+    def hazards(self, state: GraphState) -> list[Conflict]:
+        """The ranges a replay of the graph now would read from the wrong writer."""
+        if not state.reads:
+            return []
+        order = self.orders.get((state.info.device, state.info.pool))
+        return order.hazards(state.info.id) if order is not None else []
+
+    def findings(
+        self,
+        info: GraphInfo,
+        hazards: list[Conflict],
+        phase: str | None,
+        step: int | None,
+        judged: Judged,
+    ) -> list[Finding]:
+        """A replay-order finding per range the graph reads that another graph of the pool
+        re-carved and replayed since the range's writer last did, at `phase` and `step`."""
+        return [self._finding(info, c, phase, step, judged) for c in hazards]
+
+    def _finding(
+        self, info: GraphInfo, c: Conflict, phase: str | None, step: int | None, judged: Judged
+    ) -> Finding:
+        graphs = self.tracker.graphs
+
+        def who(gid: GraphId) -> str:
+            g = graphs.get(gid)
+            return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
+
+        return Finding(
+            kind=Kind.REPLAY_ORDER,
+            graph=info,
+            node=c.ref.node,
+            kernel=c.ref.kernel,
+            param=c.ref.param,
+            offset=c.ref.offset,
+            address=c.ref.address,
+            nbytes=c.end - c.start,
+            block_address=c.start,
+            pool=pool_name(info.pool, info.pool),
+            alloc_stack=tuple(self.site_frames(c.site)),
+            phase=phase,
+            step=step,
+            now=(
+                f"written by {who(c.producer)}; {who(c.carver)} also carved it in this pool "
+                f"and has replayed since the writer last did: the range holds its data"
+            ),
+            rank=judged.rank,
+            found_at=judged.found_at,
+            written_by=c.producer,
+            carved_by=c.carver,
+        )

@@ -1,0 +1,78 @@
+"""The process's replay orders (graphsan.core.replay) over a plain tracker and memory map, no CUDA:
+which graphs a shared pool checks, the findings it names, and the frees it takes from the
+tracker."""
+
+from __future__ import annotations
+
+from graphsan.core.memory_map import MemoryMap
+from graphsan.core.records import GraphInfo, Judged, Reference
+from graphsan.core.replay import ReplayOrders
+from graphsan.core.tracker import Tracker
+
+SEG, SLOT, POOL = 0x7E00_0000_0000, 4096, (1, 3)
+B, C, D, E = (SEG + i * SLOT for i in range(4))
+SITE = [("model.py", 12, "forward")]
+
+
+def pool_map() -> MemoryMap:
+    blocks = [{"address": a, "size": SLOT, "state": "active_allocated"} for a in (B, C, D, E)]
+    seg = {"address": SEG, "total_size": 4 * SLOT, "segment_pool_id": POOL, "blocks": blocks}
+    return MemoryMap.from_snapshot({"segments": [seg]})
+
+
+def capture(tracker, orders, gid, reads, carves):
+    info = GraphInfo(gid, f"g{gid}", [], POOL, 0)
+    refs = [Reference(0, "k", i, 0, a) for i, a in enumerate(reads)]
+    view = pool_map()
+    tracker.add_graph(info, refs, view)
+    orders.add_capture(info, [(a, SLOT, f"site{gid}") for a in carves], refs, view)
+    return tracker.graphs[gid]
+
+
+def three_successive():
+    """g0 writes b, c, d; g1 reads c and writes e; g2 reads d and re-carves c."""
+    tracker = Tracker()
+    orders = ReplayOrders(tracker, site_frames=lambda site: SITE if site == "site0" else [])
+    g0 = capture(tracker, orders, 0, [B, C, D], [B, C, D])
+    g1 = capture(tracker, orders, 1, [C, E], [E])
+    g2 = capture(tracker, orders, 2, [D, C], [C])
+    return tracker, orders, (g0, g1, g2)
+
+
+def test_the_reader_is_checked_and_the_carvers_replays_are_counted():
+    _, orders, (g0, g1, g2) = three_successive()
+    assert (g0.reads, g1.reads, g2.reads) == (False, True, False)
+    assert g0.order is g2.order is orders.orders[(0, POOL)]
+    assert orders.hazards(g0) == [] and orders.hazards(g1) == []
+
+
+def test_a_finding_names_writer_and_carver_and_a_forgotten_carver_as_gone():
+    tracker, orders, (g0, g1, g2) = three_successive()
+    order = orders.orders[(0, POOL)]
+    for gid in (0, 2):
+        order.replayed(gid)
+    hazards = orders.hazards(g1)
+    (f,) = orders.findings(g1.info, hazards, "eval", 7, Judged(rank=3, found_at=12.5))
+    assert (f.kind, f.written_by, f.carved_by, f.block_address) == ("replay-order", 0, 2, C)
+    assert (f.phase, f.step, f.rank, f.found_at) == ("eval", 7, 3, 12.5)
+    assert f.alloc_stack == tuple(SITE)  # the producer's carve site, as the adapter reads it
+    assert "graph #2 'g2'" in f.now
+    orders.forget(2)
+    tracker.forget(2)
+    (f,) = orders.findings(g1.info, orders.hazards(g1), "eval", 7, Judged())
+    assert "graph #2 (gone)" in f.now
+
+
+def test_a_block_every_watcher_carved_or_reads_is_the_orders_to_judge():
+    tracker, orders, _ = three_successive()
+    c = tracker.live[C]
+    assert c.graphs == {0, 1, 2} and orders.judges(c)
+    orders.enabled = False
+    assert not orders.judges(c)
+
+
+def test_a_graph_alone_in_its_pool_that_carved_nothing_makes_no_order():
+    tracker = Tracker()
+    orders = ReplayOrders(tracker, site_frames=lambda site: [])
+    capture(tracker, orders, 0, [B], [])
+    assert orders.orders == {} and not orders.judges(tracker.live[B])
