@@ -98,3 +98,29 @@ def test_without_a_capture_an_untagged_segment_is_the_default_pools(watch):
     fake["pools"][POOL] = [_seg(SEG, POOL)]  # never asked: no capture is ending
     w.sync()
     assert tuple(w.views[0].segment_at(SEG).pool) == DEFAULT_POOL
+
+
+def test_untagged_mapped_pages_of_the_pool_reseed_the_view(watch, monkeypatch):
+    """Expandable segments: pages mapped by the worker thread were joined to a default-pool run
+    before their pool was known; only a snapshot gives the runs."""
+    w, fake = watch
+    seeded = []
+    real = allocator._snapshot
+
+    def snapshot(pool=(0, 0), traces=False):
+        if not traces and tuple(pool) == (0, 0):
+            seeded.append(True)
+            return {"segments": [_seg(WARM, DEFAULT_POOL), _seg(WARM + MB2, POOL)]}
+        return real(pool, traces)
+
+    monkeypatch.setattr(allocator, "_snapshot", snapshot)
+    tag = w.capture_started(1, STREAM)
+    fake["log"] = [
+        _entry("segment_map", WARM, MB2, STREAM),
+        _entry("segment_map", WARM + MB2, MB2, STREAM),  # the capture's, untagged
+        _entry("alloc", WARM + MB2, 4096, STREAM),
+    ]
+    fake["pools"][POOL] = [_seg(WARM + MB2, POOL, [(WARM + MB2, 4096)])]
+    w.capture_ended(tag, POOL)
+    assert seeded
+    assert tuple(w.views[0].segment_at(WARM + MB2).pool) == POOL

@@ -268,20 +268,29 @@ class AllocatorWatch:
         """Segments whose pool the log leaves open (made on a stream other than the capture's,
         or untagged while a capture ended): the first candidate pool whose snapshot has them,
         else the default pool."""
-        own: dict[PoolId, set[int]] = {}
+        own: dict[PoolId, list[tuple[int, int]]] = {}
         for pool in dict.fromkeys(p for _, p in unsure):
-            own[pool] = {
-                int(s["address"])
+            own[pool] = [
+                (int(s["address"]), int(s["address"]) + int(s["total_size"]))
                 for s in _snapshot(pool)["segments"]
                 if s.get("device", device) == device and tuple(s["segment_pool_id"]) == pool
-            }
+            ]
         candidates: dict[int, list[PoolId]] = {}
         for addr, pool in unsure:
             candidates.setdefault(addr, []).append(pool)
         for addr, pools in candidates.items():
+            pool = next(
+                (p for p in pools if any(lo <= addr < hi for lo, hi in own[p])), DEFAULT_POOL
+            )
             seg = view.segment_at(addr)
-            if seg is not None and seg.address == addr:
-                seg.pool = next((p for p in pools if addr in own[p]), DEFAULT_POOL)
+            if seg is None or tuple(seg.pool) == pool:
+                continue
+            if seg.address != addr or seg.expandable:
+                # mapped pages were joined to a neighbour of the pool the log suggested: the
+                # runs are only right from a snapshot
+                view.seed(_snapshot(), device)
+                return
+            seg.pool = pool
 
     # -- captures ---------------------------------------------------------------------------
     def capture_started(self, gid: int, stream: int) -> str:
