@@ -150,3 +150,25 @@ def test_the_order_says_hazard_exactly_when_the_simulated_memory_was_overwritten
         o.replayed(g)
         for s in caps[g][0]:
             memory[s] = g
+
+
+def test_a_pass_in_capture_order_skips_the_range_checks_and_a_deviation_does_not():
+    o = three_successive()
+    assert not o.in_order(1)  # nothing replayed yet: the ranges decide
+    o.replayed(0)
+    assert o.in_order(1) and o.in_order(2)  # g1 and g2 each read only g0's output
+    o.replayed(2)  # g2 before g1: g1 would read what g2 wrote over c
+    assert not o.in_order(1) and o.hazards(1)
+    o.replayed(0)  # a restart
+    o.replayed(1)
+    assert o.in_order(2) and not o.hazards(2)
+
+
+def test_a_forgotten_first_carver_leaves_a_pass_that_starts_at_the_next():
+    o = PoolOrder()
+    o.add_graph(0, carve(0), [])
+    o.add_graph(1, carve(1), [ref(0)])
+    o.add_graph(2, carve(0), [ref(1)])  # re-carves g0's slot, which g1 reads
+    o.forget(0)
+    assert run(o, [1, 2, 1, 2]) == [1]  # g1 reads slot 0, which g2 overwrote
+    assert not o.in_order(1)  # g1 reads from g0, which is gone: never clean by order alone

@@ -10,14 +10,18 @@ as they replay in capture order. The model, per pool:
   business);
 - the range is *watched* once read: its writers are the producer and every other graph gk that
   carved memory overlapping it (before gp, k < p, or after gi, k > i, when gk is captured);
-- a replay of a writer stamps the range as its own; replaying gi is the hazard when the stamp
-  is not gp's: gk ran after gp last did, and gi would read gk's data. In capture order, and
-  when a sequence restarts at g0, the producer always runs after the other writers.
+- a replay of a writer makes it the range's owner (the writer that replayed last); replaying
+  gi is the hazard when the owner is not gp: gk ran after gp last did, and gi would read gk's
+  data.
+- In capture order, and when a sequence restarts at its first carver, the producer always runs
+  after the other writers. So the model follows whether the carvers have replayed in capture
+  order since the last restart, and how far: a reader whose producers all ran in this pass,
+  and that comes before the next carver, is clean without looking at its ranges.
 
-A replay costs a clock tick and a stamp per watched range the graph writes; a reader is checked
-per range it reads: the graph's own footprint, never the number of graphs. A reference counts
-as a read: the model cannot tell a kernel's reads from its writes, so a graph that only
-overwrites another graph's output is judged like one that reads it.
+A replay costs a clock tick and that order bookkeeping, whatever the graph's size; a reader out
+of order is checked per range it reads (its own footprint, never the number of graphs). A
+reference counts as a read: the model cannot tell a kernel's reads from its writes, so a graph
+that only overwrites another graph's output is judged like one that reads it.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class Conflict:
 
 @dataclass(eq=False)
 class Watched:
-    """A range one graph writes and others read: which graph wrote it last (`owner`)."""
+    """A range one graph writes and others read."""
 
     start: DataPtr
     end: DataPtr
@@ -62,7 +66,6 @@ class Watched:
     site: object
     writers: set[GraphId]  # the producer and every other graph that carved the range
     readers: set[GraphId] = field(default_factory=set)
-    owner: GraphId | None = None  # None: no writer replayed since the range was watched
 
 
 @dataclass
@@ -87,6 +90,15 @@ class PoolOrder:
     writes: dict[GraphId, list[Watched]] = field(default_factory=dict)
     clock: int = 0
     last: dict[GraphId, int] = field(default_factory=dict)  # graph -> clock of its last replay
+    # capture order: each graph's place in `sequence`, the graphs that carved (in that order)
+    # and, per reader, the latest place of a graph it reads from
+    _place: dict[GraphId, int] = field(default_factory=dict)
+    _chain: list[GraphId] = field(default_factory=list)
+    _link: dict[GraphId, int] = field(default_factory=dict)  # carver -> its index in _chain
+    _producers_up_to: dict[GraphId, int] = field(default_factory=dict)
+    # since the last restart the carvers replayed in capture order up to place `_reached`
+    _in_order: bool = False
+    _reached: int = -1
 
     # -- capture ------------------------------------------------------------------------------
     def add_graph(
@@ -97,19 +109,21 @@ class PoolOrder:
     ) -> set[GraphId]:
         """Register capture `gid`: the ranges it carved ((address, size, site)) and its
         references. Returns the readers that a range they read can now be overwritten for."""
+        self._place[gid] = len(self.sequence)
         self.sequence.append(gid)
         readers: set[GraphId] = set()
         carves = sorted(
             (Carve(a, a + n, gid, s) for a, n, s in carved if n > 0), key=lambda c: c.start
         )
+        if carves:
+            self._link[gid] = len(self._chain)
+            self._chain.append(gid)
         for c in carves:  # a later carver of ranges earlier graphs read
             for w in self._overlapping(self._watched, c.start, c.end):
                 w = w[3]
                 if gid not in w.writers:
                     if len(w.writers) == 1:  # the producer's replays start to matter
                         self.writes.setdefault(w.producer, []).append(w)
-                        if self.last.get(w.producer, 0):
-                            w.owner = w.producer
                     w.writers.add(gid)
                     self.writes.setdefault(gid, []).append(w)
                     readers |= w.readers
@@ -130,6 +144,9 @@ class PoolOrder:
             w = self._watch(p)
             w.readers.add(gid)
             self.reads.setdefault(gid, []).append((w, ref))
+            place = self._place.get(p.graph, -1)
+            if place > self._producers_up_to.get(gid, -1):
+                self._producers_up_to[gid] = place
             if len(w.writers) > 1:
                 readers.add(gid)
         return readers
@@ -145,9 +162,6 @@ class PoolOrder:
         for start, end in self._overlapping(self._ranges, p.start, p.end):
             writers |= self._carved_by[(start, end)]
         w = Watched(p.start, p.end, p.graph, p.site, writers)
-        ran = [g for g in writers if self.last.get(g, 0)]
-        if ran:  # the writer that replayed last holds the range now
-            w.owner = max(ran, key=lambda g: self.last[g])
         if len(writers) > 1:  # a range only its producer writes needs no stamps
             for g in writers:
                 self.writes.setdefault(g, []).append(w)
@@ -190,9 +204,13 @@ class PoolOrder:
         self._starts[lo:hi] = [c.start for c in keep]
 
     def forget(self, gid: GraphId) -> None:
-        """The graph is gone: it reads nothing any more. (What it wrote stays written.)"""
+        """The graph is gone: it reads nothing any more, and a pass in capture order goes on
+        without it. (What it wrote stays written.)"""
         for w, _ in self.reads.pop(gid, ()):
             w.readers.discard(gid)
+        if gid in self._link:
+            self._chain.remove(gid)
+            self._link = {g: i for i, g in enumerate(self._chain)}
 
     def judges(self, gid: GraphId, addr: DataPtr) -> bool:
         """Whether the order covers what `gid` does at `addr`: it reads there a range another
@@ -205,17 +223,42 @@ class PoolOrder:
         )
 
     # -- replay -------------------------------------------------------------------------------
+    def in_order(self, gid: GraphId) -> bool:
+        """Whether a replay of `gid` now is clean by capture order alone: the carvers have
+        replayed in capture order since the last restart, every graph `gid` reads from among
+        them, and none after `gid`'s place (or `gid` restarts the pass)."""
+        if self._chain and gid == self._chain[0] and gid not in self._producers_up_to:
+            return True
+        return self._in_order and self._producers_up_to.get(
+            gid, -1
+        ) <= self._reached < self._place.get(gid, -1)
+
     def hazards(self, gid: GraphId) -> list[Conflict]:
         """The ranges a replay of `gid` now would read from the wrong writer."""
+        reads = self.reads.get(gid)
+        if not reads or self.in_order(gid):
+            return []
         out = []
-        for w, ref in self.reads.get(gid, ()):
-            if w.owner is not None and w.owner != w.producer:
-                out.append(Conflict(gid, w.start, w.end, w.producer, w.owner, ref, w.site))
+        last = self.last
+        for w, ref in reads:
+            ran = [g for g in w.writers if last.get(g, 0)]
+            owner = max(ran, key=last.__getitem__) if ran else None  # who wrote it last
+            if owner is not None and owner != w.producer:
+                out.append(Conflict(gid, w.start, w.end, w.producer, owner, ref, w.site))
         return out
 
     def replayed(self, gid: GraphId) -> None:
-        """`gid` ran: it wrote every watched range it carves."""
+        """`gid` ran: it wrote every range it carves (it owns them until another writer runs)."""
         self.clock += 1
         self.last[gid] = self.clock
-        for w in self.writes.get(gid, ()):
-            w.owner = gid
+        i = self._link.get(gid)
+        if i is None:
+            return  # it carved nothing: the order of the pass does not change
+        if i == 0:
+            self._in_order = True  # a pass restarts
+        elif not (self._in_order and self._chain[i - 1] == self._reached_graph()):
+            self._in_order = False
+        self._reached = self._place[gid]
+
+    def _reached_graph(self) -> GraphId | None:
+        return self.sequence[self._reached] if self._reached >= 0 else None

@@ -63,7 +63,7 @@ class ReplayOrders:
         for gid in order.add_graph(info.id, in_pool, refs):
             g = graphs.get(gid)
             if g is not None:
-                g.reads = True
+                g.reads, g.read_order = True, order
         if len(order.sequence) > 1:  # shared: from now on the carvers' replays are counted
             for gid in order.carvers:
                 g = graphs.get(gid)

@@ -75,6 +75,7 @@ class GraphState:
     # re-carves, so each replay is checked against that order
     order: PoolOrder | None = None
     reads: bool = False
+    read_order: PoolOrder | None = None  # the pool order that checks its reads
 
 
 # Expandable segments map and unmap whole pages: 2 MiB in the small pool, 20 MiB in the large

@@ -77,7 +77,7 @@ class GraphHooks:
             state = self.__dict__.get(_ATTR)
             if state is None:
                 return orig["replay"](self, *args, **kwargs)
-            if state.dirty or state.reads:
+            if state.dirty or (state.reads and not state.read_order.in_order(state.info.id)):
                 listener.before_replay(self, state)
             result = orig["replay"](self, *args, **kwargs)
             if state.order is not None:  # it went ahead: it wrote what it carved in its pool
