@@ -18,7 +18,12 @@ ALLOWED = {
     "graphsan.core": ("graphsan.core",),
     "graphsan.report": ("graphsan.core", "graphsan.report"),
     "graphsan.policies": ("graphsan.core", "graphsan.context", "graphsan.cuda.allocator"),
-    "graphsan.cuda": ("graphsan.core", "graphsan.context", "graphsan.report.timeline"),
+    "graphsan.cuda": (
+        "graphsan.core",
+        "graphsan.context",
+        "graphsan.report.timeline",
+        "graphsan.cuda.tracelog",  # the allocator watch's compiled event source
+    ),
 }
 # imports no sanitizer module may make; the CLI alone dispatches `graphsan train|repro` to the lab
 NEVER = {"graphsan.lab"}
