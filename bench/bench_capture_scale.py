@@ -11,7 +11,8 @@ Two runs, each variant (off, record, raise) in its own fresh process:
   blocks, then every graph replayed.
 Per variant: the first capture, the median capture, the whole capture phase, the replay round,
 the allocation phase and the resident memory; ratios are to "off". The capture analysis split by
-stage comes from graphsan's own report.
+stage comes from graphsan's own report; the last column says where graphsan read the allocator's
+events (the compiled tracker, or snapshots and why; `GRAPHSAN_TRACELOG=0` forces snapshots).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def child(args: argparse.Namespace) -> None:
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "stages_ms": stages,
         "disabled": san.disabled_reason if san is not None else None,
+        "allocator_log": san.memory.allocator_log if san is not None else None,
         "findings": len(san.findings) if san is not None else 0,
         "kernel_nodes": sum(s.get("kernels", 0) for s in san.report().graphs) if san else None,
     }
@@ -120,9 +122,9 @@ def table(title: str, rows: list[tuple[str, dict]]) -> None:
     print(
         "| run | first capture ms | median capture ms | vs off | capture phase s | vs off "
         "| replay round ms | vs off | alloc phase s | alloc+free us | RSS MB "
-        "| analysis ms/graph by stage |"
+        "| analysis ms/graph by stage | allocator log |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, r in rows:
         off = base[key.rsplit(" ", 1)[0] + " off"]
         stages = ", ".join(f"{k} {v:.3f}" for k, v in r["stages_ms"].items()) or "-"
@@ -132,7 +134,7 @@ def table(title: str, rows: list[tuple[str, dict]]) -> None:
             f"| {r['phase_s'] / off['phase_s']:.2f}x | {r['replay_ms']:.3f} "
             f"| {r['replay_ms'] / off['replay_ms']:.4f} | {r['alloc_s']:.2f} | {r['pair_us']:.1f} "
             f"| {r['rss_mb']:.0f} "
-            f"| {stages} |"
+            f"| {stages} | {r.get('allocator_log') or '-'} |"
         )
         if r["disabled"] or r["findings"]:
             print(f"  ! {key}: disabled={r['disabled']} findings={r['findings']}")

@@ -1,5 +1,6 @@
 """The incremental allocator view equals real allocator snapshots (H200), with and without
-expandable segments; the program runs in a subprocess (tests/gpu/view_vs_snapshot.py)."""
+expandable segments, fed by the compiled trace tracker (built here on first use) and by the
+memory-history fallback; the program runs in a subprocess (tests/gpu/view_vs_snapshot.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,18 @@ pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_view_follows_the_real_allocator(seed, expandable):
+RUNS = [(seed, expandable, "tracker") for seed in (0, 1) for expandable in (False, True)]
+RUNS += [(0, expandable, "snapshot") for expandable in (False, True)]
+
+
+@pytest.mark.parametrize(
+    ("seed", "expandable", "log"),
+    RUNS,
+    ids=[f"{log}-{'expandable' if e else 'segments'}-{s}" for s, e, log in RUNS],
+)
+def test_the_view_follows_the_real_allocator(seed, expandable, log):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    env["GRAPHSAN_TRACELOG"] = "1" if log == "tracker" else "0"
     if expandable:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     proc = subprocess.run(
@@ -31,6 +40,11 @@ def test_the_view_follows_the_real_allocator(seed, expandable):
     assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
     res = json.loads(lines[-1][len("RESULT ") :])
     assert res["disabled"] is None, res
+    if log == "tracker":
+        # built, loaded and attached; memory history (a cost on every allocation) stays off
+        assert res["log"] == "tracker" and res["history"] is not True, res
+    else:
+        assert res["log"] == "snapshot (GRAPHSAN_TRACELOG=0)" and res["history"] is not False, res
     assert res["checks"] == 40 and res["mismatches"] == 0, res
     assert res["events"] > 100, res  # the view followed the log, it was not reseeded each time
     assert res["seeds"] == 1, res

@@ -18,7 +18,12 @@ ALLOWED = {
     "graphsan.core": ("graphsan.core",),
     "graphsan.report": ("graphsan.core", "graphsan.report"),
     "graphsan.policies": ("graphsan.core", "graphsan.context", "graphsan.cuda.allocator"),
-    "graphsan.cuda": ("graphsan.core", "graphsan.context", "graphsan.report.timeline"),
+    "graphsan.cuda": (
+        "graphsan.core",
+        "graphsan.context",
+        "graphsan.report.timeline",
+        "graphsan.cuda.tracelog",  # the allocator watch's compiled event source
+    ),
     "graphsan.capture": ("graphsan.core", "graphsan.cuda", "graphsan.report.timeline"),
 }
 # imports no sanitizer module may make; the CLI alone dispatches `graphsan train|repro` to the lab

@@ -2,7 +2,9 @@
 
 Random allocations, frees and empty_cache calls, graph captures into fresh and shared pools, a
 `torch.cuda.MemPool`, and tensors freed on a side stream; after each round the view must equal
-a snapshot of the real allocator. Prints `RESULT {json}`.
+a snapshot of the real allocator. Prints `RESULT {json}`, with where the view's events came
+from (`allocator_log`: the compiled tracker, or snapshots with the reason) and whether memory
+history was on at the end.
 """
 
 import json
@@ -93,6 +95,8 @@ print(
             "drains": san.memory.drains,
             "disabled": san.disabled_reason,
             "blocks": len(views),
+            "log": san.memory.allocator_log,
+            "history": getattr(torch._C, "_cuda_isHistoryEnabled", lambda: None)(),
         }
     ),
     flush=True,

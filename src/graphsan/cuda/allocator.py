@@ -2,18 +2,21 @@
 alloc/free events, storage changes and cache releases, turned into calls on the pure `Tracker`.
 
 - The view (`allocview.AllocatorView`, one per device) is seeded by one snapshot when graphsan
-  starts and then follows the allocator's own event log (`_record_memory_history(enabled="all",
-  context=None)`: addresses, sizes and streams, no stacks), drained at capture begin and end and
+  starts and then follows the allocator's own events, drained at capture begin and end and
   before a replay is judged. Each drain costs the events since the last one, not the blocks
   alive; a log that overflowed between two drains (or contradicts the view) reseeds it.
-- The log carries no pool. While a graph is captured, the allocator's user metadata names the
-  capture, so its log entries carry the tag: a new segment made for a tagged allocation on the
-  capture stream is the graph pool's (capture_begin's own allocations come before the tag);
-  one made on another stream during the capture, or untagged (the metadata does not reach the
-  autograd engine's worker thread, which runs a captured backward), is looked up in the ending
-  capture's pool snapshot. Segments
-  made inside a `beginAllocate*ToPool` window (torch.compile's graph trees, `use_mem_pool`)
-  belong to that window's pool.
+- The events come from a compiled trace tracker (`graphsan.cuda.tracelog`), which names each new
+  segment's pool; memory history stays off. Where it cannot be built or attached, they come from
+  the allocator's memory history (`_record_memory_history(enabled="all", context=None)`), read
+  through a snapshot filtered by an empty pool, whose C++ side still walks every block
+  (`allocator_log` says which and why).
+- The history's log carries no pool. While a graph is captured, the allocator's user metadata
+  names the capture, so its log entries carry the tag: a new segment made for a tagged
+  allocation on the capture stream is the graph pool's (capture_begin's own allocations come
+  before the tag); one made on another stream during the capture, or untagged (the metadata
+  does not reach the autograd engine's worker thread, which runs a captured backward), is
+  looked up in the ending capture's pool snapshot. Segments made inside a `beginAllocate*ToPool` window (torch.compile's graph trees,
+  `use_mem_pool`) belong to that window's pool. Either way the tag marks a capture's allocations.
 - Allocation stacks are taken by the GPU-trace allocation callback as raw (code, instruction)
   pairs, one interned tuple per distinct call path, and turned into frames only for blocks a
   graph references. (The allocator's own stacks need torch's symbolizer, whose first use in a
@@ -42,10 +45,11 @@ from graphsan.context import Context, python_stack, user_frames
 from graphsan.core.memory_map import AllocatorView, MemoryMap, ViewError
 from graphsan.core.records import DEFAULT_POOL, Frame, FreeEvent, PoolId, Release
 from graphsan.core.tracker import Tracker
+from graphsan.cuda import tracelog
 from graphsan.report.timeline import Timeline
 
-# Trace entries kept between two drains; more than this and the oldest are overwritten, which the
-# drain notices (a full buffer) and answers with a fresh snapshot.
+# Trace entries kept between two drains; more than this and the history overwrites the oldest (the
+# tracker drops the newest), which the drain notices and answers with a fresh snapshot.
 MAX_ENTRIES = 1 << 18
 # Below this many new entries a drain applies them; above it (and above twice the blocks the view
 # holds) a fresh snapshot is cheaper.
@@ -122,6 +126,25 @@ def _set_metadata(text: str) -> None:
         torch.cuda.memory._set_memory_metadata(text)
 
 
+def _reseed_limit(view: AllocatorView) -> int:
+    """Events past which a fresh snapshot of the view's device is cheaper than applying them."""
+    return max(RESEED_ENTRIES, 2 * len(view))
+
+
+_SAID: list[str] = []
+
+
+def _say_fallback(reason: str | None) -> None:
+    """A fallback the user did not ask for is said once per process, in one line."""
+    if reason is None or reason == f"{tracelog.ENV}=0" or _SAID:
+        return
+    _SAID.append(reason)
+    sys.stderr.write(
+        f"graphsan: the allocator's events come from snapshots ({reason}); "
+        "each capture costs more as the live blocks grow\n"
+    )
+
+
 def _site_frames(site: Site | None) -> list[Frame]:
     """A recorded allocation stack as frames, outermost first, user frames only."""
     if not site:
@@ -173,6 +196,16 @@ class AllocatorWatch:
         self.timeline: Timeline | None = None  # gets watched frees and empty_cache releases
         self._active = False
         self._patches: list[tuple[object, str, object]] = []
+        self.log: tracelog.TraceLog | None = None  # the compiled tracker, when it could be used
+        self.log_reason: str | None = None  # why not
+
+    @property
+    def allocator_log(self) -> str | None:
+        """Where the allocator's events come from: "tracker", or "snapshot (why)"; None before
+        the watch starts."""
+        if self.log is not None:
+            return "tracker"
+        return f"snapshot ({self.log_reason})" if self.log_reason is not None else None
 
     # -- the view ------------------------------------------------------------------------------
     def view(self, device: int, sync: bool = True) -> AllocatorView:
@@ -189,25 +222,41 @@ class AllocatorWatch:
     def sync(self) -> None:
         """Apply the allocator's event log to the views."""
         if torch.cuda.is_current_stream_capturing():
-            return  # the allocator's history must not be touched mid-capture; the next sync will
-        if not self.views:
+            # the history must not be touched mid-capture (the tracker's events simply wait)
+            return
+        if self.log is not None:
+            raw, tags, lost = self.log.drain_raw()
+            n = len(raw) // tracelog.RECORD.size
+            # a batch this big reseeds every view, so only the captures' allocations (carves)
+            # are worth converting
+            reseed_all = lost or any(n >= _reseed_limit(v) for v in self.views.values())
+            per_device = tracelog.entries_from_records(raw, tags, reseed_all)
+        elif not self.views:
             self._clear_log()
             return
-        snap = _snapshot(_empty_pool_id(), traces=True)
-        self._clear_log()
+        else:
+            snap = _snapshot(_empty_pool_id(), traces=True)
+            self._clear_log()
+            traces = snap.get("device_traces", [])
+            per_device = dict(enumerate(traces))
+            reseed_all = False
+        if not self.views:
+            return
         self.drains += 1
-        traces = snap.get("device_traces", [])
         reseed, self._reseed = self._reseed, False
         for device, view in self.views.items():
-            entries = traces[device] if device < len(traces) else []
-            self._apply(view, entries, device, reseed)
+            entries = per_device.get(device, [])
+            if reseed_all:
+                view.seed(_snapshot(), device)
+            else:
+                self._apply(view, entries, device, reseed)
             if self.captures:
                 self._note_carves(entries, view)
 
     def _apply(self, view: AllocatorView, entries: list, device: int, reseed: bool) -> None:
-        # a full ring buffer may have overwritten entries; and past RESEED_ENTRIES a snapshot,
-        # walked in C++, is cheaper than applying the entries in Python
-        if len(entries) >= min(MAX_ENTRIES, max(RESEED_ENTRIES, 2 * len(view))):
+        # a full buffer lost entries; and past RESEED_ENTRIES a snapshot, walked in C++, is
+        # cheaper than applying the entries in Python
+        if len(entries) >= min(MAX_ENTRIES, _reseed_limit(view)):
             view.seed(_snapshot(), device)
             return
         unsure: list[tuple[int, PoolId]] = []
@@ -244,6 +293,9 @@ class AllocatorWatch:
 
     def _pool_of(self, entry, following, unsure: list) -> PoolId:
         """The pool of a new segment (see the module docstring)."""
+        pool = entry.get("pool")
+        if pool is not None:  # the tracker's entries: the allocator named it
+            return pool
         stream = int(entry["stream"])
         tag = (following or entry).get("user_metadata", "")
         capture = self.captures.get(tag)
@@ -411,7 +463,14 @@ class AllocatorWatch:
     def start(self) -> None:
         if self._active:
             return
-        self._record(clear=True)
+        if self.log is None and self.log_reason is None:
+            self.log, self.log_reason = tracelog.open_log()
+            _say_fallback(self.log_reason)
+        if self.log is not None:
+            self.log.set_cap(MAX_ENTRIES)
+            self.log.enable(True)
+        else:
+            self._record(clear=True)
         from torch.cuda import _gpu_trace
 
         torch._C._activate_gpu_trace()
@@ -433,9 +492,12 @@ class AllocatorWatch:
             else:
                 setattr(owner, name, orig)
         self._patches.clear()
-        with contextlib.suppress(Exception):
-            if not torch.cuda.is_current_stream_capturing():
-                torch.cuda.memory._record_memory_history(enabled=None)
+        if self.log is not None:
+            self.log.enable(False)
+        else:
+            with contextlib.suppress(Exception):
+                if not torch.cuda.is_current_stream_capturing():
+                    torch.cuda.memory._record_memory_history(enabled=None)
         self.views.clear()
         self.sites.clear()
         self._interned.clear()

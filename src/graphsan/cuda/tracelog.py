@@ -1,0 +1,332 @@
+"""The caching allocator's event log through a compiled trace tracker (tracelog.cpp).
+
+torch offers the allocator's event log to Python only inside a memory snapshot, and its C++
+snapshot walks every allocator block before it filters by pool, so reading the log that way costs
+the blocks alive. A tracker attached with `attachAllocatorTraceTracker` gets each event as it
+happens (memory history on or off), and a drain costs the events since the last one.
+
+The tracker is built on first use with the system C++ compiler against the installed torch's
+headers (no pybind, no torch extension machinery), cached under `$XDG_CACHE_HOME/graphsan` keyed
+by the torch build and the source, and loaded with ctypes. `GRAPHSAN_TRACELOG=0` turns it off.
+Anything that fails on the way (no compiler, no CUDA headers, a build or load error, a missing
+symbol, another allocator backend) leaves `open_log()` returning no log and one line saying why;
+the caller then reads the log from snapshots as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import hashlib
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+ENV = "GRAPHSAN_TRACELOG"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tracelog.cpp")
+# The events tracelog.cpp keeps, by its action code (the others change nothing the view holds).
+ACTIONS = (
+    "alloc",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+)
+RECORD = struct.Struct("<QQQqQQiiii")  # tracelog.cpp's Record
+BUILD_TIMEOUT_S = 300
+
+
+class BuildError(Exception):
+    """The tracker could not be built; the message is one line."""
+
+
+class TraceLog:
+    """The loaded tracker: turn it on and off, drain its events."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self._lock = threading.Lock()  # a drain's batch lives in the library until the next drain
+
+    def enable(self, on: bool) -> None:
+        """Start recording from an empty buffer, or stop (the buffer is emptied)."""
+        self.lib.gs_tracelog_enable(1 if on else 0)
+
+    def set_cap(self, records: int) -> None:
+        """Past this many undrained events the tracker drops events and the drain says so."""
+        self.lib.gs_tracelog_set_cap(records)
+
+    def drain(self) -> tuple[dict[int, list[dict[str, Any]]], bool]:
+        """The events since the last drain, per device, as snapshot trace entries; and whether
+        some were dropped (the buffer was full)."""
+        raw, tags, overflow = self.drain_raw()
+        return entries_from_records(raw, tags), overflow
+
+    def drain_raw(self) -> tuple[bytes, list[str], bool]:
+        """The events since the last drain as packed records (RECORD) and the tags they name;
+        and whether some were dropped."""
+        with self._lock:
+            n = self.lib.gs_tracelog_drain()
+            overflow = bool(self.lib.gs_tracelog_overflowed())
+            if n == 0:
+                return b"", [], overflow
+            raw = ctypes.string_at(self.lib.gs_tracelog_records(), n * RECORD.size)
+            tags = [
+                self.lib.gs_tracelog_tag(i).decode("utf-8", "replace")
+                for i in range(self.lib.gs_tracelog_tag_count())
+            ]
+        return raw, tags, overflow
+
+    def feed(
+        self,
+        action: str,
+        addr: int,
+        size: int,
+        stream: int = 0,
+        pool: tuple[int, int] = (0, 0),
+        user_metadata: str = "",
+        device: int = 0,
+    ) -> None:
+        """Hand the tracker one event as the allocator would (tests without a GPU)."""
+        rc = self.lib.gs_tracelog_feed(
+            action.encode(), device, addr, size, stream, pool[0], pool[1], user_metadata.encode()
+        )
+        if rc != 0:
+            raise ValueError(f"unknown allocator action {action!r}")
+
+
+def entries_from_records(
+    raw: bytes, tags: Sequence[str], tagged_allocs_only: bool = False
+) -> dict[int, list[dict[str, Any]]]:
+    """Drained records as the entries of a snapshot's `device_traces` (action, addr, size,
+    stream, time_us, user_metadata), plus the segment's pool as the allocator named it.
+    `tagged_allocs_only`: only allocations made under user metadata (a view that is reseeded
+    needs no more)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for addr, size, stream, time_us, pool_a, pool_b, action, device, tag, _ in RECORD.iter_unpack(
+        raw
+    ):
+        if tagged_allocs_only and (action != 0 or tag < 0):
+            continue
+        entries = out.get(device)
+        if entries is None:
+            entries = out[device] = []
+        entries.append(
+            {
+                "action": ACTIONS[action],
+                "addr": addr,
+                "size": size,
+                "stream": stream,
+                "time_us": time_us,
+                "user_metadata": tags[tag] if tag >= 0 else "",
+                "pool": (pool_a, pool_b),
+            }
+        )
+    return out
+
+
+# -- building ----------------------------------------------------------------------------------
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "graphsan")
+
+
+def library_name(source: bytes, torch_build: str) -> str:
+    """The cached library's file name: the torch build (version, commit, C++ ABI) and the
+    source, hashed; the version stays readable."""
+    digest = hashlib.sha256(torch_build.encode() + b"\0" + source).hexdigest()[:16]
+    version = re.sub(r"[^A-Za-z0-9.+-]", "_", torch_build.split(" ")[0])
+    return f"tracelog-{version}-{digest}.so"
+
+
+def find_compiler() -> str | None:
+    """`$CXX`, else `c++` or `g++` on PATH."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx) or (cxx if os.path.isfile(cxx) else None)
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def cuda_include_dirs() -> list[str]:
+    """Where cuda_runtime_api.h is: CUDA_HOME or CUDA_PATH, nvcc's toolkit, /usr/local/cuda,
+    then the NVIDIA pip packages next to torch."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    roots.append("/usr/local/cuda")
+    found = [os.path.join(r, "include") for r in roots if r]
+    for base in sys.path:
+        nvidia = os.path.join(base or ".", "nvidia")
+        if os.path.isdir(nvidia):
+            found.append(os.path.join(nvidia, "cuda_runtime", "include"))
+            found += sorted(
+                os.path.dirname(p) for p in glob.glob(f"{nvidia}/*/include/cuda_runtime_api.h")
+            )
+    out: list[str] = []
+    for d in found:
+        if os.path.isfile(os.path.join(d, "cuda_runtime_api.h")) and d not in out:
+            out.append(d)
+    return out[:1]
+
+
+def build(
+    target: str,
+    cxx: str,
+    include_dirs: Sequence[str],
+    lib_dir: str,
+    libs: Sequence[str],
+    defines: Sequence[str] = (),
+    source: str = SOURCE,
+) -> None:
+    """Compile `source` into `target`: into a temporary file next to it, renamed into place, so
+    a process that loads `target` never sees half a file (two processes may build at once; the
+    later rename wins with an equal file). Raises BuildError."""
+    folder = os.path.dirname(target) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".", suffix=".tmp", dir=folder)
+        os.close(fd)
+    except OSError as err:
+        raise BuildError(f"cannot write to {folder}: {err.strerror or err}") from None
+    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", *(f"-D{d}" for d in defines)]
+    cmd += [f"-I{d}" for d in include_dirs]
+    cmd += [source, "-o", tmp, f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
+    cmd += [f"-l{lib}" for lib in libs] + ["-ldl"]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
+        )
+        if proc.returncode != 0:
+            raise BuildError(f"{os.path.basename(cxx)} failed: {_first_error(proc.stderr)}")
+        os.replace(tmp, target)
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"{os.path.basename(cxx)} ran past {BUILD_TIMEOUT_S} s") from None
+    except OSError as err:
+        raise BuildError(f"{os.path.basename(cxx)}: {err.strerror or err}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _first_error(stderr: str) -> str:
+    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
+    line = next((x for x in lines if "error" in x), lines[-1] if lines else "no message")
+    return line[:300]
+
+
+def load(path: str) -> TraceLog:
+    """Load a built tracker; raises BuildError (one line) when it cannot be used."""
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as err:
+        raise BuildError(f"cannot load {os.path.basename(path)}: {str(err)[:300]}") from None
+    try:
+        lib.gs_tracelog_record_size.restype = ctypes.c_int32
+        lib.gs_tracelog_attach.restype = ctypes.c_int32
+        lib.gs_tracelog_attach.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.gs_tracelog_enable.argtypes = [ctypes.c_int32]
+        lib.gs_tracelog_enable.restype = None
+        lib.gs_tracelog_set_cap.argtypes = [ctypes.c_uint64]
+        lib.gs_tracelog_set_cap.restype = None
+        lib.gs_tracelog_drain.restype = ctypes.c_int64
+        lib.gs_tracelog_records.restype = ctypes.c_void_p
+        lib.gs_tracelog_overflowed.restype = ctypes.c_int32
+        lib.gs_tracelog_tag_count.restype = ctypes.c_int32
+        lib.gs_tracelog_tag.restype = ctypes.c_char_p
+        lib.gs_tracelog_tag.argtypes = [ctypes.c_int32]
+        lib.gs_tracelog_feed.restype = ctypes.c_int32
+        lib.gs_tracelog_feed.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_int32,
+            *[ctypes.c_uint64] * 5,
+            ctypes.c_char_p,
+        ]
+    except AttributeError as err:
+        raise BuildError(f"{os.path.basename(path)} lacks a symbol: {err}") from None
+    if lib.gs_tracelog_record_size() != RECORD.size:
+        raise BuildError(f"{os.path.basename(path)}: record layout differs from tracelog.py")
+    return TraceLog(lib)
+
+
+# -- the process's log -------------------------------------------------------------------------
+_lock = threading.Lock()
+_opened: list[tuple[TraceLog | None, str]] = []
+
+
+def open_log() -> tuple[TraceLog | None, str]:
+    """The process's tracker, attached to the CUDA caching allocator (built and attached once
+    per process; CUDA must be available). Returns (log, "tracker") or (None, the reason)."""
+    with _lock:
+        if not _opened:
+            try:
+                _opened.append((_open(), "tracker"))
+            except BuildError as err:
+                _opened.append((None, str(err)))
+            except Exception as err:  # whatever else goes wrong, the snapshots still work
+                line = (str(err).strip().splitlines() or [""])[0][:300]
+                _opened.append((None, f"{type(err).__name__}: {line}"))
+        return _opened[0]
+
+
+def _open() -> TraceLog:
+    setting = os.environ.get(ENV, "1").strip()
+    if setting == "0":
+        raise BuildError(f"{ENV}=0")
+    if setting != "1":
+        raise BuildError(f"{ENV}={setting!r}: expected 0 (off) or 1 (on)")
+    import torch
+
+    if not torch.version.cuda:
+        raise BuildError("torch is not built with CUDA")
+    backend = torch.cuda.get_allocator_backend()
+    if backend != "native":
+        raise BuildError(f"the allocator backend is {backend}, not native")
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    c10_cuda = os.path.join(lib_dir, "libc10_cuda.so")
+    if not os.path.isfile(c10_cuda):
+        raise BuildError(f"no libc10_cuda.so in {lib_dir}")
+    abi = int(torch.compiled_with_cxx11_abi())
+    log = obtain(f"{torch.__version__} {torch.version.git_version} abi{abi}", lib_dir, abi)
+    torch.cuda.init()  # the allocator makes its per-device state here; trackers attach to it
+    err = ctypes.create_string_buffer(512)
+    if log.lib.gs_tracelog_attach(c10_cuda.encode(), err, len(err)) != 0:
+        raise BuildError(err.value.decode("utf-8", "replace"))
+    return log
+
+
+def obtain(
+    torch_build: str,
+    lib_dir: str,
+    abi: int,
+    libs: Sequence[str] = ("c10_cuda", "c10"),
+) -> TraceLog:
+    """The tracker for this torch build, from the cache or built into it now, loaded (not
+    attached). Raises BuildError."""
+    try:
+        with open(SOURCE, "rb") as fh:
+            source = fh.read()
+    except OSError as err:
+        raise BuildError(f"cannot read {SOURCE}: {err.strerror}") from None
+    target = os.path.join(cache_dir(), library_name(source, torch_build))
+    if not os.path.isfile(target):
+        cxx = find_compiler()
+        if cxx is None:
+            raise BuildError("no C++ compiler ($CXX, c++ or g++)")
+        cuda = cuda_include_dirs()
+        if not cuda:
+            raise BuildError("no CUDA headers (cuda_runtime_api.h): set CUDA_HOME")
+        from torch.utils.cpp_extension import include_paths
+
+        build(
+            target, cxx, [*include_paths(), *cuda], lib_dir, libs, [f"_GLIBCXX_USE_CXX11_ABI={abi}"]
+        )
+    return load(target)

@@ -1,0 +1,467 @@
+"""The compiled allocator tracker (graphsan.cuda.tracelog) without a GPU.
+
+- Its records, converted to trace entries, keep the allocator view equal to the model allocator's
+  snapshot at every step (tests/test_allocview.py's model), with the pools the records name and
+  the user metadata (capture tags) they carry; the watch's sync drains them, reseeds on an
+  overflow and keeps a capture's tagged allocations.
+- The real tracelog.cpp, compiled here against the installed torch's headers (where a compiler
+  and CUDA headers exist), records the events it is fed and drains them in the same shape.
+- The build: a cache keyed by the torch build and the source, a temporary file renamed into
+  place, and every failure (off by GRAPHSAN_TRACELOG, no compiler, no headers, a failed build, a
+  library that does not load) turned into one line for the fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import stat
+import sys
+import types
+
+import pytest
+import torch
+
+from graphsan.context import Context
+from graphsan.core.memory_map import AllocatorView, MemoryMap
+from graphsan.core.records import DEFAULT_POOL
+from graphsan.core.tracker import Tracker
+from graphsan.cuda import allocator, tracelog
+from graphsan.cuda.allocator import AllocatorWatch
+from tests.test_allocview import STREAM_POOL, ModelAllocator, same_answers
+
+
+def _raise(err):
+    raise err
+
+
+def new_watch() -> AllocatorWatch:
+    return AllocatorWatch(Tracker(), Context(), _raise)
+
+
+def pool_of_entry(e: dict) -> tuple[int, int]:
+    return STREAM_POOL.get(e["stream"], DEFAULT_POOL)
+
+
+def pack(log: list[dict]) -> tuple[bytes, list[str]]:
+    """The model's log as tracelog.cpp would record it: the kept actions only, tags interned."""
+    raw, tags = [], []
+    for e in log:
+        if e["action"] not in tracelog.ACTIONS:
+            continue
+        meta = e.get("user_metadata", "")
+        if meta and meta not in tags:
+            tags.append(meta)
+        pool = pool_of_entry(e)
+        raw.append(
+            tracelog.RECORD.pack(
+                e["addr"],
+                e["size"],
+                e["stream"],
+                1_700_000_000_000_000,
+                pool[0],
+                pool[1],
+                tracelog.ACTIONS.index(e["action"]),
+                0,
+                tags.index(meta) if meta else -1,
+                0,
+            )
+        )
+    return b"".join(raw), tags
+
+
+def converted(log: list[dict]) -> list[dict]:
+    raw, tags = pack(log)
+    return tracelog.entries_from_records(raw, tags).get(0, [])
+
+
+def drive(seed: int, expandable: bool, to_entries) -> None:
+    """A random run of the model allocator; the view follows `to_entries(log)` and must equal
+    the snapshot after every drain. Stretches of the run are tagged like captures."""
+    rng = random.Random(seed * 7919 + expandable)
+    model = ModelAllocator(rng, expandable)
+    live: list[tuple[int, int]] = []
+    for _ in range(rng.randrange(0, 12)):
+        stream = rng.choice(list(STREAM_POOL))
+        live.append((model.malloc(rng.choice([100, 4096, 70_000, 3 << 20]), stream), stream))
+    view = AllocatorView()
+    view.seed(model.snapshot())
+    model.log.clear()
+    watch = new_watch()
+    tag = ""
+    for i in range(300):
+        if rng.random() < 0.05:
+            tag = "" if tag else f"graphsan capture {i}"
+        before = len(model.log)
+        r = rng.random()
+        if r < 0.5 or not live:
+            stream = rng.choice(list(STREAM_POOL))
+            size = rng.choice([8, 512, 1000, 4096, 65_536, 1 << 20, 3 << 20, 5 << 20])
+            live.append((model.malloc(size, stream), stream))
+        elif r < 0.93:
+            addr, stream = live.pop(rng.randrange(len(live)))
+            model.free(addr, stream)
+        else:
+            model.empty_cache()
+        for e in model.log[before:]:
+            e["user_metadata"] = tag
+        if rng.random() < 0.3:
+            entries = to_entries(model.log)
+            kept = [e for e in model.log if e["action"] in tracelog.ACTIONS]
+            assert [
+                (e["action"], e["addr"], e["size"], e["stream"], e["user_metadata"]) for e in kept
+            ] == [
+                (e["action"], e["addr"], e["size"], e["stream"], e["user_metadata"])
+                for e in entries
+            ]
+            model.log.clear()
+            unsure: list = []
+            # the watch's own pool lookup: with no capture or route known, only the records'
+            # pools put the segments of streams 22 and 33 where the snapshot has them
+            view.apply(entries, functools.partial(watch._pool_of, unsure=unsure))
+            assert unsure == []
+            same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+@pytest.mark.parametrize("seed", range(4))
+def test_converted_records_keep_the_view_equal_to_a_snapshot(seed, expandable):
+    drive(seed, expandable, converted)
+
+
+def test_records_become_snapshot_shaped_entries_per_device():
+    tags = ["graphsan capture 3"]
+    raw = tracelog.RECORD.pack(0x7000, 4096, 11, 5, 0, 0, 0, 1, 0, 0)
+    raw += tracelog.RECORD.pack(0x8000, 2 << 20, 22, 6, 1, 0, 2, 0, -1, 0)
+    out = tracelog.entries_from_records(raw, tags)
+    assert out == {
+        1: [
+            {
+                "action": "alloc",
+                "addr": 0x7000,
+                "size": 4096,
+                "stream": 11,
+                "time_us": 5,
+                "user_metadata": "graphsan capture 3",
+                "pool": (0, 0),
+            }
+        ],
+        0: [
+            {
+                "action": "segment_alloc",
+                "addr": 0x8000,
+                "size": 2 << 20,
+                "stream": 22,
+                "time_us": 6,
+                "user_metadata": "",
+                "pool": (1, 0),
+            }
+        ],
+    }
+
+
+# -- the watch's drain --------------------------------------------------------------------------
+class FakeLog:
+    """What AllocatorWatch.sync needs of a TraceLog: drains of the model's log, in order."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[list[dict], bool]] = []
+
+    def drain_raw(self):
+        log, overflow = self.batches.pop(0) if self.batches else ([], False)
+        return (*pack(log), overflow)
+
+
+def test_sync_drains_the_tracker_reseeds_on_overflow_and_keeps_capture_allocations(monkeypatch):
+    rng = random.Random(3)
+    model = ModelAllocator(rng, expandable=False)
+    model.malloc(4096, 11)
+    seeds = []
+
+    def snapshot(pool=(0, 0), traces=False):
+        assert pool == (0, 0) and not traces, "the tracker path takes only plain snapshots"
+        seeds.append(1)
+        return model.snapshot()
+
+    monkeypatch.setattr(allocator, "_snapshot", snapshot)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    watch = new_watch()
+    log = watch.log = FakeLog()
+    model.log.clear()
+    view = watch.view(0)  # the seed
+    assert len(seeds) == 1
+
+    def drained(overflow=False):
+        log.batches.append((list(model.log), overflow))
+        model.log.clear()
+
+    live = [model.malloc(n, s) for n, s in [(512, 11), (3 << 20, 22), (100, 33)]]
+    drained()
+    assert watch.view(0) is view and len(seeds) == 1, "the events were applied, no snapshot"
+    assert watch.drains == 1
+    same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
+
+    def capture(gid: int, overflow: bool) -> list[int]:
+        tag = watch.capture_started(gid, 22)
+        start = len(model.log)
+        carved = [model.malloc(n, 22) for n in (1000, 5 << 20)]
+        for e in model.log[start:]:
+            e["user_metadata"] = tag
+        model.free(live.pop(0), 11)  # untagged, not the capture's
+        drained(overflow)
+        carves = watch.capture_ended(tag, (1, 0))
+        assert [(a, n) for a, n, _ in carves] == [(carved[0], 1000), (carved[1], 5 << 20)]
+        same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
+        return carved
+
+    capture(7, overflow=False)
+    assert len(seeds) == 1
+    live.append(model.malloc(512, 11))
+    capture(8, overflow=True)  # the tracker dropped events: the view is reseeded
+    assert len(seeds) == 2
+
+    for _ in range(allocator.RESEED_ENTRIES // 2 + 1):  # alloc + free_completed each
+        model.free(model.malloc(512, 11), 11)
+    drained()
+    watch.sync()
+    assert len(seeds) == 3, "past RESEED_ENTRIES events a snapshot is cheaper"
+    same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
+
+
+def test_sync_waits_while_the_current_stream_captures(monkeypatch):
+    watch = new_watch()
+    log = watch.log = FakeLog()
+    log.batches.append(([], False))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    watch.sync()
+    assert len(log.batches) == 1 and watch.drains == 0
+
+
+# -- the compiled tracker -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """tracelog.cpp built against this torch (linked to libc10 only, not attached)."""
+    cxx, cuda = tracelog.find_compiler(), tracelog.cuda_include_dirs()
+    if cxx is None or not cuda:
+        pytest.skip("needs a C++ compiler and CUDA headers (cuda_runtime_api.h)")
+    from torch.utils.cpp_extension import include_paths
+
+    folder = tmp_path_factory.mktemp("tracelog")
+    includes = [*include_paths(), *cuda]
+    if not os.path.isfile(os.path.join(includes[0], "c10/cuda/impl/cuda_cmake_macros.h")):
+        # CPU wheels ship c10/cuda's headers without this generated one
+        stub = folder / "stub" / "c10" / "cuda" / "impl"
+        stub.mkdir(parents=True)
+        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+        includes.append(str(folder / "stub"))
+    target = str(folder / "tracelog-test.so")
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = int(torch.compiled_with_cxx11_abi())
+    tracelog.build(target, cxx, includes, lib_dir, ["c10"], [f"_GLIBCXX_USE_CXX11_ABI={abi}"])
+    return tracelog.load(target)
+
+
+def feed_all(log: tracelog.TraceLog, entries: list[dict]) -> list[dict]:
+    for e in entries:
+        log.feed(
+            e["action"], e["addr"], e["size"], e["stream"], pool_of_entry(e), e["user_metadata"]
+        )
+    per_device, overflow = log.drain()
+    assert not overflow
+    return per_device.get(0, [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+def test_the_compiled_tracker_keeps_the_view_equal_to_a_snapshot(compiled, expandable):
+    compiled.set_cap(1 << 18)
+    compiled.enable(True)
+    try:
+        drive(5, expandable, functools.partial(feed_all, compiled))
+    finally:
+        compiled.enable(False)
+
+
+@pytest.mark.slow
+def test_the_compiled_tracker_drops_past_its_cap_and_says_so(compiled):
+    compiled.enable(True)
+    try:
+        compiled.set_cap(3)
+        for i in range(5):
+            compiled.feed("alloc", 0x1000 * (i + 1), 512, 7, (0, 0), "graphsan capture 1")
+        compiled.feed("free_requested", 0x1000, 512, 7)  # not kept: no change to the blocks
+        per_device, overflow = compiled.drain()
+        assert overflow and [e["addr"] for e in per_device[0]] == [0x1000, 0x2000, 0x3000]
+        assert {e["user_metadata"] for e in per_device[0]} == {"graphsan capture 1"}
+        assert compiled.drain() == ({}, False)
+        compiled.set_cap(1 << 18)
+        compiled.feed("segment_map", 0x200000, 2 << 20, 9, (0, 4), "", device=1)
+        compiled.feed("oom", 0, 0, 9)
+        compiled.feed("snapshot", 0, 0, 0)
+        (entry,) = compiled.drain()[0][1]
+        assert entry["action"] == "segment_map" and entry["pool"] == (0, 4)
+        assert entry["user_metadata"] == "" and entry["time_us"] > 0
+        compiled.enable(False)
+        compiled.feed("alloc", 0x5000, 512, 7)
+        assert compiled.drain() == ({}, False), "off: nothing is kept"
+        with pytest.raises(ValueError, match="unknown allocator action"):
+            compiled.feed("malloc", 0, 0, 0)
+    finally:
+        compiled.set_cap(1 << 18)
+        compiled.enable(False)
+
+
+@pytest.mark.slow
+def test_the_compiled_tracker_names_why_it_cannot_attach(compiled):
+    import ctypes
+
+    if torch.cuda.is_available():
+        pytest.skip("libc10_cuda is loaded here: this library would attach to the allocator")
+    err = ctypes.create_string_buffer(512)
+    rc = compiled.lib.gs_tracelog_attach(b"/nonexistent/libc10_cuda.so", err, len(err))
+    assert rc != 0 and err.value == b"libc10_cuda is not loaded in this process"
+
+
+# -- building -----------------------------------------------------------------------------------
+FAKE_CXX = """#!{python}
+import os, sys
+args = sys.argv[1:]
+out = args[args.index("-o") + 1]
+with open(os.environ["FAKE_CXX_CALLS"], "a") as fh:
+    fh.write(out + "\\n")
+mode = os.environ.get("FAKE_CXX_MODE", "ok")
+if mode == "fail":
+    sys.stderr.write("In file included from tracelog.cpp:9:\\n")
+    sys.stderr.write("tracelog.cpp:9:10: fatal error: c10/cuda/CUDACachingAllocator.h: no such file\\n")
+    sys.stderr.write("compilation terminated.\\n")
+    sys.exit(1)
+if mode == "race":  # another process finished the same library meanwhile
+    with open(os.environ["FAKE_CXX_TARGET"], "w") as fh:
+        fh.write("the other process's library")
+with open(out, "w") as fh:
+    fh.write("fake library")
+"""
+
+
+@pytest.fixture
+def fake_cxx(tmp_path, monkeypatch):
+    path = tmp_path / "fake-c++"
+    path.write_text(FAKE_CXX.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    calls = tmp_path / "calls"
+    calls.write_text("")
+    monkeypatch.setenv("CXX", str(path))
+    monkeypatch.setenv("FAKE_CXX_CALLS", str(calls))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(tracelog, "cuda_include_dirs", lambda: ["/cuda/include"])
+    # the build's include dirs, without importing torch's extension builder
+    stub = types.ModuleType("torch.utils.cpp_extension")
+    stub.include_paths = lambda: ["/torch/include"]
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", stub)
+    return lambda: calls.read_text().split()
+
+
+def test_build_writes_a_temporary_file_next_to_the_target_then_renames_it(tmp_path, fake_cxx):
+    target = tmp_path / "out" / "tracelog-x.so"
+    tracelog.build(str(target), os.environ["CXX"], ["/i"], "/torch/lib", ["c10"])
+    (written,) = fake_cxx()
+    assert written != str(target) and os.path.dirname(written) == str(target.parent)
+    assert target.read_text() == "fake library"
+    assert sorted(os.listdir(target.parent)) == ["tracelog-x.so"], "no temporary file is left"
+
+
+def test_two_builds_at_once_leave_one_whole_library(tmp_path, fake_cxx, monkeypatch):
+    target = tmp_path / "tracelog-x.so"
+    monkeypatch.setenv("FAKE_CXX_MODE", "race")
+    monkeypatch.setenv("FAKE_CXX_TARGET", str(target))
+    tracelog.build(str(target), os.environ["CXX"], [], "/torch/lib", [])
+    assert target.read_text() == "fake library"
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
+
+
+def test_a_failed_build_is_one_line_and_leaves_nothing(tmp_path, fake_cxx, monkeypatch):
+    monkeypatch.setenv("FAKE_CXX_MODE", "fail")
+    target = tmp_path / "lib" / "tracelog-x.so"
+    with pytest.raises(tracelog.BuildError) as err:
+        tracelog.build(str(target), os.environ["CXX"], [], "/torch/lib", [])
+    assert str(err.value) == (
+        "fake-c++ failed: tracelog.cpp:9:10: fatal error: "
+        "c10/cuda/CUDACachingAllocator.h: no such file"
+    )
+    assert os.listdir(target.parent) == []
+
+
+def test_the_cache_is_keyed_by_the_torch_build_and_the_source(tmp_path, fake_cxx):
+    name = tracelog.library_name(b"source", "2.11.0+cu130 abc abi1")
+    assert name.startswith("tracelog-2.11.0+cu130-") and name.endswith(".so")
+    assert tracelog.library_name(b"source", "2.11.0+cu130 abc abi1") == name
+    assert tracelog.library_name(b"source2", "2.11.0+cu130 abc abi1") != name
+    assert tracelog.library_name(b"source", "2.11.0+cu130 abd abi1") != name
+    assert tracelog.library_name(b"source", "2.11.0+cu130 abc abi0") != name
+
+    # obtain builds into $XDG_CACHE_HOME/graphsan once per key; the fake library does not load
+    for _ in range(2):
+        with pytest.raises(tracelog.BuildError, match=r"^cannot load tracelog-2\.11\.0.*\.so: "):
+            tracelog.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
+    (built,) = fake_cxx()
+    assert os.path.dirname(built) == str(tmp_path / "cache" / "graphsan")
+    with pytest.raises(tracelog.BuildError, match="cannot load"):
+        tracelog.obtain("2.13.0+cu130 def abi1", "/torch/lib", 1)
+    assert len(fake_cxx()) == 2
+    assert len(os.listdir(tmp_path / "cache" / "graphsan")) == 2
+
+
+def test_no_compiler_or_no_cuda_headers_is_a_reason(tmp_path, fake_cxx, monkeypatch):
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(tracelog.BuildError, match=r"^no C\+\+ compiler \(\$CXX, c\+\+ or g\+\+\)$"):
+        tracelog.obtain("2.11.0 abc abi1", "/torch/lib", 1)
+    monkeypatch.setenv("CXX", str(tmp_path / "fake-c++"))
+    monkeypatch.setattr(tracelog, "cuda_include_dirs", lambda: [])
+    with pytest.raises(tracelog.BuildError, match=r"^no CUDA headers"):
+        tracelog.obtain("2.11.0 abc abi1", "/torch/lib", 1)
+    assert fake_cxx() == []
+
+
+@pytest.mark.parametrize(
+    ("setting", "reason"),
+    [
+        ("0", "GRAPHSAN_TRACELOG=0"),
+        ("yes", "GRAPHSAN_TRACELOG='yes': expected 0 (off) or 1 (on)"),
+        ("1", "torch is not built with CUDA"),
+    ],
+)
+def test_open_log_falls_back_with_one_line(monkeypatch, setting, reason):
+    monkeypatch.setattr(tracelog, "_opened", [])
+    monkeypatch.setenv("GRAPHSAN_TRACELOG", setting)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert tracelog.open_log() == (None, reason)
+    monkeypatch.setenv("GRAPHSAN_TRACELOG", "1" if setting == "0" else "0")
+    assert tracelog.open_log() == (None, reason), "decided once per process"
+
+
+def test_an_unexpected_error_is_a_reason_too(monkeypatch):
+    monkeypatch.setattr(tracelog, "_opened", [])
+
+    def broken():
+        raise RuntimeError("CUDA driver initialization failed\nmore detail")
+
+    monkeypatch.setattr(tracelog, "_open", broken)
+    assert tracelog.open_log() == (None, "RuntimeError: CUDA driver initialization failed")
+
+
+def test_the_watch_says_where_its_events_come_from_once(monkeypatch, capsys):
+    monkeypatch.setattr(allocator, "_SAID", [])
+    watch = new_watch()
+    assert watch.allocator_log is None
+    watch.log_reason = "no C++ compiler ($CXX, c++ or g++)"
+    assert watch.allocator_log == "snapshot (no C++ compiler ($CXX, c++ or g++))"
+    allocator._say_fallback("GRAPHSAN_TRACELOG=0")
+    assert capsys.readouterr().err == "", "a fallback the user asked for is not announced"
+    allocator._say_fallback(watch.log_reason)
+    allocator._say_fallback("another reason")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no C++ compiler" in err
+    watch.log = FakeLog()
+    assert watch.allocator_log == "tracker"
