@@ -465,3 +465,12 @@ def test_the_watch_says_where_its_events_come_from_once(monkeypatch, capsys):
     assert err.count("\n") == 1 and "no C++ compiler" in err
     watch.log = FakeLog()
     assert watch.allocator_log == "tracker"
+
+
+def test_the_tracker_is_opt_in_and_its_absence_is_not_announced(monkeypatch, capsys):
+    monkeypatch.setattr(tracelog, "_opened", [])
+    monkeypatch.delenv("GRAPHSAN_TRACELOG", raising=False)
+    assert tracelog.open_log() == (None, tracelog.OPT_IN)
+    monkeypatch.setattr(allocator, "_SAID", [])
+    allocator._say_fallback(tracelog.OPT_IN)
+    assert capsys.readouterr().err == ""

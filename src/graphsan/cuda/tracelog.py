@@ -7,7 +7,8 @@ happens (memory history on or off), and a drain costs the events since the last 
 
 The tracker is built on first use with the system C++ compiler against the installed torch's
 headers (no pybind, no torch extension machinery), cached under `$XDG_CACHE_HOME/graphsan` keyed
-by the torch build and the source, and loaded with ctypes. `GRAPHSAN_TRACELOG=0` turns it off.
+by the torch build and the source, and loaded with ctypes. It is opt-in for now:
+`GRAPHSAN_TRACELOG=1` turns it on, `0` or unset leaves it off.
 Anything that fails on the way (no compiler, no CUDA headers, a build or load error, a missing
 symbol, another allocator backend) leaves `open_log()` returning no log and one line saying why;
 the caller then reads the log from snapshots as before.
@@ -31,6 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 ENV = "GRAPHSAN_TRACELOG"
+# Opt-in until the tracker has been checked against real snapshots on a GPU (tests/test_gpu_allocview).
+OPT_IN = f"{ENV} unset: the compiled tracker is opt-in ({ENV}=1)"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tracelog.cpp")
 # The events tracelog.cpp keeps, by its action code (the others change nothing the view holds).
 ACTIONS = (
@@ -278,7 +281,9 @@ def open_log() -> tuple[TraceLog | None, str]:
 
 
 def _open() -> TraceLog:
-    setting = os.environ.get(ENV, "1").strip()
+    setting = os.environ.get(ENV, "").strip()
+    if setting == "":
+        raise BuildError(OPT_IN)
     if setting == "0":
         raise BuildError(f"{ENV}=0")
     if setting != "1":
