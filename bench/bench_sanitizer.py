@@ -32,7 +32,11 @@ def child(args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     h, tokens = args.hidden, args.tokens
-    san = graphsan.enable(policy=args.child) if args.child != "off" else None
+    san = (
+        graphsan.enable(policy=args.child, alloc_stacks=not args.no_alloc_stacks)
+        if args.child != "off"
+        else None
+    )
 
     def block():
         return torch.nn.Sequential(
@@ -132,6 +136,8 @@ def run_child(variant: str, args: argparse.Namespace, extra=(), prefix=(), bug=F
     ]
     if bug:
         cmd.append("--bug")
+    if args.no_alloc_stacks:
+        cmd.append("--no-alloc-stacks")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -154,6 +160,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--child", choices=["off", "record", "raise"])
     p.add_argument("--bug", action="store_true")
+    p.add_argument(
+        "--no-alloc-stacks",
+        action="store_true",
+        help="enable graphsan with alloc_stacks=False (no allocation-site walk per allocation)",
+    )
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--tokens", type=int, default=1024)
