@@ -200,13 +200,15 @@ def screenshot_path(tmp_path, name: str) -> str:
 # ----------------------------------------------------------------------------- schema v3
 def test_report_v3_round_trips_and_v2_still_loads(tmp_path):
     rep = rank_report(0)
+    rep.allocator_log = "snapshot (GRAPHSAN_TRACELOG=0)"
     back = Report.load(save(tmp_path, rep, "r.json"))
     assert back.findings == rep.findings and back.events == rep.events
+    assert back.allocator_log == rep.allocator_log
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["version"] == 4
     for f in data["findings"]:
         del f["freed_at"], f["found_at"]
-    del data["events"], data["events_dropped"]
+    del data["events"], data["events_dropped"], data["allocator_log"]
     (tmp_path / "v2.json").write_text(json.dumps(dict(data, version=2)))
     old = Report.load(str(tmp_path / "v2.json"))
     assert old.events == [] and old.findings[0].found_at is None

@@ -189,7 +189,14 @@ class Sanitizer:
         graphs = [g.to_dict() for g in self.graph_stats.values()]
         tl = self.timeline
         return Report(
-            list(self.findings), graphs, self.rank, self.policy, pinned, list(tl.events), tl.dropped
+            list(self.findings),
+            graphs,
+            self.rank,
+            self.policy,
+            pinned,
+            list(tl.events),
+            tl.dropped,
+            self.memory.allocator_log,
         )
 
     # -- labels -----------------------------------------------------------------------------

@@ -55,6 +55,8 @@ class Report:
     # later events were only counted
     events: list[dict[str, Any]] = field(default_factory=list)
     events_dropped: int = 0
+    # where the allocator's events came from: "tracker" or "snapshot (why)" (cuda.allocator)
+    allocator_log: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +69,7 @@ class Report:
             "pinned": self.pinned,
             "events": self.events,
             "events_dropped": self.events_dropped,
+            "allocator_log": self.allocator_log,
         }
 
     def save(self, path: str) -> None:
@@ -237,6 +240,7 @@ def _report_from_dict(data: dict[str, Any]) -> Report:
     for i, e in enumerate(events):
         _expect(e, (dict,), f"events[{i}]")
     _expect(data.get("events_dropped", 0), _INT, "events_dropped")
+    _expect(data.get("allocator_log"), _OPT_STR, "allocator_log")
     return Report(
         findings=[finding_from_dict(f) for f in findings],
         graphs=graphs,
@@ -245,4 +249,5 @@ def _report_from_dict(data: dict[str, Any]) -> Report:
         pinned=pinned,
         events=events,
         events_dropped=data.get("events_dropped", 0),
+        allocator_log=data.get("allocator_log"),
     )
