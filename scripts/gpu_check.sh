@@ -5,6 +5,8 @@
 #            or the halves: sanitizer-tests (~1.5 min), lab-tests (~6.5 min)
 #   call 2:  bash scripts/gpu_check.sh faults             (1,000 fault-injection trials, <= 8 min)
 #   call 3:  bash scripts/gpu_check.sh example repro bench scale
+#   (tracker: the compiled allocator tracker's GPU tests; overhead: a profile of a graphed training
+#   step under graphsan and the bench without allocation stacks)
 #   (quant: the Triton kernel tests and bench_quant; quantlinear: bench_quant_linear; train: bench_train; sweep: the kernels'
 #   launch parameters; scale: capture cost against live blocks, bench_capture_scale)
 # One-off investigations (case 1 with synchronous launches, wider Mamba workspaces) are in
@@ -48,9 +50,14 @@ for part in ${*:-tests}; do
         | tee "$OUT/bench_train.log" | tail -14 ;;
     sweep)  # the words kernels' launch parameters side by side
       timeout 120 python3 bench/tile_sweep.py --iters 10 2>&1 | tee "$OUT/tile_sweep.log" | tail -20 ;;
-    scale)  # capture cost against live blocks and graph count
+    scale)  # capture cost against live blocks and graph count (GRAPHSAN_TRACELOG=1: the tracker)
       timeout 330 python3 bench/bench_capture_scale.py 2>&1 | tee "$OUT/bench_capture_scale.log" | tail -22 ;;
+    tracker)  # the compiled allocator tracker (opt-in) against real snapshots
+      timeout 240 python3 -m pytest -q tests/test_gpu_allocview.py tests/test_tracelog.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/tracker.log" | tail -15 ;;
+    overhead)  # where a training step's time goes under graphsan (docs/PERF.md, Sanitizer)
+      bash scripts/diag_replay.sh 2>&1 | tee "$OUT/overhead.log" | tail -45 ;;
     *) echo "unknown part $part (tests, sanitizer-tests, lab-tests, faults, example, repro, bench," \
-         "quant, quantlinear, train, sweep, scale)" ;;
+         "quant, quantlinear, train, sweep, scale, tracker, overhead)" ;;
   esac
 done
