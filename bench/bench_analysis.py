@@ -16,7 +16,8 @@ No GPU: what the sanitizer does in Python after the driver walk, fed with what a
 Stages timed per graph (median over the graphs, the best of `--repeat` runs; us per kernel node
 and us per graph): `apply`
 (the view applies the capture's log), `references` (`core.scan.references`), `tables`
-(`table_candidates`), `tracker` (`Tracker.add_graph`). The driver walk needs a GPU: not here.
+(`table_candidates`), `tracker` (`Tracker.add_graph`). The driver walk needs a GPU: only its
+reading of parameter blocks out of host memory is timed (current revision).
 
 `--against REV` runs the same inputs through graphsan's code at git revision REV too (extracted
 to a temporary folder) and prints both side by side.
@@ -25,6 +26,7 @@ to a temporary folder) and prints both side by side.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("apply", "references", "tables", "tracker")
@@ -227,6 +230,49 @@ def child(blocks: int, graphs: int, nodes: int, expandable: bool) -> dict:
     return {"seed_ms": seed_s * 1e3, "stages_us": med, "per_graph": per_graph}
 
 
+def parameter_reads(graphs: int, nodes: int) -> tuple[float, float] | None:
+    """us per kernel node to read the parameter blocks of the workload's kernels (those with a
+    layout) through `kernelParams`-style pointers into host memory: each parameter on its own,
+    as the walk did before, and with `driver.gather`. None where graphsan has no `gather`."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    try:
+        from graphsan.cuda import driver
+
+        gather = driver.gather
+    except (ImportError, AttributeError):
+        return None
+    work = workload(1000, min(graphs, 10), nodes, False)
+    items, keep = [], []
+    for c in work["captures"]:
+        for _, _, buf, offs in c["nodes"]:
+            if not offs:
+                continue
+            ends = offs[1:] + [len(buf)]
+            layout = tuple((o, e - o) for o, e in zip(offs, ends, strict=True))
+            arena = ctypes.create_string_buffer(buf)  # the node's copy, laid out as the ABI says
+            array_type = ctypes.c_void_p * len(layout)
+            ptrs = array_type(*[ctypes.addressof(arena) + o for o in offs])
+            keep += [arena, ptrs]
+            items.append((ctypes.addressof(ptrs), layout, len(buf), array_type))
+
+    def one_by_one():
+        for kp, layout, size, _ in items:
+            out = bytearray(size)
+            ptrs = (ctypes.c_void_p * len(layout)).from_address(kp)
+            for (off, sz), ptr in zip(layout, ptrs, strict=True):
+                if ptr:
+                    out[off : off + sz] = ctypes.string_at(ptr, sz)
+
+    def gathered():
+        for kp, layout, size, array_type in items:
+            gather(array_type.from_address(kp)[:], layout, size)
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=20, repeat=5)) / 20 / len(items) * 1e6
+
+    return best(one_by_one), best(gathered)
+
+
 def run_child(src: str, args: argparse.Namespace, blocks: int) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
@@ -304,6 +350,12 @@ def main() -> None:
         print(
             "per graph: {entries:.0f} log entries, {refs:.0f} references, {tables:.0f} table "
             "candidates, {foreign_asked:.0f} words asked of the driver".format(**per_graph)
+        )
+    reads = parameter_reads(args.graphs, args.nodes)
+    if reads is not None:
+        print(
+            "the walk's parameter reads (host side, kernels with a layout): {:.2f} us per kernel "
+            "node one parameter at a time, {:.2f} us with driver.gather".format(*reads)
         )
     if tmp is not None:
         tmp.cleanup()
