@@ -59,43 +59,49 @@ def references(
     nodes = list(nodes)
     if unaligned:
         return _references_unaligned(nodes, memmap, foreign)
-    found = _aligned_references(nodes, memmap, foreign)
+    copies = [(i, n) for i, n in enumerate(nodes) if isinstance(n, CopyArgs)]
     out: list[Reference] = []
-    for i, node in enumerate(nodes):
-        if isinstance(node, CopyArgs):
-            out += [Reference(node.index, node.kind, side, 0, a) for side, a in node.addresses]
+    c = 0  # copies before the node of the current word are emitted first: node order
+    node_at, seen, offsets, index, name = -1, set(), [], 0, ""
+    for pos, off, value in zip(*_aligned_hits(nodes, memmap, foreign), strict=True):
+        if pos != node_at:
+            node_at, seen = pos, set()
+            node = nodes[pos]
+            offsets, index, name = node.offsets, node.index, node.name
+            while c < len(copies) and copies[c][0] < pos:
+                out += _copy_references(copies[c][1])
+                c += 1
+        if value in seen:
             continue
-        hits = found.get(i)
-        if not hits:
-            continue
-        offsets, index, name = node.offsets, node.index, node.name
-        seen = set()
-        for off, value in hits:
-            if value in seen:
-                continue
-            seen.add(value)
-            if offsets:
-                p = bisect.bisect_right(offsets, off) - 1
-                if p < 0:
-                    p = 0
-                out.append(Reference(index, name, p, off - offsets[p], value))
-            else:
-                out.append(Reference(index, name, 0, off, value))
+        seen.add(value)
+        if offsets:
+            p = bisect.bisect_right(offsets, off) - 1
+            if p < 0:
+                p = 0
+            out.append(Reference(index, name, p, off - offsets[p], value))
+        else:
+            out.append(Reference(index, name, 0, off, value))
+    for _, copy in copies[c:]:
+        out += _copy_references(copy)
     return out
 
 
-def _aligned_references(
+def _copy_references(node: CopyArgs) -> list[Reference]:
+    return [Reference(node.index, node.kind, side, 0, a) for side, a in node.addresses]
+
+
+def _aligned_hits(
     nodes: list[KernelArgs | CopyArgs], memmap: MemoryMap, foreign: Callable[[int], bool] | None
-) -> dict[int, list[tuple[int, int]]]:
-    """(offset, value) of the confirmed 8-byte-aligned words, in offset order, per node
-    position: inside the map, or (with `foreign`) confirmed by it."""
+) -> tuple[list[int], list[int], list[int]]:
+    """Node position, offset and value of each confirmed 8-byte-aligned word, in node and
+    offset order: inside the map, or (with `foreign`) confirmed by it."""
     bufs = [
         (i, n.buffer[: len(n.buffer) // 8 * 8])
         for i, n in enumerate(nodes)
         if isinstance(n, KernelArgs) and len(n.buffer) >= 8
     ]
     if not bufs:
-        return {}
+        return [], [], []
     lo, hi = memmap.bounds()
     counts = np.array([len(b) // 8 for _, b in bufs])
     words = np.frombuffer(b"".join(b for _, b in bufs), dtype="<u8")
@@ -103,8 +109,6 @@ def _aligned_references(
     if foreign is not None:
         mask |= (words >= FOREIGN_LO) & (words < FOREIGN_HI)
     hits = np.flatnonzero(mask)
-    if not len(hits):
-        return {}
     values = words[hits]
     ok = memmap.contains(values)
     if foreign is not None:
@@ -113,22 +117,11 @@ def _aligned_references(
             yes = [v for v in dict.fromkeys(values[ask].tolist()) if foreign(v)]
             if yes:
                 ok |= ask & np.isin(values, np.array(yes, dtype=np.uint64))
-    keep = np.flatnonzero(ok)
-    if not len(keep):
-        return {}
-    hits, values = hits[keep], values[keep]
+    hits, values = hits[ok], values[ok]
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     which = np.searchsorted(starts, hits, side="right") - 1
-    offsets = 8 * (hits - starts[which])
-    out: dict[int, list[tuple[int, int]]] = {}
-    positions = [i for i, _ in bufs]
-    for w, off, value in zip(which.tolist(), offsets.tolist(), values.tolist(), strict=True):
-        pos = positions[w]
-        got = out.get(pos)
-        if got is None:
-            got = out[pos] = []
-        got.append((off, value))
-    return out
+    positions = np.array([i for i, _ in bufs])
+    return positions[which].tolist(), (8 * (hits - starts[which])).tolist(), values.tolist()
 
 
 def _references_unaligned(
