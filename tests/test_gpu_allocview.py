@@ -14,14 +14,16 @@ pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.parametrize("chunk", [None, 3], ids=["chunks", "small-chunks"])
 @pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_view_follows_the_real_allocator(seed, expandable):
+def test_the_view_follows_the_real_allocator(seed, expandable, chunk):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
     if expandable:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    argv = [str(seed)] + ([str(chunk)] if chunk else [])
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "gpu", "view_vs_snapshot.py"), str(seed)],
+        [sys.executable, os.path.join(ROOT, "tests", "gpu", "view_vs_snapshot.py"), *argv],
         capture_output=True,
         text=True,
         timeout=300,
