@@ -6,10 +6,11 @@
 No GPU: what the sanitizer does in Python after the driver walk, fed with what a capture of
 `--nodes` kernel nodes gives on the H200 (the scale run of bench_capture_scale.py):
 - an `AllocatorView` seeded from a synthetic snapshot holding N live blocks (small tensors in
-  2 MiB segments and a few large ones in 20 MiB segments; `--expandable`: 64 MiB expandable
-  segments of thousands of blocks each);
+  2 MiB segments and a few large ones in 20 MiB segments; `--expandable`: all of them in one
+  expandable segment);
 - per graph, the allocator's log of one capture (a segment of the graph's pool, then per node the
-  output's allocation and the free of the output two nodes back) and the eager input it reads;
+  output's allocation and the free of the output two nodes back), after `--eager` frees and
+  allocations of live default-pool blocks (the last one the graph's input);
 - per graph, its nodes: vectorized elementwise kernels (N, a float scalar, two pointers),
   TensorIterator kernels (three pointers, then sizes as divisors and strides) and cuBLAS-like
   packed buffers (pointers, int32 pairs, int64 strides, floats).
@@ -55,7 +56,10 @@ def synthetic_snapshot(blocks: int, expandable: bool, rng: random.Random) -> tup
     made = 0
     while made < blocks:
         large = not expandable and (not segments or rng.random() < 0.02)
-        seg_size = (64 << 20) if expandable else (LARGE_SEG if large else SMALL_SEG)
+        if expandable:  # one reservation holds them all, as with one stream
+            seg_size = -(-blocks * (20 << 10) // SMALL_SEG) * SMALL_SEG
+        else:
+            seg_size = LARGE_SEG if large else SMALL_SEG
         seg = {
             "device": 0,
             "address": addr,
@@ -140,7 +144,9 @@ def cublas_packed(a: int, b: int, d: int, ws: int, rng: random.Random) -> tuple[
     return b"".join(parts), []
 
 
-def workload(blocks: int, graphs: int, nodes: int, expandable: bool, seed: int = 7) -> dict:
+def workload(
+    blocks: int, graphs: int, nodes: int, expandable: bool, eager: int = 1, seed: int = 7
+) -> dict:
     """Everything the stages get, as plain data (the same for every revision)."""
     rng = random.Random(seed * 1_000_003 + blocks)
     snap, live = synthetic_snapshot(blocks, expandable, rng)
@@ -153,11 +159,13 @@ def workload(blocks: int, graphs: int, nodes: int, expandable: bool, seed: int =
         pool = (g + 1, 0)
         tag = f"graphsan capture {g + 1}"
         log = []
-        # the eager input, allocated before the capture: a free gap of the default pool
-        x = live[rng.randrange(len(live))]
-        log.append(entry("free_requested", x[0], x[1], STREAM))
-        log.append(entry("free_completed", x[0], x[1], STREAM))
-        log.append(entry("alloc", x[0], x[1], STREAM))
+        # eager work before the capture, the last of it the graph's input: live blocks of the
+        # default pool freed and allocated again
+        for _ in range(eager):
+            x = live[rng.randrange(len(live))]
+            log.append(entry("free_requested", x[0], x[1], STREAM))
+            log.append(entry("free_completed", x[0], x[1], STREAM))
+            log.append(entry("alloc", x[0], x[1], STREAM))
         log.append(entry("segment_alloc", seg_addr, SMALL_SEG, STREAM, tag))
         out_size = 16384
         outs = [seg_addr + i * out_size for i in range(3)]
@@ -183,14 +191,14 @@ def workload(blocks: int, graphs: int, nodes: int, expandable: bool, seed: int =
     return {"snapshot": snap, "captures": caps}
 
 
-def child(blocks: int, graphs: int, nodes: int, expandable: bool) -> dict:
+def child(blocks: int, graphs: int, nodes: int, expandable: bool, eager: int) -> dict:
     """Time the stages with whichever graphsan is on the path."""
     from graphsan.core.memory_map import AllocatorView
     from graphsan.core.records import GraphInfo, KernelArgs
     from graphsan.core.scan import references, table_candidates
     from graphsan.core.tracker import Tracker
 
-    work = workload(blocks, graphs, nodes, expandable)
+    work = workload(blocks, graphs, nodes, expandable, eager)
     view = AllocatorView(lambda addr: [])
     t0 = time.perf_counter()
     view.seed(work["snapshot"], 0)
@@ -280,6 +288,7 @@ def run_child(src: str, args: argparse.Namespace, blocks: int) -> dict:
     cmd += ["--graphs", str(args.graphs), "--nodes", str(args.nodes)]
     if args.expandable:
         cmd.append("--expandable")
+    cmd += ["--eager", str(args.eager)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -299,21 +308,22 @@ def main() -> None:
     p.add_argument("--graphs", type=int, default=100, help="captures per block count")
     p.add_argument("--nodes", type=int, default=100, help="kernel nodes per graph")
     p.add_argument("--expandable", action="store_true", help="live blocks in expandable segments")
+    p.add_argument("--eager", type=int, default=1, help="eager free+alloc pairs before a capture")
     p.add_argument("--against", metavar="REV", help="also run graphsan at git revision REV")
     p.add_argument("--repeat", type=int, default=3, help="runs per row; the best median counts")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--n-blocks", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        out = child(args.n_blocks, args.graphs, args.nodes, args.expandable)
+        out = child(args.n_blocks, args.graphs, args.nodes, args.expandable, args.eager)
         print("RESULT " + json.dumps(out), flush=True)
         return
     try:
         counts = [int(x) for x in args.blocks.split(",") if x]
     except ValueError:
         p.error(f"--blocks: expected comma-separated integers, got {args.blocks!r}")
-    if args.graphs < 1 or args.nodes < 3 or args.repeat < 1:
-        p.error("--graphs and --repeat must be at least 1, --nodes at least 3")
+    if args.graphs < 1 or args.nodes < 3 or args.repeat < 1 or args.eager < 1:
+        p.error("--graphs, --repeat and --eager must be at least 1, --nodes at least 3")
     head = git("rev-parse", "--short", "HEAD")
     dirty = " (with uncommitted changes)" if git("status", "--porcelain", "src") else ""
     revs = [(f"{head}{dirty}", os.path.join(ROOT, "src"))]
@@ -329,8 +339,11 @@ def main() -> None:
         ).stdout
         subprocess.run(["tar", "-x", "-C", tmp.name], input=archive, check=True)
         revs.insert(0, (rev, os.path.join(tmp.name, "src")))
-    kind = "expandable segments" if args.expandable else "2 MiB / 20 MiB segments"
-    print(f"{args.graphs} graphs of {args.nodes} kernel nodes; live blocks in {kind}")
+    kind = "one expandable segment" if args.expandable else "2 MiB / 20 MiB segments"
+    print(
+        f"{args.graphs} graphs of {args.nodes} kernel nodes; live blocks in {kind}; "
+        f"{args.eager} eager free+alloc pairs before each capture"
+    )
     print("us per kernel node (us per graph); target: 1000 us per graph + 20 us per node")
     print("| live blocks | revision | seed ms | " + " | ".join(STAGES) + " | total |")
     print("|---|---|---|" + "---|" * (len(STAGES) + 1))
