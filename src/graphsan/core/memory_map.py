@@ -536,6 +536,8 @@ class AllocatorView(SegmentIndex):
                     if k < 0 or addr >= ends[k] or not segments[k].remove(addr):
                         raise ViewError(f"free of unknown block {addr:#x}")
                     requested.pop(addr, None)
+                elif action == "free_requested":
+                    continue  # as common as the two above; the block goes at free_completed
                 elif action == "segment_alloc":
                     addr, size = int(e["addr"]), int(e["size"])
                     if self.segments_in(addr, addr + size):
