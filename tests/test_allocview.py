@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
+from graphsan.core import memory_map
 from graphsan.core.memory_map import (
     KEEP_REQUESTED,
     AllocatorView,
     MemoryMap,
     ViewError,
+    ViewSegment,
+    block_size,
     layout,
 )
 from graphsan.core.records import DEFAULT_POOL
@@ -231,6 +235,10 @@ def same_answers(view: AllocatorView, snap: MemoryMap, rng: random.Random) -> No
     lo, hi = snap.bounds()
     probes = [rng.randrange(lo - PAGE, hi + PAGE) for _ in range(40)] if hi else [0]
     probes += [b.address + b.size // 2 for s in snap.segments for b in s.blocks][:40]
+    probes += [e + d for s in view.segments for e in (s.address, s.end) for d in (-1, 0)]
+    at = np.array(probes, dtype=np.uint64)  # the vectorized question, for many addresses
+    assert view.contains(at).tolist() == [view.locate(a) is not None for a in probes]
+    assert snap.contains(at).tolist() == [snap.locate(a) is not None for a in probes]
     for addr in probes:
         a, b = view.locate(addr), snap.locate(addr)
         assert (a is None) == (b is None), hex(addr)
@@ -279,6 +287,96 @@ def test_the_view_equals_a_snapshot_after_every_event(seed, expandable):
     same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
     small = {a: n for a, n in model.requested.items() if n <= KEEP_REQUESTED}
     assert view.requested == small, "the requested sizes pointer tables are read up to"
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 8])
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_view_equals_a_snapshot_with_its_blocks_in_many_chunks(
+    seed, expandable, chunk, monkeypatch
+):
+    """The same, with a segment's blocks split into chunks of a few: inserts that split a
+    chunk, frees that empty one, and runs of mapped pages joined and cut chunk by chunk."""
+    monkeypatch.setattr(memory_map, "CHUNK", chunk)
+    test_the_view_equals_a_snapshot_after_every_event(seed, expandable)
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5])
+def test_a_segment_in_chunks_answers_like_a_sorted_list(chunk, monkeypatch):
+    """Carving, freeing and cutting a segment whose blocks sit in chunks of a few, checked
+    after every step against a plain dict of its blocks."""
+    monkeypatch.setattr(memory_map, "CHUNK", chunk)
+    rng = random.Random(chunk)
+    base, size = 0x7F00_0000_0000, 48 * ALIGN
+    seg = ViewSegment(base, size, DEFAULT_POOL, expandable=True)
+    blocks: dict[int, int] = {}
+
+    def gap_end(addr):  # the end of the free space at addr (addr itself if allocated)
+        if any(a <= addr < a + n for a, n in blocks.items()):
+            return addr
+        return min([a for a in blocks if a > addr] + [base + size])
+
+    for _ in range(800):
+        addr = base + ALIGN * rng.randrange(48)
+        op = rng.random()
+        if op < 0.55:
+            want = rng.choice([1, ALIGN, 700, 2 * ALIGN, 3000])
+            hi = gap_end(addr)
+            if addr + want > hi or hi == addr:
+                with pytest.raises(ViewError):
+                    seg.carve(addr, want)
+            else:
+                seg.carve(addr, want)
+                blocks[addr] = block_size(want, hi - addr, True)
+        elif op < 0.9:
+            assert seg.remove(addr) == (blocks.pop(addr, None) is not None)
+        else:
+            lo, hi = seg.cut(addr)
+            assert lo.spans() == sorted((a, n) for a, n in blocks.items() if a < addr)
+            assert hi.spans() == sorted((a, n) for a, n in blocks.items() if a >= addr)
+            assert len(seg) == 0 and len(lo) + len(hi) == len(blocks)
+            seg._adopt(lo._cs + hi._cs, lo._cz + hi._cz)
+        spans = sorted(blocks.items())
+        assert seg.spans() == spans and len(seg) == len(spans)
+        for probe in [base - 1, base + size] + [base + rng.randrange(size) for _ in range(6)]:
+            got = seg.block_at(probe)
+            if not base <= probe < base + size:
+                assert got is None
+                continue
+            inside = [(a, n) for a, n in spans if a <= probe < a + n]
+            if inside:
+                want_block = (*inside[0], True)
+            else:
+                lo_ = max([a + n for a, n in spans if a + n <= probe] + [base])
+                want_block = (lo_, gap_end(probe) - lo_, False)
+            assert (got.address, got.size, got.allocated) == want_block, hex(probe)
+            end = probe + rng.choice([1, ALIGN, 5 * ALIGN])
+            first = next(((a, n) for a, n in spans if a < end and a + n > probe), None)
+            blk = seg.allocated_in(probe, end)
+            assert (blk and (blk.address, blk.size)) == (first and first), hex(probe)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_snapshot_map_answers_in_one_pass_what_locate_answers(seed):
+    """`MemoryMap.contains` against `locate` on snapshots with gaps between blocks, blocks
+    past their segment's end, segments that overlap, blocks that overlap and empty blocks."""
+    rng = random.Random(seed)
+    segments, addr = [], 0x7F00_0000_0000
+    for _ in range(rng.randrange(0, 6)):
+        addr += rng.choice([-3, 0, 2, 9]) * ALIGN if segments else 0
+        size = rng.randrange(1, 12) * ALIGN
+        blocks, pos = [], addr + rng.choice([0, 0, ALIGN])
+        for _ in range(rng.randrange(0, 5)):
+            n = rng.randrange(0, 4) * ALIGN  # an empty block hides the one before it
+            blocks.append({"address": pos, "size": n, "state": "active_allocated"})
+            pos += n + rng.choice([-ALIGN, 0, 0, ALIGN])
+        segments.append({"address": addr, "total_size": size, "blocks": blocks})
+        addr += size
+    snap = MemoryMap.from_snapshot({"segments": segments})
+    probes = list(range(0x7F00_0000_0000 - ALIGN, addr + 4 * ALIGN, ALIGN // 2))
+    probes += [p + d for p in probes for d in (-1, 1)]
+    got = snap.contains(np.array(probes, dtype=np.uint64)).tolist()
+    assert got == [snap.locate(p) is not None for p in probes]
 
 
 def test_a_lost_event_is_noticed_so_the_view_can_be_reseeded():

@@ -15,22 +15,28 @@ pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-RUNS = [(seed, expandable, "tracker") for seed in (0, 1) for expandable in (False, True)]
-RUNS += [(0, expandable, "snapshot") for expandable in (False, True)]
+# (seed, expandable segments, event source, blocks per chunk: None for the default)
+RUNS = [(seed, expandable, "tracker", None) for seed in (0, 1) for expandable in (False, True)]
+RUNS += [(0, expandable, "snapshot", None) for expandable in (False, True)]
+RUNS += [(1, expandable, "snapshot", 3) for expandable in (False, True)]
 
 
 @pytest.mark.parametrize(
-    ("seed", "expandable", "log"),
+    ("seed", "expandable", "log", "chunk"),
     RUNS,
-    ids=[f"{log}-{'expandable' if e else 'segments'}-{s}" for s, e, log in RUNS],
+    ids=[
+        f"{log}-{'expandable' if e else 'segments'}-{s}" + (f"-chunks{c}" if c else "")
+        for s, e, log, c in RUNS
+    ],
 )
-def test_the_view_follows_the_real_allocator(seed, expandable, log):
+def test_the_view_follows_the_real_allocator(seed, expandable, log, chunk):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
     env["GRAPHSAN_TRACELOG"] = "1" if log == "tracker" else "0"
     if expandable:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    argv = [str(seed)] + ([str(chunk)] if chunk else [])
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "gpu", "view_vs_snapshot.py"), str(seed)],
+        [sys.executable, os.path.join(ROOT, "tests", "gpu", "view_vs_snapshot.py"), *argv],
         capture_output=True,
         text=True,
         timeout=300,

@@ -4,7 +4,8 @@ Random allocations, frees and empty_cache calls, graph captures into fresh and s
 `torch.cuda.MemPool`, and tensors freed on a side stream; after each round the view must equal
 a snapshot of the real allocator. Prints `RESULT {json}`, with where the view's events came
 from (`allocator_log`: the compiled tracker, or snapshots with the reason) and whether memory
-history was on at the end.
+history was on at the end. A second argument: the view keeps a segment's blocks in chunks of
+that many (small ones split and join chunks all the time).
 """
 
 import json
@@ -14,10 +15,13 @@ import sys
 import torch
 
 import graphsan
+from graphsan.core import memory_map
 from graphsan.core.memory_map import layout
 from graphsan.cuda.allocator import snapshot_map
 
 rng = random.Random(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+if len(sys.argv) > 2:
+    memory_map.CHUNK = int(sys.argv[2])
 pre = [torch.empty(rng.choice([256, 4096, 1 << 20]), device="cuda") for _ in range(300)]
 san = graphsan.enable(policy="record")
 dev = torch.cuda.current_device()

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from graphsan.core.records import DEFAULT_POOL, DataPtr, Frame, PoolId
 
 Entry = dict[str, Any]  # one trace entry: action, addr, size, stream, user_metadata, ...
@@ -93,9 +95,10 @@ class SegmentIndex:
 
     def segments_in(self, start: DataPtr, end: DataPtr) -> list:
         """The segments overlapping [start, end), in address order."""
-        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
         out = []
-        for seg in self.segments[i:]:
+        segments = self.segments
+        for i in range(max(bisect.bisect_right(self._starts, start) - 1, 0), len(segments)):
+            seg = segments[i]
             if seg.address >= end:
                 break
             if seg.address + seg.size > start:
@@ -119,6 +122,18 @@ class SegmentIndex:
         last = self.segments[-1]
         return (self.segments[0].address, last.address + last.size)
 
+    def extents(self) -> tuple[np.ndarray, np.ndarray]:
+        """Starts and ends (uint64, sorted, disjoint) of the ranges where `locate` answers."""
+        raise NotImplementedError
+
+    def contains(self, addrs: np.ndarray) -> np.ndarray:
+        """`locate(a) is not None` for each address of a uint64 array, in one pass."""
+        starts, ends = self.extents()
+        if not len(starts):
+            return np.zeros(len(addrs), dtype=bool)
+        i = np.searchsorted(starts, addrs, side="right") - 1
+        return (i >= 0) & (addrs < ends[np.maximum(i, 0)])
+
 
 class MemoryMap(SegmentIndex):
     """Address lookup over the segments of an allocator snapshot."""
@@ -127,6 +142,7 @@ class MemoryMap(SegmentIndex):
         self.segments = sorted(segments, key=lambda s: s.address)
         self._starts = [s.address for s in self.segments]
         self.requested = requested if requested is not None else {}  # see KEEP_REQUESTED
+        self._extents: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def from_snapshot(
@@ -169,6 +185,28 @@ class MemoryMap(SegmentIndex):
         blk = seg.block_at(addr)
         return (seg, blk) if blk is not None else None
 
+    def extents(self) -> tuple[np.ndarray, np.ndarray]:
+        # where locate answers: each block, cut to its segment; a range belongs to the last
+        # segment (block) starting before it, as the bisections in `locate` decide
+        if self._extents is None:
+            lo, hi = [], []
+            segs = self.segments
+            for i, seg in enumerate(segs):
+                seg_end = seg.address + seg.size
+                if i + 1 < len(segs):
+                    seg_end = min(seg_end, segs[i + 1].address)
+                blocks = seg.blocks
+                for j, b in enumerate(blocks):
+                    start = max(b.address, seg.address)
+                    end = min(b.address + b.size, seg_end)
+                    if j + 1 < len(blocks):
+                        end = min(end, blocks[j + 1].address)
+                    if start < end:
+                        lo.append(start)
+                        hi.append(end)
+            self._extents = (np.array(lo, dtype=np.uint64), np.array(hi, dtype=np.uint64))
+        return self._extents
+
 
 class ViewBlock:
     """An allocated block, or (from `block_at`) the free gap at an address."""
@@ -203,11 +241,17 @@ class ViewBlock:
         return f"ViewBlock({self.address:#x}, {self.size}, {self.state})"
 
 
+# A segment's allocated blocks are kept in chunks of at most this many (a chunk splits in two
+# past it), so an insert moves a chunk's entries, not a whole expandable segment's.
+CHUNK = 2048
+
+
 class ViewSegment:
     """A segment (or a run of mapped pages of an expandable one) and its allocated blocks, kept
-    as two arrays of 64-bit integers (16 bytes a block: a rank holds tens of thousands)."""
+    as two arrays of 64-bit integers per chunk of blocks in address order (16 bytes a block: a
+    rank holds tens of thousands, all of them in one segment when segments are expandable)."""
 
-    __slots__ = ("address", "size", "pool", "expandable", "resolve", "_starts", "_sizes")
+    __slots__ = ("address", "size", "pool", "expandable", "resolve", "_heads", "_cs", "_cz", "_n")
 
     def __init__(
         self,
@@ -222,8 +266,10 @@ class ViewSegment:
         self.pool = pool
         self.expandable = expandable
         self.resolve = resolve
-        self._starts = array("Q")
-        self._sizes = array("Q")
+        self._heads: list[DataPtr] = []  # the first block address of each chunk
+        self._cs: list[array] = []  # per chunk: block addresses
+        self._cz: list[array] = []  # per chunk: block sizes
+        self._n = 0
 
     @property
     def end(self) -> DataPtr:
@@ -232,53 +278,168 @@ class ViewSegment:
     @property
     def blocks(self) -> list[ViewBlock]:
         """Allocated blocks in address order (free space is what lies between them)."""
-        return [self._block(i) for i in range(len(self._starts))]
+        return [ViewBlock(a, n, True, self.resolve) for a, n in self.spans()]
 
     def spans(self) -> list[tuple[DataPtr, int]]:
         """(address, size) of the allocated blocks, in address order."""
-        return list(zip(self._starts, self._sizes, strict=True))
+        out: list[tuple[DataPtr, int]] = []
+        for starts, sizes in zip(self._cs, self._cz, strict=True):
+            out += zip(starts, sizes, strict=True)
+        return out
 
-    def _block(self, i: int) -> ViewBlock:
-        return ViewBlock(self._starts[i], self._sizes[i], True, self.resolve)
+    def _find(self, addr: DataPtr) -> tuple[int, int]:
+        """(chunk, index) of the last block starting at or before `addr`; (-1, -1) if none."""
+        c = bisect.bisect_right(self._heads, addr) - 1
+        if c < 0:
+            return -1, -1
+        return c, bisect.bisect_right(self._cs[c], addr) - 1
+
+    def _next_start(self, c: int, j: int) -> DataPtr | None:
+        """The address of the block after (chunk, index) (-1, -1: the first block), if any."""
+        if c >= 0 and j + 1 < len(self._cs[c]):
+            return self._cs[c][j + 1]
+        if c + 1 < len(self._cs):
+            return self._heads[c + 1]
+        return None
 
     def add(self, address: DataPtr, size: int) -> None:
-        i = bisect.bisect_left(self._starts, address)
-        self._starts.insert(i, address)
-        self._sizes.insert(i, size)
+        c, j = self._find(address)
+        self._insert_at(max(c, 0), j + 1, address, size)
+
+    def _insert_at(self, c: int, j: int, address: DataPtr, size: int) -> None:
+        """Insert a block as entry `j` of chunk `c` (its address order place)."""
+        if not self._cs:
+            self._heads.append(address)
+            self._cs.append(array("Q", (address,)))
+            self._cz.append(array("Q", (size,)))
+            self._n = 1
+            return
+        starts, sizes = self._cs[c], self._cz[c]
+        starts.insert(j, address)
+        sizes.insert(j, size)
+        self._n += 1
+        if j == 0:
+            self._heads[c] = address
+        if len(starts) > CHUNK:
+            half = len(starts) // 2
+            self._cs.insert(c + 1, starts[half:])
+            self._cz.insert(c + 1, sizes[half:])
+            self._heads.insert(c + 1, starts[half])
+            del starts[half:]
+            del sizes[half:]
 
     def remove(self, address: DataPtr) -> bool:
-        i = bisect.bisect_left(self._starts, address)
-        if i < len(self._starts) and self._starts[i] == address:
-            del self._starts[i]
-            del self._sizes[i]
-            return True
-        return False
+        c = bisect.bisect_right(self._heads, address) - 1
+        if c < 0:
+            return False
+        starts, sizes = self._cs[c], self._cz[c]
+        j = bisect.bisect_right(starts, address) - 1
+        if starts[j] != address:
+            return False
+        del starts[j]
+        del sizes[j]
+        self._n -= 1
+        if not starts:
+            del self._cs[c], self._cz[c], self._heads[c]
+        elif j == 0:
+            self._heads[c] = starts[0]
+        return True
+
+    def carve(self, address: DataPtr, requested: int) -> None:
+        """An allocation of `requested` bytes at `address` (a log entry): the block the allocator
+        carved there out of the free space (see `block_size`). Raises `ViewError` when the
+        address is not free space of the segment or the request does not fit there."""
+        heads, hi = self._heads, self.address + self.size
+        c = bisect.bisect_right(heads, address) - 1
+        if c >= 0:
+            starts = self._cs[c]
+            j = bisect.bisect_right(starts, address) - 1
+            if address < starts[j] + self._cz[c][j]:
+                hi = address  # inside an allocated block
+            elif j + 1 < len(starts):
+                hi = starts[j + 1]
+            elif c + 1 < len(heads):
+                hi = heads[c + 1]
+        else:
+            j = -1
+            if heads:
+                hi = heads[0]
+        if not self.address <= address < hi or address + requested > hi:
+            raise ViewError(f"alloc of {requested} B at {address:#x} outside free segment space")
+        size = block_size(requested, hi - address, self.expandable)
+        self._insert_at(c if c > 0 else 0, j + 1, address, size)
 
     def allocated_in(self, start: DataPtr, end: DataPtr) -> ViewBlock | None:
         """The first allocated block overlapping [start, end), if any."""
-        starts, sizes = self._starts, self._sizes
-        for i in range(max(bisect.bisect_right(starts, start) - 1, 0), len(starts)):
-            if starts[i] >= end:
-                break
-            if starts[i] + sizes[i] > start:
-                return self._block(i)
+        c, j = self._find(start)
+        if c >= 0:
+            if self._cs[c][j] >= end:
+                return None
+            if self._cs[c][j] + self._cz[c][j] > start:
+                return ViewBlock(self._cs[c][j], self._cz[c][j], True, self.resolve)
+        nxt = self._next_start(c, j)
+        if nxt is not None and nxt < end:
+            c, j = (c, j + 1) if c >= 0 and j + 1 < len(self._cs[c]) else (c + 1, 0)
+            return ViewBlock(nxt, self._cz[c][j], True, self.resolve)
         return None
 
     def block_at(self, addr: DataPtr) -> ViewBlock | None:
         """The allocated block holding `addr`, else the free gap around it (as the allocator,
         which merges neighbouring free blocks, would show it); None outside the segment."""
-        if not self.address <= addr < self.end:
+        end = self.address + self.size
+        if not self.address <= addr < end:
             return None
-        starts, sizes = self._starts, self._sizes
-        i = bisect.bisect_right(starts, addr) - 1
-        if i >= 0 and addr < starts[i] + sizes[i]:
-            return self._block(i)
-        lo = starts[i] + sizes[i] if i >= 0 else self.address
-        hi = starts[i + 1] if i + 1 < len(starts) else self.end
-        return ViewBlock(lo, hi - lo, allocated=False)
+        heads = self._heads
+        c = bisect.bisect_right(heads, addr) - 1
+        if c < 0:
+            return ViewBlock(self.address, (heads[0] if heads else end) - self.address, False)
+        starts = self._cs[c]
+        j = bisect.bisect_right(starts, addr) - 1
+        lo = starts[j] + self._cz[c][j]
+        if addr < lo:
+            return ViewBlock(starts[j], self._cz[c][j], True, self.resolve)
+        if j + 1 < len(starts):
+            end = starts[j + 1]
+        elif c + 1 < len(heads):
+            end = heads[c + 1]
+        return ViewBlock(lo, end - lo, False)
+
+    def load(self, spans: list[tuple[DataPtr, int]]) -> None:
+        """Replace the blocks by `spans` ((address, size), non-overlapping)."""
+        spans = sorted(spans)
+        self._heads, self._cs, self._cz = [], [], []
+        for k in range(0, len(spans), CHUNK // 2 or 1):
+            part = spans[k : k + (CHUNK // 2 or 1)]
+            self._heads.append(part[0][0])
+            self._cs.append(array("Q", [a for a, _ in part]))
+            self._cz.append(array("Q", [n for _, n in part]))
+        self._n = len(spans)
+
+    def cut(self, at: DataPtr) -> tuple[ViewSegment, ViewSegment]:
+        """Two segments (extents and pool as this one's) holding this one's blocks that start
+        before `at` and from `at` on; whole chunks move over, so this one is left empty."""
+        lo = ViewSegment(self.address, self.size, self.pool, self.expandable, self.resolve)
+        hi = ViewSegment(self.address, self.size, self.pool, self.expandable, self.resolve)
+        c = bisect.bisect_right(self._heads, at) - 1
+        if c >= 0:
+            starts, sizes = self._cs[c], self._cz[c]
+            k = bisect.bisect_left(starts, at)
+            lo._adopt(self._cs[:c] + [starts[:k]], self._cz[:c] + [sizes[:k]])
+            hi._adopt([starts[k:]] + self._cs[c + 1 :], [sizes[k:]] + self._cz[c + 1 :])
+        else:
+            hi._adopt(self._cs, self._cz)
+        self._heads, self._cs, self._cz, self._n = [], [], [], 0
+        return lo, hi
+
+    def _adopt(self, cs: list[array], cz: list[array]) -> None:
+        """Take these chunks (address order) as the blocks; empty ones are dropped."""
+        keep = [i for i, starts in enumerate(cs) if starts]
+        self._cs, self._cz = [cs[i] for i in keep], [cz[i] for i in keep]
+        self._heads = [starts[0] for starts in self._cs]
+        self._n = sum(len(starts) for starts in self._cs)
 
     def __len__(self) -> int:
-        return len(self._starts)
+        return self._n
 
 
 # The caching allocator's sizes: blocks are multiples of MIN_BLOCK; requests up to SMALL_SIZE
@@ -313,7 +474,8 @@ class AllocatorView(SegmentIndex):
     def __init__(self, resolve: Callable[[DataPtr], list[Frame]] | None = None) -> None:
         self.resolve = resolve  # allocation stack of a live block's address
         self.segments: list[ViewSegment] = []  # address order
-        self._starts: list[DataPtr] = []
+        self._starts = array("Q")  # the segments' addresses and ends, in the same order
+        self._ends = array("Q")
         self.events = 0  # trace entries applied since the seed
         self.seeds = 0  # snapshots taken (the first one, and after any lost event)
         self.requested: dict[DataPtr, int] = {}  # see KEEP_REQUESTED
@@ -321,7 +483,8 @@ class AllocatorView(SegmentIndex):
     # -- building ----------------------------------------------------------------------------
     def seed(self, snapshot: dict[str, Any], device: int | None = None) -> None:
         """Replace the whole state by a snapshot's (`torch.cuda.memory._snapshot()` shape)."""
-        self.segments, self._starts, self.requested = [], [], {}
+        segments: list[ViewSegment] = []
+        self.requested = {}
         for seg in snapshot.get("segments", ()):
             if device is not None and seg.get("device", device) != device:
                 continue
@@ -334,50 +497,69 @@ class AllocatorView(SegmentIndex):
                 bool(seg.get("is_expandable", False)),
                 self.resolve,
             )
-            for b in seg.get("blocks", ()):
-                if str(b["state"]).startswith("active"):
-                    vs.add(int(b["address"]), int(b["size"]))
-            self._insert(vs)
+            vs.load(
+                [
+                    (int(b["address"]), int(b["size"]))
+                    for b in seg.get("blocks", ())
+                    if str(b["state"]).startswith("active")
+                ]
+            )
+            segments.append(vs)
+        segments.sort(key=lambda vs: vs.address)
+        self.segments = segments
+        self._starts = array("Q", [vs.address for vs in segments])
+        self._ends = array("Q", [vs.address + vs.size for vs in segments])
         self.seeds += 1
 
     def apply(self, entries: Iterable[Entry], pool_of: PoolOf) -> None:
         """Apply trace entries in order. Raises `ViewError` when one contradicts the view."""
-        entries = list(entries)
-        for i, e in enumerate(entries):
-            action = e["action"]
-            addr, size = int(e["addr"]), int(e["size"])
-            if action == "alloc":
-                seg = self.segment_at(addr)
-                gap = seg.block_at(addr) if seg is not None else None
-                if gap is None or gap.allocated or addr + size > gap.address + gap.size:
-                    raise ViewError(f"alloc of {size} B at {addr:#x} outside free segment space")
-                free = gap.address + gap.size - addr
-                block = block_size(size, free, seg.expandable)
-                seg.add(addr, block)
-                if size <= KEEP_REQUESTED:
-                    self.requested[addr] = size
-            elif action == "free_completed":
-                seg = self.segment_at(addr)
-                if seg is None or not seg.remove(addr):
-                    raise ViewError(f"free of unknown block {addr:#x}")
-                self.requested.pop(addr, None)
-            elif action == "segment_alloc":
-                if self.segments_in(addr, addr + size):
-                    raise ViewError(f"segment at {addr:#x} overlaps a known one")
-                pool = pool_of(e, _next_alloc(entries, i))
-                self._insert(ViewSegment(addr, size, pool, False, self.resolve))
-            elif action == "segment_free":
-                seg = self.segment_at(addr)
-                if seg is None or seg.address != addr or len(seg):
-                    raise ViewError(f"free of unknown or busy segment {addr:#x}")
-                self._remove(seg)
-            elif action == "segment_map":
-                self._map(addr, size, pool_of(e, _next_alloc(entries, i)))
-            elif action == "segment_unmap":
-                self._unmap(addr, size)
-            else:
-                continue  # free_requested, snapshot, oom: no change to what is allocated
-            self.events += 1
+        entries = entries if isinstance(entries, list) else list(entries)
+        starts, ends, segments, requested = self._starts, self._ends, self.segments, self.requested
+        find = bisect.bisect_right
+        applied = 0
+        try:
+            for i, e in enumerate(entries):
+                action = e["action"]
+                if action == "alloc":
+                    addr, size = int(e["addr"]), int(e["size"])
+                    k = find(starts, addr) - 1
+                    if k < 0 or addr >= ends[k]:
+                        raise ViewError(
+                            f"alloc of {size} B at {addr:#x} outside free segment space"
+                        )
+                    segments[k].carve(addr, size)
+                    if size <= KEEP_REQUESTED:
+                        requested[addr] = size
+                elif action == "free_completed":
+                    addr = int(e["addr"])
+                    k = find(starts, addr) - 1
+                    if k < 0 or addr >= ends[k] or not segments[k].remove(addr):
+                        raise ViewError(f"free of unknown block {addr:#x}")
+                    requested.pop(addr, None)
+                elif action == "free_requested":
+                    continue  # as common as the two above; the block goes at free_completed
+                elif action == "segment_alloc":
+                    addr, size = int(e["addr"]), int(e["size"])
+                    if self.segments_in(addr, addr + size):
+                        raise ViewError(f"segment at {addr:#x} overlaps a known one")
+                    pool = pool_of(e, _next_alloc(entries, i))
+                    self._insert(ViewSegment(addr, size, pool, False, self.resolve))
+                elif action == "segment_free":
+                    addr = int(e["addr"])
+                    seg = self.segment_at(addr)
+                    if seg is None or seg.address != addr or len(seg):
+                        raise ViewError(f"free of unknown or busy segment {addr:#x}")
+                    self._remove(seg)
+                elif action == "segment_map":
+                    addr, size = int(e["addr"]), int(e["size"])
+                    self._map(addr, size, pool_of(e, _next_alloc(entries, i)))
+                elif action == "segment_unmap":
+                    self._unmap(int(e["addr"]), int(e["size"]))
+                else:
+                    continue  # free_requested, snapshot, oom: no change to what is allocated
+                applied += 1
+        finally:
+            self.events += applied
 
     # -- expandable segments -----------------------------------------------------------------
     def _map(self, addr: DataPtr, size: int, pool: PoolId) -> None:
@@ -396,9 +578,11 @@ class AllocatorView(SegmentIndex):
         self._insert(vs)
 
     def _joined(self, a: ViewSegment, b: ViewSegment) -> ViewSegment:
+        """One segment of `a` and `b`, which follows it; their blocks move over, chunk by chunk."""
         out = ViewSegment(a.address, b.end - a.address, a.pool, True, self.resolve)
-        for address, size in a.spans() + b.spans():
-            out.add(address, size)
+        out._adopt(a._cs + b._cs, a._cz + b._cz)
+        for old in (a, b):
+            old._heads, old._cs, old._cz, old._n = [], [], [], 0
         return out
 
     def _unmap(self, addr: DataPtr, size: int) -> None:
@@ -407,30 +591,40 @@ class AllocatorView(SegmentIndex):
         if seg is None or not seg.expandable or end > seg.end or seg.allocated_in(addr, end):
             raise ViewError(f"unmap of {size} B at {addr:#x} that is not free mapped memory")
         self._remove(seg)
-        for lo, hi in ((seg.address, addr), (end, seg.end)):
+        below, rest = seg.cut(addr)
+        _, above = rest.cut(end)  # nothing is allocated in [addr, end)
+        for part, lo, hi in ((below, seg.address, addr), (above, end, seg.end)):
             if hi > lo:
-                part = ViewSegment(lo, hi - lo, seg.pool, True, self.resolve)
-                for address, size in seg.spans():
-                    if lo <= address < hi:
-                        part.add(address, size)
+                part.address, part.size = lo, hi - lo
                 self._insert(part)
 
     # -- the segment index -------------------------------------------------------------------
     def _insert(self, seg: ViewSegment) -> None:
         i = bisect.bisect_left(self._starts, seg.address)
         self._starts.insert(i, seg.address)
+        self._ends.insert(i, seg.address + seg.size)
         self.segments.insert(i, seg)
 
     def _remove(self, seg: ViewSegment) -> None:
         i = bisect.bisect_left(self._starts, seg.address)
         del self._starts[i]
+        del self._ends[i]
         del self.segments[i]
 
+    def segment_at(self, addr: DataPtr) -> ViewSegment | None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        return self.segments[i] if i >= 0 and addr < self._ends[i] else None
+
     def locate(self, addr: DataPtr) -> tuple[ViewSegment, ViewBlock] | None:
-        seg = self.segment_at(addr)
-        if seg is None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0 or addr >= self._ends[i]:
             return None
+        seg = self.segments[i]
         return seg, seg.block_at(addr)
+
+    def extents(self) -> tuple[np.ndarray, np.ndarray]:
+        # a copy: an array that exports its buffer cannot grow, and the view keeps changing
+        return np.array(self._starts, dtype=np.uint64), np.array(self._ends, dtype=np.uint64)
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.segments)

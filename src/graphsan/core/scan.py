@@ -7,6 +7,7 @@ A kernel's parameter block is raw bytes; the words that fall inside the allocato
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -52,32 +53,97 @@ def references(
     (`unaligned=True`, for such packed buffers) cost false alarms: a pointer's zero high bytes
     followed by a small integer read, at an odd offset, as an address inside a large block.
 
-    The aligned words of all kernels are compared in one vectorized pass, so a graph of
-    thousands of nodes costs one numpy scan plus a lookup per candidate.
+    The aligned words of all kernels are found and confirmed against the map in one vectorized
+    pass (`memmap.contains`); Python touches only the confirmed ones.
     """
     nodes = list(nodes)
+    if unaligned:
+        return _references_unaligned(nodes, memmap, foreign)
+    copies = [(i, n) for i, n in enumerate(nodes) if isinstance(n, CopyArgs)]
+    out: list[Reference] = []
+    c = 0  # copies before the node of the current word are emitted first: node order
+    node_at, seen, offsets, index, name = -1, set(), [], 0, ""
+    for pos, off, value in zip(*_aligned_hits(nodes, memmap, foreign), strict=True):
+        if pos != node_at:
+            node_at, seen = pos, set()
+            node = nodes[pos]
+            offsets, index, name = node.offsets, node.index, node.name
+            while c < len(copies) and copies[c][0] < pos:
+                out += _copy_references(copies[c][1])
+                c += 1
+        if value in seen:
+            continue
+        seen.add(value)
+        if offsets:
+            p = bisect.bisect_right(offsets, off) - 1
+            if p < 0:
+                p = 0
+            out.append(Reference(index, name, p, off - offsets[p], value))
+        else:
+            out.append(Reference(index, name, 0, off, value))
+    for _, copy in copies[c:]:
+        out += _copy_references(copy)
+    return out
+
+
+def _copy_references(node: CopyArgs) -> list[Reference]:
+    return [Reference(node.index, node.kind, side, 0, a) for side, a in node.addresses]
+
+
+def _aligned_hits(
+    nodes: list[KernelArgs | CopyArgs], memmap: MemoryMap, foreign: Callable[[int], bool] | None
+) -> tuple[list[int], list[int], list[int]]:
+    """Node position, offset and value of each confirmed 8-byte-aligned word, in node and
+    offset order: inside the map, or (with `foreign`) confirmed by it."""
+    bufs = [
+        (i, n.buffer[: len(n.buffer) // 8 * 8])
+        for i, n in enumerate(nodes)
+        if isinstance(n, KernelArgs) and len(n.buffer) >= 8
+    ]
+    if not bufs:
+        return [], [], []
+    lo, hi = memmap.bounds()
+    counts = np.array([len(b) // 8 for _, b in bufs])
+    words = np.frombuffer(b"".join(b for _, b in bufs), dtype="<u8")
+    mask = (words >= lo) & (words < hi)
+    if foreign is not None:
+        mask |= (words >= FOREIGN_LO) & (words < FOREIGN_HI)
+    hits = np.flatnonzero(mask)
+    values = words[hits]
+    ok = memmap.contains(values)
+    if foreign is not None:
+        ask = ~ok & ((values < lo) | (values >= hi))
+        if ask.any():  # each distinct value once, in the order the words come
+            yes = [v for v in dict.fromkeys(values[ask].tolist()) if foreign(v)]
+            if yes:
+                ok |= ask & np.isin(values, np.array(yes, dtype=np.uint64))
+    hits, values = hits[ok], values[ok]
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    which = np.searchsorted(starts, hits, side="right") - 1
+    positions = np.array([i for i, _ in bufs])
+    return positions[which].tolist(), (8 * (hits - starts[which])).tolist(), values.tolist()
+
+
+def _references_unaligned(
+    nodes: list[KernelArgs | CopyArgs], memmap: MemoryMap, foreign: Callable[[int], bool] | None
+) -> list[Reference]:
+    """`references` with every byte offset of kernel buffers read (`unaligned=True`)."""
     lo, hi = memmap.bounds()
     out: list[Reference] = []
-    candidates: dict[int, list[tuple[int, int]]] = {}  # node position -> (offset, value)
-    kernels = [(i, n) for i, n in enumerate(nodes) if isinstance(n, KernelArgs)]
-    if unaligned:
-        for i, n in kernels:
-            candidates[i] = scan_words(n.buffer, lo, hi, True)
-            if foreign is not None:
-                candidates[i] += [
-                    (off, v)
-                    for off, v in scan_words(n.buffer, FOREIGN_LO, FOREIGN_HI, unaligned=False)
-                    if not lo <= v < hi
-                ]
-    else:
-        candidates = _aligned_candidates(kernels, lo, hi, foreign is not None)
     is_foreign: dict[int, bool] = {}
-    for i, node in enumerate(nodes):
+    for node in nodes:
         if isinstance(node, CopyArgs):
             out += [Reference(node.index, node.kind, side, 0, a) for side, a in node.addresses]
             continue
+        candidates = scan_words(node.buffer, lo, hi, True)
+        if foreign is not None:
+            candidates += [
+                (off, v)
+                for off, v in scan_words(node.buffer, FOREIGN_LO, FOREIGN_HI, unaligned=False)
+                if not lo <= v < hi
+            ]
         seen = set()
-        for off, value in candidates.get(i, ()):
+        for off, value in candidates:
             if value in seen:
                 continue
             if memmap.locate(value) is None:
@@ -94,30 +160,6 @@ def references(
     return out
 
 
-def _aligned_candidates(
-    kernels: list[tuple[int, KernelArgs]], lo: int, hi: int, with_foreign: bool
-) -> dict[int, list[tuple[int, int]]]:
-    """(offset, value) of the 8-byte-aligned words that may be addresses, per node position:
-    inside [lo, hi), or (with_foreign) anywhere device memory can be mapped."""
-    bufs = [(i, n.buffer[: len(n.buffer) // 8 * 8]) for i, n in kernels if len(n.buffer) >= 8]
-    if not bufs:
-        return {}
-    counts = np.array([len(b) // 8 for _, b in bufs])
-    words = np.frombuffer(b"".join(b for _, b in bufs), dtype="<u8")
-    mask = (words >= lo) & (words < hi)
-    if with_foreign:
-        mask |= (words >= FOREIGN_LO) & (words < FOREIGN_HI)
-    hits = np.nonzero(mask)[0]
-    if not len(hits):
-        return {}
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    which = np.searchsorted(starts, hits, side="right") - 1
-    out: dict[int, list[tuple[int, int]]] = {}
-    for h, w in zip(hits.tolist(), which.tolist(), strict=True):
-        out.setdefault(bufs[w][0], []).append((8 * (h - int(starts[w])), int(words[h])))
-    return out
-
-
 FOREIGN_LO, FOREIGN_HI = 1 << 32, 1 << 49  # where device virtual addresses live on x86-64
 
 
@@ -127,6 +169,9 @@ def _param_of(offsets: list[int], off: int) -> tuple[int, int]:
     i = max(bisect.bisect_right(offsets, off) - 1, 0)
     return i, off - offsets[i]
 
+
+_UNSEEN = object()
+_node = operator.itemgetter(0)  # Reference.node
 
 # What capture end reads of the device buffers kernel arguments point at (pointer tables):
 # blocks up to TABLE_BLOCK bytes, TABLE_BUDGET bytes per graph in all.
@@ -147,11 +192,14 @@ def table_candidates(
     end it is whatever the memory held before."""
     out: list[tuple[int, int, Reference]] = []
     seen: set[int] = set()
+    located: dict[int, object] = {}  # a graph names the same addresses many times
     spent = 0
-    for r in sorted(refs, key=lambda r: r.node):
+    for r in sorted(refs, key=_node):
         if r.through is not None or not isinstance(r.param, int):
             continue  # memcpy/memset sides, and addresses already read from a table
-        hit = memmap.locate(r.address)
+        hit = located.get(r.address, _UNSEEN)
+        if hit is _UNSEEN:
+            hit = located[r.address] = memmap.locate(r.address)
         if hit is None or hit[1] is None or not hit[1].allocated:
             continue
         seg, blk = hit
@@ -183,9 +231,13 @@ def table_references(table: int, data: bytes, via: Reference, memmap: MemoryMap)
     if 2 * int(inside.sum()) < int(np.count_nonzero(words)):
         return []
     out = []
-    for i in np.nonzero(inside)[0].tolist():
-        value = int(words[i])
-        hit = memmap.locate(value)
+    located: dict[int, object] = {}
+    idx = np.flatnonzero(inside)
+    idx = idx[memmap.contains(words[idx])]
+    for i, value in zip(idx.tolist(), words[idx].tolist(), strict=True):
+        hit = located.get(value, _UNSEEN)
+        if hit is _UNSEEN:
+            hit = located[value] = memmap.locate(value)
         if hit is None or hit[1] is None or not hit[1].allocated or hit[1].address == table:
             continue
         out.append(via._replace(address=value, through=table, slot=8 * i))

@@ -22,6 +22,7 @@ The rules, in one place:
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -76,6 +77,10 @@ class GraphState:
     order: PoolOrder | None = None
     reads: bool = False
     read_order: PoolOrder | None = None  # the pool order that checks its reads
+
+
+_UNSEEN = object()
+_node = operator.itemgetter(0)  # Reference.node
 
 
 # Expandable segments map and unmap whole pages: 2 MiB in the small pool, 20 MiB in the large
@@ -140,8 +145,11 @@ class Tracker:
         blocks: dict[DataPtr, WatchedBlock] = {}
         counts = dict.fromkeys(("default", "own", "other", "foreign", "temporary", "host"), 0)
         stale_at_capture: list[WatchedBlock] = []
+        located: dict[DataPtr, object] = {}  # a graph names the same addresses many times
         for ref in refs:
-            hit = memmap.locate(ref.address)
+            hit = located.get(ref.address, _UNSEEN)
+            if hit is _UNSEEN:
+                hit = located[ref.address] = memmap.locate(ref.address)
             if hit is None and host is not None and isinstance(ref.param, str):
                 hb = host(ref.address)
                 if hb is not None:
@@ -181,7 +189,7 @@ class Tracker:
             wb.graphs.add(info.id)
             by_block.setdefault(blk.address, []).append(ref)
         for rs in by_block.values():
-            rs.sort(key=lambda r: r.node)
+            rs.sort(key=_node)
         state = GraphState(info, by_block, blocks, ReferenceCounts(**counts))
         self.graphs[info.id] = state
         for wb in stale_at_capture:

@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import functools
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from cuda.bindings import driver as drv
 
@@ -22,13 +23,26 @@ CU_LAUNCH_PARAM_BUFFER_SIZE = 2
 MAX_PARAMS = 4096  # no kernel takes more; a guard against runaway loops
 
 
+# looked up once: every node of every graph compares against them
+_SUCCESS = drv.CUresult.CUDA_SUCCESS
+_T = drv.CUgraphNodeType
+_KERNEL, _MEMCPY, _MEMSET = (
+    _T.CU_GRAPH_NODE_TYPE_KERNEL,
+    _T.CU_GRAPH_NODE_TYPE_MEMCPY,
+    _T.CU_GRAPH_NODE_TYPE_MEMSET,
+)
+_CHILD, _CONDITIONAL = _T.CU_GRAPH_NODE_TYPE_GRAPH, _T.CU_GRAPH_NODE_TYPE_CONDITIONAL
+# the smallest page size of the hosts CUDA runs on (x86-64, aarch64)
+PAGE = 4096
+
+
 class DriverError(RuntimeError):
     pass
 
 
 def _check(result, what: str):
     err, *rest = result
-    if err != drv.CUresult.CUDA_SUCCESS:
+    if err != _SUCCESS:
         raise DriverError(f"{what} failed: {err.name}")
     if not rest:
         return None
@@ -59,17 +73,16 @@ def walk(graph) -> tuple[list[KernelArgs | CopyArgs], WalkStats]:
 def _nodes(graph, stats: WalkStats) -> Iterator:
     _, count = _check_pair(drv.cuGraphGetNodes(graph), "cuGraphGetNodes")
     nodes, _ = _check_pair(drv.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
-    T = drv.CUgraphNodeType
     for node in nodes[:count]:
         stats.nodes += 1
         kind = _check(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
-        if kind == T.CU_GRAPH_NODE_TYPE_GRAPH:
+        if kind == _CHILD:
             stats.child_graphs += 1
             yield from _nodes(
                 _check(drv.cuGraphChildGraphNodeGetGraph(node), "cuGraphChildGraphNodeGetGraph"),
                 stats,
             )
-        elif kind == T.CU_GRAPH_NODE_TYPE_CONDITIONAL:
+        elif kind == _CONDITIONAL:
             try:
                 params = _check(drv.cuGraphNodeGetParams(node), "cuGraphNodeGetParams")
                 cond = params.conditional
@@ -84,18 +97,17 @@ def _nodes(graph, stats: WalkStats) -> Iterator:
 
 def _check_pair(result, what):
     err, nodes, count = result
-    if err != drv.CUresult.CUDA_SUCCESS:
+    if err != _SUCCESS:
         raise DriverError(f"{what} failed: {err.name}")
     return nodes, count
 
 
 def _read_node(node, kind, index: int, stats: WalkStats) -> KernelArgs | CopyArgs | None:
-    T = drv.CUgraphNodeType
     try:
-        if kind == T.CU_GRAPH_NODE_TYPE_KERNEL:
+        if kind == _KERNEL:
             stats.kernels += 1
             return _read_kernel(node, index)
-        if kind == T.CU_GRAPH_NODE_TYPE_MEMCPY:
+        if kind == _MEMCPY:
             stats.copies += 1
             p = _check(drv.cuGraphMemcpyNodeGetParams(node), "cuGraphMemcpyNodeGetParams")
             addrs = []
@@ -112,7 +124,7 @@ def _read_node(node, kind, index: int, stats: WalkStats) -> KernelArgs | CopyArg
                     if base:
                         addrs.append((side, base + int(getattr(p, f"{side}XInBytes"))))
             return CopyArgs(index, "memcpy", addrs)
-        if kind == T.CU_GRAPH_NODE_TYPE_MEMSET:
+        if kind == _MEMSET:
             stats.copies += 1
             p = _check(drv.cuGraphMemsetNodeGetParams(node), "cuGraphMemsetNodeGetParams")
             return CopyArgs(index, "memset", [("dst", int(p.dst))])
@@ -133,27 +145,50 @@ def _host_address(ptr) -> int:
 
 def _read_kernel(node, index: int) -> KernelArgs:
     p = _check(drv.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
-    func, kern = int(p.func), int(p.kern)
-    if func:
-        name, layout = _function_info(func, False)
-    elif kern:
-        name, layout = _function_info(kern, True)
-    else:
-        name, layout = "<unknown kernel>", ()
-    kp, extra = int(p.kernelParams), int(p.extra)
+    func = int(p.func)
+    kern = 0 if func else int(p.kern)
+    info = _function_info(func, False) if func else _function_info(kern, True) if kern else None
+    if info is None:
+        info = FunctionInfo("<unknown kernel>", (), 0, ())
+    kp = int(p.kernelParams)
     if kp:
-        if not layout:
-            raise DriverError(f"no parameter layout for {name}")
-        size = max(off + sz for off, sz in layout)
-        buf = bytearray(size)
-        ptrs = (ctypes.c_void_p * len(layout)).from_address(kp)
+        if not info.layout:
+            raise DriverError(f"no parameter layout for {info.name}")
+        ptrs = info.pointers.from_address(kp)[:]
+        return KernelArgs(
+            index, info.name, gather(ptrs, info.layout, info.size), list(info.offsets)
+        )
+    extra = int(p.extra)
+    if extra:
+        return KernelArgs(index, info.name, _packed_buffer(extra), list(info.offsets))
+    return KernelArgs(index, info.name, b"", [])
+
+
+def gather(ptrs: list[int | None], layout: tuple[tuple[int, int], ...], size: int) -> bytes:
+    """A kernel's parameter block from `kernelParams` (one pointer per parameter; (offset,
+    size) of each in `layout`), zeros in the padding and for null pointers. A ctypes read costs
+    more than the copy: when the values span at most a page, one read takes them all (it touches
+    at most two pages, each holding a parameter byte, so mapped); else each is read alone."""
+    lo = hi = None
+    for (_, sz), ptr in zip(layout, ptrs, strict=True):
+        if ptr and sz:
+            if lo is None or ptr < lo:
+                lo = ptr
+            if hi is None or ptr + sz > hi:
+                hi = ptr + sz
+    buf = bytearray(size)
+    if lo is None:
+        return bytes(buf)
+    if hi - lo <= PAGE:
+        data = ctypes.string_at(lo, hi - lo)
+        for (off, sz), ptr in zip(layout, ptrs, strict=True):
+            if ptr:
+                buf[off : off + sz] = data[ptr - lo : ptr - lo + sz]
+    else:
         for (off, sz), ptr in zip(layout, ptrs, strict=True):
             if ptr:
                 buf[off : off + sz] = ctypes.string_at(ptr, sz)
-        return KernelArgs(index, name, bytes(buf), [off for off, _ in layout])
-    if extra:
-        return KernelArgs(index, name, _packed_buffer(extra), [off for off, _ in layout])
-    return KernelArgs(index, name, b"", [])
+    return bytes(buf)
 
 
 def _packed_buffer(extra: int) -> bytes:
@@ -173,9 +208,19 @@ def _packed_buffer(extra: int) -> bytes:
     return ctypes.string_at(ptr, size)
 
 
+class FunctionInfo(NamedTuple):
+    """What the walk needs of a kernel's function, looked up once per function."""
+
+    name: str  # demangled
+    layout: tuple[tuple[int, int], ...]  # (offset, size) of each parameter
+    size: int  # bytes of the parameter block
+    offsets: tuple[int, ...]
+    pointers: type | None = None  # ctypes array of one pointer per parameter (kernelParams)
+
+
 @functools.lru_cache(maxsize=65536)
-def _function_info(handle: int, is_kernel: bool) -> tuple[str, tuple[tuple[int, int], ...]]:
-    """Demangled name and (offset, size) of each parameter of a CUfunction or CUkernel."""
+def _function_info(handle: int, is_kernel: bool) -> FunctionInfo:
+    """Demangled name and parameter layout of a CUfunction or CUkernel."""
     if is_kernel:
         h, get_name, get_param = drv.CUkernel(handle), drv.cuKernelGetName, drv.cuKernelGetParamInfo
     else:
@@ -188,17 +233,23 @@ def _function_info(handle: int, is_kernel: bool) -> tuple[str, tuple[tuple[int, 
     layout = []
     for i in range(MAX_PARAMS):
         err, off, size = get_param(h, i)
-        if err != drv.CUresult.CUDA_SUCCESS:
+        if err != _SUCCESS:
             break
         layout.append((int(off), int(size)))
-    return name, tuple(layout)
+    return FunctionInfo(
+        name,
+        tuple(layout),
+        max((off + sz for off, sz in layout), default=0),
+        tuple(off for off, _ in layout),
+        ctypes.c_void_p * len(layout),
+    )
 
 
 # ----------------------------------------------------------------------------- addresses
 def address_range(ptr: int) -> tuple[int, int] | None:
     """(base, size) of the driver allocation holding `ptr`, or None (not device memory)."""
     err, base, size = drv.cuMemGetAddressRange(drv.CUdeviceptr(ptr))
-    if err != drv.CUresult.CUDA_SUCCESS:
+    if err != _SUCCESS:
         return None
     return int(base), int(size)
 
@@ -209,9 +260,7 @@ def is_host(ptr: int) -> bool:
         err, mtype = drv.cuPointerGetAttribute(
             drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr
         )
-        return err == drv.CUresult.CUDA_SUCCESS and int(mtype) == int(
-            drv.CUmemorytype.CU_MEMORYTYPE_HOST
-        )
+        return err == _SUCCESS and int(mtype) == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST)
     except Exception:  # an address the bindings cannot take is not pinned memory
         return False
 
@@ -220,7 +269,7 @@ def is_mapped(ptr: int) -> bool:
     """Whether physical memory is mapped at `ptr` (for expandable segments, where the virtual
     range outlives the pages: cuMemGetAddressRange still answers after an unmap)."""
     err, handle = drv.cuMemRetainAllocationHandle(ptr)
-    if err != drv.CUresult.CUDA_SUCCESS:
+    if err != _SUCCESS:
         return False
     drv.cuMemRelease(handle)
     return True
