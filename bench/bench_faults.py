@@ -5,10 +5,14 @@
 
 Each trial trains the lab model (tiny preset, per-module CUDA graphs for attn, mamba, moe_router
 and moe_preprocess, validation every 3 steps) under `graphsan.enable(policy="raise")`, beside
-three small graphs a training job also has: a data-loader copy from a pinned host batch into a
-static device input, a gather through a device table of buffer addresses, and three graphs that
-share one memory pool and must replay in capture order. After a random step one fault is
-injected into memory some live graph uses, or, in control trials, nothing:
+what a training job also has: a data-loader copy from a pinned host batch into a static device
+input, a gather through a device table of buffer addresses, three graphs that share one memory
+pool and must replay in capture order, and a second model graphed with
+`torch.cuda.make_graphed_callables` (2 MLP blocks, hidden 512, 1,024 tokens, forward and
+backward graphs in one pool, its captured backward allocating on the autograd worker thread),
+trained one step with its own AdamW per lab step and run eagerly in eval mode on validation
+steps. After a random step one fault is injected into memory some live graph uses, or, in
+control trials, nothing:
 
     free          a graphed stage's static input is replaced by a new tensor; the old one dies
     free-reuse    the same, then new tensors of the same size take the freed block
@@ -20,6 +24,13 @@ injected into memory some live graph uses, or, in control trials, nothing:
     table-free    a buffer named in the address table is freed and its block reused
     replay-order  the pool-sharing graphs replay out of order (the third re-carved memory the
                   second has still to read)
+    mgc-data-rebind
+                  `p.data = p.data.clone()` on a weight of the make_graphed_callables model: its
+                  graphed callables keep the Parameter and replay against its old storage
+    mgc-input-rebind
+                  a graphed block's sample input re-pointed at a new batch with `.data =`
+                  instead of filled with `copy_`: the callable keeps that very tensor and
+                  copies each new input into it, but its forward graph reads the old storage
     internal-driver / internal-node
                   graphsan's own driver walk fails, or returns a malformed node, during the
                   capture: graphsan must disable itself with one warning and training go on
@@ -51,9 +62,12 @@ from collections import Counter, defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_FAULTS = ("free", "free-reuse", "resize", "data-rebind", "set", "empty-cache")
 OTHER_FAULTS = ("host-free", "table-free", "replay-order")
+MGC_FAULTS = ("mgc-data-rebind", "mgc-input-rebind")
 INTERNAL = ("internal-driver", "internal-node")
-KINDS = ("control", *DEVICE_FAULTS, *OTHER_FAULTS, *INTERNAL)
-TRAIN_ITERS, WARMUP = 5, 1
+KINDS = ("control", *DEVICE_FAULTS, *OTHER_FAULTS, *MGC_FAULTS, *INTERNAL)
+TRAIN_ITERS, WARMUP, EVAL_INTERVAL = 5, 1, 3
+# the make_graphed_callables model: big enough that its captured backward needs new segments
+MGC_BLOCKS, MGC_HIDDEN, MGC_TOKENS = 2, 512, 1024
 SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 
 
@@ -75,8 +89,91 @@ def _gather_kernel():
     return gather_through_table
 
 
+class GraphedBlocks:
+    """MLP blocks (LayerNorm, Linear, GELU, Linear) graphed by `make_graphed_callables` in one
+    pool, with eager residual adds and their own AdamW, trained one step at a time.
+
+    `make_graphed` is torch's (CPU tests pass a stand-in that keeps the samples the same way)."""
+
+    def __init__(
+        self,
+        torch,
+        device="cuda",
+        make_graphed=None,
+        blocks=MGC_BLOCKS,
+        hidden=MGC_HIDDEN,
+        tokens=MGC_TOKENS,
+    ):
+        self.torch, self.device, self.shape = torch, device, (tokens, hidden)
+        nn = torch.nn
+        mods = [
+            nn.Sequential(
+                nn.LayerNorm(hidden),
+                nn.Linear(hidden, 4 * hidden),
+                nn.GELU(),
+                nn.Linear(4 * hidden, hidden),
+            ).to(device)
+            for _ in range(blocks)
+        ]
+        # the first block's input is data; later ones get a residual sum that requires grad
+        samples = tuple(
+            (torch.randn(*self.shape, device=device, requires_grad=i > 0),) for i in range(blocks)
+        )
+        make_graphed = make_graphed or torch.cuda.make_graphed_callables
+        self.blocks = list(make_graphed(tuple(mods), samples))
+        self.opt = torch.optim.AdamW([p for b in self.blocks for p in b.parameters()], lr=1e-4)
+        # a training script drops its samples here; the callables keep them as static inputs
+        self.samples = [weakref.ref(args[0]) for args in samples]
+
+    def step(self) -> None:
+        torch = self.torch
+        x = torch.randn(*self.shape, device=self.device)
+        for block in self.blocks:
+            x = x + block(x)
+        x.pow(2).mean().backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def evaluate(self) -> None:
+        """A validation forward: modules in eval mode run their eager forward, not the graphs."""
+        torch = self.torch
+        for block in self.blocks:
+            block.eval()
+        with torch.no_grad():
+            y = torch.randn(*self.shape, device=self.device)
+            for block in self.blocks:
+                y = y + block(y)
+        for block in self.blocks:
+            block.train()
+
+    # ---- the faults; each returns what it did, or "no-hazard" if no storage died ----
+    def rebind_weight(self, rng) -> str:
+        named = [
+            (f"block{i}.{n}", p) for i, b in enumerate(self.blocks) for n, p in b.named_parameters()
+        ]
+        name, p = rng.choice(named)
+        old, alive = p.data_ptr(), weakref.ref(p.untyped_storage())
+        p.data = p.data.clone()
+        if alive() is not None:
+            return "no-hazard"
+        return f"mgc-data-rebind {name} ({p.numel()} elements) at {old:#x}"
+
+    def rebind_input(self, rng) -> str:
+        i = rng.randrange(len(self.samples))
+        sample = self.samples[i]()
+        if sample is None:  # torch's callables keep their samples: a harness problem
+            raise RuntimeError(f"block {i}'s sample input is no longer alive")
+        old, alive = sample.data_ptr(), weakref.ref(sample.untyped_storage())
+        sample.data = self.torch.randn_like(sample)  # the next batch, bound instead of copied in
+        del sample
+        if alive() is not None:
+            return "no-hazard"
+        return f"mgc-input-rebind: block {i}'s sample input at {old:#x}"
+
+
 class SideGraphs:
-    """The three small graphs beside the lab model, replayed after every training step."""
+    """The small graphs and the make_graphed_callables model beside the lab model, stepped after
+    every training step."""
 
     def __init__(self, torch, gather):
         dev = "cuda"
@@ -111,12 +208,19 @@ class SideGraphs:
             self.c = self.x * 3
         self.recarved = self.c.data_ptr() == a_ptr
         self.keep = []
+        self.mgc = GraphedBlocks(torch)
 
     def replay(self, order=(0, 1, 2)) -> None:
         self.loader.replay()
         self.gather.replay()
         for i in order:
             self.g[i].replay()
+
+    def step(self, iteration: int) -> None:
+        self.replay()
+        self.mgc.step()
+        if iteration % EVAL_INTERVAL == 0:  # when the lab validates
+            self.mgc.evaluate()
 
 
 class Injector:
@@ -137,7 +241,7 @@ class Injector:
             return
         if self.side is None:
             self.side = SideGraphs(self.torch, self.gather)
-        self.side.replay()
+        self.side.step(iteration)
         if iteration == self.spec["step"] and self.spec["kind"] != "control":
             self.inject(self.spec["kind"])
 
@@ -217,6 +321,12 @@ class Injector:
                 return
             self.injected = "replayed g0, g2, g1"
             self.side.replay(order=(0, 2, 1))
+        elif kind == "mgc-data-rebind":
+            self.injected = self.side.mgc.rebind_weight(self.rng)
+        elif kind == "mgc-input-rebind":
+            self.injected = self.side.mgc.rebind_input(self.rng)
+        elif kind not in INTERNAL:  # the internal faults are patched in for the whole trial
+            raise ValueError(f"unknown fault kind {kind!r}")
 
 
 def _patch_internal(kind: str):
@@ -265,7 +375,7 @@ def run_trial(spec: dict, torch, gather) -> dict:
         train_iters=TRAIN_ITERS,
         cuda_graph_modules=SCOPES,
         cuda_graph_warmup_steps=WARMUP,
-        eval_interval=3,
+        eval_interval=EVAL_INTERVAL,
         eval_iters=1,
         seed=spec["seed"] % 100000,
         device="cuda",
