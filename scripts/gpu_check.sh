@@ -27,7 +27,7 @@ for part in ${*:-tests}; do
         | tee "$OUT/lab-tests.log" | tail -15 ;;
     faults)  # docs/coverage.md
       timeout 540 python3 bench/bench_faults.py --trials 1000 --workers 16 --time-limit 450 \
-        --json "$OUT/faults.json" 2>&1 | tee "$OUT/faults.log" | tail -24 ;;
+        --json "$OUT/faults.json" 2>&1 | tee "$OUT/faults.log" | tail -34 ;;
     quantlinear)
       timeout 300 python3 bench/bench_quant_linear.py --iters 10 2>&1 \
         | tee "$OUT/bench_quant_linear.log" | tail -16 ;;
