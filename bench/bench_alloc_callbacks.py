@@ -13,8 +13,8 @@ does nothing, the median over `--rounds` rounds; the columns are us per call. Ev
 once a round, so their ratio holds on a busy machine even where the times themselves move.
 
 `--against REV` loads that revision's allocator module from git (default: the last revision
-before the unrolled walk) and measures it beside the current one; both must record the same
-sites. `--ideas` also times the other site walks considered, on the forward path.
+before the unrolled walk; a file path is read instead, for trees without git history) and
+measures it beside the current one; both must record the same sites. `--ideas` also times the other site walks considered, on the forward path.
 """
 
 from __future__ import annotations
@@ -126,8 +126,21 @@ class Idle:
 
 
 def load_revision(rev: str) -> types.ModuleType:
-    """The allocator module as of `rev`, beside the current one; SystemExit naming `rev` where
-    git cannot give it."""
+    """The allocator module as of `rev` (a git revision, or a file holding that module where the
+    tree has no git history), beside the current one; SystemExit naming `rev` where neither
+    gives it."""
+    if os.path.isfile(rev):
+        with open(rev) as f:
+            src = f.read()
+        rev = os.path.basename(rev)
+    else:
+        src = _git_show(rev)
+    mod = types.ModuleType(f"graphsan.cuda.allocator_{rev}")
+    exec(compile(src, f"<allocator.py at {rev}>", "exec"), mod.__dict__)
+    return mod
+
+
+def _git_show(rev: str) -> str:
     try:
         src = subprocess.run(
             ["git", "show", f"{rev}:src/graphsan/cuda/allocator.py"],
@@ -141,9 +154,7 @@ def load_revision(rev: str) -> types.ModuleType:
         raise SystemExit(
             f"--against {rev}: cannot read its allocator.py from git ({detail.strip()})"
         ) from None
-    mod = types.ModuleType(f"graphsan.cuda.allocator_{rev}")
-    exec(compile(src, f"<allocator.py at {rev}>", "exec"), mod.__dict__)
-    return mod
+    return src
 
 
 def new_watch(module: types.ModuleType, stacks: bool = True):
@@ -440,7 +451,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--against",
-        help=f"git revision to compare with, or 'none' (default: {BEFORE}, where git has it)",
+        help=f"git revision (or a copy of its allocator.py) to compare with, or 'none' "
+        f"(default: {BEFORE}, where git has it)",
     )
     p.add_argument("--depth", type=int, default=32, help="frames above the call paths")
     p.add_argument("--batch", type=int, default=64, help="blocks allocated, then freed, a round")
