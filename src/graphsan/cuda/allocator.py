@@ -18,7 +18,8 @@ alloc/free events, storage changes and cache releases, turned into calls on the 
   looked up in the ending capture's pool snapshot. Segments made inside a `beginAllocate*ToPool` window (torch.compile's graph trees,
   `use_mem_pool`) belong to that window's pool. Either way the tag marks a capture's allocations.
 - Allocation stacks are taken by the GPU-trace allocation callback as raw (code, instruction)
-  pairs, one interned tuple per distinct call path, and turned into frames only for blocks a
+  pairs, one interned tuple per distinct call path (interned once the block outlives the next
+  `INTERN_BATCH` allocations, or a capture made it), and turned into frames only for blocks a
   graph references. (The allocator's own stacks need torch's symbolizer, whose first use in a
   process costs seconds.)
 - Frees arrive through PyTorch's GPU-trace callbacks. Only frees of *watched* blocks do more than
@@ -36,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -59,6 +60,9 @@ RESEED_ENTRIES = 20_000
 # call wrappers.
 SITE_DEPTH = 24
 Site = tuple  # (code, instruction offset, code, instruction offset, ...), innermost first
+# A new allocation's site stays a plain tuple until this many allocations later; only those
+# still alive then are interned, so temporaries never pay for the interning.
+INTERN_BATCH = 1024
 
 _op = threading.local()
 _ABSENT = object()
@@ -157,6 +161,30 @@ def _site_frames(site: Site | None) -> list[Frame]:
     return user_frames(frames)
 
 
+def _unrolled_walk(depth: int) -> Callable[[FrameType], Site]:
+    """A function of a frame giving the call path from it outwards: (code, instruction offset)
+    of at most `depth` frames, innermost first. Written out frame by frame, without a loop or a
+    list, because every allocation runs it and those were a large part of a loop's cost."""
+
+    def pairs(n: int) -> str:
+        return ", ".join(f"f{i}.f_code, f{i}.f_lasti" for i in range(n))
+
+    src = ["def walk(frame):", "    f0 = frame"]
+    for i in range(1, depth):
+        src += [
+            f"    f{i} = f{i - 1}.f_back",
+            f"    if f{i} is None:",
+            f"        return ({pairs(i)},)",
+        ]
+    src.append(f"    return ({pairs(depth)},)")
+    namespace: dict[str, Any] = {}
+    exec("\n".join(src), namespace)
+    return namespace["walk"]
+
+
+_walk = _unrolled_walk(SITE_DEPTH)
+
+
 def _line(code: CodeType, lasti: int) -> int:
     for start, end, line in code.co_lines():
         if start <= lasti < end:
@@ -185,6 +213,10 @@ class AllocatorWatch:
         self.views: dict[int, AllocatorView] = {}
         self.sites: dict[int, Site] = {}  # live block address -> its allocation stack
         self._interned: dict[tuple, Site] = {}  # code ids and offsets -> the site
+        self._fresh: list[int] = []  # addresses whose site may not be interned yet
+        # the tracker's own dicts (never rebound), read by every free without two lookups
+        self._live = tracker.live
+        self._freed_segments = tracker.freed_segments
         # streams whose new segments belong to a pool: [stream or None (every stream), pool]
         self.routes: list[list] = []
         self.drains = 0
@@ -289,7 +321,10 @@ class AllocatorWatch:
                 if tags is not None and len(tags) == 1:
                     carves = self.carves.get(tags[0])
             if carves is not None:
-                carves.append((addr, int(e["size"]), self.sites.get(addr)))
+                site = self.sites.get(addr)
+                if site is not None:
+                    site = self._intern(site)
+                carves.append((addr, int(e["size"]), site))
 
     def _pool_of(self, entry, following, unsure: list) -> PoolId:
         """The pool of a new segment (see the module docstring)."""
@@ -392,31 +427,29 @@ class AllocatorWatch:
         except TypeError:  # torch without skip_actions
             torch.cuda.memory._record_memory_history(enabled="all", **kwargs)
 
-    def _site(self, frame) -> Site:
-        """This call path as an interned tuple. The key is built from code ids (hashing a code
-        object hashes its contents); the interned tuple holds the code objects themselves, which
-        keeps the ids valid."""
-        key = []
-        f = frame
-        for _ in range(SITE_DEPTH):
-            if f is None:
-                break
-            key.append(id(f.f_code))
-            key.append(f.f_lasti)
-            f = f.f_back
-        key = tuple(key)
-        site = self._interned.get(key)
-        if site is None:
-            codes = []
-            f = frame
-            for _ in range(SITE_DEPTH):
-                if f is None:
-                    break
-                codes.append(f.f_code)
-                codes.append(f.f_lasti)
-                f = f.f_back
-            site = self._interned[key] = tuple(codes)
-        return site
+    def _site(self, frame: FrameType) -> Site:
+        """This call path as an interned tuple."""
+        return self._intern(_walk(frame))
+
+    def _intern(self, site: Site) -> Site:
+        """The one tuple kept for this call path. The key is built from code ids (hashing a code
+        object hashes its contents); the kept tuple holds the code objects, which keeps the ids
+        valid."""
+        return self._interned.setdefault((*map(id, site[0::2]), *site[1::2]), site)
+
+    def _intern_fresh(self) -> None:
+        """Intern the sites of the latest allocations still alive. Another thread may free or
+        reallocate an address meanwhile: a site is only put back where no newer one was stored."""
+        fresh, self._fresh = self._fresh, []
+        sites = self.sites
+        for ptr in fresh:
+            raw = sites.get(ptr)
+            if raw is None:
+                continue
+            site = self._intern(raw)
+            now = sites.pop(ptr, None)
+            if now is not None:
+                sites.setdefault(ptr, site if now is raw else now)
 
     def _frames_of(self, address: int) -> list[Frame]:
         return _site_frames(self.sites.get(address))
@@ -431,7 +464,7 @@ class AllocatorWatch:
         if not self._active:
             return
         self.sites.pop(ptr, None)
-        if ptr not in self.tracker.live and not self.tracker.freed_segments:
+        if ptr not in self._live and not self._freed_segments:
             return
         try:
             if self.tracker.on_free(ptr, self._free_event) and self.timeline is not None:
@@ -451,8 +484,12 @@ class AllocatorWatch:
         if not self._active:
             return
         if self.alloc_stacks:
-            self.sites[ptr] = self._site(sys._getframe(1))
-        if not self.tracker.freed_segments:
+            self.sites[ptr] = _walk(sys._getframe(1))
+            fresh = self._fresh
+            fresh.append(ptr)
+            if len(fresh) >= INTERN_BATCH:
+                self._intern_fresh()
+        if not self._freed_segments:
             return
         try:
             self.tracker.on_alloc(ptr)
@@ -500,6 +537,7 @@ class AllocatorWatch:
                     torch.cuda.memory._record_memory_history(enabled=None)
         self.views.clear()
         self.sites.clear()
+        self._fresh.clear()
         self._interned.clear()
 
     def _set(self, owner: object, name: str, value: object) -> None:
