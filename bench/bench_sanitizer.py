@@ -73,6 +73,7 @@ def child(args: argparse.Namespace) -> None:
         for _ in range(args.warmup):
             step()
         torch.cuda.synchronize()
+        allocs_before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
         times = []
         for _ in range(args.rounds):
             t = time.perf_counter()
@@ -80,11 +81,15 @@ def child(args: argparse.Namespace) -> None:
                 step()
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) / args.steps * 1e3)
+        # the eager allocations a step makes: what graphsan's per-allocation callbacks cost
+        allocs = torch.cuda.memory_stats().get("allocation.all.allocated", 0) - allocs_before
+        allocs_per_step = allocs / (args.rounds * args.steps)
     except graphsan.StaleMemoryError as err:
         outcome = f"StaleMemoryError ({err.findings[0].kind})"
         if not args.bug:  # a finding on the clean run is a false alarm: say what it was
             outcome += ": " + format_finding(err.findings[0])
         times = [float("nan")]
+        allocs_per_step = float("nan")
     if san is not None and not args.bug:
         for f in san.report().findings[:3]:  # record reports without stopping
             print("FINDING " + format_finding(f), flush=True)
@@ -109,6 +114,7 @@ def child(args: argparse.Namespace) -> None:
                 "analysis_ms_by_stage": stages,
                 "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "outcome": outcome,
+                "allocs_per_step": allocs_per_step,
             }
         ),
         flush=True,
@@ -213,6 +219,12 @@ def main() -> None:
             n = rs[0]["nodes"]
             parts = ", ".join(f"{k} {ms / n:.3f}" for k, ms in by.items())
             print(f"# {v}: capture analysis ms per node by stage: {parts}")
+    allocs = statistics.median(r.get("allocs_per_step", float("nan")) for r in results["off"])
+    print(f"# eager allocations per step: {allocs:.0f}")
+    for v in ("record", "raise"):
+        extra = statistics.median(r.get("step_ms", float("nan")) for r in results[v]) - base
+        if allocs == allocs and allocs > 0:  # not nan
+            print(f"# {v}: {extra * 1e3 / allocs:.2f} us added per eager allocation (all of it)")
 
     # the bug: a weight re-pointed under the graphs (silent stale read)
     bug_raise = run_child("raise", args, bug=True)
