@@ -224,7 +224,9 @@ def main() -> None:
     for v in ("record", "raise"):
         extra = statistics.median(r.get("step_ms", float("nan")) for r in results[v]) - base
         if allocs == allocs and allocs > 0:  # not nan
-            print(f"# {v}: {extra * 1e3 / allocs:.2f} us added per eager allocation (all of it)")
+            print(
+                f"# {v}: {extra * 1e3 / allocs:.2f} us of added step time per eager allocation (if allocations were all of it)"
+            )
 
     # the bug: a weight re-pointed under the graphs (silent stale read)
     bug_raise = run_child("raise", args, bug=True)
