@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 from graphsan.core.records import DataPtr, GraphId, Reference
 
+NEVER_IN_ORDER = 1 << 62  # a reader's producer place that no pass reaches
+
 
 @dataclass(frozen=True)
 class Carve:
@@ -208,6 +210,11 @@ class PoolOrder:
         without it. (What it wrote stays written.)"""
         for w, _ in self.reads.pop(gid, ()):
             w.readers.discard(gid)
+        # its readers read what no replay rewrites now: capture order no longer clears them
+        for w in self._watched_by_key.values():
+            if w.producer == gid:
+                for r in w.readers:
+                    self._producers_up_to[r] = NEVER_IN_ORDER
         if gid in self._link:
             self._chain.remove(gid)
             self._link = {g: i for i, g in enumerate(self._chain)}
