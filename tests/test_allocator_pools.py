@@ -124,3 +124,18 @@ def test_untagged_mapped_pages_of_the_pool_reseed_the_view(watch, monkeypatch):
     w.capture_ended(tag, POOL)
     assert seeded
     assert tuple(w.views[0].segment_at(WARM + MB2).pool) == POOL
+
+
+def test_the_first_capture_keeps_its_carves_before_any_view_exists(watch):
+    """The snapshot path: no view yet when the first capture ends; the drain makes one."""
+    w, fake = watch
+    w.views.clear()
+    tag = w.capture_started(1, STREAM)
+    fake["log"] = [
+        _entry("segment_alloc", SEG, MB2, STREAM, tag),
+        _entry("alloc", SEG, 8192, STREAM, tag),
+    ]
+    fake["pools"][POOL] = [_seg(SEG, POOL, [(SEG, 8192)])]
+    fake["pools"][(0, 0)] = fake["pools"][POOL]  # the full snapshot that seeds the view
+    assert [a for a, _, _ in w.capture_ended(tag, POOL)] == [SEG]
+    assert tuple(w.views[0].segment_at(SEG).pool) == POOL

@@ -474,3 +474,45 @@ def test_the_tracker_is_opt_in_and_its_absence_is_not_announced(monkeypatch, cap
     monkeypatch.setattr(allocator, "_SAID", [])
     allocator._say_fallback(tracelog.OPT_IN)
     assert capsys.readouterr().err == ""
+
+
+def _model_watch(monkeypatch) -> tuple[ModelAllocator, AllocatorWatch, FakeLog]:
+    model = ModelAllocator(random.Random(3), expandable=False)
+    monkeypatch.setattr(allocator, "_snapshot", lambda pool=(0, 0), traces=False: model.snapshot())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    w = new_watch()
+    log = w.log = FakeLog()
+    return model, w, log
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["drained", "buffer-full"])
+def test_untagged_allocations_of_a_captured_backward_are_carves_even_when_the_view_reseeds(
+    monkeypatch, lost
+):
+    """The autograd worker thread allocates for a captured backward without the capture's tag;
+    a full buffer (or a batch big enough to reseed) must not drop those carves."""
+    model, w, log = _model_watch(monkeypatch)
+    model.malloc(4096, 11)
+    model.log.clear()
+    w.view(0)
+    tag = w.capture_started(7, 22)
+    carved = [model.malloc(n, 22) for n in (1000, 5 << 20)]  # untagged
+    log.batches.append((list(model.log), lost))
+    model.log.clear()
+    carves = w.capture_ended(tag, STREAM_POOL[22])
+    assert [(a, n) for a, n, _ in carves] == [(carved[0], 1000), (carved[1], 5 << 20)]
+
+
+def test_the_first_capture_of_a_process_keeps_its_carves(monkeypatch):
+    """No view exists before the first capture ends: the drain makes it, and the capture's
+    allocations still reach the replay order."""
+    model, w, log = _model_watch(monkeypatch)
+    model.log.clear()
+    tag = w.capture_started(7, 22)
+    a = model.malloc(1000, 22)
+    for e in model.log:
+        e["user_metadata"] = tag
+    log.batches.append((list(model.log), False))
+    model.log.clear()
+    assert [(x, n) for x, n, _ in w.capture_ended(tag, STREAM_POOL[22])] == [(a, 1000)]
+    assert 0 in w.views

@@ -263,7 +263,7 @@ class AllocatorWatch:
             # are worth converting
             reseed_all = lost or any(n >= _reseed_limit(v) for v in self.views.values())
             per_device = tracelog.entries_from_records(raw, tags, reseed_all)
-        elif not self.views:
+        elif not self.views and not self.captures:
             self._clear_log()
             return
         else:
@@ -273,6 +273,12 @@ class AllocatorWatch:
             per_device = dict(enumerate(traces))
             reseed_all = False
         if not self.views:
+            if self.captures:  # the first capture's end: the views start here, its carves count
+                for device, entries in per_device.items():
+                    if entries:
+                        view = self.views[device] = AllocatorView(self._frames_of)
+                        view.seed(_snapshot(), device)
+                        self._note_carves(entries, view)
             return
         self.drains += 1
         reseed, self._reseed = self._reseed, False
@@ -316,8 +322,11 @@ class AllocatorWatch:
             addr = int(e["addr"])
             carves = self.carves.get(e.get("user_metadata", ""))
             if carves is None and ending:
-                seg = view.segment_at(addr)
-                tags = ending.get(tuple(seg.pool)) if seg is not None else None
+                pool = e.get("pool")  # the tracker's entries name it; else the view's segment
+                if pool is None:
+                    seg = view.segment_at(addr)
+                    pool = seg.pool if seg is not None else None
+                tags = ending.get(tuple(pool)) if pool is not None else None
                 if tags is not None and len(tags) == 1:
                     carves = self.carves.get(tags[0])
             if carves is not None:
@@ -447,9 +456,8 @@ class AllocatorWatch:
             if raw is None:
                 continue
             site = self._intern(raw)
-            now = sites.pop(ptr, None)
-            if now is not None:
-                sites.setdefault(ptr, site if now is raw else now)
+            if sites.get(ptr) is raw:  # the entry is never absent, so readers never miss it
+                sites[ptr] = site
 
     def _frames_of(self, address: int) -> list[Frame]:
         return _site_frames(self.sites.get(address))

@@ -111,13 +111,14 @@ def entries_from_records(
 ) -> dict[int, list[dict[str, Any]]]:
     """Drained records as the entries of a snapshot's `device_traces` (action, addr, size,
     stream, time_us, user_metadata), plus the segment's pool as the allocator named it.
-    `tagged_allocs_only`: only allocations made under user metadata (a view that is reseeded
-    needs no more)."""
+    `tagged_allocs_only`: only allocations made under user metadata or into a private pool (a
+    view that is reseeded needs no more than a capture's carves; the autograd engine's worker
+    thread allocates for a captured backward without the tag)."""
     out: dict[int, list[dict[str, Any]]] = {}
     for addr, size, stream, time_us, pool_a, pool_b, action, device, tag, _ in RECORD.iter_unpack(
         raw
     ):
-        if tagged_allocs_only and (action != 0 or tag < 0):
+        if tagged_allocs_only and (action != 0 or (tag < 0 and pool_a == 0 and pool_b == 0)):
             continue
         entries = out.get(device)
         if entries is None:
