@@ -6,7 +6,7 @@
 #   call 2:  bash scripts/gpu_check.sh faults             (1,000 fault-injection trials, <= 8 min)
 #   call 3:  bash scripts/gpu_check.sh example repro bench scale
 #   (tracker: the compiled allocator tracker's GPU tests; overhead: a profile of a graphed training
-#   step under graphsan and the bench without allocation stacks)
+#   step under graphsan and the bench without allocation stacks; ranks: issue 16 on two GPUs)
 #   (quant: the Triton kernel tests and bench_quant; quantlinear: bench_quant_linear; train: bench_train; sweep: the kernels'
 #   launch parameters; scale: capture cost against live blocks, bench_capture_scale)
 # One-off investigations (case 1 with synchronous launches, wider Mamba workspaces) are in
@@ -55,9 +55,18 @@ for part in ${*:-tests}; do
     tracker)  # the compiled allocator tracker (opt-in) against real snapshots
       timeout 240 python3 -m pytest -q tests/test_gpu_allocview.py tests/test_tracelog.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/tracker.log" | tail -15 ;;
+    ranks)  # issue 16, on the nvidia-h200-x2 kind only: the distributed lab on two GPUs
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      timeout 200 python3 -m pytest -q -m gpu tests/lab/test_distributed.py tests/lab/test_repro_ranks.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/ranks-tests.log" | tail -8
+      timeout 300 python3 -m graphsan.cli repro --nproc 2 --timeout 240 --report "$OUT/r" \
+        --json "$OUT/repro-ranks.json" 2>&1 | tee "$OUT/repro-ranks.log" | tail -20
+      python3 -m graphsan.cli report "$OUT"/r/case4.rank*.json 2>&1 | tail -30
+      timeout 240 python3 bench/bench_train.py --iters 8 --nproc 2 --use-distributed-optimizer \
+        --out "$OUT/PERF-train-ranks.md" 2>&1 | tee "$OUT/bench_train_ranks.log" | tail -16 ;;
     overhead)  # where a training step's time goes under graphsan (docs/PERF.md, Sanitizer)
       bash scripts/diag_replay.sh 2>&1 | tee "$OUT/overhead.log" | tail -45 ;;
     *) echo "unknown part $part (tests, sanitizer-tests, lab-tests, faults, example, repro, bench," \
-         "quant, quantlinear, train, sweep, scale, tracker, overhead)" ;;
+         "quant, quantlinear, train, sweep, scale, tracker, overhead, ranks)" ;;
   esac
 done
