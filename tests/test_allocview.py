@@ -225,6 +225,20 @@ class ModelAllocator:
         return {"segments": sorted(segs, key=lambda s: s["address"])}
 
 
+def random_event(model: ModelAllocator, live: list[tuple[int, int]], rng: random.Random) -> None:
+    """One random allocation (half the time), free of a live block, or empty_cache."""
+    r = rng.random()
+    if r < 0.5 or not live:
+        stream = rng.choice(list(STREAM_POOL))
+        size = rng.choice([8, 512, 1000, 4096, 65_536, 1 << 20, 3 << 20, 5 << 20])
+        live.append((model.malloc(size, stream), stream))
+    elif r < 0.93:
+        addr, stream = live.pop(rng.randrange(len(live)))
+        model.free(addr, stream)
+    else:
+        model.empty_cache()
+
+
 def pool_of(entry, following):
     return STREAM_POOL[entry["stream"]]
 
@@ -269,16 +283,7 @@ def test_the_view_equals_a_snapshot_after_every_event(seed, expandable):
     view.seed(model.snapshot())
     model.log.clear()
     for _ in range(300):
-        r = rng.random()
-        if r < 0.5 or not live:
-            stream = rng.choice(list(STREAM_POOL))
-            size = rng.choice([8, 512, 1000, 4096, 65_536, 1 << 20, 3 << 20, 5 << 20])
-            live.append((model.malloc(size, stream), stream))
-        elif r < 0.93:
-            addr, stream = live.pop(rng.randrange(len(live)))
-            model.free(addr, stream)
-        else:
-            model.empty_cache()
+        random_event(model, live, rng)
         if rng.random() < 0.3:  # the sanitizer drains the log now and then, not after each event
             view.apply(model.log, pool_of)
             model.log.clear()

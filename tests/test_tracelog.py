@@ -29,7 +29,7 @@ from graphsan.core.records import DEFAULT_POOL
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import allocator, tracelog
 from graphsan.cuda.allocator import AllocatorWatch
-from tests.test_allocview import STREAM_POOL, ModelAllocator, same_answers
+from tests.test_allocview import STREAM_POOL, ModelAllocator, random_event, same_answers
 
 
 def _raise(err):
@@ -94,16 +94,7 @@ def drive(seed: int, expandable: bool, to_entries) -> None:
         if rng.random() < 0.05:
             tag = "" if tag else f"graphsan capture {i}"
         before = len(model.log)
-        r = rng.random()
-        if r < 0.5 or not live:
-            stream = rng.choice(list(STREAM_POOL))
-            size = rng.choice([8, 512, 1000, 4096, 65_536, 1 << 20, 3 << 20, 5 << 20])
-            live.append((model.malloc(size, stream), stream))
-        elif r < 0.93:
-            addr, stream = live.pop(rng.randrange(len(live)))
-            model.free(addr, stream)
-        else:
-            model.empty_cache()
+        random_event(model, live, rng)
         for e in model.log[before:]:
             e["user_metadata"] = tag
         if rng.random() < 0.3:

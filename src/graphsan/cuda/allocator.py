@@ -246,9 +246,11 @@ class AllocatorWatch:
         if sync:
             self.sync()
         view = self.views.get(device)
-        if view is None:
-            view = self.views[device] = AllocatorView(self._frames_of)
-            view.seed(_snapshot(), device)
+        return view if view is not None else self._new_view(device)
+
+    def _new_view(self, device: int) -> AllocatorView:
+        view = self.views[device] = AllocatorView(self._frames_of)
+        view.seed(_snapshot(), device)
         return view
 
     def sync(self) -> None:
@@ -276,9 +278,7 @@ class AllocatorWatch:
             if self.captures:  # the first capture's end: the views start here, its carves count
                 for device, entries in per_device.items():
                     if entries:
-                        view = self.views[device] = AllocatorView(self._frames_of)
-                        view.seed(_snapshot(), device)
-                        self._note_carves(entries, view)
+                        self._note_carves(entries, self._new_view(device))
             return
         self.drains += 1
         reseed, self._reseed = self._reseed, False
