@@ -186,6 +186,9 @@ def main() -> None:
 
     import torch
 
+    if not torch.cuda.is_available():
+        sys.exit("bench_sanitizer: needs a CUDA GPU (torch.cuda.is_available() is False)")
+
     print(
         f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  layers={args.layers} "
         f"hidden={args.hidden} tokens={args.tokens}"
