@@ -180,7 +180,7 @@ def test_only_rank_0_prints_and_the_global_batch_is_split(tmp_path):
     assert "global batch 8 = 2 x 2 microbatch(es) x 2 ranks" in out
 
 
-def test_a_bad_split_is_one_line_on_each_rank(tmp_path):
+def test_a_bad_split_is_one_line_from_each_rank_that_reports(tmp_path):
     proc = torchrun(
         [
             "-m",
@@ -200,11 +200,14 @@ def test_a_bad_split_is_one_line_on_each_rank(tmp_path):
     )
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("graphsan train")]
-    assert sorted(lines) == [
+    # torchrun stops the other workers once one fails, so a slower rank may be stopped before it
+    # prints: at least one rank reports, and every rank that reports says it in one named line
+    expected = {
         f"graphsan train [rank {r}]: error: --global-batch-size 6 is not a multiple of "
         "--micro-batch-size 2 x 2 ranks"
         for r in (0, 1)
-    ]
+    }
+    assert lines and len(lines) == len(set(lines)) and set(lines) <= expected, lines
     # torchrun itself reports the failed children with its own traceback; none comes from us
     assert "graphsan/lab" not in proc.stderr and "ConfigError" not in proc.stderr
 
