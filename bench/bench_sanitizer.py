@@ -1,12 +1,23 @@
 """What graphsan costs a graphed training step, and what the usual alternative (compute-sanitizer
 memcheck) costs and finds, in one run on one GPU.
 
-    python bench/bench_sanitizer.py [--layers 48] [--steps 200] [--memcheck]
+    python bench/bench_sanitizer.py [--layers 48] [--steps 200] [--optimizer fused] [--memcheck]
 
 A stack of MLP blocks graphed per block with `torch.cuda.make_graphed_callables` (two graphs a
-block, all in one pool, as Transformer Engine does), trained with AdamW. Each variant runs in its
-own process (GPU-trace callbacks cannot be switched off once on), interleaved over rounds; the
-table gives the median step time and the ratio to "off".
+block, all in one pool, as Transformer Engine does), trained with AdamW (`--optimizer`: foreach,
+whose temporaries make hundreds of eager allocations a step; fused, one kernel and few
+allocations, as Megatron's and Transformer Engine's fused Adam; none). Each variant runs in its
+own process (GPU-trace callbacks cannot be unregistered), interleaved over rounds; the table gives
+the median step time and the ratio to "off". The variants (`--variants`):
+
+- off: no graphsan;
+- trace: no graphsan, PyTorch's GPU trace switched on with no callbacks: what PyTorch's own
+  dispatch of every allocator and event call to Python costs, which graphsan cannot avoid while it
+  listens to frees;
+- record, raise: graphsan as users run it;
+- record-nostacks: `alloc_stacks=False` (no allocation-site walk per allocation);
+- record-notrace: graphsan enabled, then the GPU trace switched off again (it sees no frees, so
+  it finds nothing): the cost of everything except the per-event callbacks.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("off", "trace", "record", "record-nostacks", "record-notrace", "raise")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -32,11 +44,16 @@ def child(args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     h, tokens = args.hidden, args.tokens
-    san = (
-        graphsan.enable(policy=args.child, alloc_stacks=not args.no_alloc_stacks)
-        if args.child != "off"
-        else None
-    )
+    variant = args.child
+    san = None
+    if variant == "trace":
+        torch._C._activate_gpu_trace()
+    elif variant != "off":
+        policy = "raise" if variant == "raise" else "record"
+        stacks = variant != "record-nostacks" and not args.no_alloc_stacks
+        san = graphsan.enable(policy=policy, alloc_stacks=stacks)
+        if variant == "record-notrace":
+            set_gpu_trace(False)
 
     def block():
         return torch.nn.Sequential(
@@ -52,7 +69,10 @@ def child(args: argparse.Namespace) -> None:
     graphed = torch.cuda.make_graphed_callables(tuple(layers), samples)
     capture_s = time.perf_counter() - t0
     params = [p for layer in layers for p in layer.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    opt = None
+    if args.optimizer != "none":
+        fused = args.optimizer == "fused"
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=not fused, fused=fused)
     if args.bug:
         # eager code re-points a weight the graphs use: the old storage is freed (a stale read,
         # silent: the memory stays in the allocator's cache)
@@ -65,8 +85,12 @@ def child(args: argparse.Namespace) -> None:
             x = x + g(x)
         loss = x.float().pow(2).mean()
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            for p in params:
+                p.grad = None
 
     outcome = "ran"
     try:
@@ -90,6 +114,7 @@ def child(args: argparse.Namespace) -> None:
             outcome += ": " + format_finding(err.findings[0])
         times = [float("nan")]
         allocs_per_step = float("nan")
+    events = count_trace_events(step) if variant == "trace" else {}
     if san is not None and not args.bug:
         for f in san.report().findings[:3]:  # record reports without stopping
             print("FINDING " + format_finding(f), flush=True)
@@ -115,10 +140,42 @@ def child(args: argparse.Namespace) -> None:
                 "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "outcome": outcome,
                 "allocs_per_step": allocs_per_step,
+                "trace_events_per_step": events,
             }
         ),
         flush=True,
     )
+
+
+def set_gpu_trace(on: bool) -> None:
+    """Switch PyTorch's GPU trace dispatch on or off (c10::impl::GPUTrace::haveState: PyTorch
+    offers no way to switch it off once on; a diagnostic for this bench only)."""
+    import ctypes
+
+    import torch
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(lib, "_ZN3c104impl8GPUTrace9haveStateE").value = on
+
+
+def count_trace_events(step, steps: int = 3) -> dict[str, float]:
+    """The GPU-trace events a step fires, per kind (each one is a call into Python)."""
+    import torch
+    from torch.cuda import _gpu_trace
+
+    counts: dict[str, int] = {}
+    for name in dir(_gpu_trace):
+        reg = getattr(_gpu_trace, name)
+        if name.endswith("Callbacks") and hasattr(reg, "add_callback"):
+
+            def bump(*_args, _name=name[: -len("Callbacks")]):
+                counts[_name] = counts.get(_name, 0) + 1
+
+            reg.add_callback(bump)
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return {k: v / steps for k, v in sorted(counts.items())}
 
 
 def run_child(variant: str, args: argparse.Namespace, extra=(), prefix=(), bug=False):
@@ -138,6 +195,8 @@ def run_child(variant: str, args: argparse.Namespace, extra=(), prefix=(), bug=F
         str(args.hidden),
         "--tokens",
         str(args.tokens),
+        "--optimizer",
+        args.optimizer,
         *extra,
     ]
     if bug:
@@ -164,12 +223,23 @@ def run_child(variant: str, args: argparse.Namespace, extra=(), prefix=(), bug=F
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--child", choices=["off", "record", "raise"])
+    p.add_argument("--child", choices=VARIANTS)
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, from {', '.join(VARIANTS)} (off is always run: the baseline)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=["foreach", "fused", "none"],
+        default="foreach",
+        help="AdamW with foreach (many eager allocations a step), fused (few), or none",
+    )
     p.add_argument("--bug", action="store_true")
     p.add_argument(
         "--no-alloc-stacks",
         action="store_true",
-        help="enable graphsan with alloc_stacks=False (no allocation-site walk per allocation)",
+        help="every graphsan variant with alloc_stacks=False (no allocation-site walk per allocation)",
     )
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--hidden", type=int, default=512)
@@ -180,6 +250,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the variants")
     p.add_argument("--memcheck", action="store_true", help="also run compute-sanitizer memcheck")
     args = p.parse_args()
+    variants = ["off", *(v for v in args.variants.split(",") if v and v != "off")]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(
+            f"--variants: unknown {', '.join(unknown)} (expected some of {', '.join(VARIANTS)})"
+        )
     if args.child:
         child(args)
         return
@@ -191,9 +267,9 @@ def main() -> None:
 
     print(
         f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  layers={args.layers} "
-        f"hidden={args.hidden} tokens={args.tokens}"
+        f"hidden={args.hidden} tokens={args.tokens} optimizer={args.optimizer}"
     )
-    results: dict[str, list[dict]] = {"off": [], "record": [], "raise": []}
+    results: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v in results:
             results[v].append(run_child(v, args))
@@ -224,7 +300,12 @@ def main() -> None:
             print(f"# {v}: capture analysis ms per node by stage: {parts}")
     allocs = statistics.median(r.get("allocs_per_step", float("nan")) for r in results["off"])
     print(f"# eager allocations per step: {allocs:.0f}")
-    for v in ("record", "raise"):
+    if results.get("trace"):
+        events = results["trace"][0].get("trace_events_per_step") or {}
+        total = sum(events.values())
+        parts = ", ".join(f"{k} {n:.0f}" for k, n in events.items() if n)
+        print(f"# GPU-trace events per step (each a call into Python): {total:.0f} ({parts})")
+    for v in [v for v in variants if v != "off"]:
         extra = statistics.median(r.get("step_ms", float("nan")) for r in results[v]) - base
         if allocs == allocs and allocs > 0:  # not nan
             print(

@@ -1,0 +1,59 @@
+"""The CPU side of the cost benches: bad arguments are one line, and the dispatch model runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(name: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", name), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_an_unknown_variant_is_named_with_the_known_ones():
+    proc = bench("bench_sanitizer.py", "--variants", "record,recrod")
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "--variants: unknown recrod" in last and "record-notrace" in last
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_the_sanitizer_bench_says_it_needs_a_gpu():
+    proc = bench("bench_sanitizer.py", "--optimizer", "fused", "--variants", "trace")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "bench_sanitizer: needs a CUDA GPU (torch.cuda.is_available() is False)"
+    )
+
+
+def test_the_dispatch_model_prints_its_rows_and_a_step_estimate():
+    proc = bench("bench_trace_dispatch.py", "--batch", "500", "--rounds", "2", "--allocs", "10")
+    assert proc.returncode == 0, proc.stderr
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ") and "us" not in ln]
+    names = [r.split("|")[1].strip() for r in rows]
+    assert names == [
+        "dispatch, no callback",
+        "dispatch + graphsan free callback",
+        "dispatch + graphsan allocation callback, then its free",
+    ]
+    assert all(float(r.split("|")[2]) > 0 for r in rows)
+    assert "a step with 10 eager allocations and their frees" in proc.stdout
+
+
+def test_the_dispatch_model_refuses_a_bad_count():
+    proc = bench("bench_trace_dispatch.py", "--batch", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith("--batch must be positive, got 0")
