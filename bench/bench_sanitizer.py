@@ -17,7 +17,10 @@ the median step time and the ratio to "off". The variants (`--variants`):
 - record, raise: graphsan as users run it;
 - record-nostacks: `alloc_stacks=False` (no allocation-site walk per allocation);
 - record-notrace: graphsan enabled, then the GPU trace switched off again (it sees no frees, so
-  it finds nothing): the cost of everything except the per-event callbacks.
+  it finds nothing): the cost of everything except the per-event callbacks;
+- record-compiled: `GRAPHSAN_TRACELOG=1`, the compiled tracker, which also stands in for
+  PyTorch's GPU-trace dispatch (frees reach Python only where graphsan judges them, allocation
+  sites are read in C++); the RESULT line's `allocator_log` says whether it was used.
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("off", "trace", "record", "record-nostacks", "record-notrace", "raise")
+VARIANTS = (
+    "off",
+    "trace",
+    "record",
+    "record-nostacks",
+    "record-notrace",
+    "record-compiled",
+    "raise",
+)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -141,6 +152,7 @@ def child(args: argparse.Namespace) -> None:
                 "outcome": outcome,
                 "allocs_per_step": allocs_per_step,
                 "trace_events_per_step": events,
+                "allocator_log": san.report().allocator_log if san else None,
             }
         ),
         flush=True,
@@ -204,6 +216,8 @@ def run_child(variant: str, args: argparse.Namespace, extra=(), prefix=(), bug=F
     if args.no_alloc_stacks:
         cmd.append("--no-alloc-stacks")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    if variant == "record-compiled":
+        env["GRAPHSAN_TRACELOG"] = "1"
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     wall = time.perf_counter() - t
@@ -298,6 +312,9 @@ def main() -> None:
             n = rs[0]["nodes"]
             parts = ", ".join(f"{k} {ms / n:.3f}" for k, ms in by.items())
             print(f"# {v}: capture analysis ms per node by stage: {parts}")
+    for v, rs in results.items():
+        if rs[0].get("allocator_log"):
+            print(f"# {v}: allocator events from {rs[0]['allocator_log']}")
     allocs = statistics.median(r.get("allocs_per_step", float("nan")) for r in results["off"])
     print(f"# eager allocations per step: {allocs:.0f}")
     if results.get("trace"):

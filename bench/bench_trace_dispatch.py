@@ -12,6 +12,11 @@ hand-over and pybind's own work, so it is a lower bound. The rows: the dispatch 
 event), then with graphsan's free callback (an unwatched free), and a temporary: the allocation
 callback (from a `--depth`-deep stack, site walk included) followed by the free's. Times are this thread's CPU time per event,
 median of `--rounds` rounds of `--batch` events.
+
+Beside the model, the compiled replacement is measured for real (where a C++ compiler and CUDA
+headers are present): graphsan's own GPU-trace interpreter in tracelog.cpp, called from C++ as
+the allocator calls it, with the GIL released as PyTorch's operators release it. A temporary
+there is an allocation whose site is read in C++, then its free, neither reaching Python.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import builtins
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -28,9 +34,11 @@ import torch.cuda._gpu_trace as gpu_trace
 
 from graphsan.context import Context
 from graphsan.core.tracker import Tracker
-from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda import tracelog
+from graphsan.cuda.allocator import SITE_DEPTH, AllocatorWatch
 
 BASE = 0x7F00_0000_0000
+TEMPORARY = "dispatch + graphsan allocation callback, then its free"
 
 
 def _raise(err: BaseException) -> None:
@@ -73,6 +81,36 @@ def per_event(
     return nested(depth, run)
 
 
+def compiled_rows(args) -> dict[str, list[float]] | str:
+    """us per temporary through the compiled trace, with and without sites; or why not."""
+    try:
+        log = tracelog.build_unattached(tempfile.mkdtemp(prefix="graphsan-bench-"))
+    except tracelog.BuildError as err:
+        return str(err)
+    reason = log.install_trace()
+    if reason is not None:
+        return reason
+    rows: dict[str, list[float]] = {}
+    try:
+        log.trace_callbacks(None, None)
+        for sites, name in ((True, "site read in C++"), (False, "no sites")):
+            key = f"compiled trace: a temporary, {name}"
+            rows[key] = []
+            log.trace_enable(True, sites=sites, depth=SITE_DEPTH)
+            for _ in range(args.rounds):
+
+                def run(sites=sites) -> float:
+                    t = time.thread_time()
+                    log.fire_temporaries(BASE, args.batch)
+                    return (time.thread_time() - t) / args.batch * 1e6
+
+                rows[key].append(nested(args.depth, run))
+    finally:
+        log.trace_enable(False)
+        log.uninstall_trace()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--depth", type=int, default=32, help="Python frames below the allocation")
@@ -91,7 +129,7 @@ def main() -> None:
     rows: dict[str, list[float]] = {
         "dispatch, no callback": [],
         "dispatch + graphsan free callback": [],
-        "dispatch + graphsan allocation callback, then its free": [],
+        TEMPORARY: [],
     }
     registered = False
     for _ in range(args.rounds):
@@ -102,27 +140,36 @@ def main() -> None:
         gpu_trace.MemoryAllocationCallbacks.add_callback(watch._on_alloc)
         gpu_trace.MemoryDeallocationCallbacks.add_callback(watch._on_free)
         registered = True
-        rows["dispatch + graphsan allocation callback, then its free"].append(
-            per_event(alloc_fire, args.batch, args.depth, then=free_fire)
-        )
+        rows[TEMPORARY].append(per_event(alloc_fire, args.batch, args.depth, then=free_fire))
         rows["dispatch + graphsan free callback"].append(
             per_event(free_fire, args.batch, args.depth)
         )
     gpu_trace.MemoryAllocationCallbacks.callback_list.clear()
     gpu_trace.MemoryDeallocationCallbacks.callback_list.clear()
 
+    compiled = compiled_rows(args)
+    if isinstance(compiled, str):
+        print(f"# the compiled trace is not measured: {compiled}")
+    else:
+        rows.update(compiled)
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"# torch {torch.__version__}, stack depth {args.depth}, CPU only (a model: lower bound)")
     print("| per event | us (median) |")
     print("|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v:.2f} |")
-    step = med["dispatch + graphsan allocation callback, then its free"] * args.allocs
+    step = med[TEMPORARY] * args.allocs
     floor = med["dispatch, no callback"] * 2 * args.allocs
     print(
         f"# a step with {args.allocs} eager allocations and their frees: {step / 1e3:.2f} ms "
         f"under graphsan, of which {floor / 1e3:.2f} ms is PyTorch's dispatch alone"
     )
+    key = "compiled trace: a temporary, site read in C++"
+    if key in med:
+        print(
+            f"# the same step through graphsan's compiled trace: "
+            f"{med[key] * args.allocs / 1e3:.3f} ms ({med[key] / med[TEMPORARY]:.3f}x)"
+        )
 
 
 if __name__ == "__main__":

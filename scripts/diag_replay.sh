@@ -12,7 +12,7 @@ import os, pstats
 p = pstats.Stats(os.path.join(os.environ.get("OUT", "/tmp/graphsan-out"), "replay.prof"))
 p.sort_stats("tottime").print_stats(15)
 PY
-timeout 260 python3 bench/bench_sanitizer.py --layers 32 --steps 30 --rounds 3 --repeats 2 \
+timeout 300 python3 bench/bench_sanitizer.py --layers 32 --steps 30 --rounds 3 --repeats 2 \
   --optimizer foreach 2>&1 | grep -E "^(\||# )"
 timeout 180 python3 bench/bench_sanitizer.py --layers 32 --steps 30 --rounds 3 --repeats 2 \
-  --optimizer fused --variants trace,record,record-nostacks 2>&1 | grep -E "^(\||# )"
+  --optimizer fused --variants trace,record,record-nostacks,record-compiled 2>&1 | grep -E "^(\||# )"

@@ -52,8 +52,10 @@ for part in ${*:-tests}; do
       timeout 120 python3 bench/tile_sweep.py --iters 10 2>&1 | tee "$OUT/tile_sweep.log" | tail -20 ;;
     scale)  # capture cost against live blocks and graph count (GRAPHSAN_TRACELOG=1: the tracker)
       timeout 330 python3 bench/bench_capture_scale.py 2>&1 | tee "$OUT/bench_capture_scale.log" | tail -22 ;;
-    tracker)  # the compiled allocator tracker (opt-in) against real snapshots
-      timeout 240 python3 -m pytest -q tests/test_gpu_allocview.py tests/test_tracelog.py \
+    tracker)  # the compiled tracker (opt-in) against real snapshots, and the sanitizer's GPU
+      # tests with frees and allocation sites through its GPU-trace interpreter
+      GRAPHSAN_TRACELOG=1 timeout 300 python3 -m pytest -q tests/test_gpu_allocview.py \
+        tests/test_tracelog.py tests/test_gpu_sanitizer.py tests/test_gpu_pin.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/tracker.log" | tail -15 ;;
     ranks)  # issue 16, on the nvidia-h200-x2 kind only: the distributed lab on two GPUs
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -1,4 +1,5 @@
-"""The CPU side of the cost benches: bad arguments are one line, and the dispatch model runs."""
+"""The CPU side of the cost benches: bad arguments are one line, the dispatch model and the
+compiled trace run."""
 
 from __future__ import annotations
 
@@ -44,13 +45,19 @@ def test_the_dispatch_model_prints_its_rows_and_a_step_estimate():
     assert proc.returncode == 0, proc.stderr
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ") and "us" not in ln]
     names = [r.split("|")[1].strip() for r in rows]
-    assert names == [
+    assert names[:3] == [
         "dispatch, no callback",
         "dispatch + graphsan free callback",
         "dispatch + graphsan allocation callback, then its free",
     ]
     assert all(float(r.split("|")[2]) > 0 for r in rows)
     assert "a step with 10 eager allocations and their frees" in proc.stdout
+    if "the compiled trace is not measured" not in proc.stdout:
+        assert names[3:] == [
+            "compiled trace: a temporary, site read in C++",
+            "compiled trace: a temporary, no sites",
+        ]
+        assert "the same step through graphsan's compiled trace" in proc.stdout
 
 
 def test_the_dispatch_model_refuses_a_bad_count():

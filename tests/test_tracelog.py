@@ -26,7 +26,7 @@ import torch
 from graphsan.context import Context
 from graphsan.core.memory_map import AllocatorView, MemoryMap
 from graphsan.core.records import DEFAULT_POOL
-from graphsan.core.tracker import Tracker
+from graphsan.core.tracker import Tracker, WatchedBlock
 from graphsan.cuda import allocator, tracelog
 from graphsan.cuda.allocator import AllocatorWatch
 from tests.test_allocview import STREAM_POOL, ModelAllocator, random_event, same_answers
@@ -233,24 +233,12 @@ def test_sync_waits_while_the_current_stream_captures(monkeypatch):
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """tracelog.cpp built against this torch (linked to libc10 only, not attached)."""
-    cxx, cuda = tracelog.find_compiler(), tracelog.cuda_include_dirs()
-    if cxx is None or not cuda:
-        pytest.skip("needs a C++ compiler and CUDA headers (cuda_runtime_api.h)")
-    from torch.utils.cpp_extension import include_paths
-
-    folder = tmp_path_factory.mktemp("tracelog")
-    includes = [*include_paths(), *cuda]
-    if not os.path.isfile(os.path.join(includes[0], "c10/cuda/impl/cuda_cmake_macros.h")):
-        # CPU wheels ship c10/cuda's headers without this generated one
-        stub = folder / "stub" / "c10" / "cuda" / "impl"
-        stub.mkdir(parents=True)
-        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-        includes.append(str(folder / "stub"))
-    target = str(folder / "tracelog-test.so")
-    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    abi = int(torch.compiled_with_cxx11_abi())
-    tracelog.build(target, cxx, includes, lib_dir, ["c10"], [f"_GLIBCXX_USE_CXX11_ABI={abi}"])
-    return tracelog.load(target)
+    try:
+        return tracelog.build_unattached(str(tmp_path_factory.mktemp("tracelog")))
+    except tracelog.BuildError as err:
+        if "needs a C++ compiler" in str(err):
+            pytest.skip(str(err))
+        raise
 
 
 def feed_all(log: tracelog.TraceLog, entries: list[dict]) -> list[dict]:
@@ -507,3 +495,101 @@ def test_the_first_capture_of_a_process_keeps_its_carves(monkeypatch):
     model.log.clear()
     assert [(x, n) for x, n, _ in w.capture_ended(tag, STREAM_POOL[22])] == [(a, 1000)]
     assert 0 in w.views
+
+
+# -- the compiled GPU trace ---------------------------------------------------------------------
+@pytest.fixture
+def traced(compiled, monkeypatch):
+    """An AllocatorWatch whose frees and allocations come through the compiled library, installed
+    as PyTorch's GPU-trace interpreter (given back afterwards)."""
+    watch = AllocatorWatch(Tracker(), Context(), _raise, alloc_stacks=True)
+    watch.log = compiled
+    watch._active = True
+    monkeypatch.setattr(watch, "_python_trace", lambda: pytest.fail("fell back to PyTorch's trace"))
+    watch._start_trace()
+    assert watch.trace is compiled and compiled.trace_current()
+    yield watch
+    watch.stop()
+    assert not compiled.trace_current()
+
+
+def _raise(err: BaseException) -> None:
+    raise err
+
+
+def allocate_in_user_code(log: tracelog.TraceLog, addr: int) -> None:
+    log.fire("alloc", addr)  # the allocator's trace entry, as a CUDA allocation here would make
+
+
+def free_in_user_code(log: tracelog.TraceLog, addr: int) -> None:
+    log.fire("free", addr)
+
+
+def test_the_trace_records_each_allocations_site_in_cpp(traced):
+    log = traced.trace
+    allocate_in_user_code(log, 0x7000_0000)
+    frames = traced._frames_of(0x7000_0000)
+    assert frames[-1][2] == "allocate_in_user_code"
+    assert frames[-1][0] == __file__ and frames[-2][2].startswith("test_the_trace_records")
+    assert traced.sites == {}  # nothing went through the Python allocation callback
+    for addr in (0x7000_1000, 0x7000_2000):  # one call path: one interned tuple
+        allocate_in_user_code(log, addr)
+    assert traced._site_at(0x7000_1000) is traced._site_at(0x7000_2000)
+    assert traced._site_at(0x7000_1000) != traced._site_at(0x7000_0000)  # another line
+    free_in_user_code(log, 0x7000_0000)
+    assert traced._site_at(0x7000_0000) is None
+
+
+def test_the_trace_calls_python_only_for_watched_frees_and_names_the_freeing_code(traced):
+    log, tracker = traced.trace, traced.tracker
+    before = log.python_calls()
+    for i in range(50):  # ordinary temporaries: allocated and freed without Python
+        allocate_in_user_code(log, 0x7100_0000 + 512 * i)
+        free_in_user_code(log, 0x7100_0000 + 512 * i)
+    log.fire("event_record", 0x1234)  # the other trace entries do nothing
+    assert log.python_calls() == before
+    wb = WatchedBlock(0x7200_0000, 512, DEFAULT_POOL, (0x7200_0000, 1 << 20), [], {1})
+    tracker.graphs[1] = types.SimpleNamespace(dirty=False)
+    tracker.live[wb.address] = wb
+    tracker.on_watch([wb.address])  # what add_graph tells the adapter
+    assert log.watched_count() >= 1
+    free_in_user_code(log, wb.address)
+    assert log.python_calls() == before + 1
+    assert wb.freed is not None and tracker.graphs[1].dirty
+    assert any(f[2] == "free_in_user_code" for f in wb.freed.stack)
+    # its segment now holds freed watched memory: an allocation there is judged (the owner of
+    # the memory changed), one elsewhere is not
+    tracker.graphs[1].dirty = False
+    allocate_in_user_code(log, 0x7300_0000)
+    assert not tracker.graphs[1].dirty and log.python_calls() == before + 1
+    allocate_in_user_code(log, 0x7200_0200)
+    assert tracker.graphs[1].dirty and log.python_calls() == before + 2
+
+
+def test_the_trace_falls_back_with_one_warning_when_replaced(traced, monkeypatch):
+    fell_back = []
+    monkeypatch.setattr(traced, "_python_trace", lambda: fell_back.append(True))
+    traced.trace.uninstall_trace()  # as torch._C._activate_gpu_trace() would replace it
+    with pytest.warns(UserWarning, match="switched on after graphsan started"):
+        traced.check_trace()
+    assert fell_back == [True] and traced.trace is None
+    assert traced.allocator_log.startswith("tracker, GPU trace: PyTorch's (")
+    traced.check_trace()  # once only
+    assert fell_back == [True]
+
+
+def test_the_trace_is_not_taken_from_another_listener(compiled):
+    import ctypes
+
+    c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    have = ctypes.c_bool.in_dll(c10, "_ZN3c104impl8GPUTrace9haveStateE")
+    state = ctypes.c_void_p.in_dll(c10, "_ZN3c104impl8GPUTrace13gpuTraceStateE")
+    saved = have.value, state.value
+    have.value, state.value = True, 0x10  # some interpreter already listens
+    try:
+        assert compiled.install_trace() == (
+            "PyTorch's GPU trace is already on (another tool listens to it)"
+        )
+        assert not compiled.trace_current()
+    finally:
+        have.value, state.value = saved

@@ -129,6 +129,10 @@ class Tracker:
         # whether the pool's replay order (graphsan.core.order) judges every graph that reads
         # the block: then a free outside a capture hands it over, like one inside a capture
         self.order_reads: Callable[[WatchedBlock], bool] | None = None
+        # told the addresses newly watched, and the freed segments whenever they change (an
+        # adapter that filters allocator events outside Python mirrors them)
+        self.on_watch: Callable[[list[DataPtr]], None] | None = None
+        self.on_freed_segments: Callable[[list[tuple[DataPtr, int]]], None] | None = None
 
     # -- capture -----------------------------------------------------------------------------
     def add_graph(
@@ -145,6 +149,7 @@ class Tracker:
         blocks: dict[DataPtr, WatchedBlock] = {}
         counts = dict.fromkeys(("default", "own", "other", "foreign", "temporary", "host"), 0)
         stale_at_capture: list[WatchedBlock] = []
+        watched: list[DataPtr] = []
         located: dict[DataPtr, object] = {}  # a graph names the same addresses many times
         for ref in refs:
             hit = located.get(ref.address, _UNSEEN)
@@ -182,6 +187,7 @@ class Tracker:
                     )
                     if blk.allocated:
                         self.live[blk.address] = wb
+                        watched.append(blk.address)
                     else:  # default-pool memory already free when the capture ended
                         wb.freed = FreeEvent((), None, None, FREED_BEFORE_CAPTURE)
                         stale_at_capture.append(wb)
@@ -192,6 +198,8 @@ class Tracker:
             rs.sort(key=_node)
         state = GraphState(info, by_block, blocks, ReferenceCounts(**counts))
         self.graphs[info.id] = state
+        if watched and self.on_watch is not None:
+            self.on_watch(watched)
         for wb in stale_at_capture:
             self._note_freed_segment(wb)
         state.dirty = bool(stale_at_capture)
@@ -291,6 +299,8 @@ class Tracker:
     def _index_freed_segments(self) -> None:
         self._freed_seg_keys = sorted(self.freed_segments)
         self._freed_seg_starts = [k[0] for k in self._freed_seg_keys]
+        if self.on_freed_segments is not None:
+            self.on_freed_segments(self._freed_seg_keys)
 
     def _note_freed_segment(self, wb: WatchedBlock) -> None:
         self.freed_segments.setdefault(wb.segment, set()).update(wb.graphs)

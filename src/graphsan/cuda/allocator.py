@@ -31,6 +31,7 @@ alloc/free events, storage changes and cache releases, turned into calls on the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import sys
@@ -230,12 +231,19 @@ class AllocatorWatch:
         self._patches: list[tuple[object, str, object]] = []
         self.log: tracelog.TraceLog | None = None  # the compiled tracker, when it could be used
         self.log_reason: str | None = None  # why not
+        # the same library as PyTorch's GPU-trace interpreter: frees and allocations reach
+        # Python only where graphsan judges them (None: PyTorch's trace and the callbacks below)
+        self.trace: tracelog.TraceLog | None = None
+        self.trace_reason: str | None = None  # why PyTorch's trace is used instead
 
     @property
     def allocator_log(self) -> str | None:
-        """Where the allocator's events come from: "tracker", or "snapshot (why)"; None before
-        the watch starts."""
+        """Where the allocator's events come from: "tracker" (with ", GPU trace: PyTorch's
+        (why)" where frees come through PyTorch's dispatch), or "snapshot (why)"; None before the
+        watch starts."""
         if self.log is not None:
+            if self.trace is None and self.trace_reason is not None:
+                return f"tracker, GPU trace: PyTorch's ({self.trace_reason})"
             return "tracker"
         return f"snapshot ({self.log_reason})" if self.log_reason is not None else None
 
@@ -258,6 +266,7 @@ class AllocatorWatch:
         if torch.cuda.is_current_stream_capturing():
             # the history must not be touched mid-capture (the tracker's events simply wait)
             return
+        self.check_trace()
         if self.log is not None:
             raw, tags, lost = self.log.drain_raw()
             n = len(raw) // tracelog.RECORD.size
@@ -330,10 +339,7 @@ class AllocatorWatch:
                 if tags is not None and len(tags) == 1:
                     carves = self.carves.get(tags[0])
             if carves is not None:
-                site = self.sites.get(addr)
-                if site is not None:
-                    site = self._intern(site)
-                carves.append((addr, int(e["size"]), site))
+                carves.append((addr, int(e["size"]), self._site_at(addr)))
 
     def _pool_of(self, entry, following, unsure: list) -> PoolId:
         """The pool of a new segment (see the module docstring)."""
@@ -459,8 +465,15 @@ class AllocatorWatch:
             if sites.get(ptr) is raw:  # the entry is never absent, so readers never miss it
                 sites[ptr] = site
 
+    def _site_at(self, address: int) -> Site | None:
+        """The interned allocation site of the live block at `address`, if one was recorded."""
+        if self.trace is not None:
+            return self.trace.site_of(address)
+        site = self.sites.get(address)
+        return self._intern(site) if site is not None else None
+
     def _frames_of(self, address: int) -> list[Frame]:
-        return _site_frames(self.sites.get(address))
+        return _site_frames(self._site_at(address))
 
     @staticmethod
     def site_frames(site: Site | None) -> list[Frame]:
@@ -487,6 +500,24 @@ class AllocatorWatch:
         ev.time = time.time()
         _op.freed = ev
         return ev
+
+    def _on_alloc_judged(self, ptr: int) -> None:
+        """An allocation in a segment holding freed watched memory (from the compiled trace,
+        which keeps the site itself)."""
+        if not self._active:
+            return
+        try:
+            self.tracker.on_alloc(ptr)
+        except Exception as err:
+            self.on_error(err)
+
+    def _on_watch(self, addresses: list[int]) -> None:
+        if self.trace is not None:
+            self.trace.watch(addresses)
+
+    def _on_freed_segments(self, keys: list[tuple[int, int]]) -> None:
+        if self.trace is not None:
+            self.trace.freed_ranges(keys)
 
     def _on_alloc(self, ptr: int) -> None:
         if not self._active:
@@ -516,6 +547,33 @@ class AllocatorWatch:
             self.log.enable(True)
         else:
             self._record(clear=True)
+        self._start_trace()
+        self._patch_storage_ops()
+        self._patch_empty_cache()
+        self._patch_pool_routing()
+        self._active = True
+        self.view(torch.cuda.current_device())  # the one snapshot: the seed
+
+    def _start_trace(self) -> None:
+        """Listen to frees and allocations: through the compiled library as the GPU trace's
+        interpreter where it loaded and PyTorch's trace is not on already, else through
+        PyTorch's trace and Python callbacks."""
+        if self.log is not None and not getattr(self, "_registered", False):
+            self.trace_reason = self.log.install_trace()
+            if self.trace_reason is None:
+                self.trace = self.log
+                self.trace.trace_callbacks(self._on_free, self._on_alloc_judged)
+                self.trace.trace_enable(True, sites=self.alloc_stacks, depth=SITE_DEPTH)
+                self.tracker.on_watch = self._on_watch
+                self.tracker.on_freed_segments = self._on_freed_segments
+                self.trace.watch(list(self.tracker.live))
+                self.trace.freed_ranges(self.tracker._freed_seg_keys)
+                # frees while the interpreter shuts down must not call into it
+                atexit.register(self.trace.trace_enable, False)
+                return
+        self._python_trace()
+
+    def _python_trace(self) -> None:
         from torch.cuda import _gpu_trace
 
         torch._C._activate_gpu_trace()
@@ -523,14 +581,32 @@ class AllocatorWatch:
             _gpu_trace.register_callback_for_memory_deallocation(self._on_free)
             _gpu_trace.register_callback_for_memory_allocation(self._on_alloc)
             self._registered = True
-        self._patch_storage_ops()
-        self._patch_empty_cache()
-        self._patch_pool_routing()
-        self._active = True
-        self.view(torch.cuda.current_device())  # the one snapshot: the seed
+
+    def check_trace(self) -> None:
+        """Fall back to PyTorch's trace (one warning) where something replaced graphsan's
+        interpreter since (torch._C._activate_gpu_trace(), torch.cuda._sanitizer)."""
+        if self.trace is None or self.trace.trace_current():
+            return
+        import warnings
+
+        self.trace.trace_enable(False)
+        self.trace = None
+        self.trace_reason = "PyTorch's GPU trace was switched on after graphsan started"
+        self.tracker.on_watch = self.tracker.on_freed_segments = None
+        warnings.warn(
+            f"graphsan: {self.trace_reason}; frees now reach it through PyTorch's trace "
+            "(allocation sites of blocks allocated before this are lost)",
+            stacklevel=2,
+        )
+        self._python_trace()
 
     def stop(self) -> None:
         self._active = False  # the gpu-trace callbacks cannot be unregistered; they go idle
+        if self.trace is not None:
+            self.trace.trace_enable(False)
+            self.trace.uninstall_trace()
+            self.trace = None
+            self.tracker.on_watch = self.tracker.on_freed_segments = None
         for owner, name, orig in reversed(self._patches):
             if orig is _ABSENT:
                 delattr(owner, name)

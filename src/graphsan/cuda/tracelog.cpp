@@ -5,21 +5,54 @@
 // The allocator calls the tracker with its per-device lock held, memory history on or off; the
 // tracker takes no lock but its own and calls nothing in PyTorch or Python. Trackers cannot be
 // detached, so this one is attached once per process and turned on and off by a flag.
+//
+// The second part replaces PyTorch's GPU-trace dispatch (see "The GPU trace" below): the
+// allocator reports every allocation and free to it outside its lock, and it calls Python only
+// for the frees and allocations graphsan must judge, and to record allocation sites.
 
+#include <c10/core/impl/GPUTrace.h>
+#include <c10/core/impl/PyInterpreter.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/python_stub.h>
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
 #include <new>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
+#include <utility>
 #include <vector>
+
+// The few CPython calls used, declared here so that no Python headers are needed to build; the
+// process that loads this library is a Python interpreter (3.11 or newer, for PyFrame_GetLasti).
+extern "C" {
+int PyGILState_Ensure(void);
+void PyGILState_Release(int);
+void* PyGILState_GetThisThreadState(void);
+int Py_IsInitialized(void);
+PyObject* PyThreadState_GetFrame(void*);
+void* PyThreadState_Get(void);
+PyObject* PyFrame_GetBack(PyObject*);
+PyObject* PyFrame_GetCode(PyObject*);
+int PyFrame_GetLasti(PyObject*);
+void Py_IncRef(PyObject*);
+void Py_DecRef(PyObject*);
+PyObject* PyLong_FromUnsignedLongLong(unsigned long long);
+PyObject* PyObject_CallFunctionObjArgs(PyObject*, ...);
+void PyErr_Clear(void);
+}
 
 namespace {
 
@@ -269,6 +302,414 @@ int32_t gs_tracelog_feed(
       "",
       user_metadata == nullptr ? "" : user_metadata);
   on_trace(e);
+  return 0;
+}
+
+} // extern "C"
+
+// -- The GPU trace ------------------------------------------------------------------------------
+// Once PyTorch's GPU trace is on (graphsan needs to see frees outside the allocator's lock, with
+// the freeing thread's Python stack), every allocation, free, event and synchronization calls
+// into Python: PyTorch takes the GIL, imports torch.cuda and calls its callback registry, whether
+// or not anyone listens. Here graphsan registers its own interpreter for the trace instead. Its
+// allocation and free entries run in C++ and call Python only where graphsan must judge: a free
+// of a watched block (or in a segment holding freed watched memory), an allocation in such a
+// segment, and, while allocation sites are on, the allocating thread's Python frames, read with
+// the GIL but without running any Python code. The other trace entries do nothing.
+//
+// PyTorch offers no C++ base class with the other entries, so the interpreter's table is built
+// here: every slot traps except the trace entries, whose positions come from their member
+// pointers (Itanium C++ ABI), and whose signatures are those of the headers it is built against.
+
+namespace {
+
+using VTable = c10::impl::PyInterpreterVTable;
+
+struct Trace {
+  std::mutex mu;
+  std::unordered_set<uint64_t> watched; // a superset of the blocks graphs reference
+  std::vector<std::pair<uint64_t, uint64_t>> freed_ranges; // [start, end), sorted, disjoint
+  std::unordered_map<uint64_t, uint32_t> site_of; // live block -> site index + 1
+  std::vector<std::vector<uintptr_t>> sites; // (code, lasti) pairs, innermost frame first
+  std::unordered_map<std::string, uint32_t> site_ids; // a site's bytes -> its index
+  PyObject* on_free = nullptr; // graphsan's callbacks, called with the GIL and the address
+  PyObject* on_alloc = nullptr;
+  int32_t depth = 24;
+  bool sites_on = false;
+  uint64_t calls = 0; // Python calls made for frees and allocations (a test counts them)
+};
+
+Trace* const g_trace = new Trace;
+std::atomic<bool> g_trace_on{false};
+c10::impl::PyInterpreter* g_interp = nullptr;
+void* g_table[2 + 512];
+struct TableObject {
+  void* const* vptr;
+};
+TableObject g_table_object{&g_table[2]};
+
+bool in_freed_range(uint64_t addr) {
+  const auto& r = g_trace->freed_ranges;
+  auto it = std::upper_bound(
+      r.begin(), r.end(), addr, [](uint64_t a, const std::pair<uint64_t, uint64_t>& x) {
+        return a < x.first;
+      });
+  return it != r.begin() && addr < std::prev(it)->second;
+}
+
+void call_python(PyObject* fn, uint64_t addr) {
+  if (fn == nullptr || !Py_IsInitialized()) {
+    return;
+  }
+  const int gil = PyGILState_Ensure();
+  PyObject* arg = PyLong_FromUnsignedLongLong(addr);
+  if (arg != nullptr) {
+    PyObject* out = PyObject_CallFunctionObjArgs(fn, arg, nullptr);
+    if (out == nullptr) {
+      PyErr_Clear(); // graphsan's callbacks report their own errors
+    } else {
+      Py_DecRef(out);
+    }
+    Py_DecRef(arg);
+  } else {
+    PyErr_Clear();
+  }
+  PyGILState_Release(gil);
+}
+
+// The calling thread's Python frames as (code, lasti) pairs; the GIL is held.
+void walk_frames(std::vector<uintptr_t>& out, int32_t depth) {
+  PyObject* frame = PyThreadState_GetFrame(PyThreadState_Get());
+  for (int32_t i = 0; frame != nullptr && i < depth; ++i) {
+    PyObject* code = PyFrame_GetCode(frame);
+    out.push_back(reinterpret_cast<uintptr_t>(code));
+    out.push_back(static_cast<uintptr_t>(PyFrame_GetLasti(frame)));
+    Py_DecRef(code); // the frame holds it; a kept site holds its own reference
+    PyObject* back = PyFrame_GetBack(frame);
+    Py_DecRef(frame);
+    frame = back;
+  }
+  if (frame != nullptr) {
+    Py_DecRef(frame);
+  }
+}
+
+void trace_alloc(uint64_t addr) noexcept {
+  if (!g_trace_on.load(std::memory_order_relaxed)) {
+    return;
+  }
+  Trace& t = *g_trace;
+  bool judge = false;
+  bool sites = false;
+  {
+    std::lock_guard<std::mutex> guard(t.mu);
+    t.site_of.erase(addr);
+    judge = !t.freed_ranges.empty() && in_freed_range(addr);
+    sites = t.sites_on;
+  }
+  // a thread without a Python thread state (the autograd engine's) has no Python frames
+  if (sites && Py_IsInitialized() && PyGILState_GetThisThreadState() != nullptr) {
+    const int gil = PyGILState_Ensure();
+    try {
+      std::vector<uintptr_t> path;
+      path.reserve(2 * static_cast<size_t>(t.depth));
+      walk_frames(path, t.depth);
+      if (!path.empty()) {
+        std::string key(
+            reinterpret_cast<const char*>(path.data()), path.size() * sizeof(uintptr_t));
+        std::lock_guard<std::mutex> guard(t.mu);
+        auto it = t.site_ids.find(key);
+        if (it == t.site_ids.end()) {
+          for (size_t i = 0; i < path.size(); i += 2) {
+            Py_IncRef(reinterpret_cast<PyObject*>(path[i])); // kept with the site for good
+          }
+          it = t.site_ids.emplace(std::move(key), static_cast<uint32_t>(t.sites.size())).first;
+          t.sites.push_back(std::move(path));
+        }
+        t.site_of[addr] = it->second + 1;
+      }
+    } catch (...) { // out of host memory: no site for this block
+    }
+    PyGILState_Release(gil);
+  }
+  if (judge) {
+    {
+      std::lock_guard<std::mutex> guard(t.mu);
+      ++t.calls;
+    }
+    call_python(t.on_alloc, addr);
+  }
+}
+
+void trace_free(uint64_t addr) noexcept {
+  if (!g_trace_on.load(std::memory_order_relaxed)) {
+    return;
+  }
+  Trace& t = *g_trace;
+  bool judge = false;
+  {
+    std::lock_guard<std::mutex> guard(t.mu);
+    t.site_of.erase(addr);
+    judge = t.watched.erase(addr) > 0 || (!t.freed_ranges.empty() && in_freed_range(addr));
+    if (judge) {
+      ++t.calls;
+    }
+  }
+  if (judge) {
+    call_python(t.on_free, addr);
+  }
+}
+
+// One function per trace entry, with the entry's own parameters after the object pointer.
+template <typename M>
+struct TraceEntryFn;
+template <typename... A>
+struct TraceEntryFn<void (VTable::*)(A...) const> {
+  static void nothing(const void*, A...) {}
+  static void alloc(const void*, A... a) {
+    trace_alloc(static_cast<uint64_t>(std::get<sizeof...(A) - 1>(std::tuple<A...>(a...))));
+  }
+  static void free(const void*, A... a) {
+    trace_free(static_cast<uint64_t>(std::get<sizeof...(A) - 1>(std::tuple<A...>(a...))));
+  }
+};
+
+template <typename M>
+bool slot_of(M member, size_t* slot) {
+  struct Raw {
+    uintptr_t ptr;
+    ptrdiff_t adj;
+  } raw{};
+  static_assert(sizeof(M) == sizeof(Raw), "an Itanium C++ ABI member pointer");
+  std::memcpy(&raw, &member, sizeof(raw));
+#if defined(__arm__) || defined(__aarch64__)
+  if ((raw.adj & 1) == 0) {
+    return false;
+  }
+  *slot = raw.ptr / sizeof(void*);
+#else
+  if ((raw.ptr & 1) == 0) {
+    return false;
+  }
+  *slot = (raw.ptr - 1) / sizeof(void*);
+#endif
+  return *slot < 512;
+}
+
+[[noreturn]] void unexpected_entry() {
+  std::fputs("graphsan: PyTorch called its GPU-trace interpreter for something else\n", stderr);
+  std::abort();
+}
+
+template <typename M>
+bool put(M member, void* fn) {
+  size_t slot = 0;
+  if (!slot_of(member, &slot)) {
+    return false;
+  }
+  g_table[2 + slot] = fn;
+  return true;
+}
+
+#define GS_ENTRY(name) decltype(&VTable::name)
+
+// An argument of an entry as the allocator would pass it: the device type, else the address.
+template <typename T>
+T argument(uint64_t addr) {
+  if constexpr (std::is_same_v<T, c10::DeviceType>) {
+    return c10::kCUDA;
+  } else {
+    return static_cast<T>(addr);
+  }
+}
+
+template <typename... A>
+void call_entry(void (VTable::*member)(A...) const, const VTable& vt, uint64_t addr) {
+  (vt.*member)(argument<A>(addr)...);
+}
+
+bool build_table() {
+  using AllocSig = GS_ENTRY(trace_gpu_memory_allocation);
+  using FreeSig = GS_ENTRY(trace_gpu_memory_deallocation);
+  for (auto& slot : g_table) {
+    slot = reinterpret_cast<void*>(&unexpected_entry);
+  }
+  g_table[0] = nullptr; // offset to top
+  g_table[1] = nullptr; // no type information: nothing asks
+  bool ok = true;
+  ok &= put(&VTable::trace_gpu_memory_allocation, reinterpret_cast<void*>(&TraceEntryFn<AllocSig>::alloc));
+  ok &= put(&VTable::trace_gpu_memory_deallocation, reinterpret_cast<void*>(&TraceEntryFn<FreeSig>::free));
+#define GS_NOTHING(name) \
+  ok &= put(&VTable::name, reinterpret_cast<void*>(&TraceEntryFn<GS_ENTRY(name)>::nothing))
+  GS_NOTHING(trace_gpu_event_creation);
+  GS_NOTHING(trace_gpu_event_deletion);
+  GS_NOTHING(trace_gpu_event_record);
+  GS_NOTHING(trace_gpu_event_wait);
+  GS_NOTHING(trace_gpu_stream_creation);
+  GS_NOTHING(trace_gpu_device_synchronization);
+  GS_NOTHING(trace_gpu_stream_synchronization);
+  GS_NOTHING(trace_gpu_event_synchronization);
+#undef GS_NOTHING
+  return ok;
+}
+
+} // namespace
+
+extern "C" {
+
+// Make this library PyTorch's GPU-trace interpreter. Returns 0; 1 where PyTorch's own trace is
+// already on (another tool listens: graphsan then listens through it too); 2 where this
+// compiler's member pointers cannot be read. One line in err.
+int32_t gs_trace_install(char* err, size_t err_len) {
+  using c10::impl::GPUTrace;
+  if (g_interp != nullptr && GPUTrace::haveState &&
+      GPUTrace::gpuTraceState.load() == g_interp) {
+    return 0;
+  }
+  if (GPUTrace::haveState && GPUTrace::gpuTraceState.load() != nullptr) {
+    put_error(err, err_len, "PyTorch's GPU trace is already on (another tool listens to it)");
+    return 1;
+  }
+  if (g_interp == nullptr) {
+    if (!build_table()) {
+      put_error(err, err_len, "cannot place the GPU-trace entries (member pointer layout)");
+      return 2;
+    }
+    g_interp = new c10::impl::PyInterpreter(reinterpret_cast<const VTable*>(&g_table_object));
+  }
+  GPUTrace::gpuTraceState.store(g_interp, std::memory_order_release);
+  GPUTrace::haveState = true;
+  return 0;
+}
+
+// Whether this library is still the trace's interpreter (torch._C._activate_gpu_trace() after
+// the install replaces it).
+int32_t gs_trace_current() {
+  using c10::impl::GPUTrace;
+  return g_interp != nullptr && GPUTrace::haveState &&
+          GPUTrace::gpuTraceState.load() == g_interp
+      ? 1
+      : 0;
+}
+
+// Give the trace back (PyTorch's dispatch stays off until someone turns it on again).
+void gs_trace_uninstall() {
+  using c10::impl::GPUTrace;
+  g_trace_on.store(false);
+  if (gs_trace_current()) {
+    GPUTrace::haveState = false;
+    GPUTrace::gpuTraceState.store(nullptr, std::memory_order_release);
+  }
+}
+
+// graphsan's callbacks (called with the GIL held, through ctypes.PyDLL). None clears.
+void gs_trace_callbacks(PyObject* on_free, PyObject* on_alloc) {
+  Trace& t = *g_trace;
+  PyObject* old_free = nullptr;
+  PyObject* old_alloc = nullptr;
+  Py_IncRef(on_free);
+  Py_IncRef(on_alloc);
+  {
+    std::lock_guard<std::mutex> guard(t.mu);
+    old_free = t.on_free;
+    old_alloc = t.on_alloc;
+    t.on_free = on_free;
+    t.on_alloc = on_alloc;
+  }
+  if (old_free != nullptr) {
+    Py_DecRef(old_free);
+  }
+  if (old_alloc != nullptr) {
+    Py_DecRef(old_alloc);
+  }
+}
+
+// Start (from nothing watched and no sites) or stop listening.
+void gs_trace_enable(int32_t on, int32_t sites, int32_t depth) {
+  Trace& t = *g_trace;
+  std::lock_guard<std::mutex> guard(t.mu);
+  t.watched.clear();
+  t.freed_ranges.clear();
+  t.site_of.clear();
+  t.sites_on = sites != 0;
+  t.depth = depth > 0 ? depth : 1;
+  g_trace_on.store(on != 0);
+}
+
+void gs_trace_watch(const uint64_t* addrs, int64_t n) {
+  std::lock_guard<std::mutex> guard(g_trace->mu);
+  for (int64_t i = 0; i < n; ++i) {
+    g_trace->watched.insert(addrs[i]);
+  }
+}
+
+// The segments holding freed watched memory, as n (start, size) pairs sorted by start.
+void gs_trace_freed_ranges(const uint64_t* pairs, int64_t n) {
+  std::lock_guard<std::mutex> guard(g_trace->mu);
+  auto& r = g_trace->freed_ranges;
+  r.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    r.emplace_back(pairs[2 * i], pairs[2 * i] + pairs[2 * i + 1]);
+  }
+}
+
+int64_t gs_trace_watched_count() {
+  std::lock_guard<std::mutex> guard(g_trace->mu);
+  return static_cast<int64_t>(g_trace->watched.size());
+}
+
+uint64_t gs_trace_python_calls() {
+  std::lock_guard<std::mutex> guard(g_trace->mu);
+  return g_trace->calls;
+}
+
+// The site of the live block at addr: its index + 1, or 0 where none was recorded.
+uint32_t gs_trace_site_of(uint64_t addr) {
+  std::lock_guard<std::mutex> guard(g_trace->mu);
+  auto it = g_trace->site_of.find(addr);
+  return it == g_trace->site_of.end() ? 0 : it->second;
+}
+
+// Copy site `index` (from gs_trace_site_of, less one) into out as (code, lasti) pairs; returns
+// the number of values (at most cap). The code objects live as long as the process.
+int64_t gs_trace_site(uint32_t index, uintptr_t* out, int64_t cap) {
+  std::lock_guard<std::mutex> guard(g_trace->mu);
+  if (index >= g_trace->sites.size()) {
+    return 0;
+  }
+  const auto& s = g_trace->sites[index];
+  const int64_t n = std::min<int64_t>(cap, static_cast<int64_t>(s.size()));
+  std::copy(s.begin(), s.begin() + n, out);
+  return n;
+}
+
+// Call the trace as the allocator does (tests without a GPU): kind 0 an allocation, 1 a free,
+// 2 an event record. Returns 1 where this library is not the trace's interpreter.
+int32_t gs_trace_fire(int32_t kind, uint64_t addr) {
+  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+  if (interp == nullptr || interp != g_interp) {
+    return 1;
+  }
+  const VTable& vt = **interp;
+  if (kind == 0) {
+    call_entry(&VTable::trace_gpu_memory_allocation, vt, addr);
+  } else if (kind == 1) {
+    call_entry(&VTable::trace_gpu_memory_deallocation, vt, addr);
+  } else {
+    call_entry(&VTable::trace_gpu_event_record, vt, addr);
+  }
+  return 0;
+}
+
+// Fire n allocations, each followed by its free, from C++ as the allocator does (a benchmark
+// without a GPU; the caller releases the GIL as PyTorch's operators do).
+int32_t gs_trace_fire_temporaries(uint64_t base, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t addr = base + 512 * static_cast<uint64_t>(i);
+    if (gs_trace_fire(0, addr) != 0 || gs_trace_fire(1, addr) != 0) {
+      return 1;
+    }
+  }
   return 0;
 }
 

@@ -55,9 +55,11 @@ class BuildError(Exception):
 class TraceLog:
     """The loaded tracker: turn it on and off, drain its events."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, pylib: ctypes.PyDLL | None = None) -> None:
         self.lib = lib
+        self.pylib = pylib  # the same library, called with the GIL held (Python objects)
         self._lock = threading.Lock()  # a drain's batch lives in the library until the next drain
+        self._sites: dict[int, tuple] = {}  # site index + 1 -> (code, lasti, ...)
 
     def enable(self, on: bool) -> None:
         """Start recording from an empty buffer, or stop (the buffer is emptied)."""
@@ -87,6 +89,77 @@ class TraceLog:
                 for i in range(self.lib.gs_tracelog_tag_count())
             ]
         return raw, tags, overflow
+
+    # -- the GPU trace (tracelog.cpp, "The GPU trace") ------------------------------------------
+    def install_trace(self) -> str | None:
+        """Become PyTorch's GPU-trace interpreter; None, or why not (one line)."""
+        err = ctypes.create_string_buffer(256)
+        if self.lib.gs_trace_install(err, len(err)) != 0:
+            return err.value.decode("utf-8", "replace")
+        return None
+
+    def trace_current(self) -> bool:
+        """Whether this library still is the trace's interpreter."""
+        return bool(self.lib.gs_trace_current())
+
+    def uninstall_trace(self) -> None:
+        self.lib.gs_trace_uninstall()
+
+    def trace_callbacks(self, on_free: Any, on_alloc: Any) -> None:
+        """Python callables (address) -> None for the frees and allocations to judge."""
+        self.pylib.gs_trace_callbacks(on_free, on_alloc)
+
+    def trace_enable(self, on: bool, sites: bool = False, depth: int = 24) -> None:
+        """Start listening from nothing watched and no sites, or stop."""
+        self.lib.gs_trace_enable(1 if on else 0, 1 if sites else 0, depth)
+
+    def watch(self, addresses: Sequence[int]) -> None:
+        """Frees of these addresses call on_free (a superset of the watched blocks is fine)."""
+        if addresses:
+            arr = (ctypes.c_uint64 * len(addresses))(*addresses)
+            self.lib.gs_trace_watch(arr, len(addresses))
+
+    def freed_ranges(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """The (start, size) segments holding freed watched memory, sorted by start: frees and
+        allocations in them call Python."""
+        flat = [v for r in ranges for v in r]
+        arr = (ctypes.c_uint64 * max(1, len(flat)))(*flat)
+        self.lib.gs_trace_freed_ranges(arr, len(ranges))
+
+    def watched_count(self) -> int:
+        return int(self.lib.gs_trace_watched_count())
+
+    def python_calls(self) -> int:
+        """How often a free or an allocation called into Python since the library loaded."""
+        return int(self.lib.gs_trace_python_calls())
+
+    def site_of(self, address: int) -> tuple | None:
+        """The recorded allocation site of the live block at `address` as (code, instruction
+        offset, ...) innermost first, or None."""
+        index = self.lib.gs_trace_site_of(address)
+        if index == 0:
+            return None
+        site = self._sites.get(index)
+        if site is None:
+            buf = (ctypes.c_uint64 * 256)()
+            n = self.lib.gs_trace_site(index - 1, buf, len(buf))
+            values = list(buf[:n])
+            codes = [ctypes.cast(p, ctypes.py_object).value for p in values[0::2]]
+            site = self._sites[index] = tuple(
+                v for pair in zip(codes, values[1::2], strict=True) for v in pair
+            )
+        return site
+
+    def fire_temporaries(self, base: int, n: int) -> None:
+        """`n` allocations from C++, each freed at once (a benchmark without a GPU)."""
+        if self.lib.gs_trace_fire_temporaries(base, n) != 0:
+            raise RuntimeError("this library is not PyTorch's GPU-trace interpreter")
+
+    def fire(self, kind: str, address: int) -> None:
+        """Call the GPU trace as the allocator does (tests without a GPU)."""
+        code = {"alloc": 0, "free": 1, "event_record": 2}[kind]
+        if self.lib.gs_trace_fire(code, address) != 0:
+            raise RuntimeError("this library is not PyTorch's GPU-trace interpreter")
 
     def feed(
         self,
@@ -254,11 +327,62 @@ def load(path: str) -> TraceLog:
             *[ctypes.c_uint64] * 5,
             ctypes.c_char_p,
         ]
-    except AttributeError as err:
+        pylib = ctypes.PyDLL(path)
+        pylib.gs_trace_callbacks.argtypes = [ctypes.py_object, ctypes.py_object]
+        pylib.gs_trace_callbacks.restype = None
+        lib.gs_trace_install.restype = ctypes.c_int32
+        lib.gs_trace_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        lib.gs_trace_current.restype = ctypes.c_int32
+        lib.gs_trace_uninstall.restype = None
+        lib.gs_trace_enable.argtypes = [ctypes.c_int32] * 3
+        lib.gs_trace_enable.restype = None
+        lib.gs_trace_watch.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64]
+        lib.gs_trace_watch.restype = None
+        lib.gs_trace_freed_ranges.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64]
+        lib.gs_trace_freed_ranges.restype = None
+        lib.gs_trace_watched_count.restype = ctypes.c_int64
+        lib.gs_trace_python_calls.restype = ctypes.c_uint64
+        lib.gs_trace_site_of.argtypes = [ctypes.c_uint64]
+        lib.gs_trace_site_of.restype = ctypes.c_uint32
+        lib.gs_trace_site.argtypes = [
+            ctypes.c_uint32,
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.c_int64,
+        ]
+        lib.gs_trace_site.restype = ctypes.c_int64
+        lib.gs_trace_fire.argtypes = [ctypes.c_int32, ctypes.c_uint64]
+        lib.gs_trace_fire.restype = ctypes.c_int32
+        lib.gs_trace_fire_temporaries.argtypes = [ctypes.c_uint64, ctypes.c_int64]
+        lib.gs_trace_fire_temporaries.restype = ctypes.c_int32
+    except (AttributeError, OSError) as err:
         raise BuildError(f"{os.path.basename(path)} lacks a symbol: {err}") from None
     if lib.gs_tracelog_record_size() != RECORD.size:
         raise BuildError(f"{os.path.basename(path)}: record layout differs from tracelog.py")
-    return TraceLog(lib)
+    return TraceLog(lib, pylib)
+
+
+def build_unattached(folder: str) -> TraceLog:
+    """tracelog.cpp built against this torch into `folder`, linked to libc10 only and not
+    attached (tests and benchmarks without a GPU). Raises BuildError."""
+    import torch
+    from torch.utils.cpp_extension import include_paths
+
+    cxx, cuda = find_compiler(), cuda_include_dirs()
+    if cxx is None or not cuda:
+        raise BuildError("needs a C++ compiler and CUDA headers (cuda_runtime_api.h)")
+    includes = [*include_paths(), *cuda]
+    if not os.path.isfile(os.path.join(includes[0], "c10/cuda/impl/cuda_cmake_macros.h")):
+        # CPU wheels ship c10/cuda's headers without this generated one
+        stub = os.path.join(folder, "stub", "c10", "cuda", "impl")
+        os.makedirs(stub, exist_ok=True)
+        with open(os.path.join(stub, "cuda_cmake_macros.h"), "w") as fh:
+            fh.write("#pragma once\n")
+        includes.append(os.path.join(folder, "stub"))
+    target = os.path.join(folder, "tracelog-unattached.so")
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = int(torch.compiled_with_cxx11_abi())
+    build(target, cxx, includes, lib_dir, ["c10"], [f"_GLIBCXX_USE_CXX11_ABI={abi}"])
+    return load(target)
 
 
 # -- the process's log -------------------------------------------------------------------------
