@@ -310,6 +310,9 @@ out = args[args.index("-o") + 1]
 with open(os.environ["FAKE_CXX_CALLS"], "a") as fh:
     fh.write(out + "\\n")
 mode = os.environ.get("FAKE_CXX_MODE", "ok")
+if mode == "no-trace" and "-DGS_NO_GPU_TRACE=1" not in args:
+    sys.stderr.write("tracelog.cpp:470:3: error: no member named trace_gpu_event_record\\n")
+    sys.exit(1)
 if mode == "fail":
     sys.stderr.write("In file included from tracelog.cpp:9:\\n")
     sys.stderr.write("tracelog.cpp:9:10: fatal error: c10/cuda/CUDACachingAllocator.h: no such file\\n")
@@ -389,6 +392,24 @@ def test_the_cache_is_keyed_by_the_torch_build_and_the_source(tmp_path, fake_cxx
         tracelog.obtain("2.13.0+cu130 def abi1", "/torch/lib", 1)
     assert len(fake_cxx()) == 2
     assert len(os.listdir(tmp_path / "cache" / "graphsan")) == 2
+
+
+def test_a_build_without_the_gpu_trace_keeps_the_tracker_and_says_why(
+    tmp_path, fake_cxx, monkeypatch
+):
+    monkeypatch.setenv("FAKE_CXX_MODE", "no-trace")
+    loaded = []
+    monkeypatch.setattr(tracelog, "load", lambda path, why=None: loaded.append((path, why)))
+    for _ in range(2):  # the second process finds the partial library and its reason cached
+        tracelog.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
+    full, partial = fake_cxx()
+    assert partial.endswith(".tmp") and "-notrace.so" in partial and "-notrace" not in full
+    why = "fake-c++ failed: tracelog.cpp:470:3: error: no member named trace_gpu_event_record"
+    assert [w for _, w in loaded] == [why, why]
+    assert loaded[0][0] == loaded[1][0] and loaded[0][0].endswith("-notrace.so")
+    assert tracelog.TraceLog(None, None, why).install_trace() == (
+        f"built without the GPU trace: {why}"
+    )
 
 
 def test_no_compiler_or_no_cuda_headers_is_a_reason(tmp_path, fake_cxx, monkeypatch):
@@ -505,7 +526,9 @@ def traced(compiled, monkeypatch):
     watch = AllocatorWatch(Tracker(), Context(), _raise, alloc_stacks=True)
     watch.log = compiled
     watch._active = True
-    monkeypatch.setattr(watch, "_python_trace", lambda: pytest.fail("fell back to PyTorch's trace"))
+    monkeypatch.setattr(
+        watch, "_activate_torch_trace", lambda: pytest.fail("fell back to PyTorch's trace")
+    )
     watch._start_trace()
     assert watch.trace is compiled and compiled.trace_current()
     yield watch
@@ -566,16 +589,26 @@ def test_the_trace_calls_python_only_for_watched_frees_and_names_the_freeing_cod
     assert tracker.graphs[1].dirty and log.python_calls() == before + 2
 
 
-def test_the_trace_falls_back_with_one_warning_when_replaced(traced, monkeypatch):
-    fell_back = []
-    monkeypatch.setattr(traced, "_python_trace", lambda: fell_back.append(True))
+def test_the_trace_falls_back_with_one_warning_when_replaced(traced):
+    from torch.cuda import _gpu_trace
+
+    # registered all along (silent under graphsan's interpreter), so they carry on at once
+    assert traced._on_free in _gpu_trace.MemoryDeallocationCallbacks.callback_list
+    assert traced._on_alloc in _gpu_trace.MemoryAllocationCallbacks.callback_list
     traced.trace.uninstall_trace()  # as torch._C._activate_gpu_trace() would replace it
     with pytest.warns(UserWarning, match="switched on after graphsan started"):
         traced.check_trace()
-    assert fell_back == [True] and traced.trace is None
+    assert traced.trace is None
     assert traced.allocator_log.startswith("tracker, GPU trace: PyTorch's (")
-    traced.check_trace()  # once only
-    assert fell_back == [True]
+    traced.check_trace()  # once only: no second warning
+
+
+def test_a_stopped_trace_forgets_its_sites_and_callbacks(compiled, traced):
+    allocate_in_user_code(compiled, 0x7400_0000)
+    assert compiled.site_of(0x7400_0000) is not None
+    traced.stop()
+    assert compiled.site_of(0x7400_0000) is None and compiled._sites == {}
+    assert not compiled.trace_current() and compiled.watched_count() == 0
 
 
 def test_the_trace_is_not_taken_from_another_listener(compiled):

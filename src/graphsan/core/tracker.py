@@ -149,7 +149,7 @@ class Tracker:
         blocks: dict[DataPtr, WatchedBlock] = {}
         counts = dict.fromkeys(("default", "own", "other", "foreign", "temporary", "host"), 0)
         stale_at_capture: list[WatchedBlock] = []
-        watched: list[DataPtr] = []
+        watched: list[WatchedBlock] = []
         located: dict[DataPtr, object] = {}  # a graph names the same addresses many times
         for ref in refs:
             hit = located.get(ref.address, _UNSEEN)
@@ -186,8 +186,7 @@ class Tracker:
                         blk.frames,
                     )
                     if blk.allocated:
-                        self.live[blk.address] = wb
-                        watched.append(blk.address)
+                        watched.append(wb)  # in live below, once the adapter was told
                     else:  # default-pool memory already free when the capture ended
                         wb.freed = FreeEvent((), None, None, FREED_BEFORE_CAPTURE)
                         stale_at_capture.append(wb)
@@ -199,7 +198,9 @@ class Tracker:
         state = GraphState(info, by_block, blocks, ReferenceCounts(**counts))
         self.graphs[info.id] = state
         if watched and self.on_watch is not None:
-            self.on_watch(watched)
+            self.on_watch([wb.address for wb in watched])  # before a free can find them
+        for wb in watched:
+            self.live[wb.address] = wb
         for wb in stale_at_capture:
             self._note_freed_segment(wb)
         state.dirty = bool(stale_at_capture)

@@ -556,35 +556,52 @@ class AllocatorWatch:
 
     def _start_trace(self) -> None:
         """Listen to frees and allocations: through the compiled library as the GPU trace's
-        interpreter where it loaded and PyTorch's trace is not on already, else through
-        PyTorch's trace and Python callbacks."""
-        if self.log is not None and not getattr(self, "_registered", False):
+        interpreter where it loaded and no other interpreter is registered, else through
+        PyTorch's trace. The Python callbacks are registered either way: they stay silent under
+        graphsan's interpreter and carry on at once if something replaces it."""
+        self._register_callbacks()
+        if self.log is not None:
             self.trace_reason = self.log.install_trace()
             if self.trace_reason is None:
-                self.trace = self.log
-                self.trace.trace_callbacks(self._on_free, self._on_alloc_judged)
-                self.trace.trace_enable(True, sites=self.alloc_stacks, depth=SITE_DEPTH)
+                trace = self.trace = self.log
+                trace.trace_callbacks(self._on_free, self._on_alloc_judged)
                 self.tracker.on_watch = self._on_watch
                 self.tracker.on_freed_segments = self._on_freed_segments
-                self.trace.watch(list(self.tracker.live))
-                self.trace.freed_ranges(self.tracker._freed_seg_keys)
-                # frees while the interpreter shuts down must not call into it
-                atexit.register(self.trace.trace_enable, False)
+                trace.watch(list(self.tracker.live))  # before it listens: no free slips by
+                trace.freed_ranges(self.tracker._freed_seg_keys)
+                trace.trace_enable(True, sites=self.alloc_stacks, depth=SITE_DEPTH)
+                if not getattr(self, "_atexit", False):
+                    # frees while the interpreter shuts down must not call into it
+                    atexit.register(self._stop_trace)
+                    self._atexit = True
                 return
-        self._python_trace()
+        self._activate_torch_trace()
 
-    def _python_trace(self) -> None:
-        from torch.cuda import _gpu_trace
-
+    @staticmethod
+    def _activate_torch_trace() -> None:
         torch._C._activate_gpu_trace()
+
+    def _register_callbacks(self) -> None:
         if not getattr(self, "_registered", False):
+            from torch.cuda import _gpu_trace
+
             _gpu_trace.register_callback_for_memory_deallocation(self._on_free)
             _gpu_trace.register_callback_for_memory_allocation(self._on_alloc)
             self._registered = True
 
+    def _stop_trace(self) -> None:
+        trace, self.trace = self.trace, None
+        self.tracker.on_watch = self.tracker.on_freed_segments = None
+        if trace is not None:
+            trace.trace_enable(False)
+            trace.trace_callbacks(None, None)
+            trace.clear_sites()
+            trace.uninstall_trace()
+
     def check_trace(self) -> None:
-        """Fall back to PyTorch's trace (one warning) where something replaced graphsan's
-        interpreter since (torch._C._activate_gpu_trace(), torch.cuda._sanitizer)."""
+        """Go on through PyTorch's trace (one warning) where something replaced graphsan's
+        interpreter since (torch._C._activate_gpu_trace(), torch.cuda._sanitizer): the Python
+        callbacks have carried the frees since then."""
         if self.trace is None or self.trace.trace_current():
             return
         import warnings
@@ -594,19 +611,14 @@ class AllocatorWatch:
         self.trace_reason = "PyTorch's GPU trace was switched on after graphsan started"
         self.tracker.on_watch = self.tracker.on_freed_segments = None
         warnings.warn(
-            f"graphsan: {self.trace_reason}; frees now reach it through PyTorch's trace "
-            "(allocation sites of blocks allocated before this are lost)",
+            f"graphsan: {self.trace_reason}; frees reach it through PyTorch's trace since "
+            "(allocation sites of blocks allocated before are lost)",
             stacklevel=2,
         )
-        self._python_trace()
 
     def stop(self) -> None:
         self._active = False  # the gpu-trace callbacks cannot be unregistered; they go idle
-        if self.trace is not None:
-            self.trace.trace_enable(False)
-            self.trace.uninstall_trace()
-            self.trace = None
-            self.tracker.on_watch = self.tracker.on_freed_segments = None
+        self._stop_trace()
         for owner, name, orig in reversed(self._patches):
             if orig is _ABSENT:
                 delattr(owner, name)

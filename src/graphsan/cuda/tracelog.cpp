@@ -10,8 +10,10 @@
 // allocator reports every allocation and free to it outside its lock, and it calls Python only
 // for the frees and allocations graphsan must judge, and to record allocation sites.
 
+#ifndef GS_NO_GPU_TRACE
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/core/impl/PyInterpreter.h>
+#endif
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/python_stub.h>
 
@@ -52,6 +54,8 @@ void Py_DecRef(PyObject*);
 PyObject* PyLong_FromUnsignedLongLong(unsigned long long);
 PyObject* PyObject_CallFunctionObjArgs(PyObject*, ...);
 void PyErr_Clear(void);
+void PyErr_Fetch(PyObject**, PyObject**, PyObject**);
+void PyErr_Restore(PyObject*, PyObject*, PyObject*);
 }
 
 namespace {
@@ -320,6 +324,10 @@ int32_t gs_tracelog_feed(
 // PyTorch offers no C++ base class with the other entries, so the interpreter's table is built
 // here: every slot traps except the trace entries, whose positions come from their member
 // pointers (Itanium C++ ABI), and whose signatures are those of the headers it is built against.
+// Where those headers do not fit, tracelog.py builds the file again with GS_NO_GPU_TRACE: the
+// tracker above still works, and gs_trace_install says why the trace cannot be taken.
+
+#ifndef GS_NO_GPU_TRACE
 
 namespace {
 
@@ -342,6 +350,7 @@ struct Trace {
 Trace* const g_trace = new Trace;
 std::atomic<bool> g_trace_on{false};
 c10::impl::PyInterpreter* g_interp = nullptr;
+bool g_saved_have_state = false; // PyTorch's flag as the install found it
 void* g_table[2 + 512];
 struct TableObject {
   void* const* vptr;
@@ -357,28 +366,41 @@ bool in_freed_range(uint64_t addr) {
   return it != r.begin() && addr < std::prev(it)->second;
 }
 
-void call_python(PyObject* fn, uint64_t addr) {
-  if (fn == nullptr || !Py_IsInitialized()) {
+// Call one of graphsan's callbacks with the address. A free can come from C code while a Python
+// exception propagates (a frame's values dropped during unwinding): that exception is kept aside
+// and restored, and whatever the callback raises is dropped (it reports its own errors).
+void call_python(bool free_callback, uint64_t addr) {
+  if (!Py_IsInitialized()) {
     return;
   }
   const int gil = PyGILState_Ensure();
-  PyObject* arg = PyLong_FromUnsignedLongLong(addr);
-  if (arg != nullptr) {
-    PyObject* out = PyObject_CallFunctionObjArgs(fn, arg, nullptr);
-    if (out == nullptr) {
-      PyErr_Clear(); // graphsan's callbacks report their own errors
-    } else {
+  PyObject* fn = nullptr;
+  {
+    std::lock_guard<std::mutex> guard(g_trace->mu);
+    fn = free_callback ? g_trace->on_free : g_trace->on_alloc;
+    Py_IncRef(fn); // the callback may be replaced meanwhile
+  }
+  if (fn != nullptr) {
+    PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject* arg = PyLong_FromUnsignedLongLong(addr);
+    if (arg != nullptr) {
+      PyObject* out = PyObject_CallFunctionObjArgs(fn, arg, nullptr);
       Py_DecRef(out);
+      Py_DecRef(arg);
     }
-    Py_DecRef(arg);
-  } else {
     PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+    Py_DecRef(fn);
   }
   PyGILState_Release(gil);
 }
 
-// The calling thread's Python frames as (code, lasti) pairs; the GIL is held.
+// The calling thread's Python frames as (code, lasti) pairs; the GIL is held. Leaves the error
+// indicator as it found it.
 void walk_frames(std::vector<uintptr_t>& out, int32_t depth) {
+  PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+  PyErr_Fetch(&type, &value, &tb);
   PyObject* frame = PyThreadState_GetFrame(PyThreadState_Get());
   for (int32_t i = 0; frame != nullptr && i < depth; ++i) {
     PyObject* code = PyFrame_GetCode(frame);
@@ -389,12 +411,14 @@ void walk_frames(std::vector<uintptr_t>& out, int32_t depth) {
     Py_DecRef(frame);
     frame = back;
   }
-  if (frame != nullptr) {
-    Py_DecRef(frame);
-  }
+  Py_DecRef(frame);
+  PyErr_Clear(); // a frame object that could not be made (out of memory) ends the walk
+  PyErr_Restore(type, value, tb);
 }
 
-void trace_alloc(uint64_t addr) noexcept {
+// Not noexcept: a thread stopped by the interpreter's exit while it waits for the GIL is ended
+// by a forced unwind, which must pass through.
+void trace_alloc(uint64_t addr) {
   if (!g_trace_on.load(std::memory_order_relaxed)) {
     return;
   }
@@ -406,8 +430,13 @@ void trace_alloc(uint64_t addr) noexcept {
     t.site_of.erase(addr);
     judge = !t.freed_ranges.empty() && in_freed_range(addr);
     sites = t.sites_on;
+    if (judge) {
+      ++t.calls;
+    }
   }
-  // a thread without a Python thread state (the autograd engine's) has no Python frames
+  // A thread without a Python thread state has no Python frames. The autograd engine's worker
+  // threads have one (PyTorch makes it), so their allocations take the GIL to find no frames, or
+  // those of a Python backward.
   if (sites && Py_IsInitialized() && PyGILState_GetThisThreadState() != nullptr) {
     const int gil = PyGILState_Ensure();
     try {
@@ -421,27 +450,23 @@ void trace_alloc(uint64_t addr) noexcept {
         auto it = t.site_ids.find(key);
         if (it == t.site_ids.end()) {
           for (size_t i = 0; i < path.size(); i += 2) {
-            Py_IncRef(reinterpret_cast<PyObject*>(path[i])); // kept with the site for good
+            Py_IncRef(reinterpret_cast<PyObject*>(path[i])); // kept with the site
           }
           it = t.site_ids.emplace(std::move(key), static_cast<uint32_t>(t.sites.size())).first;
           t.sites.push_back(std::move(path));
         }
         t.site_of[addr] = it->second + 1;
       }
-    } catch (...) { // out of host memory: no site for this block
+    } catch (const std::bad_alloc&) { // out of host memory: no site for this block
     }
     PyGILState_Release(gil);
   }
   if (judge) {
-    {
-      std::lock_guard<std::mutex> guard(t.mu);
-      ++t.calls;
-    }
-    call_python(t.on_alloc, addr);
+    call_python(false, addr);
   }
 }
 
-void trace_free(uint64_t addr) noexcept {
+void trace_free(uint64_t addr) {
   if (!g_trace_on.load(std::memory_order_relaxed)) {
     return;
   }
@@ -456,7 +481,7 @@ void trace_free(uint64_t addr) noexcept {
     }
   }
   if (judge) {
-    call_python(t.on_free, addr);
+    call_python(true, addr);
   }
 }
 
@@ -529,16 +554,18 @@ void call_entry(void (VTable::*member)(A...) const, const VTable& vt, uint64_t a
 }
 
 bool build_table() {
-  using AllocSig = GS_ENTRY(trace_gpu_memory_allocation);
-  using FreeSig = GS_ENTRY(trace_gpu_memory_deallocation);
   for (auto& slot : g_table) {
     slot = reinterpret_cast<void*>(&unexpected_entry);
   }
   g_table[0] = nullptr; // offset to top
   g_table[1] = nullptr; // no type information: nothing asks
   bool ok = true;
-  ok &= put(&VTable::trace_gpu_memory_allocation, reinterpret_cast<void*>(&TraceEntryFn<AllocSig>::alloc));
-  ok &= put(&VTable::trace_gpu_memory_deallocation, reinterpret_cast<void*>(&TraceEntryFn<FreeSig>::free));
+  ok &= put(
+      &VTable::trace_gpu_memory_allocation,
+      reinterpret_cast<void*>(&TraceEntryFn<GS_ENTRY(trace_gpu_memory_allocation)>::alloc));
+  ok &= put(
+      &VTable::trace_gpu_memory_deallocation,
+      reinterpret_cast<void*>(&TraceEntryFn<GS_ENTRY(trace_gpu_memory_deallocation)>::free));
 #define GS_NOTHING(name) \
   ok &= put(&VTable::name, reinterpret_cast<void*>(&TraceEntryFn<GS_ENTRY(name)>::nothing))
   GS_NOTHING(trace_gpu_event_creation);
@@ -553,20 +580,25 @@ bool build_table() {
   return ok;
 }
 
+bool current() {
+  using c10::impl::GPUTrace;
+  return g_interp != nullptr && GPUTrace::haveState && GPUTrace::gpuTraceState.load() == g_interp;
+}
+
 } // namespace
 
 extern "C" {
 
-// Make this library PyTorch's GPU-trace interpreter. Returns 0; 1 where PyTorch's own trace is
-// already on (another tool listens: graphsan then listens through it too); 2 where this
-// compiler's member pointers cannot be read. One line in err.
+// Make this library PyTorch's GPU-trace interpreter. Returns 0; 1 where another interpreter is
+// registered (someone turned PyTorch's trace on, now or before: graphsan then listens through
+// it); 2 where this library cannot be it. One line in err.
 int32_t gs_trace_install(char* err, size_t err_len) {
   using c10::impl::GPUTrace;
-  if (g_interp != nullptr && GPUTrace::haveState &&
-      GPUTrace::gpuTraceState.load() == g_interp) {
+  if (current()) {
     return 0;
   }
-  if (GPUTrace::haveState && GPUTrace::gpuTraceState.load() != nullptr) {
+  const c10::impl::PyInterpreter* other = GPUTrace::gpuTraceState.load();
+  if (other != nullptr && other != g_interp) {
     put_error(err, err_len, "PyTorch's GPU trace is already on (another tool listens to it)");
     return 1;
   }
@@ -577,32 +609,29 @@ int32_t gs_trace_install(char* err, size_t err_len) {
     }
     g_interp = new c10::impl::PyInterpreter(reinterpret_cast<const VTable*>(&g_table_object));
   }
+  g_saved_have_state = GPUTrace::haveState;
   GPUTrace::gpuTraceState.store(g_interp, std::memory_order_release);
   GPUTrace::haveState = true;
   return 0;
 }
 
-// Whether this library is still the trace's interpreter (torch._C._activate_gpu_trace() after
+// Whether this library still is the trace's interpreter (torch._C._activate_gpu_trace() after
 // the install replaces it).
 int32_t gs_trace_current() {
-  using c10::impl::GPUTrace;
-  return g_interp != nullptr && GPUTrace::haveState &&
-          GPUTrace::gpuTraceState.load() == g_interp
-      ? 1
-      : 0;
+  return current() ? 1 : 0;
 }
 
-// Give the trace back (PyTorch's dispatch stays off until someone turns it on again).
+// Give the trace back as the install found it (no interpreter registered).
 void gs_trace_uninstall() {
   using c10::impl::GPUTrace;
   g_trace_on.store(false);
-  if (gs_trace_current()) {
-    GPUTrace::haveState = false;
+  if (current()) {
     GPUTrace::gpuTraceState.store(nullptr, std::memory_order_release);
+    GPUTrace::haveState = g_saved_have_state;
   }
 }
 
-// graphsan's callbacks (called with the GIL held, through ctypes.PyDLL). None clears.
+// graphsan's callbacks (called with the GIL held, through ctypes.PyDLL); NULL clears one.
 void gs_trace_callbacks(PyObject* on_free, PyObject* on_alloc) {
   Trace& t = *g_trace;
   PyObject* old_free = nullptr;
@@ -616,24 +645,40 @@ void gs_trace_callbacks(PyObject* on_free, PyObject* on_alloc) {
     t.on_free = on_free;
     t.on_alloc = on_alloc;
   }
-  if (old_free != nullptr) {
-    Py_DecRef(old_free);
-  }
-  if (old_alloc != nullptr) {
-    Py_DecRef(old_alloc);
-  }
+  Py_DecRef(old_free);
+  Py_DecRef(old_alloc);
 }
 
-// Start (from nothing watched and no sites) or stop listening.
+// Start listening (what is watched was set before, so that no free slips between), or stop:
+// then nothing is watched and no block has a site any more.
 void gs_trace_enable(int32_t on, int32_t sites, int32_t depth) {
   Trace& t = *g_trace;
   std::lock_guard<std::mutex> guard(t.mu);
-  t.watched.clear();
-  t.freed_ranges.clear();
-  t.site_of.clear();
+  if (on == 0) {
+    t.watched.clear();
+    t.freed_ranges.clear();
+    t.site_of.clear();
+  }
   t.sites_on = sites != 0;
   t.depth = depth > 0 ? depth : 1;
   g_trace_on.store(on != 0);
+}
+
+// Forget the interned sites and their code objects (called with the GIL held, through
+// ctypes.PyDLL, while the trace is off).
+void gs_trace_clear_sites() {
+  std::vector<std::vector<uintptr_t>> old;
+  {
+    std::lock_guard<std::mutex> guard(g_trace->mu);
+    old.swap(g_trace->sites);
+    g_trace->site_ids.clear();
+    g_trace->site_of.clear();
+  }
+  for (const auto& path : old) {
+    for (size_t i = 0; i < path.size(); i += 2) {
+      Py_DecRef(reinterpret_cast<PyObject*>(path[i]));
+    }
+  }
 }
 
 void gs_trace_watch(const uint64_t* addrs, int64_t n) {
@@ -671,7 +716,7 @@ uint32_t gs_trace_site_of(uint64_t addr) {
 }
 
 // Copy site `index` (from gs_trace_site_of, less one) into out as (code, lasti) pairs; returns
-// the number of values (at most cap). The code objects live as long as the process.
+// the number of values (at most cap). The code objects live until gs_trace_clear_sites.
 int64_t gs_trace_site(uint32_t index, uintptr_t* out, int64_t cap) {
   std::lock_guard<std::mutex> guard(g_trace->mu);
   if (index >= g_trace->sites.size()) {
@@ -700,6 +745,47 @@ int32_t gs_trace_fire(int32_t kind, uint64_t addr) {
   }
   return 0;
 }
+
+} // extern "C"
+
+#else // GS_NO_GPU_TRACE: the tracker alone; PyTorch's trace and Python callbacks carry frees
+
+extern "C" {
+
+int32_t gs_trace_install(char* err, size_t err_len) {
+  put_error(err, err_len, "built without the GPU trace (see the .why file beside the library)");
+  return 2;
+}
+int32_t gs_trace_current() {
+  return 0;
+}
+void gs_trace_uninstall() {}
+void gs_trace_callbacks(PyObject*, PyObject*) {}
+void gs_trace_enable(int32_t, int32_t, int32_t) {}
+void gs_trace_clear_sites() {}
+void gs_trace_watch(const uint64_t*, int64_t) {}
+void gs_trace_freed_ranges(const uint64_t*, int64_t) {}
+int64_t gs_trace_watched_count() {
+  return 0;
+}
+uint64_t gs_trace_python_calls() {
+  return 0;
+}
+uint32_t gs_trace_site_of(uint64_t) {
+  return 0;
+}
+int64_t gs_trace_site(uint32_t, uintptr_t*, int64_t) {
+  return 0;
+}
+int32_t gs_trace_fire(int32_t, uint64_t) {
+  return 1;
+}
+
+} // extern "C"
+
+#endif // GS_NO_GPU_TRACE
+
+extern "C" {
 
 // Fire n allocations, each followed by its free, from C++ as the allocator does (a benchmark
 // without a GPU; the caller releases the GIL as PyTorch's operators do).

@@ -55,8 +55,11 @@ class BuildError(Exception):
 class TraceLog:
     """The loaded tracker: turn it on and off, drain its events."""
 
-    def __init__(self, lib: ctypes.CDLL, pylib: ctypes.PyDLL | None = None) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, pylib: ctypes.PyDLL | None = None, why: str | None = None
+    ) -> None:
         self.lib = lib
+        self.why = why  # why it was built without the GPU trace (GS_NO_GPU_TRACE), if it was
         self.pylib = pylib  # the same library, called with the GIL held (Python objects)
         self._lock = threading.Lock()  # a drain's batch lives in the library until the next drain
         self._sites: dict[int, tuple] = {}  # site index + 1 -> (code, lasti, ...)
@@ -93,6 +96,8 @@ class TraceLog:
     # -- the GPU trace (tracelog.cpp, "The GPU trace") ------------------------------------------
     def install_trace(self) -> str | None:
         """Become PyTorch's GPU-trace interpreter; None, or why not (one line)."""
+        if self.why is not None:
+            return f"built without the GPU trace: {self.why}"
         err = ctypes.create_string_buffer(256)
         if self.lib.gs_trace_install(err, len(err)) != 0:
             return err.value.decode("utf-8", "replace")
@@ -106,8 +111,18 @@ class TraceLog:
         self.lib.gs_trace_uninstall()
 
     def trace_callbacks(self, on_free: Any, on_alloc: Any) -> None:
-        """Python callables (address) -> None for the frees and allocations to judge."""
-        self.pylib.gs_trace_callbacks(on_free, on_alloc)
+        """Python callables (address) -> None for the frees and allocations to judge; None
+        clears one."""
+
+        def obj(fn: Any) -> ctypes.py_object:
+            return ctypes.py_object(fn) if fn is not None else ctypes.py_object()
+
+        self.pylib.gs_trace_callbacks(obj(on_free), obj(on_alloc))
+
+    def clear_sites(self) -> None:
+        """Forget every recorded site (with the trace off)."""
+        self.pylib.gs_trace_clear_sites()
+        self._sites.clear()
 
     def trace_enable(self, on: bool, sites: bool = False, depth: int = 24) -> None:
         """Start listening from nothing watched and no sites, or stop."""
@@ -300,8 +315,9 @@ def _first_error(stderr: str) -> str:
     return line[:300]
 
 
-def load(path: str) -> TraceLog:
-    """Load a built tracker; raises BuildError (one line) when it cannot be used."""
+def load(path: str, why: str | None = None) -> TraceLog:
+    """Load a built tracker (`why`: it was built without the GPU trace, for that reason);
+    raises BuildError (one line) when it cannot be used."""
     try:
         lib = ctypes.CDLL(path)
     except OSError as err:
@@ -330,6 +346,7 @@ def load(path: str) -> TraceLog:
         pylib = ctypes.PyDLL(path)
         pylib.gs_trace_callbacks.argtypes = [ctypes.py_object, ctypes.py_object]
         pylib.gs_trace_callbacks.restype = None
+        pylib.gs_trace_clear_sites.restype = None
         lib.gs_trace_install.restype = ctypes.c_int32
         lib.gs_trace_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         lib.gs_trace_current.restype = ctypes.c_int32
@@ -358,7 +375,7 @@ def load(path: str) -> TraceLog:
         raise BuildError(f"{os.path.basename(path)} lacks a symbol: {err}") from None
     if lib.gs_tracelog_record_size() != RECORD.size:
         raise BuildError(f"{os.path.basename(path)}: record layout differs from tracelog.py")
-    return TraceLog(lib, pylib)
+    return TraceLog(lib, pylib, why)
 
 
 def build_unattached(folder: str) -> TraceLog:
@@ -447,16 +464,35 @@ def obtain(
     except OSError as err:
         raise BuildError(f"cannot read {SOURCE}: {err.strerror}") from None
     target = os.path.join(cache_dir(), library_name(source, torch_build))
-    if not os.path.isfile(target):
-        cxx = find_compiler()
-        if cxx is None:
-            raise BuildError("no C++ compiler ($CXX, c++ or g++)")
-        cuda = cuda_include_dirs()
-        if not cuda:
-            raise BuildError("no CUDA headers (cuda_runtime_api.h): set CUDA_HOME")
-        from torch.utils.cpp_extension import include_paths
+    # built without the GPU trace where the full build failed; the .why file says why
+    partial = target[: -len(".so")] + "-notrace.so"
+    if os.path.isfile(target):
+        return load(target)
+    if os.path.isfile(partial):
+        return load(partial, _read_why(partial))
+    cxx = find_compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler ($CXX, c++ or g++)")
+    cuda = cuda_include_dirs()
+    if not cuda:
+        raise BuildError("no CUDA headers (cuda_runtime_api.h): set CUDA_HOME")
+    from torch.utils.cpp_extension import include_paths
 
-        build(
-            target, cxx, [*include_paths(), *cuda], lib_dir, libs, [f"_GLIBCXX_USE_CXX11_ABI={abi}"]
-        )
+    includes, defines = [*include_paths(), *cuda], [f"_GLIBCXX_USE_CXX11_ABI={abi}"]
+    try:
+        build(target, cxx, includes, lib_dir, libs, defines)
+    except BuildError as err:
+        # the GPU trace leans on PyTorch's interpreter table: without it the tracker still works
+        build(partial, cxx, includes, lib_dir, libs, [*defines, "GS_NO_GPU_TRACE=1"])
+        with contextlib.suppress(OSError), open(partial + ".why", "w") as fh:
+            fh.write(str(err))
+        return load(partial, str(err))
     return load(target)
+
+
+def _read_why(path: str) -> str:
+    try:
+        with open(path + ".why") as fh:
+            return fh.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
