@@ -14,7 +14,7 @@ callback (from a `--depth`-deep stack, site walk included) followed by the free'
 median of `--rounds` rounds of `--batch` events.
 
 Beside the model, the compiled replacement is measured for real (where a C++ compiler and CUDA
-headers are present): graphsan's own GPU-trace interpreter in tracelog.cpp, called from C++ as
+headers are present): graphsan's own GPU-trace interpreter in gputrace.cpp, called from C++ as
 the allocator calls it, with the GIL released as PyTorch's operators release it. A temporary
 there is an allocation whose site is read in C++, then its free, neither reaching Python.
 """
@@ -84,30 +84,30 @@ def per_event(
 def compiled_rows(args) -> dict[str, list[float]] | str:
     """us per temporary through the compiled trace, with and without sites; or why not."""
     try:
-        log = tracelog.build_unattached(tempfile.mkdtemp(prefix="graphsan-bench-"))
+        trace = tracelog.build_unattached(tempfile.mkdtemp(prefix="graphsan-bench-")).gpu_trace
     except tracelog.BuildError as err:
         return str(err)
-    reason = log.install_trace()
+    reason = trace.install()
     if reason is not None:
         return reason
     rows: dict[str, list[float]] = {}
     try:
-        log.trace_callbacks(None, None)
+        trace.callbacks(None, None)
         for sites, name in ((True, "site read in C++"), (False, "no sites")):
             key = f"compiled trace: a temporary, {name}"
             rows[key] = []
-            log.trace_enable(True, sites=sites, depth=SITE_DEPTH)
+            trace.enable(True, sites=sites, depth=SITE_DEPTH)
             for _ in range(args.rounds):
 
                 def run(sites=sites) -> float:
                     t = time.thread_time()
-                    log.fire_temporaries(BASE, args.batch)
+                    trace.fire_temporaries(BASE, args.batch)
                     return (time.thread_time() - t) / args.batch * 1e6
 
                 rows[key].append(nested(args.depth, run))
     finally:
-        log.trace_enable(False)
-        log.uninstall_trace()
+        trace.enable(False)
+        trace.uninstall()
     return rows
 
 

@@ -23,6 +23,7 @@ ALLOWED = {
         "graphsan.context",
         "graphsan.report.timeline",
         "graphsan.cuda.tracelog",  # the allocator watch's compiled event source
+        "graphsan.cuda.gputrace",  # the same library's GPU-trace interpreter
     ),
     "graphsan.capture": ("graphsan.core", "graphsan.cuda", "graphsan.report.timeline"),
 }

@@ -29,6 +29,7 @@ from graphsan.core.records import DEFAULT_POOL
 from graphsan.core.tracker import Tracker, WatchedBlock
 from graphsan.cuda import allocator, tracelog
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.gputrace import GpuTrace
 from tests.test_allocview import STREAM_POOL, ModelAllocator, random_event, same_answers
 
 
@@ -310,8 +311,8 @@ out = args[args.index("-o") + 1]
 with open(os.environ["FAKE_CXX_CALLS"], "a") as fh:
     fh.write(out + "\\n")
 mode = os.environ.get("FAKE_CXX_MODE", "ok")
-if mode == "no-trace" and "-DGS_NO_GPU_TRACE=1" not in args:
-    sys.stderr.write("tracelog.cpp:470:3: error: no member named trace_gpu_event_record\\n")
+if mode == "no-trace" and any(a.endswith("gputrace.cpp") for a in args):
+    sys.stderr.write("gputrace.cpp:470:3: error: no member named trace_gpu_event_record\\n")
     sys.exit(1)
 if mode == "fail":
     sys.stderr.write("In file included from tracelog.cpp:9:\\n")
@@ -399,17 +400,16 @@ def test_a_build_without_the_gpu_trace_keeps_the_tracker_and_says_why(
 ):
     monkeypatch.setenv("FAKE_CXX_MODE", "no-trace")
     loaded = []
-    monkeypatch.setattr(tracelog, "load", lambda path, why=None: loaded.append((path, why)))
+    monkeypatch.setattr(
+        tracelog, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
+    )
     for _ in range(2):  # the second process finds the partial library and its reason cached
         tracelog.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
     full, partial = fake_cxx()
     assert partial.endswith(".tmp") and "-notrace.so" in partial and "-notrace" not in full
-    why = "fake-c++ failed: tracelog.cpp:470:3: error: no member named trace_gpu_event_record"
+    why = "fake-c++ failed: gputrace.cpp:470:3: error: no member named trace_gpu_event_record"
     assert [w for _, w in loaded] == [why, why]
     assert loaded[0][0] == loaded[1][0] and loaded[0][0].endswith("-notrace.so")
-    assert tracelog.TraceLog(None, None, why).install_trace() == (
-        f"built without the GPU trace: {why}"
-    )
 
 
 def test_no_compiler_or_no_cuda_headers_is_a_reason(tmp_path, fake_cxx, monkeypatch):
@@ -530,63 +530,63 @@ def traced(compiled, monkeypatch):
         watch, "_activate_torch_trace", lambda: pytest.fail("fell back to PyTorch's trace")
     )
     watch._start_trace()
-    assert watch.trace is compiled and compiled.trace_current()
+    assert watch.trace is compiled.gpu_trace and compiled.gpu_trace.current()
     yield watch
     watch.stop()
-    assert not compiled.trace_current()
+    assert not compiled.gpu_trace.current()
 
 
 def _raise(err: BaseException) -> None:
     raise err
 
 
-def allocate_in_user_code(log: tracelog.TraceLog, addr: int) -> None:
-    log.fire("alloc", addr)  # the allocator's trace entry, as a CUDA allocation here would make
+def allocate_in_user_code(trace: GpuTrace, addr: int) -> None:
+    trace.fire("alloc", addr)  # the allocator's trace entry, as a CUDA allocation here would make
 
 
-def free_in_user_code(log: tracelog.TraceLog, addr: int) -> None:
-    log.fire("free", addr)
+def free_in_user_code(trace: GpuTrace, addr: int) -> None:
+    trace.fire("free", addr)
 
 
 def test_the_trace_records_each_allocations_site_in_cpp(traced):
-    log = traced.trace
-    allocate_in_user_code(log, 0x7000_0000)
+    trace = traced.trace
+    allocate_in_user_code(trace, 0x7000_0000)
     frames = traced._frames_of(0x7000_0000)
     assert frames[-1][2] == "allocate_in_user_code"
     assert frames[-1][0] == __file__ and frames[-2][2].startswith("test_the_trace_records")
     assert traced.sites == {}  # nothing went through the Python allocation callback
     for addr in (0x7000_1000, 0x7000_2000):  # one call path: one interned tuple
-        allocate_in_user_code(log, addr)
+        allocate_in_user_code(trace, addr)
     assert traced._site_at(0x7000_1000) is traced._site_at(0x7000_2000)
     assert traced._site_at(0x7000_1000) != traced._site_at(0x7000_0000)  # another line
-    free_in_user_code(log, 0x7000_0000)
+    free_in_user_code(trace, 0x7000_0000)
     assert traced._site_at(0x7000_0000) is None
 
 
 def test_the_trace_calls_python_only_for_watched_frees_and_names_the_freeing_code(traced):
-    log, tracker = traced.trace, traced.tracker
-    before = log.python_calls()
+    trace, tracker = traced.trace, traced.tracker
+    before = trace.python_calls()
     for i in range(50):  # ordinary temporaries: allocated and freed without Python
-        allocate_in_user_code(log, 0x7100_0000 + 512 * i)
-        free_in_user_code(log, 0x7100_0000 + 512 * i)
-    log.fire("event_record", 0x1234)  # the other trace entries do nothing
-    assert log.python_calls() == before
+        allocate_in_user_code(trace, 0x7100_0000 + 512 * i)
+        free_in_user_code(trace, 0x7100_0000 + 512 * i)
+    trace.fire("event_record", 0x1234)  # the other trace entries do nothing
+    assert trace.python_calls() == before
     wb = WatchedBlock(0x7200_0000, 512, DEFAULT_POOL, (0x7200_0000, 1 << 20), [], {1})
     tracker.graphs[1] = types.SimpleNamespace(dirty=False)
     tracker.live[wb.address] = wb
     tracker.on_watch([wb.address])  # what add_graph tells the adapter
-    assert log.watched_count() >= 1
-    free_in_user_code(log, wb.address)
-    assert log.python_calls() == before + 1
+    assert trace.watched_count() >= 1
+    free_in_user_code(trace, wb.address)
+    assert trace.python_calls() == before + 1
     assert wb.freed is not None and tracker.graphs[1].dirty
     assert any(f[2] == "free_in_user_code" for f in wb.freed.stack)
     # its segment now holds freed watched memory: an allocation there is judged (the owner of
     # the memory changed), one elsewhere is not
     tracker.graphs[1].dirty = False
-    allocate_in_user_code(log, 0x7300_0000)
-    assert not tracker.graphs[1].dirty and log.python_calls() == before + 1
-    allocate_in_user_code(log, 0x7200_0200)
-    assert tracker.graphs[1].dirty and log.python_calls() == before + 2
+    allocate_in_user_code(trace, 0x7300_0000)
+    assert not tracker.graphs[1].dirty and trace.python_calls() == before + 1
+    allocate_in_user_code(trace, 0x7200_0200)
+    assert tracker.graphs[1].dirty and trace.python_calls() == before + 2
 
 
 def test_the_trace_falls_back_with_one_warning_when_replaced(traced):
@@ -595,7 +595,7 @@ def test_the_trace_falls_back_with_one_warning_when_replaced(traced):
     # registered all along (silent under graphsan's interpreter), so they carry on at once
     assert traced._on_free in _gpu_trace.MemoryDeallocationCallbacks.callback_list
     assert traced._on_alloc in _gpu_trace.MemoryAllocationCallbacks.callback_list
-    traced.trace.uninstall_trace()  # as torch._C._activate_gpu_trace() would replace it
+    traced.trace.uninstall()  # as torch._C._activate_gpu_trace() would replace it
     with pytest.warns(UserWarning, match="switched on after graphsan started"):
         traced.check_trace()
     assert traced.trace is None
@@ -604,11 +604,12 @@ def test_the_trace_falls_back_with_one_warning_when_replaced(traced):
 
 
 def test_a_stopped_trace_forgets_its_sites_and_callbacks(compiled, traced):
-    allocate_in_user_code(compiled, 0x7400_0000)
-    assert compiled.site_of(0x7400_0000) is not None
+    trace = compiled.gpu_trace
+    allocate_in_user_code(trace, 0x7400_0000)
+    assert trace.site_of(0x7400_0000) is not None
     traced.stop()
-    assert compiled.site_of(0x7400_0000) is None and compiled._sites == {}
-    assert not compiled.trace_current() and compiled.watched_count() == 0
+    assert trace.site_of(0x7400_0000) is None and trace._sites == {}
+    assert not trace.current() and trace.watched_count() == 0
 
 
 def test_the_trace_is_not_taken_from_another_listener(compiled):
@@ -620,9 +621,9 @@ def test_the_trace_is_not_taken_from_another_listener(compiled):
     saved = have.value, state.value
     have.value, state.value = True, 0x10  # some interpreter already listens
     try:
-        assert compiled.install_trace() == (
+        assert compiled.gpu_trace.install() == (
             "PyTorch's GPU trace is already on (another tool listens to it)"
         )
-        assert not compiled.trace_current()
+        assert not compiled.gpu_trace.current()
     finally:
         have.value, state.value = saved

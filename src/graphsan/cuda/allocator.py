@@ -48,6 +48,7 @@ from graphsan.core.memory_map import AllocatorView, MemoryMap, ViewError
 from graphsan.core.records import DEFAULT_POOL, Frame, FreeEvent, PoolId, Release
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import tracelog
+from graphsan.cuda.gputrace import GpuTrace
 from graphsan.report.timeline import Timeline
 
 # Trace entries kept between two drains; more than this and the history overwrites the oldest (the
@@ -233,7 +234,7 @@ class AllocatorWatch:
         self.log_reason: str | None = None  # why not
         # the same library as PyTorch's GPU-trace interpreter: frees and allocations reach
         # Python only where graphsan judges them (None: PyTorch's trace and the callbacks below)
-        self.trace: tracelog.TraceLog | None = None
+        self.trace: GpuTrace | None = None
         self.trace_reason: str | None = None  # why PyTorch's trace is used instead
 
     @property
@@ -561,15 +562,16 @@ class AllocatorWatch:
         graphsan's interpreter and carry on at once if something replaces it."""
         self._register_callbacks()
         if self.log is not None:
-            self.trace_reason = self.log.install_trace()
+            trace = self.log.gpu_trace
+            self.trace_reason = trace if isinstance(trace, str) else trace.install()
             if self.trace_reason is None:
-                trace = self.trace = self.log
-                trace.trace_callbacks(self._on_free, self._on_alloc_judged)
+                self.trace = trace
+                trace.callbacks(self._on_free, self._on_alloc_judged)
                 self.tracker.on_watch = self._on_watch
                 self.tracker.on_freed_segments = self._on_freed_segments
                 trace.watch(list(self.tracker.live))  # before it listens: no free slips by
                 trace.freed_ranges(self.tracker._freed_seg_keys)
-                trace.trace_enable(True, sites=self.alloc_stacks, depth=SITE_DEPTH)
+                trace.enable(True, sites=self.alloc_stacks, depth=SITE_DEPTH)
                 if not getattr(self, "_atexit", False):
                     # frees while the interpreter shuts down must not call into it
                     atexit.register(self._stop_trace)
@@ -593,20 +595,20 @@ class AllocatorWatch:
         trace, self.trace = self.trace, None
         self.tracker.on_watch = self.tracker.on_freed_segments = None
         if trace is not None:
-            trace.trace_enable(False)
-            trace.trace_callbacks(None, None)
+            trace.enable(False)
+            trace.callbacks(None, None)
             trace.clear_sites()
-            trace.uninstall_trace()
+            trace.uninstall()
 
     def check_trace(self) -> None:
         """Go on through PyTorch's trace (one warning) where something replaced graphsan's
         interpreter since (torch._C._activate_gpu_trace(), torch.cuda._sanitizer): the Python
         callbacks have carried the frees since then."""
-        if self.trace is None or self.trace.trace_current():
+        if self.trace is None or self.trace.current():
             return
         import warnings
 
-        self.trace.trace_enable(False)
+        self.trace.enable(False)
         self.trace = None
         self.trace_reason = "PyTorch's GPU trace was switched on after graphsan started"
         self.tracker.on_watch = self.tracker.on_freed_segments = None

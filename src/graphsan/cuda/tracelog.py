@@ -31,10 +31,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from graphsan.cuda import gputrace
+from graphsan.cuda.gputrace import GpuTrace
+
 ENV = "GRAPHSAN_TRACELOG"
 # Opt-in until the tracker has been checked against real snapshots on a GPU (tests/test_gpu_allocview).
 OPT_IN = f"{ENV} unset: the compiled tracker is opt-in ({ENV}=1)"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tracelog.cpp")
+HERE = os.path.dirname(os.path.abspath(__file__))
+# built into one library; without the second where PyTorch's headers do not fit it
+SOURCES = (os.path.join(HERE, "tracelog.cpp"), os.path.join(HERE, "gputrace.cpp"))
 # The events tracelog.cpp keeps, by its action code (the others change nothing the view holds).
 ACTIONS = (
     "alloc",
@@ -55,14 +60,11 @@ class BuildError(Exception):
 class TraceLog:
     """The loaded tracker: turn it on and off, drain its events."""
 
-    def __init__(
-        self, lib: ctypes.CDLL, pylib: ctypes.PyDLL | None = None, why: str | None = None
-    ) -> None:
+    def __init__(self, lib: ctypes.CDLL, gpu_trace: GpuTrace | str) -> None:
         self.lib = lib
-        self.why = why  # why it was built without the GPU trace (GS_NO_GPU_TRACE), if it was
-        self.pylib = pylib  # the same library, called with the GIL held (Python objects)
+        # the same library's GPU-trace interpreter (gputrace.cpp), or why it was built without
+        self.gpu_trace = gpu_trace
         self._lock = threading.Lock()  # a drain's batch lives in the library until the next drain
-        self._sites: dict[int, tuple] = {}  # site index + 1 -> (code, lasti, ...)
 
     def enable(self, on: bool) -> None:
         """Start recording from an empty buffer, or stop (the buffer is emptied)."""
@@ -92,89 +94,6 @@ class TraceLog:
                 for i in range(self.lib.gs_tracelog_tag_count())
             ]
         return raw, tags, overflow
-
-    # -- the GPU trace (tracelog.cpp, "The GPU trace") ------------------------------------------
-    def install_trace(self) -> str | None:
-        """Become PyTorch's GPU-trace interpreter; None, or why not (one line)."""
-        if self.why is not None:
-            return f"built without the GPU trace: {self.why}"
-        err = ctypes.create_string_buffer(256)
-        if self.lib.gs_trace_install(err, len(err)) != 0:
-            return err.value.decode("utf-8", "replace")
-        return None
-
-    def trace_current(self) -> bool:
-        """Whether this library still is the trace's interpreter."""
-        return bool(self.lib.gs_trace_current())
-
-    def uninstall_trace(self) -> None:
-        self.lib.gs_trace_uninstall()
-
-    def trace_callbacks(self, on_free: Any, on_alloc: Any) -> None:
-        """Python callables (address) -> None for the frees and allocations to judge; None
-        clears one."""
-
-        def obj(fn: Any) -> ctypes.py_object:
-            return ctypes.py_object(fn) if fn is not None else ctypes.py_object()
-
-        self.pylib.gs_trace_callbacks(obj(on_free), obj(on_alloc))
-
-    def clear_sites(self) -> None:
-        """Forget every recorded site (with the trace off)."""
-        self.pylib.gs_trace_clear_sites()
-        self._sites.clear()
-
-    def trace_enable(self, on: bool, sites: bool = False, depth: int = 24) -> None:
-        """Start listening from nothing watched and no sites, or stop."""
-        self.lib.gs_trace_enable(1 if on else 0, 1 if sites else 0, depth)
-
-    def watch(self, addresses: Sequence[int]) -> None:
-        """Frees of these addresses call on_free (a superset of the watched blocks is fine)."""
-        if addresses:
-            arr = (ctypes.c_uint64 * len(addresses))(*addresses)
-            self.lib.gs_trace_watch(arr, len(addresses))
-
-    def freed_ranges(self, ranges: Sequence[tuple[int, int]]) -> None:
-        """The (start, size) segments holding freed watched memory, sorted by start: frees and
-        allocations in them call Python."""
-        flat = [v for r in ranges for v in r]
-        arr = (ctypes.c_uint64 * max(1, len(flat)))(*flat)
-        self.lib.gs_trace_freed_ranges(arr, len(ranges))
-
-    def watched_count(self) -> int:
-        return int(self.lib.gs_trace_watched_count())
-
-    def python_calls(self) -> int:
-        """How often a free or an allocation called into Python since the library loaded."""
-        return int(self.lib.gs_trace_python_calls())
-
-    def site_of(self, address: int) -> tuple | None:
-        """The recorded allocation site of the live block at `address` as (code, instruction
-        offset, ...) innermost first, or None."""
-        index = self.lib.gs_trace_site_of(address)
-        if index == 0:
-            return None
-        site = self._sites.get(index)
-        if site is None:
-            buf = (ctypes.c_uint64 * 256)()
-            n = self.lib.gs_trace_site(index - 1, buf, len(buf))
-            values = list(buf[:n])
-            codes = [ctypes.cast(p, ctypes.py_object).value for p in values[0::2]]
-            site = self._sites[index] = tuple(
-                v for pair in zip(codes, values[1::2], strict=True) for v in pair
-            )
-        return site
-
-    def fire_temporaries(self, base: int, n: int) -> None:
-        """`n` allocations from C++, each freed at once (a benchmark without a GPU)."""
-        if self.lib.gs_trace_fire_temporaries(base, n) != 0:
-            raise RuntimeError("this library is not PyTorch's GPU-trace interpreter")
-
-    def fire(self, kind: str, address: int) -> None:
-        """Call the GPU trace as the allocator does (tests without a GPU)."""
-        code = {"alloc": 0, "free": 1, "event_record": 2}[kind]
-        if self.lib.gs_trace_fire(code, address) != 0:
-            raise RuntimeError("this library is not PyTorch's GPU-trace interpreter")
 
     def feed(
         self,
@@ -277,9 +196,9 @@ def build(
     lib_dir: str,
     libs: Sequence[str],
     defines: Sequence[str] = (),
-    source: str = SOURCE,
+    sources: Sequence[str] = SOURCES,
 ) -> None:
-    """Compile `source` into `target`: into a temporary file next to it, renamed into place, so
+    """Compile `sources` into `target`: into a temporary file next to it, renamed into place, so
     a process that loads `target` never sees half a file (two processes may build at once; the
     later rename wins with an equal file). Raises BuildError."""
     folder = os.path.dirname(target) or "."
@@ -291,7 +210,7 @@ def build(
         raise BuildError(f"cannot write to {folder}: {err.strerror or err}") from None
     cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", *(f"-D{d}" for d in defines)]
     cmd += [f"-I{d}" for d in include_dirs]
-    cmd += [source, "-o", tmp, f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
+    cmd += [*sources, "-o", tmp, f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
     cmd += [f"-l{lib}" for lib in libs] + ["-ldl"]
     try:
         proc = subprocess.run(
@@ -315,9 +234,9 @@ def _first_error(stderr: str) -> str:
     return line[:300]
 
 
-def load(path: str, why: str | None = None) -> TraceLog:
-    """Load a built tracker (`why`: it was built without the GPU trace, for that reason);
-    raises BuildError (one line) when it cannot be used."""
+def load(path: str, without_trace: str | None = None) -> TraceLog:
+    """Load a built tracker (`without_trace`: it was built without gputrace.cpp, for that
+    reason); raises BuildError (one line) when it cannot be used."""
     try:
         lib = ctypes.CDLL(path)
     except OSError as err:
@@ -343,39 +262,16 @@ def load(path: str, why: str | None = None) -> TraceLog:
             *[ctypes.c_uint64] * 5,
             ctypes.c_char_p,
         ]
-        pylib = ctypes.PyDLL(path)
-        pylib.gs_trace_callbacks.argtypes = [ctypes.py_object, ctypes.py_object]
-        pylib.gs_trace_callbacks.restype = None
-        pylib.gs_trace_clear_sites.restype = None
-        lib.gs_trace_install.restype = ctypes.c_int32
-        lib.gs_trace_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-        lib.gs_trace_current.restype = ctypes.c_int32
-        lib.gs_trace_uninstall.restype = None
-        lib.gs_trace_enable.argtypes = [ctypes.c_int32] * 3
-        lib.gs_trace_enable.restype = None
-        lib.gs_trace_watch.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64]
-        lib.gs_trace_watch.restype = None
-        lib.gs_trace_freed_ranges.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int64]
-        lib.gs_trace_freed_ranges.restype = None
-        lib.gs_trace_watched_count.restype = ctypes.c_int64
-        lib.gs_trace_python_calls.restype = ctypes.c_uint64
-        lib.gs_trace_site_of.argtypes = [ctypes.c_uint64]
-        lib.gs_trace_site_of.restype = ctypes.c_uint32
-        lib.gs_trace_site.argtypes = [
-            ctypes.c_uint32,
-            ctypes.POINTER(ctypes.c_uint64),
-            ctypes.c_int64,
-        ]
-        lib.gs_trace_site.restype = ctypes.c_int64
-        lib.gs_trace_fire.argtypes = [ctypes.c_int32, ctypes.c_uint64]
-        lib.gs_trace_fire.restype = ctypes.c_int32
-        lib.gs_trace_fire_temporaries.argtypes = [ctypes.c_uint64, ctypes.c_int64]
-        lib.gs_trace_fire_temporaries.restype = ctypes.c_int32
+        trace = (
+            f"built without the GPU trace: {without_trace}"
+            if without_trace is not None
+            else gputrace.bind(lib, ctypes.PyDLL(path))
+        )
     except (AttributeError, OSError) as err:
         raise BuildError(f"{os.path.basename(path)} lacks a symbol: {err}") from None
     if lib.gs_tracelog_record_size() != RECORD.size:
         raise BuildError(f"{os.path.basename(path)}: record layout differs from tracelog.py")
-    return TraceLog(lib, pylib, why)
+    return TraceLog(lib, trace)
 
 
 def build_unattached(folder: str) -> TraceLog:
@@ -399,7 +295,10 @@ def build_unattached(folder: str) -> TraceLog:
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = int(torch.compiled_with_cxx11_abi())
     build(target, cxx, includes, lib_dir, ["c10"], [f"_GLIBCXX_USE_CXX11_ABI={abi}"])
-    return load(target)
+    log = load(target)
+    if not isinstance(log.gpu_trace, gputrace.GpuTrace):
+        raise BuildError(log.gpu_trace)
+    return log
 
 
 # -- the process's log -------------------------------------------------------------------------
@@ -458,13 +357,15 @@ def obtain(
 ) -> TraceLog:
     """The tracker for this torch build, from the cache or built into it now, loaded (not
     attached). Raises BuildError."""
-    try:
-        with open(SOURCE, "rb") as fh:
-            source = fh.read()
-    except OSError as err:
-        raise BuildError(f"cannot read {SOURCE}: {err.strerror}") from None
+    source = b""
+    for path in SOURCES:
+        try:
+            with open(path, "rb") as fh:
+                source += fh.read()
+        except OSError as err:
+            raise BuildError(f"cannot read {path}: {err.strerror}") from None
     target = os.path.join(cache_dir(), library_name(source, torch_build))
-    # built without the GPU trace where the full build failed; the .why file says why
+    # tracelog.cpp alone where the full build failed; the .why file says why
     partial = target[: -len(".so")] + "-notrace.so"
     if os.path.isfile(target):
         return load(target)
@@ -483,7 +384,7 @@ def obtain(
         build(target, cxx, includes, lib_dir, libs, defines)
     except BuildError as err:
         # the GPU trace leans on PyTorch's interpreter table: without it the tracker still works
-        build(partial, cxx, includes, lib_dir, libs, [*defines, "GS_NO_GPU_TRACE=1"])
+        build(partial, cxx, includes, lib_dir, libs, defines, SOURCES[:1])
         with contextlib.suppress(OSError), open(partial + ".why", "w") as fh:
             fh.write(str(err))
         return load(partial, str(err))
