@@ -627,3 +627,46 @@ def test_the_trace_is_not_taken_from_another_listener(compiled):
         assert not compiled.gpu_trace.current()
     finally:
         have.value, state.value = saved
+
+
+def test_the_trace_keeps_count_under_threads(traced):
+    """Four threads allocate and free at once (the library runs without the GIL between its
+    Python calls): every watched free reaches Python exactly once, and no site outlives its
+    block."""
+    import threading
+
+    trace, tracker = traced.trace, traced.tracker
+    watched = [0x7600_0000 + (i << 20) for i in range(4)]
+    tracker.graphs[1] = types.SimpleNamespace(dirty=False)
+    for addr in watched:
+        tracker.live[addr] = WatchedBlock(addr, 512, DEFAULT_POOL, (addr, 1 << 20), [], {1})
+    tracker.on_watch(watched)
+    before = trace.python_calls()
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            base = 0x7700_0000 + (i << 24)
+            for k in range(2000):
+                allocate_in_user_code(trace, base + 512 * k)
+                if k % 2:
+                    free_in_user_code(trace, base + 512 * k)
+            free_in_user_code(trace, watched[i])
+            for k in range(0, 2000, 2):
+                free_in_user_code(trace, base + 512 * k)
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert trace.python_calls() == before + 4
+    assert all(tracker.live.get(a) is None for a in watched) and tracker.graphs[1].dirty
+    assert all(
+        trace.site_of(0x7700_0000 + (i << 24) + 512 * k) is None
+        for i in range(4)
+        for k in (0, 1, 1999)
+    )
