@@ -2,13 +2,15 @@
 
     PYTHONPATH=src python3 bench/tile_sweep.py [--size 8192] [--iters 10]
 
-For the NVFP4 column kernels (bf16 words and strided) and the MXFP8 row+col words kernel, the
-current parameters (`kernels.launch.NVFP4_COL_WORDS_TILE`, `MXFP8_WORDS_BOTH_TILE`, ...) and a
+For the NVFP4 column kernels (bf16 words, strided, and the fused RHT/SR kernel of the wgrad
+operands) and the MXFP8 row+col words kernel, the current parameters (`kernels.launch.NVFP4_COL_WORDS_TILE`, `MXFP8_WORDS_BOTH_TILE`, ...) and a
 few alternatives, timed the way bench_quant times them (device time, calls replayed from a CUDA
 graph) and checked byte for byte against the current parameters' output; prints the time and the
 fraction of the device copy bandwidth of each, and the ratio to the current parameters. The
 bytes do not depend on the tile (every reduction stays inside one block), so the fastest correct
-row is a safe default; bench_quant then times the kernel families side by side.
+row is a safe default; bench_quant then times the kernel families side by side. The stochastic
+rounding rows draw their seed from the device's default generator, reset to one state before
+each byte comparison (outside the timing, which replays the calls from a CUDA graph).
 """
 
 from __future__ import annotations
@@ -31,6 +33,27 @@ NV_COL_WORDS_TILES = [
     {"NB": 8, "CW": 64, "num_warps": 4},
     {"NB": 16, "CW": 32, "num_warps": 8},
 ]
+
+# The fused column kernel (RHT and/or SR): 128 values per thread now (214-255 registers), and
+# tiles of 64 (about half the registers, twice the warps per SM, more per-thread overhead).
+NV_COL_FUSED_TILES = [
+    {"NB": 8, "BK": 64, "num_warps": 2},
+    {"NB": 8, "BK": 64, "num_warps": 4},
+    {"NB": 4, "BK": 64, "num_warps": 2},
+    {"NB": 8, "BK": 32, "num_warps": 2},
+    {"NB": 4, "BK": 32, "num_warps": 1},
+    {"NB": 16, "BK": 64, "num_warps": 4},
+    {"NB": 8, "BK": 128, "num_warps": 4},
+]
+
+
+def _default_generator() -> torch.Generator:
+    return torch.cuda.default_generators[torch.cuda.current_device()]
+
+
+def _reseed() -> None:
+    _default_generator().manual_seed(1234)
+
 
 SWEEPS = {
     # name: (parameter dict in kernels.launch, alternatives, call, bytes moved per element)
@@ -58,6 +81,26 @@ SWEEPS = {
         ],
         lambda tk, x, amax: tk.nvfp4_quantize(x, 0, amax=amax, _strided=True),
         NVFP4_BYTES,
+    ),
+    "nvfp4 col RHT+SR fused (wgrad dY)": (
+        "NVFP4_COL_FUSED_TILE",
+        NV_COL_FUSED_TILES,
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True, generator=_default_generator()),
+        NVFP4_BYTES,
+        _reseed,
+    ),
+    "nvfp4 col RHT fused (wgrad X)": (
+        "NVFP4_COL_FUSED_TILE",
+        NV_COL_FUSED_TILES,
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True),
+        NVFP4_BYTES,
+    ),
+    "nvfp4 col SR fused": (
+        "NVFP4_COL_FUSED_TILE",
+        NV_COL_FUSED_TILES,
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, generator=_default_generator()),
+        NVFP4_BYTES,
+        _reseed,
     ),
     "mxfp8 row+col": (
         "MXFP8_WORDS_BOTH_TILE",
@@ -94,13 +137,16 @@ def main() -> None:
     )
     print("| kernel | parameters | ms | of copy bw | vs current | bytes equal |")
     print("|---|---|---|---|---|---|")
-    for name, (attr, alts, call, per_elem) in SWEEPS.items():
+    for name, (attr, alts, call, per_elem, *prepare) in SWEEPS.items():
+        reset = prepare[0] if prepare else (lambda: None)
         current = dict(getattr(tk, attr))
+        reset()
         ref = call(tk, x, amax)
         t_cur = None
         for cfg in [current] + [c for c in alts if c != current]:
             setattr(tk, attr, cfg)
             try:
+                reset()
                 out = call(tk, x, amax)
                 t = bench_device(lambda call=call: call(tk, x, amax), args.iters)
             except Exception as err:  # a tile Triton cannot compile (too many registers, ...)

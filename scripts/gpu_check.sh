@@ -48,8 +48,8 @@ for part in ${*:-tests}; do
     train)
       timeout 240 python3 bench/bench_train.py --iters 8 --out "$OUT/PERF-train.md" 2>&1 \
         | tee "$OUT/bench_train.log" | tail -14 ;;
-    sweep)  # the words kernels' launch parameters side by side
-      timeout 120 python3 bench/tile_sweep.py --iters 10 2>&1 | tee "$OUT/tile_sweep.log" | tail -20 ;;
+    sweep)  # the quantize kernels' launch parameters side by side (the fused RHT/SR kernel too)
+      timeout 240 python3 bench/tile_sweep.py --iters 10 2>&1 | tee "$OUT/tile_sweep.log" | tail -50 ;;
     scale)  # capture cost against live blocks and graph count (GRAPHSAN_TRACELOG=1: the tracker)
       timeout 330 python3 bench/bench_capture_scale.py 2>&1 | tee "$OUT/bench_capture_scale.log" | tail -22 ;;
     tracker)  # the compiled tracker (opt-in) against real snapshots, and the sanitizer's GPU
