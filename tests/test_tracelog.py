@@ -412,6 +412,18 @@ def test_a_build_without_the_gpu_trace_keeps_the_tracker_and_says_why(
     assert loaded[0][0] == loaded[1][0] and loaded[0][0].endswith("-notrace.so")
 
 
+def test_before_python_3_11_the_library_is_the_tracker_alone(tmp_path, fake_cxx, monkeypatch):
+    monkeypatch.setattr(tracelog.sys, "version_info", (3, 10, 14))
+    loaded = []
+    monkeypatch.setattr(
+        tracelog, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
+    )
+    tracelog.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
+    (built,) = fake_cxx()  # one compile: tracelog.cpp alone
+    assert "-notrace.so" in built
+    assert loaded[0][1] == "the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)"
+
+
 def test_no_compiler_or_no_cuda_headers_is_a_reason(tmp_path, fake_cxx, monkeypatch):
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))

@@ -381,6 +381,8 @@ def obtain(
 
     includes, defines = [*include_paths(), *cuda], [f"_GLIBCXX_USE_CXX11_ABI={abi}"]
     try:
+        if sys.version_info < (3, 11):
+            raise BuildError("the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)")
         build(target, cxx, includes, lib_dir, libs, defines)
     except BuildError as err:
         # the GPU trace leans on PyTorch's interpreter table: without it the tracker still works
