@@ -87,6 +87,8 @@ def compiled_rows(args) -> dict[str, list[float]] | str:
         trace = tracelog.build_unattached(tempfile.mkdtemp(prefix="graphsan-bench-")).gpu_trace
     except tracelog.BuildError as err:
         return str(err)
+    if isinstance(trace, str):
+        return trace
     reason = trace.install()
     if reason is not None:
         return reason

@@ -535,6 +535,8 @@ def test_the_first_capture_of_a_process_keeps_its_carves(monkeypatch):
 def traced(compiled, monkeypatch):
     """An AllocatorWatch whose frees and allocations come through the compiled library, installed
     as PyTorch's GPU-trace interpreter (given back afterwards)."""
+    if isinstance(compiled.gpu_trace, str):
+        pytest.skip(compiled.gpu_trace)
     watch = AllocatorWatch(Tracker(), Context(), _raise, alloc_stacks=True)
     watch.log = compiled
     watch._active = True
@@ -682,3 +684,41 @@ def test_the_trace_keeps_count_under_threads(traced):
         for i in range(4)
         for k in (0, 1, 1999)
     )
+
+
+def test_a_block_freed_while_its_capture_is_added_stays_watched(traced):
+    """A free can reach Python between the library learning of a block and the block entering
+    `Tracker.live`: the address stays watched, so the next free there is judged; an address no
+    graph watches any more leaves the set at its first free."""
+    trace, tracker = traced.trace, traced.tracker
+    tracker.graphs[1] = types.SimpleNamespace(dirty=False)
+    a, stale = 0x7800_0000, 0x7900_0000
+    tracker.on_watch([a])  # add_graph tells the library first ...
+    before = trace.python_calls()
+    free_in_user_code(trace, a)  # ... and another thread frees the block meanwhile
+    assert trace.python_calls() == before + 1 and a in traced._arriving
+    wb = WatchedBlock(a, 512, DEFAULT_POOL, (a, 1 << 20), [], {1})
+    tracker.live[a] = wb  # ... before add_graph puts it in live
+    allocate_in_user_code(trace, a)
+    free_in_user_code(trace, a)  # the next free at the address is judged
+    assert wb.freed is not None and tracker.graphs[1].dirty
+    assert trace.python_calls() == before + 2
+    assert trace.watched_count() == 0  # judged once: the address has left the set (its
+    # segment now holds freed watched memory, which the freed ranges cover instead)
+    trace.watch([stale])  # left over from a graph since forgotten
+    free_in_user_code(trace, stale)
+    free_in_user_code(trace, stale)
+    assert trace.python_calls() == before + 3 and trace.watched_count() == 0
+
+
+def test_a_second_sanitizer_does_not_take_the_trace_from_the_first(compiled, traced, monkeypatch):
+    other = AllocatorWatch(Tracker(), Context(), _raise, alloc_stacks=True)
+    other.log = compiled
+    other._active = True
+    monkeypatch.setattr(
+        other, "_activate_torch_trace", lambda: pytest.fail("replaced the first one's trace")
+    )
+    with pytest.warns(UserWarning, match="another active graphsan sanitizer holds the GPU trace"):
+        other._start_trace()
+    assert other.trace is None and traced.trace is compiled.gpu_trace
+    assert compiled.gpu_trace.current()

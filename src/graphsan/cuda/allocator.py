@@ -31,12 +31,12 @@ alloc/free events, storage changes and cache releases, turned into calls on the 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
@@ -236,6 +236,7 @@ class AllocatorWatch:
         # Python only where graphsan judges them (None: PyTorch's trace and the callbacks below)
         self.trace: GpuTrace | None = None
         self.trace_reason: str | None = None  # why PyTorch's trace is used instead
+        self._arriving: set[int] = set()  # the blocks the capture being added is about to watch
 
     @property
     def allocator_log(self) -> str | None:
@@ -513,8 +514,20 @@ class AllocatorWatch:
             self.on_error(err)
 
     def _on_watch(self, addresses: list[int]) -> None:
+        """Blocks about to be watched (`Tracker.add_graph`, before they enter `live`)."""
         if self.trace is not None:
+            self._arriving = set(addresses)
             self.trace.watch(addresses)
+
+    def _on_free_traced(self, ptr: int) -> None:
+        """A free the compiled trace passed on: judged as any other; the address leaves its
+        watched set once judged, or when no graph watches it (a graph forgotten), but not while
+        the capture that watches it is still putting it in `live`."""
+        judged = ptr in self._live
+        self._on_free(ptr)
+        trace = self.trace
+        if trace is not None and (judged or ptr not in self._arriving):
+            trace.unwatch(ptr)
 
     def _on_freed_segments(self, keys: list[tuple[int, int]]) -> None:
         if self.trace is not None:
@@ -548,11 +561,11 @@ class AllocatorWatch:
             self.log.enable(True)
         else:
             self._record(clear=True)
+        self._active = True  # before the trace listens: its first free must not be dropped
         self._start_trace()
         self._patch_storage_ops()
         self._patch_empty_cache()
         self._patch_pool_routing()
-        self._active = True
         self.view(torch.cuda.current_device())  # the one snapshot: the seed
 
     def _start_trace(self) -> None:
@@ -563,19 +576,26 @@ class AllocatorWatch:
         self._register_callbacks()
         if self.log is not None:
             trace = self.log.gpu_trace
-            self.trace_reason = trace if isinstance(trace, str) else trace.install()
+            if isinstance(trace, str):
+                self.trace_reason = trace
+            elif trace.owner not in (None, self):
+                # PyTorch's trace would replace the other's interpreter: this one goes without
+                self.trace_reason = "another active graphsan sanitizer holds the GPU trace"
+                warnings.warn(
+                    f"graphsan: {self.trace_reason}; this one sees no frees", stacklevel=3
+                )
+                return
+            else:
+                self.trace_reason = trace.install()
             if self.trace_reason is None:
                 self.trace = trace
-                trace.callbacks(self._on_free, self._on_alloc_judged)
+                trace.owner = self
+                trace.callbacks(self._on_free_traced, self._on_alloc_judged)
                 self.tracker.on_watch = self._on_watch
                 self.tracker.on_freed_segments = self._on_freed_segments
                 trace.watch(list(self.tracker.live))  # before it listens: no free slips by
                 trace.freed_ranges(self.tracker._freed_seg_keys)
                 trace.enable(True, sites=self.alloc_stacks, depth=SITE_DEPTH)
-                if not getattr(self, "_atexit", False):
-                    # frees while the interpreter shuts down must not call into it
-                    atexit.register(self._stop_trace)
-                    self._atexit = True
                 return
         self._activate_torch_trace()
 
@@ -591,14 +611,16 @@ class AllocatorWatch:
             _gpu_trace.register_callback_for_memory_allocation(self._on_alloc)
             self._registered = True
 
-    def _stop_trace(self) -> None:
+    def _stop_trace(self, uninstall: bool = True) -> None:
         trace, self.trace = self.trace, None
         self.tracker.on_watch = self.tracker.on_freed_segments = None
         if trace is not None:
             trace.enable(False)
             trace.callbacks(None, None)
             trace.clear_sites()
-            trace.uninstall()
+            trace.owner = None
+            if uninstall:
+                trace.uninstall()
 
     def check_trace(self) -> None:
         """Go on through PyTorch's trace (one warning) where something replaced graphsan's
@@ -606,12 +628,8 @@ class AllocatorWatch:
         callbacks have carried the frees since then."""
         if self.trace is None or self.trace.current():
             return
-        import warnings
-
-        self.trace.enable(False)
-        self.trace = None
+        self._stop_trace(uninstall=False)
         self.trace_reason = "PyTorch's GPU trace was switched on after graphsan started"
-        self.tracker.on_watch = self.tracker.on_freed_segments = None
         warnings.warn(
             f"graphsan: {self.trace_reason}; frees reach it through PyTorch's trace since "
             "(allocation sites of blocks allocated before are lost)",

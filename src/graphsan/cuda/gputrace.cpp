@@ -124,8 +124,8 @@ void call_python(bool free_callback, uint64_t addr) {
       Py_DecRef(arg);
     }
     PyErr_Clear();
+    Py_DecRef(fn); // a destructor it may run must not see the kept exception
     PyErr_Restore(type, value, tb);
-    Py_DecRef(fn);
   }
   PyGILState_Release(gil);
 }
@@ -159,11 +159,13 @@ void trace_alloc(uint64_t addr) {
   Trace& t = *g_trace;
   bool judge = false;
   bool sites = false;
+  int32_t depth = 1;
   {
     std::lock_guard<std::mutex> guard(t.mu);
     t.site_of.erase(addr);
     judge = !t.freed_ranges.empty() && in_freed_range(addr);
     sites = t.sites_on;
+    depth = t.depth;
     if (judge) {
       ++t.calls;
     }
@@ -175,12 +177,13 @@ void trace_alloc(uint64_t addr) {
     const int gil = PyGILState_Ensure();
     try {
       std::vector<uintptr_t> path;
-      path.reserve(2 * static_cast<size_t>(t.depth));
-      walk_frames(path, t.depth);
-      if (!path.empty()) {
+      path.reserve(2 * static_cast<size_t>(depth));
+      walk_frames(path, depth);
+      std::lock_guard<std::mutex> guard(t.mu);
+      // the trace may have stopped (and its sites been cleared) during the walk
+      if (!path.empty() && g_trace_on.load(std::memory_order_relaxed) && t.sites_on) {
         std::string key(
             reinterpret_cast<const char*>(path.data()), path.size() * sizeof(uintptr_t));
-        std::lock_guard<std::mutex> guard(t.mu);
         auto it = t.site_ids.find(key);
         if (it == t.site_ids.end()) {
           for (size_t i = 0; i < path.size(); i += 2) {
@@ -209,7 +212,8 @@ void trace_free(uint64_t addr) {
   {
     std::lock_guard<std::mutex> guard(t.mu);
     t.site_of.erase(addr);
-    judge = t.watched.erase(addr) > 0 || (!t.freed_ranges.empty() && in_freed_range(addr));
+    // graphsan takes the address out of the set once it has judged the free (gs_trace_unwatch)
+    judge = t.watched.count(addr) > 0 || (!t.freed_ranges.empty() && in_freed_range(addr));
     if (judge) {
       ++t.calls;
     }
@@ -420,6 +424,11 @@ void gs_trace_watch(const uint64_t* addrs, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     g_trace->watched.insert(addrs[i]);
   }
+}
+
+void gs_trace_unwatch(uint64_t addr) {
+  std::lock_guard<std::mutex> guard(g_trace->mu);
+  g_trace->watched.erase(addr);
 }
 
 // The segments holding freed watched memory, as n (start, size) pairs sorted by start.

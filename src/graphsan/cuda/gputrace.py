@@ -12,6 +12,7 @@ whether to install it.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ class GpuTrace:
         self.lib = lib
         self.pylib = pylib  # the same library, called with the GIL held (Python objects)
         self._sites: dict[int, Site] = {}  # site index + 1 -> (code, lasti, ...)
+        self.owner: object | None = None  # the one AllocatorWatch listening through it
 
     def install(self) -> str | None:
         """Become PyTorch's GPU-trace interpreter; None, or why not (one line)."""
@@ -71,6 +73,10 @@ class GpuTrace:
         if addresses:
             arr = (ctypes.c_uint64 * len(addresses))(*addresses)
             self.lib.gs_trace_watch(arr, len(addresses))
+
+    def unwatch(self, address: int) -> None:
+        """Frees of `address` no longer call on_free (its free was judged)."""
+        self.lib.gs_trace_unwatch(address)
 
     def freed_ranges(self, ranges: Sequence[tuple[int, int]]) -> None:
         """The (start, size) segments holding freed watched memory, sorted by start: frees and
@@ -128,6 +134,7 @@ def bind(lib: ctypes.CDLL, pylib: ctypes.PyDLL) -> GpuTrace:
         "gs_trace_uninstall": ([], None),
         "gs_trace_enable": ([i32, i32, i32], None),
         "gs_trace_watch": ([ctypes.POINTER(u64), i64], None),
+        "gs_trace_unwatch": ([u64], None),
         "gs_trace_freed_ranges": ([ctypes.POINTER(u64), i64], None),
         "gs_trace_watched_count": ([], i64),
         "gs_trace_python_calls": ([], u64),
@@ -139,4 +146,6 @@ def bind(lib: ctypes.CDLL, pylib: ctypes.PyDLL) -> GpuTrace:
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
+    # frees while the interpreter shuts down must not call into Python
+    atexit.register(lib.gs_trace_enable, 0, 0, 0)
     return GpuTrace(lib, pylib)

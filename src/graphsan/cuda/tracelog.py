@@ -275,8 +275,9 @@ def load(path: str, without_trace: str | None = None) -> TraceLog:
 
 
 def build_unattached(folder: str) -> TraceLog:
-    """tracelog.cpp built against this torch into `folder`, linked to libc10 only and not
-    attached (tests and benchmarks without a GPU). Raises BuildError."""
+    """The library built against this torch into `folder`, linked to libc10 only and not
+    attached (tests and benchmarks without a GPU); its `gpu_trace` says why where this Python
+    cannot have it. Raises BuildError."""
     import torch
     from torch.utils.cpp_extension import include_paths
 
@@ -294,11 +295,10 @@ def build_unattached(folder: str) -> TraceLog:
     target = os.path.join(folder, "tracelog-unattached.so")
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = int(torch.compiled_with_cxx11_abi())
-    build(target, cxx, includes, lib_dir, ["c10"], [f"_GLIBCXX_USE_CXX11_ABI={abi}"])
-    log = load(target)
-    if not isinstance(log.gpu_trace, gputrace.GpuTrace):
-        raise BuildError(log.gpu_trace)
-    return log
+    why = _without_trace()
+    sources = SOURCES if why is None else SOURCES[:1]
+    build(target, cxx, includes, lib_dir, ["c10"], [f"_GLIBCXX_USE_CXX11_ABI={abi}"], sources)
+    return load(target, why)
 
 
 # -- the process's log -------------------------------------------------------------------------
@@ -341,7 +341,8 @@ def _open() -> TraceLog:
     if not os.path.isfile(c10_cuda):
         raise BuildError(f"no libc10_cuda.so in {lib_dir}")
     abi = int(torch.compiled_with_cxx11_abi())
-    log = obtain(f"{torch.__version__} {torch.version.git_version} abi{abi}", lib_dir, abi)
+    python = "py{}.{}".format(*sys.version_info[:2])  # the GPU trace links to the interpreter
+    log = obtain(f"{torch.__version__} {torch.version.git_version} abi{abi} {python}", lib_dir, abi)
     torch.cuda.init()  # the allocator makes its per-device state here; trackers attach to it
     err = ctypes.create_string_buffer(512)
     if log.lib.gs_tracelog_attach(c10_cuda.encode(), err, len(err)) != 0:
@@ -380,17 +381,29 @@ def obtain(
     from torch.utils.cpp_extension import include_paths
 
     includes, defines = [*include_paths(), *cuda], [f"_GLIBCXX_USE_CXX11_ABI={abi}"]
-    try:
-        if sys.version_info < (3, 11):
-            raise BuildError("the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)")
-        build(target, cxx, includes, lib_dir, libs, defines)
-    except BuildError as err:
-        # the GPU trace leans on PyTorch's interpreter table: without it the tracker still works
-        build(partial, cxx, includes, lib_dir, libs, defines, SOURCES[:1])
-        with contextlib.suppress(OSError), open(partial + ".why", "w") as fh:
-            fh.write(str(err))
-        return load(partial, str(err))
-    return load(target)
+    why = _without_trace()
+    if why is None:
+        try:
+            build(target, cxx, includes, lib_dir, libs, defines)
+            return load(target)
+        except BuildError as err:
+            if "gputrace.cpp" not in str(err):
+                raise  # a failure of the tracker's own, or of the machine (time, disk): no cache
+            why = str(err)
+    # the GPU trace leans on PyTorch's interpreter table: without it the tracker still works
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(partial), exist_ok=True)
+        with open(partial + ".why", "w") as fh:  # before the library, which readers look for
+            fh.write(why)
+    build(partial, cxx, includes, lib_dir, libs, defines, SOURCES[:1])
+    return load(partial, why)
+
+
+def _without_trace() -> str | None:
+    """Why this interpreter cannot have the GPU trace, if it cannot."""
+    if sys.version_info < (3, 11):
+        return "the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)"
+    return None
 
 
 def _read_why(path: str) -> str:
