@@ -424,6 +424,31 @@ def test_before_python_3_11_the_library_is_the_tracker_alone(tmp_path, fake_cxx,
     assert loaded[0][1] == "the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)"
 
 
+def test_the_prebuild_names_the_library_or_says_why(tmp_path, fake_cxx, monkeypatch, capsys):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert tracelog.main([]) == 1
+    assert capsys.readouterr().err == "graphsan tracelog: error: torch is not built with CUDA\n"
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    lib = tmp_path / "torch-lib"
+    lib.mkdir()
+    monkeypatch.setattr(tracelog, "torch_lib_dir", lambda: str(lib))
+    assert tracelog.main([]) == 1
+    assert capsys.readouterr().err == f"graphsan tracelog: error: no libc10_cuda.so in {lib}\n"
+    (lib / "libc10_cuda.so").write_text("")
+    monkeypatch.setattr(
+        tracelog,
+        "load",
+        lambda path, without_trace=None: tracelog.TraceLog(
+            None, without_trace or object.__new__(GpuTrace), path
+        ),
+    )
+    assert tracelog.main([]) == 0
+    (built,) = fake_cxx()  # built into the cache, as enable() would find it
+    line = capsys.readouterr().out
+    assert line.startswith("graphsan tracelog: ") and line.endswith(", with the GPU trace\n")
+    assert os.path.dirname(line.split()[2].rstrip(",")) == str(tmp_path / "cache" / "graphsan")
+
+
 def test_no_compiler_or_no_cuda_headers_is_a_reason(tmp_path, fake_cxx, monkeypatch):
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))

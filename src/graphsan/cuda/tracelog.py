@@ -60,8 +60,9 @@ class BuildError(Exception):
 class TraceLog:
     """The loaded tracker: turn it on and off, drain its events."""
 
-    def __init__(self, lib: ctypes.CDLL, gpu_trace: GpuTrace | str) -> None:
+    def __init__(self, lib: ctypes.CDLL, gpu_trace: GpuTrace | str, path: str = "") -> None:
         self.lib = lib
+        self.path = path
         # the same library's GPU-trace interpreter (gputrace.cpp), or why it was built without
         self.gpu_trace = gpu_trace
         self._lock = threading.Lock()  # a drain's batch lives in the library until the next drain
@@ -271,7 +272,7 @@ def load(path: str, without_trace: str | None = None) -> TraceLog:
         raise BuildError(f"{os.path.basename(path)} lacks a symbol: {err}") from None
     if lib.gs_tracelog_record_size() != RECORD.size:
         raise BuildError(f"{os.path.basename(path)}: record layout differs from tracelog.py")
-    return TraceLog(lib, trace)
+    return TraceLog(lib, trace, path)
 
 
 def build_unattached(folder: str) -> TraceLog:
@@ -336,18 +337,60 @@ def _open() -> TraceLog:
     backend = torch.cuda.get_allocator_backend()
     if backend != "native":
         raise BuildError(f"the allocator backend is {backend}, not native")
-    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    c10_cuda = os.path.join(lib_dir, "libc10_cuda.so")
-    if not os.path.isfile(c10_cuda):
-        raise BuildError(f"no libc10_cuda.so in {lib_dir}")
-    abi = int(torch.compiled_with_cxx11_abi())
-    python = "py{}.{}".format(*sys.version_info[:2])  # the GPU trace links to the interpreter
-    log = obtain(f"{torch.__version__} {torch.version.git_version} abi{abi} {python}", lib_dir, abi)
+    log, c10_cuda = for_this_torch()
     torch.cuda.init()  # the allocator makes its per-device state here; trackers attach to it
     err = ctypes.create_string_buffer(512)
     if log.lib.gs_tracelog_attach(c10_cuda.encode(), err, len(err)) != 0:
         raise BuildError(err.value.decode("utf-8", "replace"))
     return log
+
+
+def torch_lib_dir() -> str:
+    import torch
+
+    return os.path.join(os.path.dirname(torch.__file__), "lib")
+
+
+def for_this_torch() -> tuple[TraceLog, str]:
+    """The library for the installed torch and this Python, from the cache or built into it now
+    (no GPU needed), and the path of the libc10_cuda it attaches to. Raises BuildError."""
+    import torch
+
+    if not torch.version.cuda:
+        raise BuildError("torch is not built with CUDA")
+    lib_dir = torch_lib_dir()
+    c10_cuda = os.path.join(lib_dir, "libc10_cuda.so")
+    if not os.path.isfile(c10_cuda):
+        raise BuildError(f"no libc10_cuda.so in {lib_dir}")
+    abi = int(torch.compiled_with_cxx11_abi())
+    python = "py{}.{}".format(*sys.version_info[:2])  # the GPU trace links to the interpreter
+    key = f"{torch.__version__} {torch.version.git_version} abi{abi} {python}"
+    return obtain(key, lib_dir, abi), c10_cuda
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m graphsan.cuda.tracelog`: build the library for the installed torch and this
+    Python into the cache now, so that no run pays the compile on its first `enable()` (a
+    container image can do it once, without a GPU); one line says where it is, or why not."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m graphsan.cuda.tracelog", description=main.__doc__.split(":", 1)[1].strip()
+    )
+    parser.parse_args(argv)
+    try:
+        log, _ = for_this_torch()
+    except BuildError as err:
+        print(f"graphsan tracelog: error: {err}", file=sys.stderr)
+        return 1
+    trace = log.gpu_trace
+    with_trace = "with" if isinstance(trace, GpuTrace) else f"without ({trace})"
+    print(f"graphsan tracelog: {log.path}, {with_trace} the GPU trace")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
 
 
 def obtain(
