@@ -574,30 +574,32 @@ class AllocatorWatch:
         PyTorch's trace. The Python callbacks are registered either way: they stay silent under
         graphsan's interpreter and carry on at once if something replaces it."""
         self._register_callbacks()
-        if self.log is not None:
-            trace = self.log.gpu_trace
-            if isinstance(trace, str):
-                self.trace_reason = trace
-            elif trace.owner not in (None, self):
-                # PyTorch's trace would replace the other's interpreter: this one goes without
-                self.trace_reason = "another active graphsan sanitizer holds the GPU trace"
-                warnings.warn(
-                    f"graphsan: {self.trace_reason}; this one sees no frees", stacklevel=3
-                )
-                return
-            else:
-                self.trace_reason = trace.install()
+        trace = self.log.gpu_trace if self.log is not None else None
+        if isinstance(trace, str):
+            self.trace_reason = trace
+        elif trace is not None and trace.owner not in (None, self):
+            # PyTorch's trace would replace the other's interpreter: this one goes without
+            self.trace_reason = "another active graphsan sanitizer holds the GPU trace"
+            warnings.warn(f"graphsan: {self.trace_reason}; this one sees no frees", stacklevel=3)
+            return
+        elif trace is not None:
+            self.trace_reason = trace.install()
             if self.trace_reason is None:
-                self.trace = trace
-                trace.owner = self
-                trace.callbacks(self._on_free_traced, self._on_alloc_judged)
-                self.tracker.on_watch = self._on_watch
-                self.tracker.on_freed_segments = self._on_freed_segments
-                trace.watch(list(self.tracker.live))  # before it listens: no free slips by
-                trace.freed_ranges(self.tracker._freed_seg_keys)
-                trace.enable(True, sites=self.alloc_stacks, depth=SITE_DEPTH)
+                self._listen(trace)
                 return
         self._activate_torch_trace()
+
+    def _listen(self, trace: GpuTrace) -> None:
+        """Frees and allocations through graphsan's interpreter, told first what is watched so
+        that no free slips by."""
+        self.trace = trace
+        trace.owner = self
+        trace.callbacks(self._on_free_traced, self._on_alloc_judged)
+        self.tracker.on_watch = self._on_watch
+        self.tracker.on_freed_segments = self._on_freed_segments
+        trace.watch(list(self.tracker.live))
+        trace.freed_ranges(sorted(self.tracker.freed_segments))
+        trace.enable(True, sites=self.alloc_stacks, depth=SITE_DEPTH)
 
     @staticmethod
     def _activate_torch_trace() -> None:
