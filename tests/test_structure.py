@@ -203,3 +203,25 @@ def test_the_check_catches_a_forbidden_import_and_a_cycle(tmp_path):
     records.write_text(records.read_text() + "\nfrom graphsan.core.tracker import Tracker\n")
     tracker.write_text(text)
     assert find_cycle(sanitizer_graph(tmp_path)) is not None
+
+
+def _main_guard_is_last(tree: ast.Module) -> bool:
+    guards = [
+        i
+        for i, node in enumerate(tree.body)
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+    ]
+    return all(i == len(tree.body) - 1 for i in guards)
+
+
+def test_a_main_guard_comes_after_everything_it_may_call():
+    """`python -m module` runs the guard where it stands: a function defined below it does not
+    exist yet (the prebuild CLI once died with a NameError on the GPU machine this way)."""
+    root = SRC.parent
+    files = sorted(SRC.rglob("*.py")) + sorted((root / "bench").glob("*.py"))
+    late = [
+        str(f.relative_to(root)) for f in files if not _main_guard_is_last(ast.parse(f.read_text()))
+    ]
+    assert late == []
+    broken = ast.parse('if __name__ == "__main__":\n    main()\n\ndef main():\n    pass\n')
+    assert not _main_guard_is_last(broken)

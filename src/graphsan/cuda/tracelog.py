@@ -368,31 +368,6 @@ def for_this_torch() -> tuple[TraceLog, str]:
     return obtain(key, lib_dir, abi), c10_cuda
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m graphsan.cuda.tracelog`: build the library for the installed torch and this
-    Python into the cache now, so that no run pays the compile on its first `enable()` (a
-    container image can do it once, without a GPU); one line says where it is, or why not."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m graphsan.cuda.tracelog", description=main.__doc__.split(":", 1)[1].strip()
-    )
-    parser.parse_args(argv)
-    try:
-        log, _ = for_this_torch()
-    except BuildError as err:
-        print(f"graphsan tracelog: error: {err}", file=sys.stderr)
-        return 1
-    trace = log.gpu_trace
-    with_trace = "with" if isinstance(trace, GpuTrace) else f"without ({trace})"
-    print(f"graphsan tracelog: {log.path}, {with_trace} the GPU trace")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def obtain(
     torch_build: str,
     lib_dir: str,
@@ -455,3 +430,28 @@ def _read_why(path: str) -> str:
             return fh.read().strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m graphsan.cuda.tracelog`: build the library for the installed torch and this
+    Python into the cache now, so that no run pays the compile on its first `enable()` (a
+    container image can do it once, without a GPU); one line says where it is, or why not."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m graphsan.cuda.tracelog", description=main.__doc__.split(":", 1)[1].strip()
+    )
+    parser.parse_args(argv)
+    try:
+        log, _ = for_this_torch()
+    except BuildError as err:
+        print(f"graphsan tracelog: error: {err}", file=sys.stderr)
+        return 1
+    trace = log.gpu_trace
+    with_trace = "with" if isinstance(trace, GpuTrace) else f"without ({trace})"
+    print(f"graphsan tracelog: {log.path}, {with_trace} the GPU trace")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
