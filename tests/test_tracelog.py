@@ -481,6 +481,19 @@ def test_open_log_falls_back_with_one_line(monkeypatch, setting, reason):
     assert tracelog.open_log() == (None, reason), "decided once per process"
 
 
+def test_an_opened_tracker_has_no_reason_so_nothing_is_announced(monkeypatch, capsys):
+    """(On the H200 every run with the tracker once said "events come from snapshots (tracker)".)"""
+    monkeypatch.setattr(tracelog, "_opened", [])
+    monkeypatch.setattr(allocator, "_SAID", [])
+    log = FakeLog()
+    monkeypatch.setattr(tracelog, "_open", lambda: log)
+    watch = new_watch()
+    watch.log, watch.log_reason = tracelog.open_log()
+    assert (watch.log, watch.log_reason) == (log, None)
+    allocator._say_fallback(watch.log_reason)
+    assert capsys.readouterr().err == "" and watch.allocator_log == "tracker"
+
+
 def test_an_unexpected_error_is_a_reason_too(monkeypatch):
     monkeypatch.setattr(tracelog, "_opened", [])
 

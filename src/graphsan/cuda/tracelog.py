@@ -311,16 +311,16 @@ def build_unattached(folder: str) -> TraceLog:
 
 # -- the process's log -------------------------------------------------------------------------
 _lock = threading.Lock()
-_opened: list[tuple[TraceLog | None, str]] = []
+_opened: list[tuple[TraceLog | None, str | None]] = []
 
 
-def open_log() -> tuple[TraceLog | None, str]:
+def open_log() -> tuple[TraceLog | None, str | None]:
     """The process's tracker, attached to the CUDA caching allocator (built and attached once
-    per process; CUDA must be available). Returns (log, "tracker") or (None, the reason)."""
+    per process; CUDA must be available). Returns (log, None) or (None, why not)."""
     with _lock:
         if not _opened:
             try:
-                _opened.append((_open(), "tracker"))
+                _opened.append((_open(), None))
             except BuildError as err:
                 _opened.append((None, str(err)))
             except Exception as err:  # whatever else goes wrong, the snapshots still work
