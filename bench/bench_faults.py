@@ -364,6 +364,7 @@ def run_trial(spec: dict, torch, gather) -> dict:
     import graphsan
     from graphsan.lab.train import TrainConfig
     from graphsan.lab.train.trainer import train
+    from graphsan.report import format_finding
 
     san = graphsan.current()
     if san is None or not san.active:
@@ -394,6 +395,7 @@ def run_trial(spec: dict, torch, gather) -> dict:
     except graphsan.StaleMemoryError as e:
         out["outcome"] = "stopped"
         out["finding_kinds"] = sorted({str(f.kind) for f in e.findings})
+        out["finding"] = format_finding(e.findings[0])[:3000]  # what a false alarm says
     except Exception as e:  # a missed fault that crashed, or a harness problem: keep the text
         out["outcome"] = "error"
         out["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -406,6 +408,7 @@ def run_trial(spec: dict, torch, gather) -> dict:
     warnings = [ln for ln in err_buf.getvalue().splitlines() if "graphsan:" in ln]
     out["graphsan_lines"] = warnings[:3]
     out["graphsan_active"] = bool(graphsan.current() is not None and graphsan.current().active)
+    out["allocator_log"] = graphsan.current().report().allocator_log if graphsan.current() else None
     del inj
     gc.collect()
     out["healthy"] = _healthy(torch)
@@ -586,6 +589,10 @@ def main() -> int:
             f"{r['outcome']}, injected {r.get('injected')}, {r.get('error', '')[:200]}"
             f"{' ' + ' / '.join(r.get('graphsan_lines', [])) if r.get('graphsan_lines') else ''}"
         )
+        if verdict(r) == "false-alarm" and r.get("finding"):
+            print("    " + r["finding"][:1500].replace("\n", "\n    "))
+    logs = Counter(r.get("allocator_log") for r in results)
+    print("allocator events from: " + ", ".join(f"{k} ({n} trials)" for k, n in logs.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
