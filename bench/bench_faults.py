@@ -358,6 +358,39 @@ def _healthy(torch) -> bool:
         return False
 
 
+def _view_vs_allocator(torch, addr: int) -> dict:
+    """What graphsan's allocator view and a fresh snapshot say of the segment holding `addr`
+    (a false alarm's block): which of the two is wrong, and how."""
+    import graphsan
+
+    memory = graphsan.current().memory
+    out: dict = {"drains": memory.drains}
+    view = memory.views.get(torch.cuda.current_device())
+    seg = view.segment_at(addr) if view is not None else None
+    if seg is not None:
+        out["view"] = {
+            "segment": hex(seg.address),
+            "size": seg.size,
+            "pool": list(seg.pool),
+            "allocated_here": bool(seg.allocated_in(addr, addr + 1)),
+        }
+    for s in torch.cuda.memory._snapshot()["segments"]:
+        if s["address"] <= addr < s["address"] + s["total_size"]:
+            blocks = [
+                (hex(b["address"]), b["size"], b["state"])
+                for b in s["blocks"]
+                if abs(b["address"] - addr) < 4 << 20
+            ]
+            out["allocator"] = {
+                "segment": hex(s["address"]),
+                "size": s["total_size"],
+                "pool": list(s["segment_pool_id"]),
+                "type": s.get("segment_type"),
+                "blocks": blocks[:8],
+            }
+    return out
+
+
 def run_trial(spec: dict, torch, gather) -> dict:
     from rich.console import Console
 
@@ -396,6 +429,8 @@ def run_trial(spec: dict, torch, gather) -> dict:
         out["outcome"] = "stopped"
         out["finding_kinds"] = sorted({str(f.kind) for f in e.findings})
         out["finding"] = format_finding(e.findings[0])[:3000]  # what a false alarm says
+        if inj.injected is None:
+            out["view_vs_allocator"] = _view_vs_allocator(torch, e.findings[0].block_address)
     except Exception as e:  # a missed fault that crashed, or a harness problem: keep the text
         out["outcome"] = "error"
         out["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -591,6 +626,7 @@ def main() -> int:
         )
         if verdict(r) == "false-alarm" and r.get("finding"):
             print("    " + r["finding"][:1500].replace("\n", "\n    "))
+            print("    view vs allocator: " + json.dumps(r.get("view_vs_allocator")))
     logs = Counter(r.get("allocator_log") for r in results)
     print("allocator events from: " + ", ".join(f"{k} ({n} trials)" for k, n in logs.items()))
     if args.json:
