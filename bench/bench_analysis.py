@@ -114,14 +114,19 @@ def elementwise(n: int, src: int, dst: int) -> tuple[bytes, list[int]]:
     return pack("iffxxxxQQ", n, 1.0001, 0.0, dst, src), [0, 4, 16]
 
 
-def tensor_iterator(n: int, ptrs: list[int]) -> tuple[bytes, list[int]]:
+def int_divider(d: int) -> tuple[int, int, int]:
+    """PyTorch's IntDivider<uint32_t>(d): divisor, magic number, shift."""
+    shift = next(s for s in range(32) if (1 << s) >= d)
+    return d, (1 << 32) * ((1 << shift) - d) // d + 1, shift
+
+
+def tensor_iterator(n: int, ptrs: list[int], rng: random.Random) -> tuple[bytes, list[int]]:
     """elementwise_kernel(int N, a functor holding the data pointers and an OffsetCalculator of
     25 dimensions: a divisor (d, magic, shift) per size, uint32 strides; 2 dimensions used, the
-    rest (1, 1, 0) and zero strides)."""
-    divisors = [(64, 0x8000_0001, 6)] * 2 + [(1, 1, 0)] * 23
-    strides = [(256, 256, 256), (4, 4, 4)] + [(0, 0, 0)] * 23
-    calc = pack("i", 2)
-    calc += b"".join(pack("IIi", *d) for d in divisors) + b"".join(pack("3I", *s) for s in strides)
+    rest left as the host stack had it (random words here))."""
+    junk = [rng.getrandbits(32) for _ in range(3 * 23 + 3 * 23)]
+    calc = pack("i", 2) + pack("3I", *int_divider(64)) + pack("3I", *int_divider(64))
+    calc += pack("69I", *junk[:69]) + pack("6I", 256, 256, 256, 4, 4, 4) + pack("69I", *junk[69:])
     buf = pack("ixxxx", n) + b"".join(pack("Q", p) for p in ptrs) + calc
     return buf + b"\0" * (-len(buf) % 8), [0, 8]
 
@@ -181,7 +186,7 @@ def workload(
             if k % 10 == 9:
                 buf, offsets = cublas_packed(prev, weight, dst, workspace, rng)
             elif k % 10 == 4:
-                buf, offsets = tensor_iterator(4096, [dst, prev, weight])
+                buf, offsets = tensor_iterator(4096, [dst, prev, weight], rng)
             else:
                 buf, offsets = elementwise(4096, prev, dst)
             node_specs.append((k, f"kernel_{k % 10}", buf, offsets))

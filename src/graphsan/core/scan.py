@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from graphsan.core import offset_calc
 from graphsan.core.memory_map import KEEP_REQUESTED, MemoryMap
 from graphsan.core.records import CopyArgs, KernelArgs, PoolId, Reference
 
@@ -118,10 +119,38 @@ def _aligned_hits(
             if yes:
                 ok |= ask & np.isin(values, np.array(yes, dtype=np.uint64))
     hits, values = hits[ok], values[ok]
+    if len(hits):  # words inside PyTorch's offset calculators are never addresses
+        keep = ~_in_calculators(nodes, bufs, counts, words, hits)
+        hits, values = hits[keep], values[keep]
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     which = np.searchsorted(starts, hits, side="right") - 1
     positions = np.array([i for i, _ in bufs])
     return positions[which].tolist(), (8 * (hits - starts[which])).tolist(), values.tolist()
+
+
+def _in_calculators(
+    nodes: list[KernelArgs | CopyArgs],
+    bufs: list[tuple[int, bytes]],
+    counts: np.ndarray,
+    words: np.ndarray,
+    hits: np.ndarray,
+) -> np.ndarray:
+    """Which hits (indexes of 64-bit words in the kernels' joined buffers) lie inside a PyTorch
+    offset calculator (`graphsan.core.offset_calc`)."""
+    starts = 8 * np.concatenate(([0], np.cumsum(counts)[:-1]))
+
+    def end_of(at: np.ndarray) -> np.ndarray:
+        """Where the parameter holding each byte offset of the joined buffers ends."""
+        which = np.searchsorted(starts, at, side="right") - 1
+        out = []
+        for a, k in zip(at.tolist(), which.tolist(), strict=True):
+            base, size = int(starts[k]), 8 * int(counts[k])
+            later = [o for o in nodes[bufs[k][0]].offsets if o > a - base]
+            out.append(base + min(later[0], size) if later else base + size)
+        return np.array(out, dtype=np.int64)
+
+    ranges = offset_calc.calculators(words.view("<u4"), end_of)
+    return offset_calc.inside(ranges, 8 * hits.astype(np.int64))
 
 
 def _references_unaligned(
@@ -142,6 +171,11 @@ def _references_unaligned(
                 for off, v in scan_words(node.buffer, FOREIGN_LO, FOREIGN_HI, unaligned=False)
                 if not lo <= v < hi
             ]
+        if candidates:  # words inside PyTorch's offset calculators are never addresses
+            ends = [*node.offsets[1:], len(node.buffer)]
+            calcs = offset_calc.calculator_words(node.buffer, ends)
+            skip = offset_calc.inside(calcs, np.array([o for o, _ in candidates], dtype=np.int64))
+            candidates = [c for c, s in zip(candidates, skip.tolist(), strict=True) if not s]
         seen = set()
         for off, value in candidates:
             if value in seen:
