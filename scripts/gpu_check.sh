@@ -56,7 +56,7 @@ for part in ${*:-tests}; do
       # tests with frees and allocation sites through its GPU-trace interpreter
       GRAPHSAN_TRACELOG=1 timeout 330 python3 -m pytest -q tests/test_gpu_allocview.py \
         tests/test_gpu_compiled_trace.py tests/test_tracelog.py tests/test_gpu_sanitizer.py \
-        tests/test_gpu_pin.py \
+        tests/test_gpu_pin.py tests/test_gpu_offset_calc.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/tracker.log" | tail -15 ;;
     ranks)  # issue 16, on the nvidia-h200-x2 kind only: the distributed lab on two GPUs
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

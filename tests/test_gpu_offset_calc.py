@@ -1,0 +1,42 @@
+"""PyTorch's OffsetCalculator as captured on a GPU (tests/gpu/offset_calc_layout.py, in a
+subprocess): graphsan.core.offset_calc finds it in strided elementwise kernels with the
+dimensions and sizes TensorIterator kept, and the operands' data pointers are still references."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_strided_kernels_carry_a_calculator_and_keep_their_pointers():
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "gpu", "offset_calc_layout.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
+    res = json.loads(lines[-1][len("RESULT ") :])
+    print(json.dumps(res, indent=1))  # where the calculator sits in the closure, for the docs
+    two = [n for n in res["strided"] for c in n["calculators"] if c["divisors"] == [48, 51]]
+    # 14 x 6 x 10 with no two dimensions that fold for all three operands
+    three = [
+        n
+        for n in res["strided"]
+        for c in n["calculators"]
+        if c["dims"] >= 2 and math.prod(c["divisors"]) == 840
+    ]
+    assert two and three, res
+    assert two[0]["operands_found"]["2"] == 3, res
+    assert three[0]["operands_found"]["3"] == 3, res
