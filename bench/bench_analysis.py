@@ -185,11 +185,14 @@ def workload(
                 log.append(entry("free_completed", old, out_size, STREAM, tag))
             if k % 10 == 9:
                 buf, offsets = cublas_packed(prev, weight, dst, workspace, rng)
+                name = f"sm90_xmma_gemm_{k % 10}"
             elif k % 10 == 4:
                 buf, offsets = tensor_iterator(4096, [dst, prev, weight], rng)
+                name = f"void at::native::elementwise_kernel<128, 2, {k % 10}>(int, F)"
             else:
                 buf, offsets = elementwise(4096, prev, dst)
-            node_specs.append((k, f"kernel_{k % 10}", buf, offsets))
+                name = f"void at::native::vectorized_elementwise_kernel<4, {k % 10}>(int, F, A)"
+            node_specs.append((k, name, buf, offsets))
             prev = dst
         caps.append({"pool": pool, "tag": tag, "log": log, "nodes": node_specs})
         seg_addr += SMALL_SEG * 2

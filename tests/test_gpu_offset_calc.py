@@ -5,7 +5,6 @@ dimensions and sizes TensorIterator kept, and the operands' data pointers are st
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -29,14 +28,10 @@ def test_strided_kernels_carry_a_calculator_and_keep_their_pointers():
     assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
     res = json.loads(lines[-1][len("RESULT ") :])
     print(json.dumps(res, indent=1))  # where the calculator sits in the closure, for the docs
-    two = [n for n in res["strided"] for c in n["calculators"] if c["divisors"] == [48, 51]]
-    # 14 x 6 x 10 with no two dimensions that fold for all three operands
-    three = [
-        n
-        for n in res["strided"]
-        for c in n["calculators"]
-        if c["dims"] >= 2 and math.prod(c["divisors"]) == 840
-    ]
+    calcs = [(n, c) for n in res["strided"] for c in n["calculators"]]
+    two = [n for n, c in calcs if c["dims"] == 2 and c["divisors"] == [48, 51]]
+    three = [n for n, c in calcs if c["dims"] == 3 and c["divisors"] == [6, 7, 10]]
     assert two and three, res
+    assert all(c["bytes"] == 404 for _, c in calcs), res
     assert two[0]["operands_found"]["2"] == 3, res
     assert three[0]["operands_found"]["3"] == 3, res

@@ -42,21 +42,26 @@ def test_dividers_match_hand_computed_magic_numbers():
     assert not offset_calc.divider_ok(bad)[0]
 
 
-def calculator(rng: random.Random, dims: int, operands: int, garbage: list[int]) -> bytes:
-    """An OffsetCalculator<operands> as launched: `dims` filled entries, the rest host garbage
-    (64-bit words from `garbage`, spread over both arrays at 4-byte offsets)."""
+def calculator(
+    rng: random.Random, dims: int, operands: int, stale: list[int], far: list[int] | None = None
+) -> bytes:
+    """An OffsetCalculator<operands> as launched: `dims` filled entries, the rest host garbage.
+    `stale` 64-bit words go where the scan leaves words out (the unused dividers and the first
+    25 stride words); `far` ones (default: random non-addresses) into the strides past those."""
     words = [dims]
+    # one dimension of a power-of-two size is too little evidence (see the test below)
+    sizes = [3, 7, 48, 51, 100, 1000, 12288] + ([64, 4096] if dims > 1 else [])
     for _ in range(dims):
-        words += divider(rng.choice([2, 3, 7, 64, 512, 1000, 4096, 12288]))
+        words += divider(rng.choice(sizes))
     words += [None] * (3 * (offset_calc.MAX_DIMS - dims))
-    strides = [[rng.randrange(0, 1 << 20) for _ in range(operands)] for _ in range(dims)]
-    words += [s for row in strides for s in row]
+    words += [rng.randrange(1 << 16) for _ in range(operands * dims)]
     words += [None] * (operands * (offset_calc.MAX_DIMS - dims))
-    junk = iter(garbage * len(words))
+    certain = offset_calc.CERTAIN_BYTES // 4
+    near, rest = iter(stale * len(words)), iter((far or [rng.getrandbits(40)]) * len(words))
     out, i = [], 0
     while i < len(words):
         if words[i] is None and i + 1 < len(words) and words[i + 1] is None and rng.random() < 0.7:
-            value = next(junk)
+            value = next(near) if i + 1 < certain else next(rest)
             out += [value & 0xFFFFFFFF, value >> 32]
             i += 2
             continue
@@ -137,29 +142,96 @@ def test_without_a_well_formed_calculator_every_word_is_still_read():
 
 def test_a_reductions_two_calculators_and_the_pointers_after_them():
     """ReduceOp keeps an input calculator (one operand), an output calculator (two) and then its
-    pointers: the first calculator's length comes from the second, and the pointers stay."""
+    pointers: both are found, and the pointers stay."""
     rng = random.Random(5)
     first = calculator(rng, 2, 1, [OLD + 0x800])
-    # the last one's operand count is unknown: past its first stride row it is still read (a
-    # limit), so its garbage here points nowhere
-    second = calculator(rng, 1, 2, [0x1234_5678_9ABC])
+    second = calculator(rng, 1, 2, [OLD + 0x800])
     tail = struct.pack("<4Q", LIVE, LIVE + 0x2000, LIVE + 0x4000, LIVE + 0x6000)
     pad = b"\0" * (-(len(first) + len(second)) % 8)  # the pointers are 8-byte aligned
     buf = first + second + pad + tail
-    ranges = offset_calc.calculator_words(buf, [len(buf)])
-    assert ranges == [(0, len(first)), (len(first), len(first) + 304 + 100)]
+    certain = offset_calc.CERTAIN_BYTES
+    assert offset_calc.calculator_words(buf, []) == [
+        (0, certain),
+        (len(first), len(first) + certain),
+    ]
     node = KernelArgs(0, "void at::native::reduce_kernel<512, 1, ...>", buf, [0])
     refs = references([node], view())
     assert sorted(r.address for r in refs) == [LIVE, LIVE + 0x2000, LIVE + 0x4000, LIVE + 0x6000]
 
 
-def test_a_calculator_ending_its_parameter_has_its_operand_count_from_the_end():
-    rng = random.Random(11)
-    calc = calculator(rng, 3, 3, [OLD])
-    assert offset_calc.calculator_words(calc + b"\0" * 4, [len(calc) + 4]) == [(0, len(calc))]
-    # another parameter after it: the end of the calculator's own parameter counts
-    two = calc + b"\0" * 4 + struct.pack("<Q", LIVE)
-    assert offset_calc.calculator_words(two, [len(calc) + 4, len(two)]) == [(0, len(calc))]
-    # pointers after it in the same parameter: only what is certainly its own is left out
-    same = calc + struct.pack("<3Q", LIVE, LIVE, LIVE)
-    assert offset_calc.calculator_words(same, [len(same)]) == [(0, 304 + 100)]
+def test_stride_words_past_the_first_row_are_still_read():
+    """The operand count is not in the bytes: past 25 stride words a leftover pointer is still
+    reported (a known limit, docs/coverage.md), and so is a real pointer right after."""
+    rng = random.Random(9)
+    calc = calculator(rng, 2, 3, [OLD + 0x300], far=[OLD + 0x700])
+    buf = calc + b"\0" * 4 + struct.pack("<Q", LIVE)
+    node = KernelArgs(0, "void at::native::elementwise_kernel<128, 2, ...>", buf, [0])
+    found = {r.address for r in references([node], view())}
+    assert LIVE in found and OLD + 0x700 in found and OLD + 0x300 not in found
+
+
+def pytorch(buf: bytes, offsets=(0,)) -> KernelArgs:
+    return KernelArgs(0, "void at::native::elementwise_kernel<128, 2, ...>", buf, list(offsets))
+
+
+@pytest.mark.parametrize("unaligned", [False, True])
+def test_small_ints_that_look_like_one_power_of_two_divider_are_no_calculator(unaligned):
+    """[1, 2, 1, 1] (say a shape (1, 2, 1, 1)) reads as dims 1 with the divider of 2, whose magic
+    number is 1: too little evidence to leave 404 bytes out."""
+    buf = struct.pack("<4I", 1, 2, 1, 1) + b"\0" * 8 * 40 + struct.pack("<2Q", LIVE, LIVE + 0x2000)
+    assert offset_calc.calculator_words(buf, []) == []
+    refs = references([pytorch(buf + b"\0" * 80)], view(), unaligned=unaligned)
+    assert sorted(r.address for r in refs) == [LIVE, LIVE + 0x2000]
+
+
+def test_a_candidate_inside_a_calculator_does_not_stretch_it():
+    """Leftover dividers of an earlier, larger calculator make a used divider's shift word look
+    like `dims` of another calculator starting inside this one: it is not taken, and the pointer
+    after the calculator stays."""
+    earlier = [divider(d) for d in (7, 3, 5, 6, 9, 10, 11, 12, 13, 14, 15, 17, 18, 19, 20, 21)]
+    words = [2, *divider(48), *divider(51)] + [x for t in earlier for x in t]
+    words += [0] * (3 * (offset_calc.MAX_DIMS - 2 - len(earlier)))
+    words += [4, 4, 4, 204, 200, 200] + [0] * 69
+    calc = struct.pack(f"<{len(words)}I", *words)  # OffsetCalculator<3>, 604 bytes
+    data = struct.pack("<3Q", LIVE, LIVE + 0x2000, LIVE + 0x4000)
+    buf = data + calc + b"\0" * 4 + struct.pack("<Q", LIVE + 0x6000) + b"\0" * 16
+    assert offset_calc.calculator_words(buf, []) == [(24, 24 + offset_calc.CERTAIN_BYTES)]
+    found = {r.address for r in references([pytorch(buf)], view())}
+    assert found == {LIVE, LIVE + 0x2000, LIVE + 0x4000, LIVE + 0x6000}
+
+
+def test_only_pytorch_kernels_are_read_for_calculators():
+    rng = random.Random(2)
+    node = elementwise(rng, dims=2)
+    theirs = KernelArgs(0, "void my_extension::kernel(int, Closure)", node.buffer, node.offsets)
+    assert {r.address for r in references([theirs], view())} - {LIVE, LIVE + 0x2000, LIVE + 0x4000}
+    assert {r.address for r in references([node], view())} == {LIVE, LIVE + 0x2000, LIVE + 0x4000}
+
+
+def test_all_25_dimensions_and_calculators_that_do_not_fit_their_parameter():
+    rng = random.Random(4)
+    calc = calculator(rng, 25, 1, [OLD])
+    assert offset_calc.calculator_words(calc, []) == [(0, offset_calc.CERTAIN_BYTES)]
+    # a parameter that ends inside the certain part: not a calculator
+    assert offset_calc.calculator_words(calc, [offset_calc.CERTAIN_BYTES - 4]) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_several_kernels_scanned_together_as_each_alone(seed):
+    """The aligned scan joins every kernel's bytes (each cut to a multiple of 8): the calculators
+    found, and the references, are those of each kernel scanned on its own."""
+    rng = random.Random(seed)
+    plain = KernelArgs(0, "void cutlass::Kernel<...>", struct.pack("<QI", OLD, 7) + b"\0", [0, 8])
+    nodes = [plain]
+    for i in range(1, 4):
+        e = elementwise(rng, dims=rng.randint(1, 4))
+        cut = rng.choice([0, 4])  # a buffer whose length is not a multiple of 8
+        nodes.append(KernelArgs(i, e.name, e.buffer[: len(e.buffer) - cut], e.offsets))
+    together = sorted((r.node, r.address) for r in references(nodes, view()))
+    alone = sorted((r.node, r.address) for n in nodes for r in references([n], view()))
+    assert together == alone
+    assert (0, OLD) in together  # the non-PyTorch kernel's word is read as before
+    for unaligned in (False, True):
+        for n in nodes[1:]:
+            got = {r.address for r in references([n], view(), unaligned=unaligned)}
+            assert got == {LIVE, LIVE + 0x2000, LIVE + 0x4000}

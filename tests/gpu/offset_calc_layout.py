@@ -19,8 +19,9 @@ torch.manual_seed(0)
 # 48 x 51 views whose rows do not follow on (2 * 51 != 101, 103): two dimensions stay
 a2 = torch.randn(48, 101, device="cuda")[:, ::2]
 b2 = torch.randn(48, 103, device="cuda")[:, 1:103:2]
-a3 = torch.randn(6, 10, 14, device="cuda").permute(2, 0, 1)  # 14 x 6 x 10, no two fold
-b3 = torch.randn(14, 6, 10, device="cuda")
+# 6 x 10 x 7 with strides (165, 15, 2): no two dimensions follow on, so three stay
+a3 = torch.randn(6, 11, 15, device="cuda")[:, :10, :14:2]
+b3 = torch.randn(6, 10, 7, device="cuda")
 stream = torch.cuda.Stream()
 with torch.cuda.stream(stream):  # the kernels load outside the capture
     (a2 * b2).sum().item()

@@ -9,15 +9,17 @@ Old device pointers are common there. The kernel stops at `dims` and never reads
 word is no reference, yet it can fall inside an allocator block and read as one (on the H200 it
 gave false "freed" findings, docs/coverage.md).
 
-No byte of a calculator is an address, so the scan leaves its words out. A calculator is known
-by what its constructor writes: `dims` from 1 to 25, followed by that many dividers whose magic
-number and shift are exactly those computed from the divisor, every divisor above 1
-(TensorIterator folds dimensions of size 1 into their neighbours). Random bytes pass that test
-with a chance of about 2**-32 per divider; a calculator it misses is scanned as before. The strides array's length
-needs the operand count, which the bytes do not carry: it is taken from a calculator that
-follows at once (a reduction's input and output calculators) or from the end of the parameter
-when nothing pointer-sized follows; otherwise only its first row is left out (at least one
-operand).
+Leaving out a real pointer would hide a hazard, so the rules lean towards scanning:
+- only kernels of PyTorch itself (`at::native::` in the demangled name) are read for calculators;
+- a calculator is `dims` from 1 to 25 followed by that many dividers whose magic number and shift
+  are exactly those the constructor computes, every divisor above 1 (TensorIterator folds size-1
+  dimensions into their neighbours); a single divider with a power-of-two divisor (magic number
+  1) is too little evidence and is not taken;
+- candidates are taken from the left, none inside one already taken (the used dividers and the
+  stack leftovers in the unused ones can themselves look like a calculator);
+- what is left out is the part certainly inside the calculator whatever its operand count: `dims`,
+  the 25 dividers and the first 25 stride words (404 bytes). The rest of the strides array (its
+  length needs the operand count, which the bytes do not carry) is still scanned.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import numpy as np
 MAX_DIMS = 25
 DIVIDER_WORDS = 3  # divisor, m1, shift
 STRIDES_AT = 1 + MAX_DIMS * DIVIDER_WORDS  # uint32 words from `dims` to the strides array
-MAX_OPERANDS = 8
 
 
 def divider_ok(words: np.ndarray) -> np.ndarray:
@@ -54,30 +55,38 @@ def dividers_ok(divisor: np.ndarray, m1: np.ndarray, shift: np.ndarray) -> np.nd
     return plausible & smallest & (m1 == magic)
 
 
+CERTAIN_BYTES = 4 * (STRIDES_AT + MAX_DIMS)  # dims, the dividers, one stride row per dimension
+
+
 def calculator_words(data: bytes, param_ends: list[int]) -> list[tuple[int, int]]:
-    """Byte ranges [start, end) of `data` taken by OffsetCalculators, in order. `data` is one
-    kernel's parameter bytes; `param_ends` the byte offsets where its parameters end, the last
-    one included. A calculator lies inside one parameter."""
+    """Byte ranges [start, end) of `data`, one kernel's parameter bytes, left out as
+    OffsetCalculator words; `param_ends` are the byte offsets where its parameters end. The
+    caller decides that the kernel is PyTorch's (`is_pytorch_kernel`)."""
     ends = np.array(sorted({e for e in param_ends if e > 0} | {len(data)}), dtype=np.int64)
 
     def end_of(at: np.ndarray) -> np.ndarray:
-        return ends[np.searchsorted(ends, at, side="right")]
+        return ends[np.minimum(np.searchsorted(ends, at, side="right"), len(ends) - 1)]
 
     return calculators(np.frombuffer(data[: len(data) // 4 * 4], dtype="<u4"), end_of)
+
+
+def is_pytorch_kernel(name: str) -> bool:
+    return "at::native::" in name
 
 
 def calculators(
     words: np.ndarray, end_of: Callable[[np.ndarray], np.ndarray]
 ) -> list[tuple[int, int]]:
-    """`calculator_words` of bytes given as little-endian uint32 words; `end_of(byte offsets)`
-    gives the byte offset where the parameter holding each one ends (called only where a
-    calculator may be)."""
+    """`calculator_words` of bytes given as little-endian uint32 words (several kernels' joined
+    too): `end_of(byte offsets)` says where the parameter holding each one ends, or -1 where it
+    belongs to no PyTorch kernel; it is asked only about well-formed candidates."""
     n = len(words)
-    if n <= STRIDES_AT:
+    if n < STRIDES_AT + MAX_DIMS:
         return []
     # a `dims` value, then a well-formed first divider: rare outside a calculator, so the
     # arithmetic runs on those positions only
-    dims = np.flatnonzero((words[: n - STRIDES_AT] - np.uint32(1)) < np.uint32(MAX_DIMS))
+    last = n - STRIDES_AT - MAX_DIMS + 1
+    dims = np.flatnonzero((words[:last] - np.uint32(1)) < np.uint32(MAX_DIMS))
     if not len(dims):
         return []
     first = dims[
@@ -85,31 +94,27 @@ def calculators(
     ]
     if not len(first):
         return []
-    end = np.minimum(np.asarray(end_of(4 * first), dtype=np.int64) // 4, n)
-    fits = first + STRIDES_AT + MAX_DIMS <= end  # its arrays end inside the parameter
-    first, end = first[fits], end[fits]
     # every divider up to `dims`, all candidates at once
     d = words[first].astype(np.int64)
     slot = np.arange(MAX_DIMS)
     at = first[:, None] + 1 + DIVIDER_WORDS * slot[None, :]
     used = slot[None, :] < d[:, None]
-    ok = (words[at] >= 2) & dividers_ok(words[at], words[at + 1], words[at + 2])
-    good = (ok | ~used).all(axis=1)
-    found = list(zip(first[good].tolist(), d[good].tolist(), end[good].tolist(), strict=True))
-    out = []
-    for k, (p, _, end) in enumerate(found):
-        strides = p + STRIDES_AT
-        operands = 0
-        if k + 1 < len(found) and found[k + 1][2] == end:
-            gap = found[k + 1][0] - strides
-            if gap > 0 and gap % MAX_DIMS == 0:
-                operands = gap // MAX_DIMS
-        if not operands:
-            rest = end - strides
-            if rest % MAX_DIMS < 2:  # under 8 bytes of padding after it: nothing else follows
-                operands = rest // MAX_DIMS
-        operands = operands if 1 <= operands <= MAX_OPERANDS else 1
-        out.append((4 * p, 4 * (strides + MAX_DIMS * operands)))
+    divisor = words[at]
+    ok = (divisor >= 2) & dividers_ok(divisor, words[at + 1], words[at + 2])
+    power_of_two = (divisor & (divisor - np.uint32(1))) == 0
+    enough = (d >= 2) | ~power_of_two[:, 0]
+    good = (ok | ~used).all(axis=1) & enough
+    first = first[good]
+    if not len(first):
+        return []
+    # the certain part must lie inside one parameter
+    first = first[4 * first + CERTAIN_BYTES <= np.asarray(end_of(4 * first), dtype=np.int64)]
+    out: list[tuple[int, int]] = []
+    for p in first.tolist():
+        start = 4 * p
+        if out and start < out[-1][1]:
+            continue  # inside one already taken
+        out.append((start, start + CERTAIN_BYTES))
     return out
 
 

@@ -135,17 +135,20 @@ def _in_calculators(
     words: np.ndarray,
     hits: np.ndarray,
 ) -> np.ndarray:
-    """Which hits (indexes of 64-bit words in the kernels' joined buffers) lie inside a PyTorch
-    offset calculator (`graphsan.core.offset_calc`)."""
+    """Which hits (indexes of 64-bit words in the kernels' joined buffers) lie inside an offset
+    calculator of a PyTorch kernel (`graphsan.core.offset_calc`)."""
     starts = 8 * np.concatenate(([0], np.cumsum(counts)[:-1]))
 
     def end_of(at: np.ndarray) -> np.ndarray:
-        """Where the parameter holding each byte offset of the joined buffers ends."""
-        which = np.searchsorted(starts, at, side="right") - 1
+        """Where the parameter holding each byte offset ends; -1 outside PyTorch's kernels."""
         out = []
-        for a, k in zip(at.tolist(), which.tolist(), strict=True):
-            base, size = int(starts[k]), 8 * int(counts[k])
-            later = [o for o in nodes[bufs[k][0]].offsets if o > a - base]
+        which = (np.searchsorted(starts, at, side="right") - 1).tolist()
+        for a, k in zip(at.tolist(), which, strict=True):
+            i, base, size = bufs[k][0], int(starts[k]), 8 * int(counts[k])
+            if not offset_calc.is_pytorch_kernel(nodes[i].name):
+                out.append(-1)
+                continue
+            later = [o for o in nodes[i].offsets if o > a - base]
             out.append(base + min(later[0], size) if later else base + size)
         return np.array(out, dtype=np.int64)
 
@@ -171,9 +174,9 @@ def _references_unaligned(
                 for off, v in scan_words(node.buffer, FOREIGN_LO, FOREIGN_HI, unaligned=False)
                 if not lo <= v < hi
             ]
-        if candidates:  # words inside PyTorch's offset calculators are never addresses
-            ends = [*node.offsets[1:], len(node.buffer)]
-            calcs = offset_calc.calculator_words(node.buffer, ends)
+        if candidates and offset_calc.is_pytorch_kernel(node.name):
+            # words inside PyTorch's offset calculators are never addresses
+            calcs = offset_calc.calculator_words(node.buffer, [*node.offsets[1:]])
             skip = offset_calc.inside(calcs, np.array([o for o, _ in candidates], dtype=np.int64))
             candidates = [c for c, s in zip(candidates, skip.tolist(), strict=True) if not s]
         seen = set()
