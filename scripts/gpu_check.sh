@@ -3,7 +3,8 @@
 # one slow part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes:
 #   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~8 min)
 #            or the halves: sanitizer-tests (~1.5 min), lab-tests (~6.5 min)
-#   call 2:  bash scripts/gpu_check.sh faults             (1,000 fault-injection trials, <= 8 min)
+#   call 2:  bash scripts/gpu_check.sh faults             (1,000 fault-injection trials, <= 8 min;
+#            faults-tracker: the same with GRAPHSAN_TRACELOG=1)
 #   call 3:  bash scripts/gpu_check.sh example repro bench scale
 #   (tracker: the compiled allocator tracker's GPU tests; overhead: a profile of a graphed training
 #   step under graphsan and the bench without allocation stacks; ranks: issue 16 on two GPUs)
@@ -28,6 +29,10 @@ for part in ${*:-tests}; do
     faults)  # docs/coverage.md
       timeout 540 python3 bench/bench_faults.py --trials 1000 --workers 16 --time-limit 450 \
         --json "$OUT/faults.json" 2>&1 | tee "$OUT/faults.log" | tail -34 ;;
+    faults-tracker)  # the same with the compiled tracker, built first (docs/coverage.md)
+      timeout 60 python3 -m graphsan.cuda.tracelog
+      GRAPHSAN_TRACELOG=1 timeout 300 python3 bench/bench_faults.py --trials 1000 --workers 16 \
+        --time-limit 200 --json "$OUT/faults-tracker.json" 2>&1 | tee "$OUT/faults-tracker.log" | tail -40 ;;
     quantlinear)
       timeout 300 python3 bench/bench_quant_linear.py --iters 10 2>&1 \
         | tee "$OUT/bench_quant_linear.log" | tail -16 ;;
@@ -70,6 +75,6 @@ for part in ${*:-tests}; do
     overhead)  # where a training step's time goes under graphsan (docs/PERF.md, Sanitizer)
       bash scripts/diag_replay.sh 2>&1 | tee "$OUT/overhead.log" | tail -45 ;;
     *) echo "unknown part $part (tests, sanitizer-tests, lab-tests, faults, example, repro, bench," \
-         "quant, quantlinear, train, sweep, scale, tracker, overhead, ranks)" ;;
+         "quant, quantlinear, train, sweep, scale, tracker, overhead, ranks, faults-tracker)" ;;
   esac
 done
