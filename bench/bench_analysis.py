@@ -243,7 +243,36 @@ def child(blocks: int, graphs: int, nodes: int, expandable: bool, eager: int) ->
         counts["tables"] += len(tables)
     med = {s: statistics.median(v) * 1e6 for s, v in times.items()}
     per_graph = {k: v / graphs for k, v in counts.items()}
-    return {"seed_ms": seed_s * 1e3, "stages_us": med, "per_graph": per_graph}
+    drain = empty_drain_us(work["snapshot"])
+    return {"seed_ms": seed_s * 1e3, "stages_us": med, "per_graph": per_graph, "drain_us": drain}
+
+
+def empty_drain_us(snapshot: dict, rounds: int = 200) -> float:
+    """us for one `AllocatorWatch.sync` whose compiled-tracker log holds nothing new: what every
+    capture's begin and end pay before their own events (a stub log; no GPU)."""
+    import torch
+
+    from graphsan.context import Context
+    from graphsan.core.tracker import Tracker
+    from graphsan.cuda import allocator
+
+    class EmptyLog:
+        def drain_raw(self):
+            return b"", [], False
+
+    def fail(err):
+        raise err
+
+    allocator._snapshot = lambda pool=(0, 0), traces=False: snapshot
+    torch.cuda.is_current_stream_capturing = lambda: False
+    watch = allocator.AllocatorWatch(Tracker(), Context(), fail)
+    watch.log = EmptyLog()
+    watch.check_trace = lambda: None
+    watch.view(0)  # the seed
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        watch.sync()
+    return (time.perf_counter() - t0) / rounds * 1e6
 
 
 def parameter_reads(graphs: int, nodes: int) -> tuple[float, float] | None:
@@ -353,8 +382,10 @@ def main() -> None:
         f"{args.eager} eager free+alloc pairs before each capture"
     )
     print("us per kernel node (us per graph); target: 1000 us per graph + 20 us per node")
-    print("| live blocks | revision | seed ms | " + " | ".join(STAGES) + " | total |")
-    print("|---|---|---|" + "---|" * (len(STAGES) + 1))
+    print(
+        "| live blocks | revision | seed ms | " + " | ".join(STAGES) + " | total | empty drain us |"
+    )
+    print("|---|---|---|" + "---|" * (len(STAGES) + 2))
     per_graph = None
     for blocks in counts:
         for name, src in revs:
@@ -365,6 +396,7 @@ def main() -> None:
             cells = [f"{st[s] / args.nodes:.2f} ({st[s]:.0f})" for s in STAGES]
             total = sum(st.values())
             cells.append(f"{total / args.nodes:.2f} ({total:.0f})")
+            cells.append(f"{min(x['drain_us'] for x in runs):.1f}")
             print(f"| {blocks} | {name} | {r['seed_ms']:.1f} | " + " | ".join(cells) + " |")
             per_graph = r["per_graph"]
     if per_graph:

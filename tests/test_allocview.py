@@ -245,6 +245,9 @@ def pool_of(entry, following):
 
 def same_answers(view: AllocatorView, snap: MemoryMap, rng: random.Random) -> None:
     assert layout(view) == layout(snap)
+    # the block count is kept, not counted: it must agree with the segments and the snapshot
+    assert len(view) == sum(len(s) for s in view.segments)
+    assert len(view) == sum(1 for s in snap.segments for b in s.blocks if b.allocated)
     assert view.bounds() == snap.bounds()
     lo, hi = snap.bounds()
     probes = [rng.randrange(lo - PAGE, hi + PAGE) for _ in range(40)] if hi else [0]

@@ -479,6 +479,7 @@ class AllocatorView(SegmentIndex):
         self.events = 0  # trace entries applied since the seed
         self.seeds = 0  # snapshots taken (the first one, and after any lost event)
         self.requested: dict[DataPtr, int] = {}  # see KEEP_REQUESTED
+        self._blocks = 0  # allocated blocks, kept by seed and apply: a drain asks every time
 
     # -- building ----------------------------------------------------------------------------
     def seed(self, snapshot: dict[str, Any], device: int | None = None) -> None:
@@ -509,6 +510,7 @@ class AllocatorView(SegmentIndex):
         self.segments = segments
         self._starts = array("Q", [vs.address for vs in segments])
         self._ends = array("Q", [vs.address + vs.size for vs in segments])
+        self._blocks = sum(len(vs) for vs in segments)
         self.seeds += 1
 
     def apply(self, entries: Iterable[Entry], pool_of: PoolOf) -> None:
@@ -528,6 +530,7 @@ class AllocatorView(SegmentIndex):
                             f"alloc of {size} B at {addr:#x} outside free segment space"
                         )
                     segments[k].carve(addr, size)
+                    self._blocks += 1
                     if size <= KEEP_REQUESTED:
                         requested[addr] = size
                 elif action == "free_completed":
@@ -535,6 +538,7 @@ class AllocatorView(SegmentIndex):
                     k = find(starts, addr) - 1
                     if k < 0 or addr >= ends[k] or not segments[k].remove(addr):
                         raise ViewError(f"free of unknown block {addr:#x}")
+                    self._blocks -= 1
                     requested.pop(addr, None)
                 elif action == "free_requested":
                     continue  # as common as the two above; the block goes at free_completed
@@ -627,7 +631,7 @@ class AllocatorView(SegmentIndex):
         return np.array(self._starts, dtype=np.uint64), np.array(self._ends, dtype=np.uint64)
 
     def __len__(self) -> int:
-        return sum(len(s) for s in self.segments)
+        return self._blocks
 
 
 def _note_requested(seg: dict[str, Any], requested: dict[DataPtr, int]) -> None:
