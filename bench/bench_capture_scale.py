@@ -95,6 +95,7 @@ def child(args: argparse.Namespace) -> None:
         "phase_s": sum(times),
         "replay_ms": statistics.median(rounds) * 1e3,
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "segments": torch.cuda.memory_stats().get("segment.all.current", 0),
         "stages_ms": stages,
         "disabled": san.disabled_reason if san is not None else None,
         "allocator_log": san.memory.allocator_log if san is not None else None,
@@ -121,10 +122,10 @@ def table(title: str, rows: list[tuple[str, dict]]) -> None:
     print(f"\n{title}")
     print(
         "| run | first capture ms | median capture ms | vs off | capture phase s | vs off "
-        "| replay round ms | vs off | alloc phase s | alloc+free us | RSS MB "
+        "| replay round ms | vs off | alloc phase s | alloc+free us | RSS MB | segments "
         "| analysis ms/graph by stage | allocator log |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, r in rows:
         off = base[key.rsplit(" ", 1)[0] + " off"]
         stages = ", ".join(f"{k} {v:.3f}" for k, v in r["stages_ms"].items()) or "-"
@@ -133,7 +134,7 @@ def table(title: str, rows: list[tuple[str, dict]]) -> None:
             f"| {r['median_ms'] / off['median_ms']:.2f}x | {r['phase_s']:.2f} "
             f"| {r['phase_s'] / off['phase_s']:.2f}x | {r['replay_ms']:.3f} "
             f"| {r['replay_ms'] / off['replay_ms']:.4f} | {r['alloc_s']:.2f} | {r['pair_us']:.1f} "
-            f"| {r['rss_mb']:.0f} "
+            f"| {r['rss_mb']:.0f} | {r.get('segments', '-')} "
             f"| {stages} | {r.get('allocator_log') or '-'} |"
         )
         if r["disabled"] or r["findings"]:
