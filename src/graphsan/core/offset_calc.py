@@ -130,7 +130,6 @@ def inside(ranges: list[tuple[int, int]], offsets: np.ndarray, width: int = 8) -
             merged.append([a, b])
     starts = np.array([a for a, _ in merged], dtype=np.int64)
     stops = np.array([b for _, b in merged], dtype=np.int64)
-    k = (
-        np.searchsorted(starts, offsets + width, side="left") - 1
-    )  # the last to start before its end
+    # the last range that starts before the word ends: the word overlaps it unless it ended
+    k = np.searchsorted(starts, offsets + width, side="left") - 1
     return (k >= 0) & (offsets < stops[np.maximum(k, 0)])
