@@ -65,3 +65,21 @@ def _run(name: str, policy: str = "raise", env: dict | None = None, timeout: int
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT ") :])
     return proc.returncode, result, log
+
+
+def run_script(name: str, *argv: str, env: dict | None = None, timeout: int = 300) -> dict:
+    """Run tests/gpu/<name> (a script that is no program: it takes its own arguments) in a fresh
+    interpreter with the package on the path; asserts that it exited 0 and printed
+    `RESULT {json}`, and returns the last such result."""
+    full_env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "gpu", name), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])

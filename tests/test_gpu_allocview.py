@@ -4,15 +4,11 @@ memory-history fallback; the program runs in a subprocess (tests/gpu/view_vs_sna
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
+from tests.gpu_programs import run_script
+
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # (seed, expandable segments, event source, blocks per chunk: None for the default)
@@ -30,21 +26,11 @@ RUNS += [(1, expandable, "snapshot", 3) for expandable in (False, True)]
     ],
 )
 def test_the_view_follows_the_real_allocator(seed, expandable, log, chunk):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    env["GRAPHSAN_TRACELOG"] = "1" if log == "tracker" else "0"
+    env = {"GRAPHSAN_TRACELOG": "1" if log == "tracker" else "0"}
     if expandable:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     argv = [str(seed)] + ([str(chunk)] if chunk else [])
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "gpu", "view_vs_snapshot.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
-    res = json.loads(lines[-1][len("RESULT ") :])
+    res = run_script("view_vs_snapshot.py", *argv, env=env)
     assert res["disabled"] is None, res
     if log == "tracker":
         # built, loaded and attached; memory history (a cost on every allocation) stays off

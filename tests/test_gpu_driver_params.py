@@ -3,29 +3,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
+from tests.gpu_programs import run_script
+
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_one_read_of_a_parameter_block_equals_reading_each_parameter():
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "gpu", "walk_params.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
-    res = json.loads(lines[-1][len("RESULT ") :])
+    res = run_script("walk_params.py")
     print(res)  # the one-read share and the walk's cost per node, for PERF notes
     assert res["with_params"] >= 30, res  # elementwise and copy kernels take kernelParams
     assert res["mismatches"] == 0, res

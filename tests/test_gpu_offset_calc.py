@@ -5,28 +5,16 @@ dimensions and sizes TensorIterator kept, and the operands' data pointers are st
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.gpu_programs import run_script
+
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_strided_kernels_carry_a_calculator_and_keep_their_pointers():
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "gpu", "offset_calc_layout.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
-    res = json.loads(lines[-1][len("RESULT ") :])
+    res = run_script("offset_calc_layout.py")
     print(json.dumps(res, indent=1))  # where the calculator sits in the closure, for the docs
     calcs = [(n, c) for n in res["strided"] for c in n["calculators"]]
     two = [n for n, c in calcs if c["dims"] == 2 and c["divisors"] == [48, 51]]

@@ -35,11 +35,11 @@ def test_dividers_match_hand_computed_magic_numbers():
     assert divider(7) == (7, 613566757, 3)
     assert divider(512) == (512, 1, 9)
     assert divider(1) == (1, 1, 0)
-    words = np.array([*divider(3), *divider(1000), *divider(1 << 20)], dtype=np.uint32)
-    assert offset_calc.divider_ok(words)[[0, 3, 6]].all()
-    bad = words.copy()
-    bad[1] += 1  # a magic number one off
-    assert not offset_calc.divider_ok(bad)[0]
+    triples = np.array([divider(3), divider(1000), divider(1 << 20)], dtype=np.uint32)
+    assert offset_calc.dividers_ok(triples[:, 0], triples[:, 1], triples[:, 2]).all()
+    bad = triples.copy()
+    bad[0, 1] += 1  # a magic number one off
+    assert not offset_calc.dividers_ok(bad[:, 0], bad[:, 1], bad[:, 2])[0]
 
 
 def calculator(

@@ -33,15 +33,6 @@ DIVIDER_WORDS = 3  # divisor, m1, shift
 STRIDES_AT = 1 + MAX_DIMS * DIVIDER_WORDS  # uint32 words from `dims` to the strides array
 
 
-def divider_ok(words: np.ndarray) -> np.ndarray:
-    """For each position q of a uint32 array: whether words[q:q+3] is an `IntDivider<uint32_t>`
-    as its constructor makes it (false for the last two positions)."""
-    out = np.zeros(len(words), dtype=bool)
-    if len(words) >= DIVIDER_WORDS:
-        out[:-2] = dividers_ok(words[:-2], words[1:-1], words[2:])
-    return out
-
-
 def dividers_ok(divisor: np.ndarray, m1: np.ndarray, shift: np.ndarray) -> np.ndarray:
     """Whether each (divisor, m1, shift) is what `IntDivider<uint32_t>(divisor)` holds."""
     one = np.uint64(1)
