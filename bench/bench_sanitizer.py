@@ -14,13 +14,16 @@ the median step time and the ratio to "off". The variants (`--variants`):
 - trace: no graphsan, PyTorch's GPU trace switched on with no callbacks: what PyTorch's own
   dispatch of every allocator and event call to Python costs, which graphsan cannot avoid while it
   listens to frees;
-- record, raise: graphsan as users run it;
-- record-nostacks: `alloc_stacks=False` (no allocation-site walk per allocation);
-- record-notrace: graphsan enabled, then the GPU trace switched off again (it sees no frees, so
-  it finds nothing): the cost of everything except the per-event callbacks;
-- record-compiled: `GRAPHSAN_TRACELOG=1`, the compiled tracker, which also stands in for
-  PyTorch's GPU-trace dispatch (frees reach Python only where graphsan judges them, allocation
-  sites are read in C++); the RESULT line's `allocator_log` says whether it was used.
+- record, raise: graphsan on its fallback path (`GRAPHSAN_TRACELOG=0`: allocator snapshots, and
+  frees and allocation sites through PyTorch's GPU trace into Python), as where the compiled
+  tracker cannot be built;
+- record-nostacks: the same with `alloc_stacks=False` (no allocation-site walk per allocation);
+- record-notrace: the same, then the GPU trace switched off again (it sees no frees, so it finds
+  nothing): the cost of everything except the per-event callbacks;
+- record-compiled: graphsan's default where the compiled tracker builds (`GRAPHSAN_TRACELOG=1`
+  here, so that the run waits for the build): the tracker, and graphsan's own GPU-trace
+  interpreter in place of PyTorch's dispatch (frees reach Python only where graphsan judges them,
+  allocation sites are read in C++); the RESULT line's `allocator_log` says whether it was used.
 """
 
 from __future__ import annotations
@@ -216,8 +219,8 @@ def run_child(variant: str, args: argparse.Namespace, extra=(), prefix=(), bug=F
     if args.no_alloc_stacks:
         cmd.append("--no-alloc-stacks")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    if variant == "record-compiled":
-        env["GRAPHSAN_TRACELOG"] = "1"
+    if variant.startswith(("record", "raise")):
+        env["GRAPHSAN_TRACELOG"] = "1" if variant == "record-compiled" else "0"
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     wall = time.perf_counter() - t

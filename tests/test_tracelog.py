@@ -392,7 +392,9 @@ def test_the_cache_is_keyed_by_the_torch_build_and_the_source(tmp_path, fake_cxx
     with pytest.raises(tracelog.BuildError, match="cannot load"):
         tracelog.obtain("2.13.0+cu130 def abi1", "/torch/lib", 1)
     assert len(fake_cxx()) == 2
-    assert len(os.listdir(tmp_path / "cache" / "graphsan")) == 2
+    cached = sorted(os.listdir(tmp_path / "cache" / "graphsan"))
+    assert len([f for f in cached if f.endswith(".so")]) == 2
+    assert len(cached) == 4, "each failure is remembered beside its library (.failed)"
 
 
 def test_a_build_without_the_gpu_trace_keeps_the_tracker_and_says_why(
@@ -465,8 +467,9 @@ def test_no_compiler_or_no_cuda_headers_is_a_reason(tmp_path, fake_cxx, monkeypa
     ("setting", "reason"),
     [
         ("0", "GRAPHSAN_TRACELOG=0"),
-        ("yes", "GRAPHSAN_TRACELOG='yes': expected 0 (off) or 1 (on)"),
+        ("yes", "GRAPHSAN_TRACELOG='yes': expected 0 (off) or 1 (on, waiting for the build)"),
         ("1", "torch is not built with CUDA"),
+        ("", "torch is not built with CUDA"),  # unset: on
     ],
 )
 def test_open_log_falls_back_with_one_line(monkeypatch, setting, reason):
@@ -517,13 +520,119 @@ def test_the_watch_says_where_its_events_come_from_once(monkeypatch, capsys):
     assert watch.allocator_log == "tracker"
 
 
-def test_the_tracker_is_opt_in_and_its_absence_is_not_announced(monkeypatch, capsys):
-    monkeypatch.setattr(tracelog, "_opened", [])
-    monkeypatch.delenv("GRAPHSAN_TRACELOG", raising=False)
-    assert tracelog.open_log() == (None, tracelog.OPT_IN)
-    monkeypatch.setattr(allocator, "_SAID", [])
-    allocator._say_fallback(tracelog.OPT_IN)
-    assert capsys.readouterr().err == ""
+FAKE_PYTHON = """#!{python}
+import json, os, sys
+with open(os.environ["FAKE_PYTHON_CALLS"], "a") as fh:
+    fh.write(json.dumps({{"argv": sys.argv[1:], "pythonpath": os.environ.get("PYTHONPATH"),
+                         "session": os.getsid(0) == os.getpid()}}) + "\\n")
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+    """sys.executable as a script that writes down how it was started (the background builder)."""
+    import json
+    import time
+
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_PYTHON.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    calls = tmp_path / "python-calls"
+    monkeypatch.setenv("FAKE_PYTHON_CALLS", str(calls))
+    monkeypatch.setattr(sys, "executable", str(path))
+    monkeypatch.setattr(tracelog, "_BACKGROUND", [])
+
+    def started(expected: int) -> list[dict]:
+        deadline = time.monotonic() + 30  # the starts are detached: wait for their lines
+        while time.monotonic() < deadline:
+            lines = calls.read_text().splitlines() if calls.exists() else []
+            if len(lines) >= expected:
+                break
+            time.sleep(0.02)
+        return [json.loads(x) for x in lines]
+
+    return started
+
+
+def test_a_cold_cache_starts_one_background_build_and_the_run_reads_snapshots(
+    tmp_path, fake_cxx, fake_python, monkeypatch, capsys
+):
+    key = "2.11.0+cu130 abc abi1 py3.11"
+    for _ in range(2):  # the second run (or rank) finds the first one's build under way
+        with pytest.raises(tracelog.BuildError) as err:
+            tracelog.obtain(key, "/torch/lib", 1, wait=False)
+        assert str(err.value) == tracelog.BUILDING
+    assert fake_cxx() == [], "the run itself compiles nothing"
+    (started,) = fake_python(1)
+    marker = started["argv"][-1]
+    assert started["argv"] == ["-m", "graphsan.cuda.tracelog", "--marker", marker]
+    assert os.path.isfile(marker) and marker.endswith(".so.building")
+    assert os.path.dirname(marker) == str(tmp_path / "cache" / "graphsan")
+    assert started["session"], "a Ctrl-C for the run does not reach the build"
+    src = os.path.dirname(os.path.dirname(os.path.dirname(tracelog.__file__)))
+    assert started["pythonpath"].split(os.pathsep)[0] == src
+    allocator._say_fallback(tracelog.BUILDING)
+    assert capsys.readouterr().err == "", "a build under way fixes itself: it is not announced"
+
+    old = os.path.getmtime(marker) - tracelog.BUILD_TIMEOUT_S - 120
+    os.utime(marker, (old, old))  # its builder died without removing it
+    with pytest.raises(tracelog.BuildError, match="being built"):
+        tracelog.obtain(key, "/torch/lib", 1, wait=False)
+    assert len(fake_python(2)) == 2
+
+    # the builder's turn (what the background process runs), then a run finds the library
+    loaded = []
+    monkeypatch.setattr(
+        tracelog, "load", lambda path, without_trace=None: loaded.append(path) or "the log"
+    )
+    assert tracelog.main(["--marker", marker]) == 1  # torch here is the CPU build
+    assert not os.path.exists(marker), "the builder removes its marker, failed or not"
+    tracelog.obtain(key, "/torch/lib", 1)
+    assert tracelog.obtain(key, "/torch/lib", 1, wait=False) == "the log"
+    assert len(fake_cxx()) == 1 and len(fake_python(2)) == 2 and len(set(loaded)) == 1
+
+
+def test_a_failed_build_is_remembered_and_said_instead_of_compiling_again(
+    tmp_path, fake_cxx, fake_python, monkeypatch
+):
+    monkeypatch.setenv("FAKE_CXX_MODE", "fail")
+    key = "2.11.0+cu130 abc abi1 py3.11"
+    with pytest.raises(tracelog.BuildError, match="^fake-c\\+\\+ failed: "):
+        tracelog.obtain(key, "/torch/lib", 1)
+    for _ in range(2):
+        with pytest.raises(tracelog.BuildError) as err:
+            tracelog.obtain(key, "/torch/lib", 1, wait=False)
+        assert str(err.value) == (
+            "the compiled tracker's build failed: fake-c++ failed: tracelog.cpp:9:10: fatal "
+            "error: c10/cuda/CUDACachingAllocator.h: no such file "
+            "(python -m graphsan.cuda.tracelog tries again)"
+        )
+    assert tracelog._BACKGROUND == [] and len(fake_cxx()) == 1
+    monkeypatch.setenv("FAKE_CXX_MODE", "ok")
+    monkeypatch.setattr(tracelog, "load", lambda path, without_trace=None: "the log")
+    assert tracelog.obtain(key, "/torch/lib", 1) == "the log"  # what the prebuild runs
+    cached = os.listdir(tmp_path / "cache" / "graphsan")
+    assert [f for f in cached if f.endswith(".failed")] == [], "a good build forgets the failure"
+
+
+@pytest.mark.skipif(bool(torch.version.cuda), reason="with CUDA torch the process would compile")
+def test_the_background_builder_runs_as_a_module_and_removes_its_marker(tmp_path):
+    import subprocess
+
+    marker = tmp_path / "tracelog-x.so.building"
+    marker.write_text("")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(tracelog.__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphsan.cuda.tracelog", "--marker", str(marker)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == "graphsan tracelog: error: torch is not built with CUDA\n"
+    assert not marker.exists()
 
 
 def _model_watch(monkeypatch) -> tuple[ModelAllocator, AllocatorWatch, FakeLog]:

@@ -142,7 +142,7 @@ _SAID: list[str] = []
 
 def _say_fallback(reason: str | None) -> None:
     """A fallback the user did not ask for is said once per process, in one line."""
-    if reason is None or reason in (f"{tracelog.ENV}=0", tracelog.OPT_IN) or _SAID:
+    if reason is None or reason in (f"{tracelog.ENV}=0", tracelog.BUILDING) or _SAID:
         return
     _SAID.append(reason)
     sys.stderr.write(

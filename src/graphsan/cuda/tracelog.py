@@ -7,8 +7,11 @@ happens (memory history on or off), and a drain costs the events since the last 
 
 The tracker is built on first use with the system C++ compiler against the installed torch's
 headers (no pybind, no torch extension machinery), cached under `$XDG_CACHE_HOME/graphsan` keyed
-by the torch build and the source, and loaded with ctypes. It is opt-in for now:
-`GRAPHSAN_TRACELOG=1` turns it on, `0` or unset leaves it off.
+by the torch build and the source, and loaded with ctypes. It is on by default: with the library
+in the cache it is loaded at once; with a cold cache the run starts the build in a background
+process (for the runs after it) and reads snapshots itself, so no run waits for the compiler
+unasked. `GRAPHSAN_TRACELOG=1` waits for the build instead, `0` turns the tracker off, and
+`python -m graphsan.cuda.tracelog` builds it ahead (an image's build step).
 Anything that fails on the way (no compiler, no CUDA headers, a build or load error, a missing
 symbol, another allocator backend) leaves `open_log()` returning no log and one line saying why;
 the caller then reads the log from snapshots as before.
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,9 +39,11 @@ from graphsan.cuda import gputrace
 from graphsan.cuda.gputrace import GpuTrace
 
 ENV = "GRAPHSAN_TRACELOG"
-# Opt-in: its GPU tests pass on the H200, but under fault injection a view fed by it gave false
-# "freed" alarms that the snapshot path does not (docs/coverage.md, "The compiled tracker").
-OPT_IN = f"{ENV} unset: the compiled tracker is opt-in ({ENV}=1)"
+# the reason of a run that found the cache cold and left the compile to a background process
+BUILDING = (
+    "the compiled tracker is being built for the runs after this one "
+    f"(python -m graphsan.cuda.tracelog builds it ahead; {ENV}=1 waits for it)"
+)
 HERE = os.path.dirname(os.path.abspath(__file__))
 # built into one library; without the second where PyTorch's headers do not fit it
 SOURCES = (os.path.join(HERE, "tracelog.cpp"), os.path.join(HERE, "gputrace.cpp"))
@@ -325,12 +331,10 @@ def open_log() -> tuple[TraceLog | None, str | None]:
 
 def _open() -> TraceLog:
     setting = os.environ.get(ENV, "").strip()
-    if setting == "":
-        raise BuildError(OPT_IN)
     if setting == "0":
         raise BuildError(f"{ENV}=0")
-    if setting != "1":
-        raise BuildError(f"{ENV}={setting!r}: expected 0 (off) or 1 (on)")
+    if setting not in ("", "1"):
+        raise BuildError(f"{ENV}={setting!r}: expected 0 (off) or 1 (on, waiting for the build)")
     import torch
 
     if not torch.version.cuda:
@@ -338,7 +342,7 @@ def _open() -> TraceLog:
     backend = torch.cuda.get_allocator_backend()
     if backend != "native":
         raise BuildError(f"the allocator backend is {backend}, not native")
-    log, c10_cuda = for_this_torch()
+    log, c10_cuda = for_this_torch(wait=setting == "1")
     torch.cuda.init()  # the allocator makes its per-device state here; trackers attach to it
     err = ctypes.create_string_buffer(512)
     if log.lib.gs_tracelog_attach(c10_cuda.encode(), err, len(err)) != 0:
@@ -352,9 +356,10 @@ def torch_lib_dir() -> str:
     return os.path.join(os.path.dirname(torch.__file__), "lib")
 
 
-def for_this_torch() -> tuple[TraceLog, str]:
+def for_this_torch(wait: bool = True) -> tuple[TraceLog, str]:
     """The library for the installed torch and this Python, from the cache or built into it now
-    (no GPU needed), and the path of the libc10_cuda it attaches to. Raises BuildError."""
+    (no GPU needed; `wait=False`: built by a background process, raising BuildError(BUILDING)),
+    and the path of the libc10_cuda it attaches to. Raises BuildError."""
     import torch
 
     if not torch.version.cuda:
@@ -366,7 +371,7 @@ def for_this_torch() -> tuple[TraceLog, str]:
     abi = int(torch.compiled_with_cxx11_abi())
     python = "py{}.{}".format(*sys.version_info[:2])  # the GPU trace links to the interpreter
     key = f"{torch.__version__} {torch.version.git_version} abi{abi} {python}"
-    return obtain(key, lib_dir, abi), c10_cuda
+    return obtain(key, lib_dir, abi, wait=wait), c10_cuda
 
 
 def obtain(
@@ -374,9 +379,12 @@ def obtain(
     lib_dir: str,
     abi: int,
     libs: Sequence[str] = ("c10_cuda", "c10"),
+    wait: bool = True,
 ) -> TraceLog:
     """The tracker for this torch build, from the cache or built into it now, loaded (not
-    attached). Raises BuildError."""
+    attached); `wait=False` leaves a build to a background process (`start_background_build`)
+    and raises BuildError(BUILDING). A failed build is remembered beside the library, so that
+    later runs say why instead of compiling again. Raises BuildError."""
     source = b""
     for path in SOURCES:
         try:
@@ -397,6 +405,35 @@ def obtain(
     cuda = cuda_include_dirs()
     if not cuda:
         raise BuildError("no CUDA headers (cuda_runtime_api.h): set CUDA_HOME")
+    if not wait:
+        failed = _read_failed(target)
+        if failed:
+            raise BuildError(
+                f"the compiled tracker's build failed: {failed} "
+                "(python -m graphsan.cuda.tracelog tries again)"
+            )
+        start_background_build(target)
+        raise BuildError(BUILDING)
+    try:
+        log = _build_and_load(target, partial, cxx, cuda, lib_dir, abi, libs)
+    except BuildError as err:
+        with contextlib.suppress(OSError), open(target + ".failed", "w") as fh:
+            fh.write(str(err))
+        raise
+    with contextlib.suppress(OSError):
+        os.unlink(target + ".failed")
+    return log
+
+
+def _build_and_load(
+    target: str,
+    partial: str,
+    cxx: str,
+    cuda: list[str],
+    lib_dir: str,
+    abi: int,
+    libs: Sequence[str],
+) -> TraceLog:
     from torch.utils.cpp_extension import include_paths
 
     includes, defines = [*include_paths(), *cuda], [f"_GLIBCXX_USE_CXX11_ABI={abi}"]
@@ -416,6 +453,49 @@ def obtain(
             fh.write(why)
     build(partial, cxx, includes, lib_dir, libs, defines, SOURCES[:1])
     return load(partial, why)
+
+
+def start_background_build(target: str) -> None:
+    """Build `target` in a process of its own (`python -m graphsan.cuda.tracelog`), detached, so
+    that it finishes even when this run ends first; one build at a time per library, however
+    many ranks start at once (a marker file, taken over once older than a build may run)."""
+    marker = target + ".building"
+    try:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - os.path.getmtime(marker) > BUILD_TIMEOUT_S + 60:
+                os.unlink(marker)  # its builder died without cleaning up
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except OSError:
+        return  # another run is building it, or the cache cannot be written (the build would fail)
+    package_root = os.path.dirname(os.path.dirname(HERE))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    try:
+        _BACKGROUND.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "graphsan.cuda.tracelog", "--marker", marker],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C for the run is not one for the build
+            )
+        )
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(marker)
+
+
+_BACKGROUND: list[subprocess.Popen] = []
+
+
+def _read_failed(target: str) -> str | None:
+    try:
+        with open(target + ".failed") as fh:
+            return fh.read().strip() or "unknown"
+    except OSError:
+        return None
 
 
 def _without_trace() -> str | None:
@@ -442,12 +522,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m graphsan.cuda.tracelog", description=main.__doc__.split(":", 1)[1].strip()
     )
-    parser.parse_args(argv)
+    parser.add_argument(
+        "--marker", help=argparse.SUPPRESS
+    )  # a background build's, removed at the end
+    args = parser.parse_args(argv)
     try:
         log, _ = for_this_torch()
     except BuildError as err:
         print(f"graphsan tracelog: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        if args.marker:
+            with contextlib.suppress(OSError):
+                os.unlink(args.marker)
     trace = log.gpu_trace
     with_trace = "with" if isinstance(trace, GpuTrace) else f"without ({trace})"
     print(f"graphsan tracelog: {log.path}, {with_trace} the GPU trace")
