@@ -1,7 +1,7 @@
 """Benchmark QuantLinear (and the grouped experts' GroupedQuantLinear) forward+backward against a
 bf16 `nn.Linear` (CUDA only); prints one ratio table with every GEMM path.
 
-    PYTHONPATH=src python3 bench/bench_quant_linear.py [--size 8192] [--iters 10]
+    PYTHONPATH=src python3 bench/bench_quant_linear.py [--size 8192] [--iters 10] [--profile]
 
 x [size, size] bf16, weight [size, size]; one eager step (forward, backward into main_grad)
 timed alone between two CUDA events, the median of the runs. Per quantized recipe three GEMM
@@ -11,6 +11,8 @@ the packed operands), and "torch" (GRAPHSAN_NO_TRITON=1: the torch reference for
 dequantization, what the emulation cost before the kernels). Targets (issue 18): NVFP4 at most
 2.5x and MXFP8 at most 1.8x of nn.Linear. The grouped rows run GroupedQuantLinear with GROUPS
 equal experts of [size/2, size/2] weights over the same rows, against its own bf16 recipe.
+`--profile` then prints, per quantized recipe on the default path, where one step's device time
+goes (torch.profiler, kernels grouped by name, the largest first).
 """
 
 from __future__ import annotations
@@ -109,10 +111,42 @@ def quant_linear_table(n: int, iters: int) -> None:
         torch.cuda.empty_cache()
 
 
+def profile_table(n: int, top: int = 12) -> None:
+    """Per quantized recipe (default GEMM path), one step's device time by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda")
+    xg = torch.randn(n, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    for name in ("mxfp8", "nvfp4"):
+        lin = QuantLinear(n, n, device=dev)
+        lin.set_recipe(get_recipe(name))
+        for _ in range(3):
+            xg.grad = None
+            lin(xg).backward(dy)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                xg.grad = None
+                lin(xg).backward(dy)
+            torch.cuda.synchronize()
+        rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+        rows.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.self_device_time_total for e in rows) / 3 / 1e3
+        print(f"\nprofile, QuantLinear {lin.recipe.describe()}: {total:.2f} ms of kernels a step")
+        print("| kernel | ms/step | calls/step |")
+        print("|---|---|---|")
+        for e in rows[:top]:
+            print(f"| {e.key[:90]} | {e.self_device_time_total / 3 / 1e3:.3f} | {e.count / 3:g} |")
+        del lin
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="then each recipe's kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant_linear: needs CUDA")
@@ -125,6 +159,8 @@ def main() -> None:
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
     )
     quant_linear_table(args.size, args.iters)
+    if args.profile:
+        profile_table(args.size)
 
 
 if __name__ == "__main__":

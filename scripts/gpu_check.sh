@@ -9,7 +9,8 @@
 #   (tracker: the compiled allocator tracker's GPU tests; overhead: a profile of a graphed training
 #   step under graphsan and the bench without allocation stacks; ranks: issue 16 on two GPUs)
 #   (quant: the Triton kernel tests and bench_quant; quantlinear: bench_quant_linear; train: bench_train; sweep: the kernels'
-#   launch parameters; scale: capture cost against live blocks, bench_capture_scale)
+#   launch parameters; scale: capture cost against live blocks, bench_capture_scale;
+#   capture-profile: a cProfile of one process of its scale run)
 # One-off investigations (case 1 with synchronous launches, wider Mamba workspaces) are in
 # scripts/investigations.sh.
 set -o pipefail
@@ -36,9 +37,9 @@ for part in ${*:-tests}; do
       GRAPHSAN_TRACELOG=0 timeout 540 python3 bench/bench_faults.py --trials 1000 --workers 16 \
         --time-limit 450 --seed "${FAULTS_SEED:-0}" --json "$OUT/faults-snapshot.json" 2>&1 \
         | tee "$OUT/faults-snapshot.log" | tail -40 ;;
-    quantlinear)
-      timeout 300 python3 bench/bench_quant_linear.py --iters 10 2>&1 \
-        | tee "$OUT/bench_quant_linear.log" | tail -16 ;;
+    quantlinear)  # then where a step's device time goes, per recipe (--profile)
+      timeout 300 python3 bench/bench_quant_linear.py --iters 10 --profile 2>&1 \
+        | tee "$OUT/bench_quant_linear.log" | tail -50 ;;
     example)
       timeout 60 python3 examples/stale_input.py > "$OUT/example_off.log" 2>&1; echo "without graphsan: exit $?"
       grep -m1 -o "an illegal memory access[^.]*" "$OUT/example_off.log"
@@ -60,6 +61,12 @@ for part in ${*:-tests}; do
       timeout 240 python3 bench/tile_sweep.py --iters 10 2>&1 | tee "$OUT/tile_sweep.log" | tail -50 ;;
     scale)  # capture cost against live blocks and graph count (GRAPHSAN_TRACELOG=0: snapshots)
       timeout 330 python3 bench/bench_capture_scale.py 2>&1 | tee "$OUT/bench_capture_scale.log" | tail -22 ;;
+    capture-profile)  # a cProfile of one graphsan process of the scale run (record, 20k blocks)
+      timeout 120 python3 -m cProfile -o "$OUT/capture.prof" bench/bench_capture_scale.py \
+        --child record --n-blocks 20000 --n-graphs 300 --n-nodes 100 > "$OUT/capture-child.log" 2>&1
+      python3 -c 'import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats("tottime").print_stats(30); s.sort_stats("cumulative").print_stats(45)' \
+        "$OUT/capture.prof" > "$OUT/capture-profile.txt" 2>&1
+      grep -m1 RESULT "$OUT/capture-child.log"; head -70 "$OUT/capture-profile.txt" | tail -40 ;;
     tracker)  # the compiled tracker against real snapshots, and the sanitizer's GPU tests with
       # frees and allocation sites through its GPU-trace interpreter (waiting for its build)
       GRAPHSAN_TRACELOG=1 timeout 330 python3 -m pytest -q tests/test_gpu_allocview.py \
@@ -78,6 +85,7 @@ for part in ${*:-tests}; do
     overhead)  # where a training step's time goes under graphsan (docs/PERF.md, Sanitizer)
       bash scripts/diag_replay.sh 2>&1 | tee "$OUT/overhead.log" | tail -45 ;;
     *) echo "unknown part $part (tests, sanitizer-tests, lab-tests, faults, example, repro, bench," \
-         "quant, quantlinear, train, sweep, scale, tracker, overhead, ranks, faults-snapshot)" ;;
+         "quant, quantlinear, train, sweep, scale, tracker, overhead, ranks, faults-snapshot," \
+         "capture-profile)" ;;
   esac
 done
