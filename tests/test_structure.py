@@ -225,3 +225,27 @@ def test_a_main_guard_comes_after_everything_it_may_call():
     assert late == []
     broken = ast.parse('if __name__ == "__main__":\n    main()\n\ndef main():\n    pass\n')
     assert not _main_guard_is_last(broken)
+
+
+def test_every_file_the_package_reads_is_shipped():
+    """A wheel (`pip install .`, not -e) carries only what package-data names: a source file of
+    the compiled tracker left out turns the tracker off in every such install."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11's")
+
+    with open(SRC.parent / "pyproject.toml", "rb") as fh:
+        package_data = tomllib.load(fh)["tool"]["setuptools"]["package-data"]
+    missing = []
+    for path in sorted((SRC / "graphsan").rglob("*")):
+        if not path.is_file() or path.suffix in (".py", ".pyc"):
+            continue
+        rel = path.relative_to(SRC)
+        packages = [".".join(rel.parts[:i]) for i in range(len(rel.parts) - 1, 0, -1)]
+        if not any(
+            fnmatch.fnmatch(str(rel.relative_to(*pkg.split("."))), pattern)
+            for pkg in packages
+            for pattern in package_data.get(pkg, ())
+        ):
+            missing.append(str(rel))
+    assert not missing, f"not in pyproject's package-data, so not in a wheel: {missing}"
