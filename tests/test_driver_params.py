@@ -91,7 +91,7 @@ def test_a_kernel_node_is_read_through_its_function_layout(monkeypatch):
     info = driver.FunctionInfo("axpy", layout, 24, (0, 8, 16), ctypes.c_void_p * 3)
     asked = []
     monkeypatch.setattr(
-        driver, "_function_info", lambda h, is_kernel: asked.append((h, is_kernel)) or info
+        driver, "function_info", lambda h, is_kernel: asked.append((h, is_kernel)) or info
     )
     node = types.SimpleNamespace(
         func=0x1234, kern=0, kernelParams=ctypes.addressof(params), extra=0

@@ -24,6 +24,7 @@ ALLOWED = {
         "graphsan.report.timeline",
         "graphsan.cuda.tracelog",  # the allocator watch's compiled event source
         "graphsan.cuda.gputrace",  # the same library's GPU-trace interpreter
+        "graphsan.cuda.graphwalk",  # the same library's walk of a graph being captured
     ),
     "graphsan.capture": ("graphsan.core", "graphsan.cuda", "graphsan.report.timeline"),
 }

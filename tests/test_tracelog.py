@@ -421,7 +421,7 @@ def test_before_python_3_11_the_library_is_the_tracker_alone(tmp_path, fake_cxx,
         tracelog, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
     )
     tracelog.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
-    (built,) = fake_cxx()  # one compile: tracelog.cpp alone
+    (built,) = fake_cxx()  # one compile: the tracker and the walk, without the GPU trace
     assert "-notrace.so" in built
     assert loaded[0][1] == "the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)"
 

@@ -79,12 +79,26 @@ class CaptureAnalysis:
         self.table_budget = TABLE_BUDGET
 
     def walk(self) -> Walk:
-        """Read the graph being captured on the current stream (call before `capture_end`)."""
+        """Read the graph being captured on the current stream (call before `capture_end`):
+        through graphsan's library where it is loaded, else (or where it fails on this graph)
+        through cuda-bindings."""
         from graphsan.cuda import driver
+        from graphsan.cuda.graphwalk import WalkError
 
         t0 = time.perf_counter()
         handle = driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
+        compiled = self.memory.graph_walk()
+        if compiled is not None:
+            try:
+                nodes, stats = compiled.walk(int(handle), _describe)
+                stats.source = "compiled"
+                return Walk(nodes, stats, time.perf_counter() - t0)
+            except WalkError as err:
+                why = f"cuda-bindings (the compiled walk failed: {err})"
+        else:
+            why = "cuda-bindings"
         nodes, stats = driver.walk(handle)
+        stats.source = why
         return Walk(nodes, stats, time.perf_counter() - t0)
 
     def ended(
@@ -179,6 +193,14 @@ class CaptureAnalysis:
             keep = [r for r in refs if r.through not in words or r.address in words[r.through]]
             if len(keep) != len(refs):
                 self.tracker.retain(state.info.id, addr, keep)
+
+
+def _describe(handle: int, is_kernel: bool) -> tuple[str, tuple[int, ...]]:
+    """A kernel's demangled name and parameter offsets, looked up once per function."""
+    from graphsan.cuda import driver
+
+    info = driver.function_info(handle, is_kernel)
+    return info.name, info.offsets
 
 
 def _read_tables(spans: list[tuple[int, int]]) -> list[bytes]:

@@ -42,7 +42,7 @@ with torch.cuda.graph(g, stream=stream):
         out["kernels"] += 1
         _, p = drv.cuGraphKernelNodeGetParams(node)
         func, kern = int(p.func), int(p.kern)
-        info = driver._function_info(func, False) if func else driver._function_info(kern, True)
+        info = driver.function_info(func, False) if func else driver.function_info(kern, True)
         if not int(p.kernelParams) or not info.layout:
             continue
         out["with_params"] += 1

@@ -116,6 +116,9 @@ class WalkStats:
     copies: int = 0
     unreadable: int = 0
     child_graphs: int = 0
+    # what read the graph: "compiled" (graphsan's library) or "cuda-bindings" (with the reason
+    # where the compiled walk was there but failed on this graph)
+    source: str = "cuda-bindings"
 
 
 class Reference(NamedTuple):
@@ -311,6 +314,7 @@ class GraphStats:
             "copies": self.walk.copies,
             "unreadable_nodes": self.walk.unreadable,
             "child_graphs": self.walk.child_graphs,
+            "walk": self.walk.source,
             "references": c.references,
             "watched_blocks": self.watched_blocks,
             "default": c.default,

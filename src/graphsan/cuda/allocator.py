@@ -49,6 +49,7 @@ from graphsan.core.records import DEFAULT_POOL, Frame, FreeEvent, PoolId, Releas
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import tracelog
 from graphsan.cuda.gputrace import GpuTrace
+from graphsan.cuda.graphwalk import GraphWalk
 from graphsan.report.timeline import Timeline
 
 # Trace entries kept between two drains; more than this and the history overwrites the oldest (the
@@ -237,6 +238,13 @@ class AllocatorWatch:
         self.trace: GpuTrace | None = None
         self.trace_reason: str | None = None  # why PyTorch's trace is used instead
         self._arriving: set[int] = set()  # the blocks the capture being added is about to watch
+
+    def graph_walk(self) -> GraphWalk | None:
+        """The tracker library's graph walk, where the library is loaded and found the driver
+        (`TraceLog.graph_walk`); None: the walk goes through cuda-bindings."""
+        if self.log is None:
+            return None
+        return self.log.graph_walk()[0]
 
     @property
     def allocator_log(self) -> str | None:

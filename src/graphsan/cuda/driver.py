@@ -147,7 +147,7 @@ def _read_kernel(node, index: int) -> KernelArgs:
     p = _check(drv.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
     func = int(p.func)
     kern = 0 if func else int(p.kern)
-    info = _function_info(func, False) if func else _function_info(kern, True) if kern else None
+    info = function_info(func, False) if func else function_info(kern, True) if kern else None
     if info is None:
         info = FunctionInfo("<unknown kernel>", (), 0, ())
     kp = int(p.kernelParams)
@@ -219,7 +219,7 @@ class FunctionInfo(NamedTuple):
 
 
 @functools.lru_cache(maxsize=65536)
-def _function_info(handle: int, is_kernel: bool) -> FunctionInfo:
+def function_info(handle: int, is_kernel: bool) -> FunctionInfo:
     """Demangled name and parameter layout of a CUfunction or CUkernel."""
     if is_kernel:
         h, get_name, get_param = drv.CUkernel(handle), drv.cuKernelGetName, drv.cuKernelGetParamInfo

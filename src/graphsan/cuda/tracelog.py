@@ -35,8 +35,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from graphsan.cuda import gputrace
+from graphsan.cuda import gputrace, graphwalk
 from graphsan.cuda.gputrace import GpuTrace
+from graphsan.cuda.graphwalk import GraphWalk
 
 ENV = "GRAPHSAN_TRACELOG"
 # the reason of a run that found the cache cold and left the compile to a background process
@@ -45,8 +46,10 @@ BUILDING = (
     f"(python -m graphsan.cuda.tracelog builds it ahead; {ENV}=1 waits for it)"
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
-# built into one library; without the second where PyTorch's headers do not fit it
-SOURCES = (os.path.join(HERE, "tracelog.cpp"), os.path.join(HERE, "gputrace.cpp"))
+# built into one library: the tracker, the graph walk (graphwalk.cpp, needing only cuda.h) and
+# the GPU trace, which is left out where PyTorch's headers do not fit it (TRACKER_SOURCES)
+SOURCES = tuple(os.path.join(HERE, f) for f in ("tracelog.cpp", "graphwalk.cpp", "gputrace.cpp"))
+TRACKER_SOURCES = SOURCES[:2]
 # The events tracelog.cpp keeps, by its action code (the others change nothing the view holds).
 ACTIONS = (
     "alloc",
@@ -73,6 +76,16 @@ class TraceLog:
         # the same library's GPU-trace interpreter (gputrace.cpp), or why it was built without
         self.gpu_trace = gpu_trace
         self._lock = threading.Lock()  # a drain's batch lives in the library until the next drain
+        self._walk: GraphWalk | str | None = None
+
+    def graph_walk(self) -> tuple[GraphWalk | None, str | None]:
+        """The same library's walk of a graph being captured (graphwalk.cpp), bound on first
+        use (it looks the driver's functions up then); or why not."""
+        if self._walk is None:
+            self._walk = graphwalk.bind(self.lib)
+        if isinstance(self._walk, str):
+            return None, self._walk
+        return self._walk, None
 
     def enable(self, on: bool) -> None:
         """Start recording from an empty buffer, or stop (the buffer is emptied)."""
@@ -304,7 +317,7 @@ def build_unattached(folder: str) -> TraceLog:
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = int(torch.compiled_with_cxx11_abi())
     why = _without_trace()
-    sources = SOURCES if why is None else SOURCES[:1]
+    sources = SOURCES if why is None else TRACKER_SOURCES
     build(target, cxx, includes, lib_dir, ["c10"], [f"_GLIBCXX_USE_CXX11_ABI={abi}"], sources)
     return load(target, why)
 
@@ -393,7 +406,7 @@ def obtain(
         except OSError as err:
             raise BuildError(f"cannot read {path}: {err.strerror}") from None
     target = os.path.join(cache_dir(), library_name(source, torch_build))
-    # tracelog.cpp alone where the full build failed; the .why file says why
+    # the tracker and the walk alone where the GPU trace failed to build; the .why file says why
     partial = target[: -len(".so")] + "-notrace.so"
     if os.path.isfile(target):
         return load(target)
@@ -451,7 +464,7 @@ def _build_and_load(
         os.makedirs(os.path.dirname(partial), exist_ok=True)
         with open(partial + ".why", "w") as fh:  # before the library, which readers look for
             fh.write(why)
-    build(partial, cxx, includes, lib_dir, libs, defines, SOURCES[:1])
+    build(partial, cxx, includes, lib_dir, libs, defines, TRACKER_SOURCES)
     return load(partial, why)
 
 
