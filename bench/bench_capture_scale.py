@@ -11,9 +11,12 @@ Two runs, each variant (off, record, raise) in its own fresh process:
   blocks, then every graph replayed.
 Per variant: the first capture, the median capture, the whole capture phase, the replay round,
 the allocation phase and the resident memory; ratios are to "off". The capture analysis split by
-stage comes from graphsan's own report; the last column says where graphsan read the allocator's
-events (the compiled tracker, graphsan's default, built into the cache before the first run; or
-snapshots and why; `GRAPHSAN_TRACELOG=0` forces snapshots).
+stage comes from graphsan's own report (the median graph, the first capture aside: it seeds the
+allocator view); the last columns say where graphsan read the allocator's events (the compiled
+tracker, graphsan's default, built into the cache before the first run; or snapshots and why;
+`GRAPHSAN_TRACELOG=0` forces snapshots) and what walked the graphs. `--repeats N` runs every
+variant in N processes, interleaved, and gives the median of each number: processes of one
+variant differ by up to a third on the H200's host.
 """
 
 from __future__ import annotations
@@ -82,11 +85,14 @@ def child(args: argparse.Namespace) -> None:
         del del_me
     pair_us = (time.perf_counter() - t0) / 20_000 * 1e6
     stages: dict[str, float] = {}
-    if san is not None:
-        for st in san.report().graphs:
-            for k, v in st.get("analysis_ms_by_stage", {}).items():
-                stages[k] = stages.get(k, 0.0) + v
-        stages = {k: v / max(len(captured), 1) for k, v in stages.items()}
+    walks: dict[str, int] = {}
+    if san is not None:  # the median graph of each stage, the first capture (the seed) aside
+        per_graph = san.report().graphs
+        for st in per_graph:
+            walks[st.get("walk", "?")] = walks.get(st.get("walk", "?"), 0) + 1
+        later = per_graph[1:] or per_graph
+        for k in later[0].get("analysis_ms_by_stage", {}) if later else ():
+            stages[k] = statistics.median(st["analysis_ms_by_stage"][k] for st in later)
     out = {
         "enable_s": enable_s,
         "alloc_s": alloc_s,
@@ -100,6 +106,7 @@ def child(args: argparse.Namespace) -> None:
         "stages_ms": stages,
         "disabled": san.disabled_reason if san is not None else None,
         "allocator_log": san.memory.allocator_log if san is not None else None,
+        "walks": walks,
         "findings": len(san.findings) if san is not None else 0,
         "kernel_nodes": sum(s.get("kernels", 0) for s in san.report().graphs) if san else None,
     }
@@ -118,15 +125,37 @@ def run(variant: str, blocks: int, graphs: int, nodes: int) -> dict:
     raise SystemExit(f"{variant} at {blocks} blocks failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
 
 
+def repeated(variants: list[tuple[str, tuple]], repeats: int) -> list[tuple[str, dict]]:
+    """Each (name, run arguments) in `repeats` processes, interleaved; per name the median of
+    every number over its processes (stages too), the rest from the first."""
+    runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
+    for _ in range(repeats):
+        for name, argv in variants:
+            runs[name].append(run(*argv))
+    out = []
+    for name, rs in runs.items():
+        merged = dict(rs[0])
+        for k, v in rs[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                merged[k] = statistics.median(r[k] for r in rs)
+        merged["stages_ms"] = {
+            k: statistics.median(r["stages_ms"][k] for r in rs) for k in rs[0]["stages_ms"]
+        }
+        merged["findings"] = max(r["findings"] for r in rs)
+        merged["disabled"] = next((r["disabled"] for r in rs if r["disabled"]), None)
+        out.append((name, merged))
+    return out
+
+
 def table(title: str, rows: list[tuple[str, dict]]) -> None:
     base = {k: v for k, v in rows if k.endswith("off")}
     print(f"\n{title}")
     print(
         "| run | first capture ms | median capture ms | vs off | capture phase s | vs off "
         "| replay round ms | vs off | alloc phase s | alloc+free us | RSS MB | segments "
-        "| analysis ms/graph by stage | allocator log |"
+        "| analysis ms/graph by stage (median) | allocator log | graph walk |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, r in rows:
         off = base[key.rsplit(" ", 1)[0] + " off"]
         stages = ", ".join(f"{k} {v:.3f}" for k, v in r["stages_ms"].items()) or "-"
@@ -136,7 +165,8 @@ def table(title: str, rows: list[tuple[str, dict]]) -> None:
             f"| {r['phase_s'] / off['phase_s']:.2f}x | {r['replay_ms']:.3f} "
             f"| {r['replay_ms'] / off['replay_ms']:.4f} | {r['alloc_s']:.2f} | {r['pair_us']:.1f} "
             f"| {r['rss_mb']:.0f} | {r.get('segments', '-')} "
-            f"| {stages} | {r.get('allocator_log') or '-'} |"
+            f"| {stages} | {r.get('allocator_log') or '-'} "
+            f"| {', '.join(f'{k} x{n}' for k, n in r.get('walks', {}).items()) or '-'} |"
         )
         if r["disabled"] or r["findings"]:
             print(f"  ! {key}: disabled={r['disabled']} findings={r['findings']}")
@@ -149,6 +179,7 @@ def main() -> None:
     p.add_argument("--scale-graphs", type=int, default=1000)
     p.add_argument("--scale-nodes", type=int, default=100)
     p.add_argument("--scale-blocks", type=int, default=20000)
+    p.add_argument("--repeats", type=int, default=1, help="processes per variant (median)")
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--n-blocks", type=int, help=argparse.SUPPRESS)
     p.add_argument("--n-graphs", type=int, help=argparse.SUPPRESS)
@@ -161,14 +192,25 @@ def main() -> None:
         counts = [int(x) for x in args.blocks.split(",") if x]
     except ValueError:
         p.error(f"--blocks: expected comma-separated integers, got {args.blocks!r}")
+    if args.repeats < 1:
+        p.error(f"--repeats: expected at least 1, got {args.repeats}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "bench_capture_scale: needs a CUDA GPU (torch.cuda.is_available() is False)"
+        )
     if os.environ.get("GRAPHSAN_TRACELOG", "").strip() != "0":
         # the compiled tracker into the cache first, so that no variant reads snapshots meanwhile
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
         subprocess.run([sys.executable, "-m", "graphsan.cuda.tracelog"], env=env, check=False)
-    sweep = [(f"{n} blocks {v}", run(v, n, args.graphs, 3)) for n in counts for v in VARIANTS]
-    table(f"Block sweep: {args.graphs} graphs of 3 kernel nodes", sweep)
+    sweep = repeated(
+        [(f"{n} blocks {v}", (v, n, args.graphs, 3)) for n in counts for v in VARIANTS],
+        args.repeats,
+    )
+    table(f"Block sweep: {args.graphs} graphs of 3 kernel nodes ({args.repeats} runs)", sweep)
     g, n, b = args.scale_graphs, args.scale_nodes, args.scale_blocks
-    scale = [(f"scale {v}", run(v, b, g, n)) for v in VARIANTS]
+    scale = repeated([(f"scale {v}", (v, b, g, n)) for v in VARIANTS], args.repeats)
     nodes = scale[1][1]["kernel_nodes"]
     table(f"Scale: {g} graphs of {n} kernel nodes ({nodes} kernel nodes seen), {b} blocks", scale)
 

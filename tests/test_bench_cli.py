@@ -64,3 +64,37 @@ def test_the_dispatch_model_refuses_a_bad_count():
     proc = bench("bench_trace_dispatch.py", "--batch", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("--batch must be positive, got 0")
+
+
+def test_the_capture_scale_bench_checks_its_repeats_and_says_it_needs_a_gpu():
+    proc = bench("bench_capture_scale.py", "--repeats", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith("--repeats: expected at least 1, got 0")
+    if not torch.cuda.is_available():
+        proc = bench("bench_capture_scale.py", "--blocks", "10")
+        assert proc.returncode == 1
+        assert proc.stderr.strip() == (
+            "bench_capture_scale: needs a CUDA GPU (torch.cuda.is_available() is False)"
+        )
+
+
+def test_the_capture_scale_bench_takes_the_median_of_its_processes(monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import bench_capture_scale as bcs
+    finally:
+        sys.path.pop(0)
+    calls = []
+
+    def fake_run(variant, blocks, graphs, nodes):
+        calls.append(variant)
+        k = len(calls)
+        return {"median_ms": float(k), "stages_ms": {"walk": 10.0 * k}, "findings": 0,
+                "disabled": None, "allocator_log": "tracker"}  # fmt: skip
+
+    monkeypatch.setattr(bcs, "run", fake_run)
+    rows = bcs.repeated([("a", ("off", 1, 1, 3)), ("b", ("record", 1, 1, 3))], 3)
+    assert calls == ["off", "record"] * 3  # interleaved
+    assert rows[0] == ("a", {"median_ms": 3.0, "stages_ms": {"walk": 30.0}, "findings": 0,
+                             "disabled": None, "allocator_log": "tracker"})  # fmt: skip
+    assert rows[1][1]["median_ms"] == 4.0

@@ -76,3 +76,26 @@ def test_a_graph_alone_in_its_pool_that_carved_nothing_makes_no_order():
     orders = ReplayOrders(tracker, site_frames=lambda site: [])
     capture(tracker, orders, 0, [B], [])
     assert orders.orders == {} and not orders.judges(tracker.live[B])
+
+
+def test_a_pools_first_capture_waits_until_the_order_needs_it():
+    tracker = Tracker()
+    orders = ReplayOrders(tracker, site_frames=lambda site: [])
+    g0 = capture(tracker, orders, 0, [B, C], [B, C])
+    order = orders.orders[(0, POOL)]
+    assert order.sequence == [] and g0.order is None  # alone: nothing to follow yet
+    assert orders.judges(tracker.live[B]) and order.sequence == [0]  # asked: registered
+    tracker2 = Tracker()
+    orders2 = ReplayOrders(tracker2, site_frames=lambda site: [])
+    capture(tracker2, orders2, 0, [B, C], [B, C])
+    g1 = capture(tracker2, orders2, 1, [C], [D])  # a second capture joins: both in order
+    order2 = orders2.orders[(0, POOL)]
+    assert order2.sequence == [0, 1] and g1.order is order2
+    assert tracker2.graphs[0].order is order2 and order2.reads[1][0][0].producer == 0
+    orders2.forget(0)
+    tracker3 = Tracker()
+    orders3 = ReplayOrders(tracker3, site_frames=lambda site: [])
+    capture(tracker3, orders3, 0, [B], [B])
+    orders3.forget(0)  # forgotten while alone: never registered
+    capture(tracker3, orders3, 1, [B], [B])
+    assert orders3.orders[(0, POOL)].sequence == []

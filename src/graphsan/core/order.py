@@ -101,8 +101,27 @@ class PoolOrder:
     # since the last restart the carvers replayed in capture order up to place `_reached`
     _in_order: bool = False
     _reached: int = -1
+    # the pool's first capture, registered once a second one joins it or the order is asked
+    # about it: alone in its pool, a graph's replays cannot conflict (most pools are one graph's)
+    _pending: tuple | None = None
 
     # -- capture ------------------------------------------------------------------------------
+    def defer(
+        self, gid: GraphId, carved: list[tuple[DataPtr, int, object]], refs: list[Reference]
+    ) -> bool:
+        """Keep the pool's first capture for `add_graph` when the order next needs it; False
+        (nothing kept) for any later capture, which the caller adds at once."""
+        if self.sequence or self._pending is not None:
+            return False
+        self._pending = (gid, list(carved), tuple(refs))
+        return True
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            gid, carved, refs = self._pending
+            self._pending = None
+            self.add_graph(gid, carved, list(refs))
+
     def add_graph(
         self,
         gid: GraphId,
@@ -111,6 +130,7 @@ class PoolOrder:
     ) -> set[GraphId]:
         """Register capture `gid`: the ranges it carved ((address, size, site)) and its
         references. Returns the readers that a range they read can now be overwritten for."""
+        self._settle()
         self._place[gid] = len(self.sequence)
         self.sequence.append(gid)
         readers: set[GraphId] = set()
@@ -208,6 +228,10 @@ class PoolOrder:
     def forget(self, gid: GraphId) -> None:
         """The graph is gone: it reads nothing any more, and a pass in capture order goes on
         without it. (What it wrote stays written.)"""
+        if self._pending is not None and self._pending[0] == gid:
+            self._pending = None
+            return
+        self._settle()
         for w, _ in self.reads.pop(gid, ()):
             w.readers.discard(gid)
         # its readers read what no replay rewrites now: capture order no longer clears them
@@ -222,6 +246,7 @@ class PoolOrder:
     def judges(self, gid: GraphId, addr: DataPtr) -> bool:
         """Whether the order covers what `gid` does at `addr`: it reads there a range another
         graph of the pool carved, or it carved the range itself (its own output)."""
+        self._settle()
         if any(w.start <= addr < w.end for w, _ in self.reads.get(gid, ())):
             return True
         return any(
@@ -234,6 +259,7 @@ class PoolOrder:
         """Whether a replay of `gid` now is clean by capture order alone: the carvers have
         replayed in capture order since the last restart, every graph `gid` reads from among
         them, and none after `gid`'s place (or `gid` restarts the pass)."""
+        self._settle()
         if self._chain and gid == self._chain[0] and gid not in self._producers_up_to:
             return True
         return self._in_order and self._producers_up_to.get(
@@ -256,6 +282,7 @@ class PoolOrder:
 
     def replayed(self, gid: GraphId) -> None:
         """`gid` ran: it wrote every range it carves (it owns them until another writer runs)."""
+        self._settle()
         self.clock += 1
         self.last[gid] = self.clock
         i = self._link.get(gid)

@@ -59,6 +59,8 @@ class ReplayOrders:
             order = self.orders[key] = PoolOrder()
         if in_pool:
             order.carvers.add(info.id)
+        if order.defer(info.id, in_pool, refs):
+            return  # alone in its pool: registered when a second capture joins it
         graphs = self.tracker.graphs
         for gid in order.add_graph(info.id, in_pool, refs):
             g = graphs.get(gid)
