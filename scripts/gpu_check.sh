@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: the recurring checks named as arguments, each under its own time limit so
 # one slow part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes:
-#   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~8 min)
+#   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~8 min;
+#            tests-parallel: the same in 6 workers)
 #            or the halves: sanitizer-tests (~1.5 min), lab-tests (~6.5 min)
 #   call 2:  bash scripts/gpu_check.sh faults             (1,000 fault-injection trials, <= 8 min;
 #            faults-snapshot: the same with GRAPHSAN_TRACELOG=0)
@@ -24,6 +25,12 @@ for part in ${*:-tests}; do
   case $part in
     tests)
       timeout 580 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
+    tests-parallel)  # every GPU test in 6 workers (pytest-xdist, in the GPU image); a failure is
+      # run again alone, so that a test that only fails beside others shows as such
+      timeout 420 python3 -m pytest -q -m gpu tests -n 6 2>&1 | tee "$OUT/tests-parallel.log" | tail -15
+      if ! grep -qE "^[0-9]+ passed.* in " "$OUT/tests-parallel.log" || grep -qE "[0-9]+ (failed|error)" "$OUT/tests-parallel.log"; then
+        timeout 240 python3 -m pytest -q -m gpu tests --lf 2>&1 | tee "$OUT/tests-rerun.log" | tail -15
+      fi ;;
     sanitizer-tests)
       timeout 300 python3 -m pytest -q -m gpu tests --ignore=tests/lab -p no:cacheprovider 2>&1 \
         | tee "$OUT/sanitizer-tests.log" | tail -15 ;;
@@ -86,6 +93,6 @@ for part in ${*:-tests}; do
       bash scripts/diag_replay.sh 2>&1 | tee "$OUT/overhead.log" | tail -45 ;;
     *) echo "unknown part $part (tests, sanitizer-tests, lab-tests, faults, example, repro, bench," \
          "quant, quantlinear, train, sweep, scale, tracker, overhead, ranks, faults-snapshot," \
-         "capture-profile)" ;;
+         "capture-profile, tests-parallel)" ;;
   esac
 done
