@@ -32,7 +32,7 @@ control trials, nothing:
                   instead of filled with `copy_`: the callable keeps that very tensor and
                   copies each new input into it, but its forward graph reads the old storage
     internal-driver / internal-node
-                  graphsan's own driver walk fails, or returns a malformed node, during the
+                  graphsan's own graph walk fails, or returns a malformed node, during the
                   capture: graphsan must disable itself with one warning and training go on
 
 A fault counts as caught when the next replay that would use the stale memory raises
@@ -330,23 +330,41 @@ class Injector:
 
 
 def _patch_internal(kind: str):
-    """Make graphsan's own driver walk fail (or return a malformed node); returns an undo."""
+    """Make graphsan's own graph walk fail (or return a malformed node), the compiled walk and
+    the one through cuda-bindings alike; returns an undo."""
     from graphsan.core.records import KernelArgs
-    from graphsan.cuda import driver
+    from graphsan.cuda import driver, graphwalk
 
     if kind == "internal-driver":
-        name, orig = "walk", driver.walk
+        patches = [(driver, "walk"), (graphwalk.GraphWalk, "walk")]
 
-        def broken(graph):
+        def broken(*args):
             raise RuntimeError("injected: cuGraphGetNodes failed (CUDA_ERROR_INVALID_VALUE)")
-    else:
-        name, orig = "_read_kernel", driver._read_kernel
 
-        def broken(node, index):
+        replacements = [broken, broken]
+    else:
+        patches = [(driver, "_read_kernel"), (graphwalk, "parse")]
+        parse = graphwalk.parse
+
+        def broken_read(node, index):
             return KernelArgs(index, None, None, None)  # neither a name nor parameter bytes
 
-    setattr(driver, name, broken)
-    return lambda: setattr(driver, name, orig)
+        def broken_parse(raw, describe):
+            return [
+                KernelArgs(r.index, None, None, None) if isinstance(r, KernelArgs) else r
+                for r in parse(raw, describe)
+            ]
+
+        replacements = [broken_read, broken_parse]
+    saved = [getattr(owner, name) for owner, name in patches]
+    for (owner, name), new in zip(patches, replacements, strict=True):
+        setattr(owner, name, new)
+
+    def undo():
+        for (owner, name), old in zip(patches, saved, strict=True):
+            setattr(owner, name, old)
+
+    return undo
 
 
 def _healthy(torch) -> bool:

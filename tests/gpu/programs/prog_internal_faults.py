@@ -6,6 +6,7 @@ from _prelude import *  # noqa: F403
 
 import graphsan.cuda.driver as d
 from graphsan.core.records import CopyArgs, FreeEvent
+from graphsan.cuda.graphwalk import GraphWalk
 
 FAULT = os.environ.get("GRAPHSAN_FAULT", "node")
 
@@ -14,14 +15,18 @@ def boom(*args, **kwargs):
     raise RuntimeError(f"injected {FAULT} fault")
 
 
-if FAULT == "node":
-    walk = d.walk
+if FAULT == "node":  # from whichever walk reads the graph: the compiled one or cuda-bindings'
+    walk, compiled_walk = d.walk, GraphWalk.walk
 
     def malformed(graph):
         nodes, stats = walk(graph)
         return [*nodes, CopyArgs(len(nodes), "memcpy", [("src", None)])], stats
 
-    d.walk = malformed
+    def compiled_malformed(self, graph, describe):
+        nodes, stats = compiled_walk(self, graph, describe)
+        return [*nodes, CopyArgs(len(nodes), "memcpy", [("src", None)])], stats
+
+    d.walk, GraphWalk.walk = malformed, compiled_malformed
 
 torch.manual_seed(0)
 model = torch.nn.Linear(256, 256, device="cuda")
