@@ -84,7 +84,8 @@ def test_a_pools_first_capture_waits_until_the_order_needs_it():
     g0 = capture(tracker, orders, 0, [B, C], [B, C])
     order = orders.orders[(0, POOL)]
     assert order.sequence == [] and g0.order is None  # alone: nothing to follow yet
-    assert orders.judges(tracker.live[B]) and order.sequence == [0]  # asked: registered
+    assert order.judges(0, B + 8) and not order.judges(0, D)  # its own carves, still aside
+    assert order.sequence == [] and not order.judges(1, B) and order.sequence == [0]
     tracker2 = Tracker()
     orders2 = ReplayOrders(tracker2, site_frames=lambda site: [])
     capture(tracker2, orders2, 0, [B, C], [B, C])

@@ -246,6 +246,9 @@ class PoolOrder:
     def judges(self, gid: GraphId, addr: DataPtr) -> bool:
         """Whether the order covers what `gid` does at `addr`: it reads there a range another
         graph of the pool carved, or it carved the range itself (its own output)."""
+        if self._pending is not None and self._pending[0] == gid:
+            # alone in the pool it reads no other graph's range: only its own carves count
+            return any(a <= addr < a + n for a, n, _ in self._pending[1] if n > 0)
         self._settle()
         if any(w.start <= addr < w.end for w, _ in self.reads.get(gid, ())):
             return True
