@@ -450,3 +450,22 @@ def test_block_locality(seed, row, col):
         assert (diff[:, 0] == r).all() and (diff[:, 1] // 16 == c // 16).all()
         sdiff = (a.scale != b.scale).nonzero().tolist()
         assert sdiff in ([], [[r, c // 16]])
+
+
+def test_every_code_times_every_scale_byte_is_exact_in_bf16():
+    """The claim the dequantization kernels rest on (kernels/gemm.py): an E2M1 value times an
+    E4M3 scale, computed in float32, is a bf16 value, so its bf16 is the float32's high half: the
+    low 16 bits are zero for all 16 codes x 256 scale bytes (NaN scales, 0x7F and 0xFF, give
+    NaN whatever the code, zero included); and bf16 holds it exactly."""
+    from graphsan.lab.quant.elements import e2m1_decode, fp8_decode
+
+    codes = torch.arange(16, dtype=torch.uint8)
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    prod = e2m1_decode(codes)[:, None] * fp8_decode(scales, "e4m3")[None, :]
+    nan = torch.isnan(prod)
+    assert torch.equal(nan, ((scales & 0x7F) == 0x7F)[None, :].expand(16, 256))
+    finite = prod[~nan]
+    assert ((finite.view(torch.int32) & 0xFFFF) == 0).all()
+    assert torch.equal(finite.to(torch.bfloat16).float(), finite)
+    nonzero = finite[finite != 0].abs()
+    assert nonzero.min() == 2.0**-10 and nonzero.max() == 6 * 448
