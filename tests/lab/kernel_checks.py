@@ -190,3 +190,93 @@ def assert_gemm_operands_match(tk, device, shape):
         got, ref = tk.gemm_operand(q), gemm_operand_reference(q)
         assert got.dtype == torch.bfloat16 and got.shape == ref.shape
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), type(q).__name__
+
+
+# --- gemm_operand on chosen bytes ---------------------------------------------------------------
+
+
+def _bytes(shape, g, low=0, high=256):
+    return torch.randint(low, high, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+
+
+def _e8m0_mix(shape, g):
+    """E8M0 scale bytes: uniform, with about a third below 13 (where the bf16 values round),
+    a tenth 240-254 (products that overflow to inf) and a twentieth 0xFF (NaN)."""
+    s = _bytes(shape, g)
+    pick = torch.rand(shape, generator=g)
+    s = torch.where(pick < 0.33, _bytes(shape, g, 0, 13), s)
+    s = torch.where((pick >= 0.33) & (pick < 0.43), _bytes(shape, g, 240, 255), s)
+    return torch.where(pick >= 0.95, torch.full_like(s, 255), s)
+
+
+def random_byte_operands(device, seed, shape):
+    """NVFP4 and MXFP8 (E4M3, E5M2) operands of logical shape `shape` in both directions whose
+    data and scale bytes are random over all 256 values (not what a quantizer makes): every E2M1
+    code pair, E4M3 scales with NaN (0x7F, 0xFF), sign and subnormals, FP8 elements with NaN,
+    E5M2 inf and subnormals, E8M0 scales from `_e8m0_mix`; and for each format one operand
+    whose data rows are a slice of a wider buffer (not contiguous: the strided kernel)."""
+    from graphsan.lab.quant.tensors import MXFP8Tensor, NVFP4Tensor
+
+    g = torch.Generator().manual_seed(seed)
+    m, k = shape
+    ops = []
+    amax = torch.ones((), device=device)
+    for axis in (-1, 0):
+        rows, cols = (m, k) if axis != 0 else (k, m)
+        data, scale = _bytes((rows, cols // 2), g), _bytes((rows, cols // 16), g)
+        ops.append(NVFP4Tensor(data.to(device), scale.to(device), amax, axis, False, False))
+    wide = _bytes((m, k // 2 + 8), g).to(device)
+    scale = _bytes((m, k // 16), g).to(device)
+    ops.append(NVFP4Tensor(wide[:, 8:], scale, amax, -1, False, False))
+    for fmt in ("e4m3", "e5m2"):
+        data = _bytes((m, k), g).to(device)
+        ops.append(MXFP8Tensor(data, _e8m0_mix((m, k // 32), g).to(device), -1, fmt))
+        ops.append(MXFP8Tensor(data, _e8m0_mix((m // 32, k), g).to(device), 0, fmt))
+        wide = _bytes((m, k + 32), g).to(device)
+        ops.append(MXFP8Tensor(wide[:, :k], _e8m0_mix((m // 32, k), g).to(device), 0, fmt))
+    return ops
+
+
+def exhaustive_operands(device):
+    """Every element byte against every scale byte: NVFP4 with row r's 512 elements the 256
+    data bytes (all code pairs) and scale byte r; MXFP8 rowwise the same, 256 elements a row;
+    MXFP8 columnwise with column c's scale byte c and its 256 rows the 256 element bytes."""
+    from graphsan.lab.quant.tensors import MXFP8Tensor, NVFP4Tensor
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    rows = every.repeat(256, 1)  # [256, 256], row r = 0 .. 255
+    by_row = every[:, None]  # scale byte r for row r
+    amax = torch.ones((), device=device)
+    ops = [
+        NVFP4Tensor(
+            rows.to(device), by_row.expand(256, 32).contiguous().to(device), amax, -1, False, False
+        )
+    ]
+    for fmt in ("e4m3", "e5m2"):
+        ops.append(
+            MXFP8Tensor(rows.to(device), by_row.expand(256, 8).contiguous().to(device), -1, fmt)
+        )
+        cols = rows.t().contiguous().to(device)  # column c = the 256 bytes
+        ops.append(MXFP8Tensor(cols, every.repeat(8, 1).to(device), 0, fmt))
+    return ops
+
+
+def assert_gemm_operand_bits(tk, ops, where=""):
+    """`tk.gemm_operand` of each operand, with the kernel the launcher picks and with the
+    strided one, equals `gemm_operand_reference` bit for bit (NaN bits included)."""
+    from graphsan.lab.quant.linear import gemm_operand_reference
+
+    for n, q in enumerate(ops):
+        ref = gemm_operand_reference(q)
+        for strided in (False, True):
+            got = tk.gemm_operand(q, _strided=strided)
+            label = (where, n, type(q).__name__, getattr(q, "fmt", "e2m1"), q.axis, strided)
+            assert got.dtype == torch.bfloat16 and got.shape == ref.shape, label
+            bad = got.view(torch.int16) != ref.view(torch.int16)
+            if bad.any():
+                idx = bad.nonzero()[0].tolist()
+                g, r = got.view(torch.int16)[tuple(idx)], ref.view(torch.int16)[tuple(idx)]
+                raise AssertionError(
+                    f"{label}: {int(bad.sum())} elements differ, first at {idx}: "
+                    f"got 0x{int(g) & 0xFFFF:04x}, reference 0x{int(r) & 0xFFFF:04x}"
+                )

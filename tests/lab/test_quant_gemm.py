@@ -15,9 +15,12 @@ import torch
 from graphsan.lab.quant import get_recipe
 from graphsan.lab.quant.linear import quantized_mm_reference
 from tests.lab.kernel_checks import (
+    assert_gemm_operand_bits,
     assert_gemm_operands_match,
     assert_quantized_mm_matches,
+    exhaustive_operands,
     quantized_gemm_cases,
+    random_byte_operands,
 )
 
 pytestmark = [
@@ -52,6 +55,67 @@ def tk():
 
 def test_operand_preparation_equals_the_torch_dequantization(tk):
     assert_gemm_operands_match(tk, "cpu", (64, 160))
+
+
+# Launch tiles and small ones (several programs, partial last tiles); (64, 128) fills whole
+# tiles of the contiguous kernels at the launch tiles (their EVEN path), (96, 160) does not.
+SMALL_TILES = {
+    "DEQUANT_NVFP4_TILE": {"BLOCK": 256, "num_warps": 2},
+    "DEQUANT_MXFP8_ROW_TILE": {"BLOCK": 512, "num_warps": 2},
+    "DEQUANT_MXFP8_COL_TILE": {"R": 4, "num_warps": 1},
+    "DEQUANT_TILE": {"BP": 16, "BQ": 64, "num_warps": 2},
+}
+
+
+@pytest.mark.parametrize("tiles", ["launch", "small"])
+@pytest.mark.parametrize("shape", [(64, 128), (96, 160)])
+def test_operand_preparation_on_random_bytes(tk, tiles, shape, monkeypatch):
+    """Random data and scale bytes (every E2M1 pair, FP8 NaN, E5M2 inf, NaN and negative E4M3
+    scales, tiny and NaN E8M0 scales; a fresh seed each run, printed on failure), every
+    kernel, bit for bit."""
+    if tiles == "small":
+        for name, tile in SMALL_TILES.items():
+            monkeypatch.setattr(tk, name, tile)
+    seed = int.from_bytes(os.urandom(4), "little")
+    assert_gemm_operand_bits(tk, random_byte_operands("cpu", seed, shape), f"seed {seed}")
+
+
+def test_operand_preparation_every_element_and_scale_byte(tk):
+    """All 256 element bytes (NVFP4: code pairs) against all 256 scale bytes, each format and
+    direction."""
+    assert_gemm_operand_bits(tk, exhaustive_operands("cpu"))
+
+
+def test_operand_preparation_picks_the_contiguous_kernels(tk, monkeypatch):
+    """Contiguous data and scales run the NVFP4, MXFP8 rowwise and columnwise kernels; a data
+    slice (row stride wider than the row) and `_strided=True` the strided one."""
+    calls = []
+    names = ("dequant_nvfp4_kernel", "dequant_mxfp8_rows_kernel", "dequant_mxfp8_cols_kernel")
+    for name in names + ("dequant_kernel",):
+        monkeypatch.setattr(tk, name, _Recorder(name, calls))
+    ops = random_byte_operands("cpu", 0, (64, 128))
+    picked = []
+    for q in ops:
+        calls.clear()
+        tk.gemm_operand(q)
+        picked.append(calls[0])
+    assert (
+        picked
+        == [names[0], names[0], "dequant_kernel"] + [names[1], names[2], "dequant_kernel"] * 2
+    )
+    calls.clear()
+    tk.gemm_operand(ops[0], _strided=True)
+    assert calls == ["dequant_kernel"]
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](...)` records its name."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(self.name)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

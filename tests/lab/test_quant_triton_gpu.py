@@ -3,20 +3,25 @@ under CUDA-graph capture with the skip flag; no host syncs."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from graphsan.lab.quant import QuantLinear, get_recipe, mxfp8, nvfp4
 from tests.lab.kernel_checks import (
     STRIDED,
+    assert_gemm_operand_bits,
     assert_gemm_operands_match,
     assert_mxfp8_matches,
     assert_nvfp4_edges_match,
     assert_nvfp4_matches,
     assert_quantized_mm_matches,
     edge_inputs,
+    exhaustive_operands,
     mxfp8_inputs,
     nvfp4_edge_cases,
+    random_byte_operands,
 )
 
 pytestmark = pytest.mark.gpu
@@ -281,8 +286,24 @@ def test_quantlinear_triton_equals_reference_path(tk, monkeypatch):
         )
 
 
-def test_gemm_operand_preparation_matches_reference(tk):
+@pytest.mark.parametrize("path", FP8_PATHS)
+def test_gemm_operand_preparation_matches_reference(tk, path, monkeypatch):
+    use_fp8_path(tk, path, monkeypatch)
     assert_gemm_operands_match(tk, "cuda", (256, 640))
+
+
+@pytest.mark.parametrize("path", FP8_PATHS)
+def test_gemm_operand_bits_on_random_and_every_byte(tk, path, monkeypatch):
+    """The compiled dequantization kernels (contiguous and strided; MXFP8 with the hardware FP8
+    and bf16 conversions and with bit fields) against the torch dequantization on CUDA, bit for
+    bit, NaN included: random data and scale bytes at shapes that fill the launch tiles exactly
+    (no masks) and that do not, and every element byte against every scale byte."""
+    use_fp8_path(tk, path, monkeypatch)
+    for shape in [(256, 640), (1024, 4096), (96, 160)]:
+        seed = int.from_bytes(os.urandom(4), "little")
+        ops = random_byte_operands("cuda", seed, shape)
+        assert_gemm_operand_bits(tk, ops, f"{shape} seed {seed}")
+    assert_gemm_operand_bits(tk, exhaustive_operands("cuda"))
 
 
 GEMM_RECIPES = {

@@ -1,19 +1,40 @@
-"""The emulated low-precision GEMM in one Triton kernel: it reads the packed quantized operands
-(MXFP8 bytes and E8M0 scales, NVFP4 nibbles and E4M3 scales) tile by tile, dequantizes each
-tile in registers to exact bf16 (the values `linear.gemm_operand` makes in torch), multiplies
-with float32 accumulation (`tl.dot`), and applies the per-tensor factor alpha in the epilogue,
-optionally adding into a float32 output (the weight gradient's `main_grad`).
+"""The emulated low-precision GEMM's Triton kernels: the one-pass operand preparation that
+`launch.gemm_operand` runs before cuBLAS (packed MXFP8 or NVFP4 operand -> its exact bf16 values),
+and a fused GEMM that reads the packed operands tile by tile (`qgemm_kernel`: dequantizes each
+tile in registers to the same bf16 values, multiplies with float32 accumulation (`tl.dot`), and
+applies the per-tensor factor alpha in the epilogue, optionally adding into a float32 output, the
+weight gradient's `main_grad`).
 
-C[i, j] = alpha * sum_r A(i, r) B(j, r): both operands are addressed as [rows, reduction] with
-their blocks along the reduction dim, which every GEMM of the quantized Linear has (the launcher
-maps each operand's stored layout to strides). The result equals dequantize-then-GEMM up to the
-order of the float32 accumulation (docs/numerics.md states the tolerance).
+Operand preparation (docs/numerics.md, "Triton kernels"): bit for bit the torch dequantization
+(`linear.gemm_operand_reference`: element x scale in float32, then the cast to bf16), edge values
+included. Contiguous operands take one of three kernels whose loads, arithmetic and stores share
+one register layout (no shared memory, 16-byte stores, the block scale loaded and decoded once
+per thread and block):
+- `dequant_nvfp4_kernel`: data byte j (two codes) -> output word j (two bf16), scale byte j // 8.
+  An E2M1 value times an E4M3 scale has at most 6 significant bits and lies in [2^-10, 2688], so
+  the float32 product is exact and its high half is the bf16 (tested over every code and scale
+  byte); the code's value is its bits placed in a float32's exponent and mantissa (code 1, 0.5,
+  is the subnormal 2^-127) times 2^126, two exact multiplies and no select.
+- `dequant_mxfp8_rows_kernel` (rowwise: 32 elements along a row share a scale) and
+  `dequant_mxfp8_cols_kernel` (columnwise: a scale row per 32 data rows, decoded once per program
+  for all of its rows). Compiled on sm_90 (HW) the element comes from the hardware FP8
+  conversion and the product is rounded by the hardware bf16 conversion, the same instructions
+  the torch dequantization runs on CUDA; elsewhere (Triton's interpreter) by bit fields.
+`dequant_kernel` takes any data row stride and scale strides (the fallback). NaN: compiled, every
+NaN product is the GPU's canonical NaN, as torch's on CUDA; in the interpreter the bit-field
+paths write the bits torch's CPU cast gives (NAN16, which the launcher reads from torch).
 
-Element decodes are bit-field arithmetic, the same on the GPU and in Triton's interpreter: the
-E2M1 value from its code, E4M3 and E5M2 bytes (subnormals, NaN, E5M2 inf), E8M0 scales (0x00 is
+Element decodes by bit fields are the same on the GPU and in Triton's interpreter: the E2M1
+value from its code, E4M3 and E5M2 bytes (subnormals, NaN, E5M2 inf), E8M0 scales (0x00 is
 2^-127, 0xFF NaN). The product element x scale is exact in float32; its bf16 rounding (nearest
 even, by bits) is exact for NVFP4 and for MXFP8 scale bytes >= 3 (E4M3) or 10 (E5M2), and
 otherwise rounds as the torch emulation's cast does.
+
+The fused GEMM: C[i, j] = alpha * sum_r A(i, r) B(j, r): both operands are addressed as [rows,
+reduction] with their blocks along the reduction dim, which every GEMM of the quantized Linear has
+(the launcher maps each operand's stored layout to strides). The result equals
+dequantize-then-GEMM up to the order of the float32 accumulation (docs/numerics.md states the
+tolerance).
 """
 
 from __future__ import annotations
@@ -24,6 +45,8 @@ import triton.language as tl
 FMT_NVFP4 = tl.constexpr(0)
 FMT_E4M3 = tl.constexpr(1)
 FMT_E5M2 = tl.constexpr(2)
+TWO_P120 = tl.constexpr(2.0**120)
+TWO_P126 = tl.constexpr(2.0**126)
 
 
 @triton.jit
@@ -200,14 +223,16 @@ def dequant_kernel(
     FMT: tl.constexpr,
     SP: tl.constexpr,
     SQ: tl.constexpr,
+    NAN16: tl.constexpr,
     BP: tl.constexpr,
     BQ: tl.constexpr,
 ):
-    """The bf16 GEMM operand of a quantized tensor in its stored layout, in one pass: out
-    [P, Q] (bf16 bits as int16, contiguous) from data [P, Q] bytes (NVFP4: [P, Q/2], two codes per byte, row stride
-    sd_p, unit column stride) and the scale of element (p, q) at s_ptr + (p // SP) * ss_p +
-    (q // SQ) * ss_q. Element x scale, without the per-tensor factor, as `linear.gemm_operand`
-    computes it in torch."""
+    """The bf16 GEMM operand of a quantized tensor in its stored layout, any strides (the
+    fallback of the contiguous kernels below): out [P, Q] (bf16 bits as int16, contiguous) from
+    data [P, Q] bytes (NVFP4: [P, Q/2], two codes per byte, row stride sd_p, unit column stride)
+    and the scale of element (p, q) at s_ptr + (p // SP) * ss_p + (q // SQ) * ss_q. Element x
+    scale, without the per-tensor factor, as `linear.gemm_operand_reference` computes it in
+    torch; NaN products as NAN16 (`_bf16_word`)."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None]
     q = tl.program_id(1) * BQ + tl.arange(0, BQ)[None, :]
     mask = (p < P) & (q < Q)
@@ -225,4 +250,174 @@ def dequant_kernel(
             v = _fp8_value(b, 4, 3) * _e8m0_value(s)
         else:
             v = _fp8_value(b, 5, 2) * _e8m0_value(s)
-    tl.store(out_ptr + p64 * Q + q, (_bf16_bits(v) >> 16).to(tl.int16), mask=mask)
+    tl.store(out_ptr + p64 * Q + q, _bf16_word(v, NAN16), mask=mask)
+
+
+# --- operand preparation for contiguous operands ----------------------------------------------
+
+
+@triton.jit
+def _bf16_word(v, NAN16: tl.constexpr):
+    """bf16 bits (int16) of float32 v, nearest even by bits (`_bf16_bits`); NaN as NAN16 where
+    it is non-zero (torch's CPU cast: Triton's interpreter keeps NaN payloads that the cast
+    does not), else as the NaN's own high half (compiled: the GPU's canonical NaN)."""
+    bits = _bf16_bits(v)
+    if NAN16 != 0:
+        bits = tl.where(v != v, NAN16 << 16, bits)
+    return (bits >> 16).to(tl.int16)
+
+
+@triton.jit
+def _e4m3_scale(s):
+    """float32 value of E4M3 scale bytes s (int32 0-255), exact: exponent and mantissa fields
+    as a float32's (the subnormals get exponent field 0) times 2^120, the sign by its bit, NaN
+    for 0x7F and 0xFF. Once per block of 16 elements."""
+    mag = s & 0x7F
+    v = (mag << 20).to(tl.float32, bitcast=True) * TWO_P120
+    v = tl.where(mag == 0x7F, float("nan"), v)
+    return (v.to(tl.int32, bitcast=True) | ((s & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_times(b, SHIFT: tl.constexpr, scale):
+    """The exact float32 product of the E2M1 code in bits SHIFT .. SHIFT + 3 of b (int32) and
+    scale (float32): the code's exponent and mantissa bits in a float32's bits 22-24 and its
+    sign in bit 31 are the code's value times 2^-126 (code 1, 0.5, the subnormal 2^-127), which
+    one multiply by 2^126 makes exact and normal; the sign rides through the products, so a NaN
+    scale gives the multiply's NaN for every code (as the reference's product)."""
+    bits = ((b << (22 - SHIFT)) & 0x01C00000) | ((b << (28 - SHIFT)) & -2147483648)
+    return (bits.to(tl.float32, bitcast=True) * TWO_P126) * scale
+
+
+@triton.jit
+def dequant_nvfp4_kernel(
+    d_ptr,
+    s_ptr,
+    out_ptr,
+    N,
+    NAN16: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A contiguous NVFP4 operand's bf16 values in its stored layout: data bytes [P, Q/2] (N of
+    them, element 2j in the low nibble of byte j), E4M3 scales [P, Q/16] contiguous, out int32
+    words [P, Q/2] (byte j's two bf16, element 2j in the low half). BLOCK bytes a program; EVEN:
+    N is a multiple of BLOCK (no masks).
+
+    Each thread holds 4 consecutive bytes (one 32-bit load: `(j // 4) * 4 + j % 4` is j, written
+    so that Triton's alignment analysis gives the load the 4 elements per thread of the 16-byte
+    store instead of 16, which would need a shared-memory exchange), so one scale byte serves a
+    thread's 8 elements. The products are exact (module docstring): the bf16 is the float32's
+    high half, no rounding step."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK
+    j = tl.arange(0, BLOCK)
+    jd = (j // 4) * 4 + j % 4
+    if EVEN:
+        b = tl.load(d_ptr + base + jd)
+        s = tl.load(s_ptr + (base >> 3) + j // 8)
+    else:
+        mask = j < N - base
+        b = tl.load(d_ptr + base + jd, mask=mask, other=0)
+        s = tl.load(s_ptr + (base >> 3) + j // 8, mask=mask, other=0)
+    b = b.to(tl.int32)
+    scale = _e4m3_scale(s.to(tl.int32))
+    lo = _e2m1_times(b, 0, scale).to(tl.int32, bitcast=True)
+    hi = _e2m1_times(b, 4, scale).to(tl.int32, bitcast=True)
+    word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
+    if NAN16 != 0:  # a NaN scale is the only NaN product
+        word = tl.where(scale != scale, (NAN16 & 0xFFFF) | (NAN16 << 16), word)
+    if EVEN:
+        tl.store(out_ptr + base + j, word)
+    else:
+        tl.store(out_ptr + base + j, word, mask=mask)
+
+
+@triton.jit
+def _mxfp8_bf16(b, scale, FMT: tl.constexpr, HW: tl.constexpr, NAN16: tl.constexpr):
+    """bf16 bits (int16) of MXFP8 element bytes b (uint8) times their float32 scale, rounded as
+    torch's cast rounds the float32 product: HW (compiled, sm_90) by the hardware FP8 and bf16
+    conversions, else by bit fields (`_fp8_value`, `_bf16_word`)."""
+    if HW:
+        if FMT == 1:
+            e = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            e = b.to(tl.float8e5, bitcast=True).to(tl.float32)
+        return (e * scale).to(tl.bfloat16).to(tl.int16, bitcast=True)
+    if FMT == 1:
+        e = _fp8_value(b.to(tl.int32), 4, 3)
+    else:
+        e = _fp8_value(b.to(tl.int32), 5, 2)
+    return _bf16_word(e * scale, NAN16)
+
+
+@triton.jit
+def dequant_mxfp8_rows_kernel(
+    d_ptr,
+    s_ptr,
+    out_ptr,
+    N,
+    FMT: tl.constexpr,
+    HW: tl.constexpr,
+    NAN16: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A contiguous rowwise MXFP8 operand's bf16 values: element bytes [P, Q] (N of them), E8M0
+    scales [P, Q/32] contiguous (scale of element i: byte i // 32), out bf16 bits [P, Q] (int16).
+    BLOCK elements a program; EVEN: N is a multiple of BLOCK. Each thread holds 8 consecutive
+    elements (an 8-byte load, written as `(i // 8) * 8 + i % 8` for Triton's alignment analysis,
+    as in `dequant_nvfp4_kernel`; one 16-byte store) and one scale."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK
+    i = tl.arange(0, BLOCK)
+    idx = (i // 8) * 8 + i % 8
+    if EVEN:
+        b = tl.load(d_ptr + base + idx)
+        s = tl.load(s_ptr + (base >> 5) + i // 32)
+    else:
+        mask = i < N - base
+        b = tl.load(d_ptr + base + idx, mask=mask, other=0)
+        s = tl.load(s_ptr + (base >> 5) + i // 32, mask=mask, other=0)
+    out = _mxfp8_bf16(b, _e8m0_value(s.to(tl.int32)), FMT, HW, NAN16)
+    if EVEN:
+        tl.store(out_ptr + base + i, out)
+    else:
+        tl.store(out_ptr + base + i, out, mask=mask)
+
+
+@triton.jit
+def dequant_mxfp8_cols_kernel(
+    d_ptr,
+    s_ptr,
+    out_ptr,
+    Q,
+    FMT: tl.constexpr,
+    HW: tl.constexpr,
+    NAN16: tl.constexpr,
+    EVEN: tl.constexpr,
+    R: tl.constexpr,
+    BQ: tl.constexpr,
+):
+    """A contiguous columnwise MXFP8 operand's bf16 values: element bytes [P, Q], E8M0 scales
+    [P/32, Q] contiguous (a scale per column and 32 rows), out bf16 bits [P, Q] (int16). A
+    program takes R rows (R divides 32: one scale row) and BQ columns; EVEN: Q is a multiple of
+    BQ. The scale row is loaded and decoded once and broadcast down the R rows, which each thread
+    holds whole (BQ = 256 x num_warps: 8 columns a thread, so the scale row and the [R, BQ] tile
+    get one register layout)."""
+    r0 = tl.program_id(0) * R
+    q0 = tl.program_id(1) * BQ
+    q = tl.arange(0, BQ)[None, :]
+    qi = (q // 8) * 8 + q % 8
+    srow = s_ptr + (r0 // 32).to(tl.int64) * Q + q0
+    off = (r0 + tl.arange(0, R)[:, None]).to(tl.int64) * Q + q0
+    if EVEN:
+        s = tl.load(srow + qi)
+        b = tl.load(d_ptr + off + qi)
+    else:
+        cmask = q < Q - q0
+        s = tl.load(srow + qi, mask=cmask, other=0)
+        b = tl.load(d_ptr + off + qi, mask=cmask, other=0)
+    out = _mxfp8_bf16(b, _e8m0_value(s.to(tl.int32)), FMT, HW, NAN16)
+    if EVEN:
+        tl.store(out_ptr + off + q, out)
+    else:
+        tl.store(out_ptr + off + q, out, mask=cmask)

@@ -26,7 +26,13 @@ from ..elements import block_random_bits, random_seed
 from ..formats import FP8_BITS, FP8_MAX, INV_6, MXFP8_BLOCK, NVFP4_BLOCK, fp32_reciprocal
 from ..rht import rht as apply_rht
 from ..tensors import MXFP8Tensor, NVFP4Tensor
-from .gemm import dequant_kernel, qgemm_kernel
+from .gemm import (
+    dequant_kernel,
+    dequant_mxfp8_cols_kernel,
+    dequant_mxfp8_rows_kernel,
+    dequant_nvfp4_kernel,
+    qgemm_kernel,
+)
 from .mxfp8 import mxfp8_strided_kernel, mxfp8_words_kernel
 from .nvfp4 import (
     amax_kernel,
@@ -50,6 +56,13 @@ NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
 # warps: 128 values per thread) before it was swept; bench/tile_sweep.py now sweeps it too.
 NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 2}
 GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}
+# gemm_operand's kernels (contiguous operands; DEQUANT_TILE: any strides). Chosen from offline
+# sm_90 instruction counts, not yet timed (bench/tile_sweep.py sweeps them). BLOCK: bytes
+# (NVFP4) or elements (MXFP8 rowwise) a program; columnwise MXFP8: R rows a program (R divides
+# 32), 256 x num_warps columns.
+DEQUANT_NVFP4_TILE = {"BLOCK": 2048, "num_warps": 4}
+DEQUANT_MXFP8_ROW_TILE = {"BLOCK": 4096, "num_warps": 4}
+DEQUANT_MXFP8_COL_TILE = {"R": 8, "num_warps": 4}
 DEQUANT_TILE = {"BP": 32, "BQ": 128, "num_warps": 4}
 GEMM_TILE = {"BI": 128, "BJ": 128, "BR": 64, "GROUP": 8, "num_warps": 8, "num_stages": 3}
 AMAX_TILE = (4096, 16)  # (elements per load round, rounds per program)
@@ -438,10 +451,26 @@ def _nvfp4_col_words(x, amax, data, scale, order, block_2d, per_row=False):
 FUSED_GEMM = False
 
 
-def gemm_operand(q) -> torch.Tensor | None:
+@functools.cache
+def _nan16(device_type: str) -> int:
+    """The bf16 bits (int16) that torch's float32 -> bf16 cast gives NaN on a device type, for
+    the bit-field paths of Triton's interpreter (CPU: 0xFFFF from the vectorised cast, whatever
+    the payload; read from torch, not assumed); 0 on CUDA, where the compiled kernels' NaN is
+    the GPU's canonical one, as torch's (and reading it back here would sync, or fail inside a
+    graph capture)."""
+    if device_type == "cuda":
+        return 0
+    nan = torch.full((64,), float("nan"), dtype=torch.float32, device=device_type)
+    return int(nan.to(torch.bfloat16).view(torch.int16)[0])
+
+
+def gemm_operand(q, *, _strided: bool = False) -> torch.Tensor | None:
     """The exact bf16 values of an MXFP8 or NVFP4 operand without its per-tensor factor, in its
-    logical shape (a transposed view for NVFP4 columnwise), from one pass over the packed data
-    (`dequant_kernel`); None for other tensors. The same values as `linear.gemm_operand`."""
+    logical shape (a transposed view for NVFP4 columnwise), from one pass over the packed data;
+    None for other tensors. The same bits as `linear.gemm_operand_reference`. Contiguous data
+    and scales run `dequant_nvfp4_kernel`, `dequant_mxfp8_rows_kernel` or
+    `dequant_mxfp8_cols_kernel`, anything else (or `_strided=True`, for the tests)
+    `dequant_kernel`."""
     if isinstance(q, NVFP4Tensor):
         fmt, (p, q2), sp, sq = 0, q.data.shape, 1, NVFP4_BLOCK
         cols = q2 * 2
@@ -452,25 +481,83 @@ def gemm_operand(q) -> torch.Tensor | None:
         return None
     if q.data.stride(1) != 1:
         return None
-    out = torch.empty(p, cols, dtype=torch.bfloat16, device=q.data.device)
-    tile = DEQUANT_TILE
-    grid = (triton.cdiv(p, tile["BP"]), triton.cdiv(cols, tile["BQ"]))
-    dequant_kernel[grid](
+    dev = q.data.device
+    out = torch.empty(p, cols, dtype=torch.bfloat16, device=dev)
+    nan16 = _nan16(dev.type)
+    dense = not _strided and q.data.is_contiguous() and q.scale.is_contiguous()
+    if out.numel() and dense:
+        _dequant_dense(q, fmt, p, cols, out.view(torch.int16), nan16)
+    elif out.numel():
+        tile = DEQUANT_TILE
+        grid = (triton.cdiv(p, tile["BP"]), triton.cdiv(cols, tile["BQ"]))
+        dequant_kernel[grid](
+            q.data,
+            q.scale,
+            out.view(torch.int16),
+            p,
+            cols,
+            q.data.stride(0),
+            q.scale.stride(0),
+            q.scale.stride(1),
+            FMT=fmt,
+            SP=sp,
+            SQ=sq,
+            NAN16=nan16,
+            **tile,
+            **_COMPILE_OPTIONS,
+        )
+    return out.t() if isinstance(q, NVFP4Tensor) and q.axis == 0 else out
+
+
+def _dequant_dense(q, fmt, p, cols, out16, nan16):
+    """`gemm_operand` for contiguous data and scales (out16: the bf16 output as int16)."""
+    if fmt == 0:
+        n = q.data.numel()
+        tile = dict(DEQUANT_NVFP4_TILE)
+        grid = (triton.cdiv(n, tile["BLOCK"]),)
+        dequant_nvfp4_kernel[grid](
+            q.data,
+            q.scale,
+            out16.view(torch.int32),
+            n,
+            NAN16=nan16,
+            EVEN=n % tile["BLOCK"] == 0,
+            **tile,
+            **_COMPILE_OPTIONS,
+        )
+        return
+    flags = {"FMT": fmt, "HW": _hw_fp8_for(q.data), "NAN16": nan16}
+    if q.axis != 0:
+        n = q.data.numel()
+        tile = dict(DEQUANT_MXFP8_ROW_TILE)
+        grid = (triton.cdiv(n, tile["BLOCK"]),)
+        dequant_mxfp8_rows_kernel[grid](
+            q.data,
+            q.scale,
+            out16,
+            n,
+            **flags,
+            EVEN=n % tile["BLOCK"] == 0,
+            **tile,
+            **_COMPILE_OPTIONS,
+        )
+        return
+    tile = dict(DEQUANT_MXFP8_COL_TILE)
+    if MXFP8_BLOCK % tile["R"]:
+        raise ValueError(f"DEQUANT_MXFP8_COL_TILE: R={tile['R']} must divide {MXFP8_BLOCK}")
+    bq = 256 * tile["num_warps"]  # 8 columns a thread: one layout for scales and data
+    grid = (p // tile["R"], triton.cdiv(cols, bq))
+    dequant_mxfp8_cols_kernel[grid](
         q.data,
         q.scale,
-        out.view(torch.int16),
-        p,
+        out16,
         cols,
-        q.data.stride(0),
-        q.scale.stride(0),
-        q.scale.stride(1),
-        FMT=fmt,
-        SP=sp,
-        SQ=sq,
+        **flags,
+        EVEN=cols % bq == 0,
+        BQ=bq,
         **tile,
         **_COMPILE_OPTIONS,
     )
-    return out.t() if isinstance(q, NVFP4Tensor) and q.axis == 0 else out
 
 
 def _gemm_view(q, r_is_q: bool):
