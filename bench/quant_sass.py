@@ -1,11 +1,13 @@
 """Instruction counts of the quantize kernels, compiled offline for sm_90 (no GPU needed).
 
-    PYTHONPATH=src python3 bench/quant_sass.py [--size 8192] [--kernels strided words fused]
-        [--mix] [--fused-tile NB BK WARPS] [--dump DIR]
+    PYTHONPATH=src python3 bench/quant_sass.py [--size 8192] [--kernels strided words fused
+        dequant] [--mix] [--fused-tile NB BK WARPS] [--dequant-tiles] [--dump DIR]
 
 Each Triton quantize kernel (the strided family, the bf16-words family, and "fused": the NVFP4
 column kernel with RHT and/or SR, both of its passes, next to the rowwise SR words kernel and the
-plain column words kernel) is compiled the way a launch on a size x size bf16 tensor specialises
+plain column words kernel), and with `--kernels dequant` the GEMM-operand dequantization kernels
+(`launch.gemm_operand`: the contiguous NVFP4, MXFP8 rowwise and columnwise kernels next to the
+strided one every operand ran before; "elements" there are output bf16 values), is compiled the way a launch on a size x size bf16 tensor specialises
 it (integer arguments divisible by 16 marked so, a unit stride made a constant, fp contraction off
 as the launcher asks), disassembled with Triton's bundled cuobjdump, and summarised: SASS
 instructions per element (static count x threads per program / elements per program: the kernels
@@ -32,6 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from graphsan.lab.quant.formats import FP8_BITS, INV_6, fp32_reciprocal
+from graphsan.lab.quant.kernels import gemm as gemm_kernels
 from graphsan.lab.quant.kernels import launch as tk
 from graphsan.lab.quant.kernels import mxfp8 as mx_kernels
 from graphsan.lab.quant.kernels import nvfp4 as nv_kernels
@@ -109,6 +112,64 @@ def summarise(name, kernel, elements, num_warps, dump, mix=None):
             f.write("\n".join(lines) + "\n")
 
 
+def dequant_jobs(n, sweep=False):
+    """`gemm_operand`'s kernels as they launch for n x n operands on sm_90: the contiguous ones
+    (`dequant_nvfp4_kernel`: every NVFP4 kind, rowwise and columnwise store the same [n, n/2]
+    bytes and [n, n/16] scales, so they are one specialisation; `dequant_mxfp8_rows_kernel`,
+    `dequant_mxfp8_cols_kernel`, hardware FP8) and the strided fallback `dequant_kernel` (the
+    kernel every operand ran before: its sm_90 code is the old one's, the NaN select it gained
+    being interpreter-only). sweep: also the contiguous kernels at every tile of
+    bench/tile_sweep.py's dequant rows."""
+    from tile_sweep import DEQUANT_COL_TILES, DEQUANT_NVFP4_TILES, DEQUANT_ROW_TILES
+
+    nn = n * n
+    jobs = []
+    strided = dict(tk.DEQUANT_TILE)
+    out = [("out_ptr", "*i16", 0), ("P", "i32", n), ("Q", "i32", n)]
+    kinds = (
+        ("nvfp4 rowwise", 0, 1, 16, n // 2, n // 16),
+        ("nvfp4 columnwise", 0, 1, 16, n // 2, n // 16),
+        ("mxfp8 e4m3 rowwise", 1, 1, 32, n, n // 32),
+        ("mxfp8 e4m3 columnwise", 1, 32, 1, n, n),
+        ("mxfp8 e5m2 rowwise", 2, 1, 32, n, n // 32),
+        ("mxfp8 e5m2 columnwise", 2, 32, 1, n, n),
+    )
+    for name, fmt, sp, sq, data_cols, scale_cols in kinds:
+        args = [("d_ptr", "*u8", 0), ("s_ptr", "*u8", 0), *out, ("sd_p", "i32", data_cols)]
+        args += [("ss_p", "i32", scale_cols), ("ss_q", "i32", 1)]
+        flags = {"FMT": fmt, "SP": sp, "SQ": sq, "NAN16": 0}
+        elems = strided["BP"] * strided["BQ"]
+        fn = gemm_kernels.dequant_kernel
+        jobs.append(("dequant", f"{name}, strided (before)", fn, args, flags, strided, elems))
+        io = [("d_ptr", "*u8", 0), ("s_ptr", "*u8", 0)]
+        if fmt == 0:
+            tiles = [tk.DEQUANT_NVFP4_TILE] + (DEQUANT_NVFP4_TILES if sweep else [])
+            args = [*io, ("out_ptr", "*i32", 0), ("N", "i32", nn // 2)]
+            fn, flags = gemm_kernels.dequant_nvfp4_kernel, {"NAN16": 0, "EVEN": True}
+            per = [(t, t["BLOCK"] * 2) for t in tiles]
+        elif sp == 1:
+            tiles = [tk.DEQUANT_MXFP8_ROW_TILE] + (DEQUANT_ROW_TILES if sweep else [])
+            args = [*io, ("out_ptr", "*i16", 0), ("N", "i32", nn)]
+            fn = gemm_kernels.dequant_mxfp8_rows_kernel
+            flags = {"FMT": fmt, "HW": True, "NAN16": 0, "EVEN": True}
+            per = [(t, t["BLOCK"]) for t in tiles]
+        else:
+            tiles = [tk.DEQUANT_MXFP8_COL_TILE] + (DEQUANT_COL_TILES if sweep else [])
+            args = [*io, ("out_ptr", "*i16", 0), ("Q", "i32", n)]
+            fn = gemm_kernels.dequant_mxfp8_cols_kernel
+            flags = {"FMT": fmt, "HW": True, "NAN16": 0, "EVEN": True}
+            tiles = [dict(t, BQ=256 * t["num_warps"]) for t in tiles]
+            per = [(t, t["R"] * t["BQ"]) for t in tiles]
+        seen = []
+        for k, (tile, elems) in enumerate(per):
+            if tile in seen:
+                continue
+            seen.append(tile)
+            label = name if k == 0 else f"{name}, {tile}"
+            jobs.append(("dequant", label, fn, args, flags, tile, elems))
+    return jobs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=8192)
@@ -116,7 +177,7 @@ def main() -> None:
         "--kernels",
         nargs="+",
         default=["strided", "words", "fused"],
-        choices=["strided", "words", "fused"],
+        choices=["strided", "words", "fused", "dequant"],
     )
     ap.add_argument("--mix", action="store_true", help="also print the instruction mix")
     ap.add_argument(
@@ -125,6 +186,11 @@ def main() -> None:
         type=int,
         metavar=("NB", "BK", "WARPS"),
         help="compile the fused column kernel with this tile instead of the launcher's",
+    )
+    ap.add_argument(
+        "--dequant-tiles",
+        action="store_true",
+        help="with --kernels dequant: also every tile bench/tile_sweep.py sweeps",
     )
     ap.add_argument("--dump", help="write each kernel's SASS here")
     args = ap.parse_args()
@@ -231,6 +297,9 @@ def main() -> None:
     fn = nv_kernels.nvfp4_col_words_kernel
     jobs.append(("fused", "nvfp4 columnwise words (plain)", fn, nv_col_words, flags, p, elems))
 
+    if "dequant" in args.kernels:
+        jobs += dequant_jobs(n, args.dequant_tiles)
+
     print(f"# sm_90 SASS, {n}x{n} bf16 specialisation, triton {triton.__version__}")
     print("| kernel | instr/elem | elem/thread | regs | stack B | smem B | memory per thread |")
     print("|---|---|---|---|---|---|---|")
@@ -241,7 +310,7 @@ def main() -> None:
         params = dict(params)
         warps = params.pop("num_warps")
         kernel = compile_sm90(fn, fn_args, {**flags, **params}, warps)
-        label = name if family == "fused" else f"{name} {family}"
+        label = name if family in ("fused", "dequant") else f"{name} {family}"
         summarise(label, kernel, elems, warps, args.dump, mix)
     if mix:
         print("\n# instruction mix, SASS instructions per element")

@@ -3,14 +3,19 @@
     PYTHONPATH=src python3 bench/tile_sweep.py [--size 8192] [--iters 10]
 
 For the NVFP4 column kernels (bf16 words, strided, and the fused RHT/SR kernel of the wgrad
-operands) and the MXFP8 row+col words kernel, the current parameters (`kernels.launch.NVFP4_COL_WORDS_TILE`, `MXFP8_WORDS_BOTH_TILE`, ...) and a
+operands), the MXFP8 row+col words kernel and the GEMM-operand dequantization kernels
+(`gemm_operand`, the "dequant" rows), the current parameters
+(`kernels.launch.NVFP4_COL_WORDS_TILE`, `MXFP8_WORDS_BOTH_TILE`, `DEQUANT_NVFP4_TILE`, ...) and a
 few alternatives, timed the way bench_quant times them (device time, calls replayed from a CUDA
 graph) and checked byte for byte against the current parameters' output; prints the time and the
 fraction of the device copy bandwidth of each, and the ratio to the current parameters. The
 bytes do not depend on the tile (every reduction stays inside one block), so the fastest correct
 row is a safe default; bench_quant then times the kernel families side by side. The stochastic
 rounding rows draw their seed from the device's default generator, reset to one state before
-each byte comparison (outside the timing, which replays the calls from a CUDA graph).
+each byte comparison (outside the timing, which replays the calls from a CUDA graph). The
+dequant rows also time the strided kernel every operand ran before ("strided (before)") and
+compare every row's bits with the torch dequantization itself; their bytes per element are the
+packed operand read and the bf16 written. `--only dequant` runs those rows alone.
 """
 
 from __future__ import annotations
@@ -45,6 +50,117 @@ NV_COL_FUSED_TILES = [
     {"NB": 16, "BK": 64, "num_warps": 4},
     {"NB": 8, "BK": 128, "num_warps": 4},
 ]
+
+
+# gemm_operand's contiguous dequantization kernels (kernels/gemm.py). NVFP4 BLOCK: data bytes
+# a program (4 a thread per 16-byte store); MXFP8 rowwise BLOCK: elements (8 a thread); MXFP8
+# columnwise: R rows (a divisor of 32) by 256 x num_warps columns a program.
+DEQUANT_NVFP4_TILES = [
+    {"BLOCK": 2048, "num_warps": 4},
+    {"BLOCK": 1024, "num_warps": 4},
+    {"BLOCK": 4096, "num_warps": 4},
+    {"BLOCK": 512, "num_warps": 4},
+    {"BLOCK": 2048, "num_warps": 8},
+    {"BLOCK": 4096, "num_warps": 8},
+    {"BLOCK": 1024, "num_warps": 2},
+]
+DEQUANT_ROW_TILES = [
+    {"BLOCK": 4096, "num_warps": 4},
+    {"BLOCK": 2048, "num_warps": 4},
+    {"BLOCK": 8192, "num_warps": 4},
+    {"BLOCK": 1024, "num_warps": 4},
+    {"BLOCK": 4096, "num_warps": 8},
+    {"BLOCK": 8192, "num_warps": 8},
+    {"BLOCK": 2048, "num_warps": 2},
+]
+DEQUANT_COL_TILES = [
+    {"R": 8, "num_warps": 4},
+    {"R": 4, "num_warps": 4},
+    {"R": 16, "num_warps": 4},
+    {"R": 2, "num_warps": 4},
+    {"R": 8, "num_warps": 2},
+    {"R": 8, "num_warps": 8},
+    {"R": 16, "num_warps": 8},
+]
+NVFP4_OPERAND_BYTES = 0.5 + 1 / 16 + 2  # per element: the nibble and scale read, the bf16 written
+MXFP8_OPERAND_BYTES = 1 + 1 / 32 + 2
+
+
+# name: (operand, parameter dict in kernels.launch, alternatives, bytes moved per element)
+DEQUANT_SWEEPS = {
+    "dequant nvfp4 (every kind)": (
+        "nvfp4",
+        "DEQUANT_NVFP4_TILE",
+        DEQUANT_NVFP4_TILES,
+        NVFP4_OPERAND_BYTES,
+    ),
+    "dequant mxfp8 e4m3 rowwise": (
+        "e4m3 row",
+        "DEQUANT_MXFP8_ROW_TILE",
+        DEQUANT_ROW_TILES,
+        MXFP8_OPERAND_BYTES,
+    ),
+    "dequant mxfp8 e5m2 rowwise": (
+        "e5m2 row",
+        "DEQUANT_MXFP8_ROW_TILE",
+        DEQUANT_ROW_TILES[:3],
+        MXFP8_OPERAND_BYTES,
+    ),
+    "dequant mxfp8 e4m3 columnwise": (
+        "e4m3 col",
+        "DEQUANT_MXFP8_COL_TILE",
+        DEQUANT_COL_TILES,
+        MXFP8_OPERAND_BYTES,
+    ),
+}
+
+
+def _operand(name: str, x: torch.Tensor):
+    """The packed operand a dequantization row reads (QuantLinear's kinds), made untimed."""
+    from graphsan.lab.quant import mxfp8, nvfp4
+
+    if name == "nvfp4":
+        return nvfp4.quantize(x, -1)
+    fmt, direction = name.split()
+    return mxfp8.quantize(x, -1 if direction == "row" else 0, fmt)
+
+
+def sweep_dequant(tk, x, copy_bw, iters, names) -> None:
+    """`gemm_operand` at each tile of its contiguous kernels and with the strided kernel that
+    every operand ran before (`_strided=True`), each checked bit for bit against the torch
+    dequantization (`gemm_operand_reference`), not only against the current tile."""
+    from graphsan.lab.quant.linear import gemm_operand_reference
+
+    for name in names:
+        key, attr, alts, per_elem = DEQUANT_SWEEPS[name]
+        q = _operand(key, x)
+        ref = gemm_operand_reference(q)
+        current = dict(getattr(tk, attr))
+        runs = [(None, current, False), ("strided (before)", current, True)]
+        runs += [(None, cfg, False) for cfg in alts if cfg != current]
+        t_cur = None
+        for label, cfg, strided in runs:
+            setattr(tk, attr, cfg)
+            try:
+                out = tk.gemm_operand(q, _strided=strided)
+                t = bench_device(
+                    lambda q=q, strided=strided: tk.gemm_operand(q, _strided=strided), iters
+                )
+            except Exception as err:
+                print(
+                    f"| {name} | {label or cfg} | - | - | - | {type(err).__name__}: {str(err)[:80]} |"
+                )
+                continue
+            finally:
+                setattr(tk, attr, current)
+            t_cur = t_cur or t
+            frac = per_elem * x.numel() / t / copy_bw
+            tag = " (current)" if cfg == current and not strided else ""
+            print(
+                f"| {name} | {label or cfg}{tag} | {t * 1e3:.3f} | {frac:.0%} | {t_cur / t:.2f}x | "
+                f"{'yes' if same_bytes(out, ref) else 'NO'} |"
+            )
+        del ref
 
 
 def _default_generator() -> torch.Generator:
@@ -120,6 +236,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        metavar="PREFIX",
+        help="sweep only the rows whose name starts with one of these (e.g. dequant)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tile_sweep: needs CUDA")
@@ -137,7 +259,10 @@ def main() -> None:
     )
     print("| kernel | parameters | ms | of copy bw | vs current | bytes equal |")
     print("|---|---|---|---|---|---|")
+    wanted = lambda name: not args.only or any(name.startswith(p) for p in args.only)  # noqa: E731
     for name, (attr, alts, call, per_elem, *prepare) in SWEEPS.items():
+        if not wanted(name):
+            continue
         reset = prepare[0] if prepare else (lambda: None)
         current = dict(getattr(tk, attr))
         reset()
@@ -161,6 +286,7 @@ def main() -> None:
                 f"| {name} | {cfg}{tag} | {t * 1e3:.3f} | {frac:.0%} | {t_cur / t:.2f}x | "
                 f"{'yes' if same_bytes(out, ref) else 'NO'} |"
             )
+    sweep_dequant(tk, x, copy_bw, args.iters, [n for n in DEQUANT_SWEEPS if wanted(n)])
 
 
 if __name__ == "__main__":
