@@ -110,17 +110,19 @@ class PoolOrder:
         self, gid: GraphId, carved: list[tuple[DataPtr, int, object]], refs: list[Reference]
     ) -> bool:
         """Keep the pool's first capture for `add_graph` when the order next needs it; False
-        (nothing kept) for any later capture, which the caller adds at once."""
+        (nothing kept) for any later capture, which the caller adds at once. Its references are
+        not kept: the first graph of a pool can only point into its own carves, which are no
+        reads."""
         if self.sequence or self._pending is not None:
             return False
-        self._pending = (gid, list(carved), tuple(refs))
+        self._pending = (gid, list(carved))
         return True
 
     def _settle(self) -> None:
         if self._pending is not None:
-            gid, carved, refs = self._pending
+            gid, carved = self._pending
             self._pending = None
-            self.add_graph(gid, carved, list(refs))
+            self.add_graph(gid, carved, [])
 
     def add_graph(
         self,
