@@ -284,8 +284,11 @@ def _e2m1_times(b, SHIFT: tl.constexpr, scale):
     scale (float32): the code's exponent and mantissa bits in a float32's bits 22-24 and its
     sign in bit 31 are the code's value times 2^-126 (code 1, 0.5, the subnormal 2^-127), which
     one multiply by 2^126 makes exact and normal; the sign rides through the products, so a NaN
-    scale gives the multiply's NaN for every code (as the reference's product)."""
-    bits = ((b << (22 - SHIFT)) & 0x01C00000) | ((b << (28 - SHIFT)) & -2147483648)
+    scale gives the multiply's NaN for every code (as the reference's product). The bits come
+    from one integer multiply: the code c (alone in its nibble) times 2^22 + 2^28 is c << 22
+    plus c << 28, which do not overlap, and the mask 0x81C00000 keeps bits 22-24 of the first
+    and bit 31 (the sign) of the second."""
+    bits = ((b & (15 << SHIFT)) * (0x10400000 >> SHIFT)) & -2118123520  # 0x81C00000
     return (bits.to(tl.float32, bitcast=True) * TWO_P126) * scale
 
 
