@@ -106,12 +106,10 @@ class PoolOrder:
     _pending: tuple | None = None
 
     # -- capture ------------------------------------------------------------------------------
-    def defer(
-        self, gid: GraphId, carved: list[tuple[DataPtr, int, object]], refs: list[Reference]
-    ) -> bool:
+    def defer(self, gid: GraphId, carved: list[tuple[DataPtr, int, object]]) -> bool:
         """Keep the pool's first capture for `add_graph` when the order next needs it; False
-        (nothing kept) for any later capture, which the caller adds at once. Its references are
-        not kept: the first graph of a pool can only point into its own carves, which are no
+        (nothing kept) for any later capture, which the caller adds at once. It needs no
+        references: the first graph of a pool can only point into its own carves, which are no
         reads."""
         if self.sequence or self._pending is not None:
             return False
@@ -264,7 +262,6 @@ class PoolOrder:
         """Whether a replay of `gid` now is clean by capture order alone: the carvers have
         replayed in capture order since the last restart, every graph `gid` reads from among
         them, and none after `gid`'s place (or `gid` restarts the pass)."""
-        self._settle()
         if self._chain and gid == self._chain[0] and gid not in self._producers_up_to:
             return True
         return self._in_order and self._producers_up_to.get(
@@ -286,8 +283,8 @@ class PoolOrder:
         return out
 
     def replayed(self, gid: GraphId) -> None:
-        """`gid` ran: it wrote every range it carves (it owns them until another writer runs)."""
-        self._settle()
+        """`gid` ran: it wrote every range it carves (it owns them until another writer runs).
+        Only a shared pool's graphs are counted, so nothing is pending here."""
         self.clock += 1
         self.last[gid] = self.clock
         i = self._link.get(gid)

@@ -59,7 +59,7 @@ class ReplayOrders:
             order = self.orders[key] = PoolOrder()
         if in_pool:
             order.carvers.add(info.id)
-        if order.defer(info.id, in_pool, refs):
+        if order.defer(info.id, in_pool):
             return  # alone in its pool: registered when a second capture joins it
         graphs = self.tracker.graphs
         for gid in order.add_graph(info.id, in_pool, refs):

@@ -56,8 +56,8 @@ NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
 # warps: 128 values per thread) before it was swept; bench/tile_sweep.py now sweeps it too.
 NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 2}
 GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}
-# gemm_operand's kernels (contiguous operands; DEQUANT_TILE: any strides). Chosen from offline
-# sm_90 instruction counts, not yet timed (bench/tile_sweep.py sweeps them). BLOCK: bytes
+# gemm_operand's kernels (contiguous operands; DEQUANT_TILE: any strides), the fastest or level
+# with the fastest of bench/tile_sweep.py's tiles on the H200 (docs/PERF.md). BLOCK: bytes
 # (NVFP4) or elements (MXFP8 rowwise) a program; columnwise MXFP8: R rows a program (R divides
 # 32), 256 x num_warps columns.
 DEQUANT_NVFP4_TILE = {"BLOCK": 2048, "num_warps": 4}
@@ -512,35 +512,13 @@ def gemm_operand(q, *, _strided: bool = False) -> torch.Tensor | None:
 def _dequant_dense(q, fmt, p, cols, out16, nan16):
     """`gemm_operand` for contiguous data and scales (out16: the bf16 output as int16)."""
     if fmt == 0:
-        n = q.data.numel()
-        tile = dict(DEQUANT_NVFP4_TILE)
-        grid = (triton.cdiv(n, tile["BLOCK"]),)
-        dequant_nvfp4_kernel[grid](
-            q.data,
-            q.scale,
-            out16.view(torch.int32),
-            n,
-            NAN16=nan16,
-            EVEN=n % tile["BLOCK"] == 0,
-            **tile,
-            **_COMPILE_OPTIONS,
+        _dequant_flat(
+            dequant_nvfp4_kernel, DEQUANT_NVFP4_TILE, q, out16.view(torch.int32), NAN16=nan16
         )
         return
     flags = {"FMT": fmt, "HW": _hw_fp8_for(q.data), "NAN16": nan16}
     if q.axis != 0:
-        n = q.data.numel()
-        tile = dict(DEQUANT_MXFP8_ROW_TILE)
-        grid = (triton.cdiv(n, tile["BLOCK"]),)
-        dequant_mxfp8_rows_kernel[grid](
-            q.data,
-            q.scale,
-            out16,
-            n,
-            **flags,
-            EVEN=n % tile["BLOCK"] == 0,
-            **tile,
-            **_COMPILE_OPTIONS,
-        )
+        _dequant_flat(dequant_mxfp8_rows_kernel, DEQUANT_MXFP8_ROW_TILE, q, out16, **flags)
         return
     tile = dict(DEQUANT_MXFP8_COL_TILE)
     if MXFP8_BLOCK % tile["R"]:
@@ -557,6 +535,15 @@ def _dequant_dense(q, fmt, p, cols, out16, nan16):
         BQ=bq,
         **tile,
         **_COMPILE_OPTIONS,
+    )
+
+
+def _dequant_flat(kernel, tile, q, out, **flags):
+    """A kernel that takes the packed data as one flat run of BLOCK elements a program."""
+    n = q.data.numel()
+    tile = dict(tile)
+    kernel[(triton.cdiv(n, tile["BLOCK"]),)](
+        q.data, q.scale, out, n, **flags, EVEN=n % tile["BLOCK"] == 0, **tile, **_COMPILE_OPTIONS
     )
 
 
