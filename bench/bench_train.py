@@ -15,6 +15,10 @@ across that many of the N ranks (default 1: data parallel only). `--use-distribu
 also runs every variant on N GPUs with the sharded optimizer (reduce-scatter, sharded fp32
 masters and Adam states, all-gather) and gives its throughput and peak memory beside the
 all-reduce one's.
+
+`--profile` profiles the last `--profile-steps` steps of each variant (torch.profiler) and prints
+where a step goes: wall time, kernel time (graph replays included), launches, and the kernels
+and host-side operators that cost the most.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 import torch
 
 from graphsan.lab.train import TrainConfig, train
+from graphsan.lab.train.callbacks import Callback
 
 SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 VARIANTS = {  # name: (precision config, graphed scopes, graph state)
@@ -71,6 +76,60 @@ def write_table(a, rows) -> None:
     if a.out:
         with open(a.out, "w") as f:
             f.write(header + table + "\n")
+
+
+class ProfileSteps(Callback):
+    """torch.profiler over the last `steps` train steps of a run of `iters` iterations."""
+
+    def __init__(self, iters: int, steps: int):
+        self.first, self.last, self.steps = iters - steps, iters, steps
+        self.prof = None
+        self.t0 = 0.0
+
+    def on_step_end(self, iteration: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if iteration == self.first:
+            torch.cuda.synchronize()
+            acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+        elif iteration == self.last and self.prof is not None:
+            torch.cuda.synchronize()
+            self.wall_ms = (time.perf_counter() - self.t0) * 1e3 / self.steps
+            self.prof.__exit__(None, None, None)
+
+    def table(self, name: str, top: int = 18) -> str:
+        """Where one step goes (per step: the totals divided by the steps profiled)."""
+        if self.prof is None:
+            return f"profile {name}: no steps profiled (expected --iters above --profile-steps)"
+        n, ev = self.steps, self.prof.key_averages()
+        kernels = [e for e in ev if e.self_device_time_total > 0]
+        busy = sum(e.self_device_time_total for e in kernels) / n / 1e3
+        count = {e.key: e.count / n for e in ev}
+        launches = sum(
+            v
+            for k, v in count.items()
+            if k
+            in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+        )
+        lines = [
+            f"\nprofile, {name}: {self.wall_ms:.1f} ms wall a step, {busy:.1f} ms of kernels "
+            f"({busy / self.wall_ms:.0%}), {launches:.0f} eager kernel launches and "
+            f"{count.get('cudaGraphLaunch', 0):.0f} graph launches a step",
+            "| kernel | ms/step | calls/step |",
+            "|---|---:|---:|",
+        ]
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+            lines.append(
+                f"| {e.key[:80]} | {e.self_device_time_total / n / 1e3:.2f} | {e.count / n:g} |"
+            )
+        ops = [e for e in ev if e.key.startswith("aten::")]
+        lines += ["| host operator | self CPU ms/step | calls/step |", "|---|---:|---:|"]
+        for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]:
+            lines.append(f"| {e.key} | {e.self_cpu_time_total / n / 1e3:.2f} | {e.count / n:g} |")
+        return "\n".join(lines)
 
 
 def out_problem(path: str | None) -> str | None:
@@ -222,6 +281,8 @@ def main() -> int:
         help="with --nproc: also run every variant on N GPUs with the sharded optimizer",
     )
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: gloo, a smoke test)")
+    ap.add_argument("--profile", action="store_true", help="also where each variant's step goes")
+    ap.add_argument("--profile-steps", type=int, default=3, help="steps --profile covers")
     a = ap.parse_args()
     problem = out_problem(a.out)
     if problem:  # before the runs, which take minutes
@@ -234,6 +295,19 @@ def main() -> int:
             f"bench_train: unknown variant {bad[0]!r}; expected some of {list(VARIANTS)}",
             file=sys.stderr,
         )
+        return 2
+    if a.profile and not torch.cuda.is_available():
+        print("bench_train: --profile: expected a CUDA GPU (it times kernels)", file=sys.stderr)
+        return 2
+    if a.profile and not 1 <= a.profile_steps < a.iters - a.warmup:
+        print(
+            f"bench_train: --profile-steps {a.profile_steps}: expected 1 to "
+            f"{a.iters - a.warmup - 1} (steps after capture and the first steady step)",
+            file=sys.stderr,
+        )
+        return 2
+    if a.profile and a.nproc:
+        print("bench_train: --profile: expected no --nproc (one process)", file=sys.stderr)
         return 2
     if a.use_distributed_optimizer and not a.nproc:
         print(
@@ -274,7 +348,8 @@ def main() -> int:
             log_interval=10**6,
         )
         t0 = time.perf_counter()
-        r = train(cfg)
+        prof = ProfileSteps(a.iters, a.profile_steps) if a.profile else None
+        r = train(cfg, callbacks=[prof] if prof else ())
         rows[name] = r
         print(
             f"{name:<28} {r.step_ms:8.1f} ms/step {r.tokens_per_s:12,.0f} tok/s "
@@ -282,6 +357,8 @@ def main() -> int:
             flush=True,
         )
         write_table(a, rows)
+        if prof:
+            print(prof.table(name), flush=True)
 
     return 0
 

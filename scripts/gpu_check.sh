@@ -66,6 +66,24 @@ for part in ${*:-tests}; do
         | tee "$OUT/bench_train.log" | tail -14 ;;
     sweep)  # the quantize kernels' launch parameters side by side (the fused RHT/SR kernel too)
       timeout 240 python3 bench/tile_sweep.py --iters 10 2>&1 | tee "$OUT/tile_sweep.log" | tail -50 ;;
+    ncu-quant)  # Nsight Compute on the NVFP4 column kernels at 8192x8192 bf16: the fused RHT+SR
+      # kernel's two passes, the SR-only pass and the plain column kernel (occupancy, stalls, DRAM)
+      timeout 300 ncu --clock-control none --target-processes all -k regex:'nvfp4_col_(fused|words)' \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats \
+        python3 -c 'if 1:
+          import torch
+          from graphsan.lab.quant.kernels import launch as tk
+          x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+          g = torch.Generator(device="cuda"); g.manual_seed(0)
+          tk.nvfp4_quantize(x, 0, rht=True, generator=g)
+          tk.nvfp4_quantize(x, 0, generator=g)
+          tk.nvfp4_quantize(x, 0)
+          torch.cuda.synchronize()' > "$OUT/ncu-quant.txt" 2>&1
+      grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Waves Per SM|Block Limit Reg|Stall|Compute \(SM\) Th" "$OUT/ncu-quant.txt" | head -120 ;;
+    train-profile)  # where a step of bf16 graphed and super-mixed graphed goes (bench_train --profile)
+      timeout 300 python3 bench/bench_train.py --iters 10 --profile --profile-steps 3 \
+        --variants "bf16 graphed,super-mixed graphed" 2>&1 | tee "$OUT/train-profile.log" | tail -90 ;;
     scale)  # capture cost against live blocks and graph count (GRAPHSAN_TRACELOG=0: snapshots)
       timeout 330 python3 bench/bench_capture_scale.py 2>&1 | tee "$OUT/bench_capture_scale.log" | tail -22 ;;
     capture-profile)  # a cProfile of one graphsan process of the scale run (record, 20k blocks)
@@ -93,6 +111,6 @@ for part in ${*:-tests}; do
       bash scripts/diag_replay.sh 2>&1 | tee "$OUT/overhead.log" | tail -45 ;;
     *) echo "unknown part $part (tests, sanitizer-tests, lab-tests, faults, example, repro, bench," \
          "quant, quantlinear, train, sweep, scale, tracker, overhead, ranks, faults-snapshot," \
-         "capture-profile, tests-parallel)" ;;
+         "capture-profile, tests-parallel, ncu-quant, train-profile)" ;;
   esac
 done
