@@ -7,7 +7,15 @@ import weakref
 import pytest
 import torch
 
-from graphsan.lab.quant import QuantLinear, Recipe, WeightWorkspace, get_recipe, mxfp8, nvfp4
+from graphsan.lab.quant import (
+    QuantLinear,
+    Recipe,
+    SkipFlag,
+    WeightWorkspace,
+    get_recipe,
+    mxfp8,
+    nvfp4,
+)
 from graphsan.lab.quant.linear import gemm_alpha, gemm_operand
 from tests.lab.quant_oracles import ref_mm, skewed
 
@@ -182,6 +190,49 @@ def test_workspace_allocation_and_in_place_requantization():
     assert [t.data_ptr() for t in ws.buffers()] == ptrs  # never re-allocated
     lin.clear_workspace()
     assert lin.workspace is None
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_a_skip_flag_the_host_set_skips_the_quantization(name, monkeypatch):
+    """With a SkipFlag an eager forward reads the host's value: at 1 the weight is not quantized
+    at all (the workspace keeps its bytes), at 0 it is quantized into the same buffers; the
+    device tensor always holds the same value."""
+    g = torch.Generator().manual_seed(8)
+    lin = QuantLinear(64, 64)
+    lin.set_recipe(RECIPES[name])
+    x = skewed(32, 64, g)
+    flag = SkipFlag()
+    lin.skip_weight_update = flag
+    lin(x)
+    ws = lin.workspace
+    before = [t.clone() for t in ws.buffers()]
+    qw = lin.quantizers["weight"]
+    calls = []
+    real = type(qw).quantize_both
+
+    def counted(self, w, *args, **kwargs):
+        calls.append(self.role)
+        return real(self, w, *args, **kwargs)
+
+    monkeypatch.setattr(type(qw), "quantize_both", counted)
+    with torch.no_grad():
+        lin.weight.copy_(skewed(64, 64, g))
+    flag.set(1)
+    assert flag.tensor.item() == 1
+    lin(x)
+    assert "weight" not in calls and lin.workspace is ws
+    assert all(torch.equal(a, b) for a, b in zip(ws.buffers(), before, strict=True))
+    flag.set(0)
+    assert flag.tensor.item() == 0
+    lin(x)
+    fresh = (
+        qw.quantize(lin.weight.detach(), -1).buffers()
+        + qw.quantize(lin.weight.detach(), 0).buffers()
+    )
+    assert calls.count("weight") == 1 and lin.workspace is ws
+    assert all(torch.equal(a, b) for a, b in zip(ws.buffers(), fresh, strict=True))
+    with pytest.raises(ValueError, match=r"SkipFlag.set\(2\): expected 0 or 1"):
+        flag.set(2)
 
 
 def test_fixed_policy_eval_never_touches_the_workspace():

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from graphsan.lab.quant import QuantLinear, get_recipe, mxfp8, nvfp4
+from graphsan.lab.quant import QuantLinear, SkipFlag, get_recipe, mxfp8, nvfp4
 from tests.lab.kernel_checks import (
     STRIDED,
     assert_gemm_operand_bits,
@@ -220,17 +220,24 @@ def test_sr_graph_replay_gives_identical_bits_with_same_seed(tk):
     assert torch.equal(eager.scale, out["scale"])
 
 
+@pytest.mark.parametrize("flag", ["tensor", "SkipFlag"])
 @pytest.mark.parametrize("fused", [False, True], ids=["prepared-operands", "fused-gemm"])
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8"])
-def test_quantlinear_graph_capture_with_skip_flag(tk, name, fused, monkeypatch):
+def test_quantlinear_graph_capture_with_skip_flag(tk, name, fused, flag, monkeypatch):
     """Capture fwd+bwd; the skip flag (device tensor) decides on replay whether the workspace is
     re-quantized, with no re-allocation. Both GEMM paths (operand preparation + cuBLAS, and the
-    fused packed-operand GEMM)."""
+    fused packed-operand GEMM); a `SkipFlag`, whose host value eager forwards read, records the
+    same masked copy when captured."""
     monkeypatch.setattr(tk, "FUSED_GEMM", fused)
     torch.manual_seed(0)
     lin = QuantLinear(256, 128, device="cuda")
     lin.set_recipe(get_recipe(name))
-    lin.skip_weight_update = torch.zeros((), dtype=torch.bool, device="cuda")
+    if flag == "SkipFlag":
+        lin.skip_weight_update = SkipFlag("cuda")
+        set_flag = lin.skip_weight_update.set
+    else:
+        lin.skip_weight_update = torch.zeros((), dtype=torch.bool, device="cuda")
+        set_flag = lin.skip_weight_update.fill_
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
     s = torch.cuda.Stream()
@@ -249,11 +256,11 @@ def test_quantlinear_graph_capture_with_skip_flag(tk, name, fused, monkeypatch):
     before = [t.clone() for t in ws.buffers()]
     with torch.no_grad():
         lin.weight.mul_(-1.5)
-    lin.skip_weight_update.fill_(True)
+    set_flag(1)
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(ws.buffers(), before, strict=True))
-    lin.skip_weight_update.fill_(False)
+    set_flag(0)
     graph.replay()
     torch.cuda.synchronize()
     q = lin.quantizers["weight"]

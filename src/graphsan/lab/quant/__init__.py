@@ -34,7 +34,7 @@ GroupedQuantLinear each, all experts), MTP under `mtp.`, layers at `layers.{i}.`
 
 from . import fp8, mxfp8, nvfp4, rht
 from .grouped import GroupedQuantLinear
-from .linear import QuantLinear, QuantModule, WeightWorkspace
+from .linear import QuantLinear, QuantModule, SkipFlag, WeightWorkspace
 from .precision import (
     PrecisionConfig,
     PrecisionConfigError,
@@ -54,6 +54,7 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "RowGroups",
+    "SkipFlag",
     "WeightWorkspace",
     "apply_precision",
     "builtin_configs",

@@ -22,7 +22,9 @@ the lab's reproduction of TE #3316 depends on it:
 - `workspace`: the cached quantized weight (rowwise part, columnwise part) that fprop and dgrad
   read. It is allocated by the first eager forward that needs it and afterwards only re-quantized
   IN PLACE (gated by the device-side `skip_weight_update` flag), so a captured graph's baked
-  addresses stay valid, until something clears it.
+  addresses stay valid, until something clears it. A `SkipFlag` also tells eager forwards the
+  flag's value, so they skip the re-quantization outright, as TE's eager path does for every
+  microbatch after the first.
 - `state_policy`: "te218" reproduces TE's behaviour (clear the workspace when the stored recipe
   class differs from the active one; an eval forward then rebuilds it rowwise-only), "fixed" never
   clears on a mismatch and leaves the workspace alone when grad is disabled.
@@ -69,6 +71,36 @@ class WeightWorkspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class SkipFlag:
+    """A weight-update skip flag shared by a model's modules: the 0-dim device tensor that a
+    captured graph's masked copy reads (`tensor`), and the value the host last wrote into it
+    (`value`). Set it only with `set`, so the two agree. A forward that is not being captured
+    reads `value` (no device read, no sync): at 1 it leaves the workspace as it is without
+    quantizing, at 0 it re-quantizes with a plain copy; a forward being captured records the
+    masked copy, which reads `tensor` on every replay."""
+
+    def __init__(self, device=None):
+        self.tensor = torch.zeros((), device=device)
+        self.value = 0
+
+    def set(self, value: int) -> None:
+        if value not in (0, 1):
+            raise ValueError(f"SkipFlag.set({value!r}): expected 0 or 1")
+        self.tensor.fill_(value)
+        self.value = value
+
+
+def _skip_state(flag) -> tuple[torch.Tensor | None, int | None]:
+    """(the tensor a masked re-quantization reads, or None for an unmasked one; the flag's value
+    where the host knows it now, else None)."""
+    if flag is None:
+        return None, 0
+    if isinstance(flag, SkipFlag):
+        capturing = flag.tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+        return flag.tensor, (None if capturing else flag.value)
+    return flag, None
 
 
 # --- GEMM emulation ---------------------------------------------------------------------------
@@ -246,8 +278,9 @@ class QuantModule(nn.Module):
     stored_recipe: the recipe the module last recorded (forward writes it).
     state_policy: "fixed" (default) or "te218".
     workspace: the cached `WeightWorkspace` or None; clear_workspace() drops it.
-    skip_weight_update: None or a 0-dim device tensor; while it holds 1 the workspace is not
-    re-quantized (a masked in-place copy, so a captured graph can replay it).
+    skip_weight_update: None, a 0-dim device tensor or a `SkipFlag`; while it holds 1 the
+    workspace is not re-quantized (a masked in-place copy, so a captured graph can replay it;
+    with a `SkipFlag` an eager forward skips the quantization itself).
     sr_generator: generator for stochastic rounding (None: the device's default generator,
     which CUDA-graph capture handles).
 
@@ -265,7 +298,7 @@ class QuantModule(nn.Module):
         self.stored_recipe: Recipe | None = None
         self.state_policy = "fixed"
         self.workspace: WeightWorkspace | None = None
-        self.skip_weight_update: torch.Tensor | None = None
+        self.skip_weight_update: torch.Tensor | SkipFlag | None = None
         self.sr_generator: torch.Generator | None = None
 
     # --- recipe ---
@@ -371,12 +404,16 @@ class QuantModule(nn.Module):
         else:
             # TE `pytorch/module/base.py` quantize_weight (~847-872): a cache hit re-quantizes
             # into the existing buffers, with the skip flag as the kernel's no-op flag.
-            if grad_enabled and ws.columnwise is not None:
+            skip, known = _skip_state(self.skip_weight_update)
+            mask = None if known == 0 else skip
+            if known == 1:
+                pass  # the host set the flag: the bytes stay as they are, nothing to quantize
+            elif grad_enabled and ws.columnwise is not None:
                 fresh_row, fresh_col = q.quantize_both(w)
-                _requantize_into(ws.rowwise, fresh_row, self.skip_weight_update)
-                _requantize_into(ws.columnwise, fresh_col, self.skip_weight_update)
+                _requantize_into(ws.rowwise, fresh_row, mask)
+                _requantize_into(ws.columnwise, fresh_col, mask)
             else:
-                _requantize_into(ws.rowwise, q.quantize(w, axis=-1), self.skip_weight_update)
+                _requantize_into(ws.rowwise, q.quantize(w, axis=-1), mask)
             if grad_enabled and ws.columnwise is None:
                 # The workspace was built by a no-grad (eval) forward: add the columnwise part
                 # now. (TE 2.20-dev instead treats the workspace as invalid and builds a whole
@@ -471,14 +508,15 @@ def _alloc_columnwise(w: torch.Tensor, q) -> QTensor:
 def _requantize_into(dst: QTensor, src: QTensor, skip: torch.Tensor | None) -> None:
     """Copy a fresh quantization into existing buffers unless the device flag `skip` holds 1.
 
-    A masked copy (torch.where on device), so there is no host sync and a captured graph can
-    replay it with either flag value.
+    A masked copy (torch.where on device, written in place), so there is no host sync and a
+    captured graph can replay it with either flag value.
     """
+    keep = None if skip is None else skip.to(torch.bool)
     for d, s in zip(dst.buffers(), src.buffers(), strict=True):
-        if skip is None:
+        if keep is None:
             d.copy_(s)
         else:
-            d.copy_(torch.where(skip.to(torch.bool), d, s))
+            torch.where(keep, d, s, out=d)
 
 
 BLOCKS = {"mxfp8": MXFP8_BLOCK, "nvfp4": NVFP4_BLOCK}  # recipes whose blocks need alignment

@@ -37,6 +37,7 @@ from graphsan.lab.quant import (
     PrecisionConfig,
     PrecisionConfigError,
     QuantModule,
+    SkipFlag,
     apply_precision,
     get_recipe,
 )
@@ -342,7 +343,7 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_model_built(model)
         self.result.recipe_table, self.ambient = bind_precision(model, cfg)
-        self.skip = torch.zeros((), device=device)  # the shared weight-workspace skip flag
+        self.skip = SkipFlag(device)  # the shared weight-workspace skip flag
         for m in model.modules():
             if isinstance(m, QuantModule):  # QuantLinear and the experts' GroupedQuantLinear
                 m.skip_weight_update = self.skip
@@ -441,7 +442,7 @@ class Trainer:
         self.opt.zero_grad()
         lm, mtp = torch.zeros((), device=device), torch.zeros((), device=device)
         for mb in range(num_mb):
-            self.skip.fill_(0 if mb == 0 else 1)
+            self.skip.set(0 if mb == 0 else 1)
             self.counter.index = mb
             tokens, labels = self.data.batch("train", self._sample("train", it, mb), mbs)
             out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
@@ -494,7 +495,7 @@ class Trainer:
             with torch.no_grad():
                 for k in range(cfg.eval_iters):
                     for mb in range(num_mb):
-                        self.skip.fill_(0 if k == 0 and mb == 0 else 1)
+                        self.skip.set(0 if k == 0 and mb == 0 else 1)
                         tokens, labels = self.data.batch("valid", self._sample("valid", k, mb), mbs)
                         total += model(tokens.to(device), labels.to(device))["lm_loss"]
             model.train()
