@@ -40,7 +40,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .linear import BLOCKS, QuantModule, _check_tokens, _Plan, gemm_alpha, gemm_operand
+from . import kernels
+from .linear import (
+    BLOCKS,
+    QuantModule,
+    _check_tokens,
+    _Plan,
+    alpha_factors,
+    gemm_alpha,
+    gemm_operand,
+)
 from .recipe import Quantizer, Recipe, RowGroups
 from .tensors import QTensor
 
@@ -77,6 +86,12 @@ def grouped_mm(
     return torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offsets).to(out_dtype)
 
 
+def _gemm_dtype(a: torch.Tensor) -> torch.dtype:
+    """The dtype a quantized grouped GEMM returns: bf16 on CUDA (what the sync-free kernel
+    writes, so no float32 copy is made), float32 elsewhere (exact, as QuantLinear's)."""
+    return torch.bfloat16 if a.is_cuda else torch.float32
+
+
 def _mm_dtype(a: torch.Tensor) -> torch.dtype:
     # CUDA: bf16 operands, the only sync-free grouped kernel (bf16 result). CPU: float32 operands
     # hold the bf16 values and their products exactly: a float32-accumulated bf16 GEMM with a
@@ -96,6 +111,29 @@ def _grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
             out[s:e] = a32[s:e] @ b32[g]
         return out
     return torch.stack([a32[:, s:e] @ b32[s:e] for s, e in zip(starts, ends, strict=True)])
+
+
+def _rows_epilogue(y, a: QTensor, b: QTensor, groups: RowGroups, dtype) -> torch.Tensor:
+    """A quantized GEMM's rows times their group's alpha, padding rows zero, in `dtype`: one
+    epilogue kernel on CUDA (`kernels.launch.gemm_epilogue`), the torch operations elsewhere."""
+    fast = kernels.launcher(y)
+    if fast is not None and dtype == torch.bfloat16:
+        return fast.gemm_epilogue(y, *alpha_factors(a, b), row_groups=groups)
+    return _rows_out(y, gemm_alpha(a, b), groups).to(dtype)
+
+
+def _groups_epilogue(dw, a: QTensor, b: QTensor, offsets, main_grad) -> None:
+    """main_grad += each group's weight gradient times its alpha, an empty group's adding zero:
+    one epilogue kernel on CUDA, the torch operations elsewhere."""
+    fast = kernels.launcher(dw)
+    if fast is not None:
+        fast.gemm_epilogue(dw, *alpha_factors(a, b), out=main_grad, offsets=offsets)
+        return
+    main_grad.add_(_groups_out(dw, gemm_alpha(a, b), _nonempty(offsets)))
+
+
+def _nonempty(offsets: torch.Tensor) -> torch.Tensor:
+    return torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0
 
 
 def _rows_out(out: torch.Tensor, alpha: torch.Tensor | None, groups: RowGroups) -> torch.Tensor:
@@ -139,8 +177,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             else:
                 xq, ctx.x_saved = q.quantize(x, -1, groups=groups), None
             w = _stacked(gemm_operand(plan.w_rowwise), g).transpose(1, 2)
-            y = grouped_mm(gemm_operand(xq), w, plan.offsets)
-            y = _rows_out(y, gemm_alpha(xq, plan.w_rowwise), groups)
+            y = grouped_mm(gemm_operand(xq), w, plan.offsets, _gemm_dtype(x))
+            y = _rows_epilogue(y, xq, plan.w_rowwise, groups, x.dtype)
         else:
             y = grouped_mm(x, weight.transpose(1, 2), plan.offsets, x.dtype)
             y = _rows_out(y, None, groups)
@@ -155,24 +193,24 @@ class _GroupedLinearFn(torch.autograd.Function):
         g, groups, offsets = plan.main_grad.shape[0], plan.groups, plan.offsets
         dy = dy.contiguous()
         dx = None
-        nonempty = torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0
         if plan.recipe.quantized:
             q = plan.quantizers["grad_output"]
             if ctx.needs_input_grad[0]:
                 dy_row = q.quantize(dy, -1, generator=plan.generator, groups=groups)
                 w = _stacked(gemm_operand(plan.w_columnwise), g)
-                dx = grouped_mm(gemm_operand(dy_row), w, offsets)
-                dx = _rows_out(dx, gemm_alpha(dy_row, plan.w_columnwise), groups).to(dy.dtype)
+                dx = grouped_mm(gemm_operand(dy_row), w, offsets, _gemm_dtype(dy))
+                dx = _rows_epilogue(dx, dy_row, plan.w_columnwise, groups, dy.dtype)
             if ctx.x_saved is not None:
                 dy_col = q.quantize(dy, 0, generator=plan.generator, groups=groups)
-                dw = grouped_mm(gemm_operand(dy_col).t(), gemm_operand(ctx.x_saved), offsets)
-                plan.main_grad.add_(_groups_out(dw, gemm_alpha(dy_col, ctx.x_saved), nonempty))
+                x_col = gemm_operand(ctx.x_saved)
+                dw = grouped_mm(gemm_operand(dy_col).t(), x_col, offsets, _gemm_dtype(dy))
+                _groups_epilogue(dw, dy_col, ctx.x_saved, offsets, plan.main_grad)
         else:
             if ctx.needs_input_grad[0]:
                 dx = _rows_out(grouped_mm(dy, ctx.weight, offsets, dy.dtype), None, groups)
             if ctx.x_saved is not None:
                 dw = grouped_mm(dy.t(), ctx.x_saved, offsets)
-                plan.main_grad.add_(_groups_out(dw, None, nonempty))
+                plan.main_grad.add_(_groups_out(dw, None, _nonempty(offsets)))
         ctx.x_saved = None
         return dx, None, None
 

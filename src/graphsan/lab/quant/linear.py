@@ -144,6 +144,17 @@ def gemm_alpha(a: QTensor, b: QTensor) -> torch.Tensor | None:
     return None
 
 
+def alpha_factors(a: QTensor, b: QTensor) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """`gemm_alpha` as the epilogue kernel computes it (`kernels.launch.gemm_epilogue`): the two
+    factors and the mode (2: NVFP4 amaxes, (a * b) / 6^2 448^2; 1: FP8 scale_invs, a * b; 0:
+    none)."""
+    if isinstance(a, NVFP4Tensor):
+        return a.amax, b.amax, 2
+    if isinstance(a, FP8Tensor):
+        return a.scale_inv, b.scale_inv, 1
+    return None, None, 0
+
+
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm(..., out_dtype=) works
 
 
@@ -170,18 +181,22 @@ def quantized_mm(
     transpose_a: bool = False,
     transpose_b: bool = False,
     out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """op(a) @ op(b) * alpha in float32, from exactly dequantized bf16 operands; added into the
-    float32 `out` when given (and `out` returned). On CUDA each operand is prepared by one
-    Triton pass over its packed data (`gemm_operand`) and the bf16 GEMM is cuBLAS's; with
-    `kernels.launch.FUSED_GEMM` one Triton GEMM reads the packed operands instead
-    (`kernels.launch.quantized_mm`, tested against `quantized_mm_reference`)."""
+    """op(a) @ op(b) * alpha in float32, from exactly dequantized bf16 operands, returned in
+    `out_dtype` (the float32 result rounded once); added into the float32 `out` when given (and
+    `out` returned). On CUDA each operand is prepared by one Triton pass over its packed data
+    (`gemm_operand`), the bf16 GEMM is cuBLAS's and alpha, the rounding and the addition are one
+    Triton pass (`kernels.launch.gemm_epilogue`); with `kernels.launch.FUSED_GEMM` one Triton
+    GEMM reads the packed operands instead (`kernels.launch.quantized_mm`, tested against
+    `quantized_mm_reference`)."""
     fast = kernels.launcher(a.data)
     if fast is not None and fast.FUSED_GEMM:
         c = fast.quantized_mm(a, b, transpose_a, transpose_b, gemm_alpha(a, b), out)
         if c is not None:
-            return c
-    return _values_mm(gemm_operand(a), gemm_operand(b), a, b, transpose_a, transpose_b, out)
+            return c if out is not None else c.to(out_dtype)
+    a_val, b_val = gemm_operand(a), gemm_operand(b)
+    return _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out, out_dtype)
 
 
 def quantized_mm_reference(
@@ -190,19 +205,26 @@ def quantized_mm_reference(
     transpose_a: bool = False,
     transpose_b: bool = False,
     out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """`quantized_mm` in torch on any device: dequantize each operand to bf16, bf16 GEMM with
     float32 accumulation, alpha."""
     a_val, b_val = gemm_operand_reference(a), gemm_operand_reference(b)
-    return _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out)
+    return _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out, out_dtype, torch_only=True)
 
 
-def _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out):
-    """The bf16 GEMM of the operand values, alpha, and the addition into `out`."""
+def _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out, out_dtype, torch_only=False):
+    """The bf16 GEMM of the operand values, alpha, the rounding to `out_dtype` or the addition
+    into `out`: one epilogue kernel on CUDA where there is an alpha (without one the rounding or
+    the addition is a single torch operation anyway)."""
     c = mm_fp32(a_val.t() if transpose_a else a_val, b_val.t() if transpose_b else b_val)
+    x, y, mode = alpha_factors(a, b)
+    fast = None if torch_only else kernels.launcher(c)
+    if fast is not None and mode and (out is not None or out_dtype == torch.bfloat16):
+        return fast.gemm_epilogue(c, x, y, mode, out=out)
     alpha = gemm_alpha(a, b)
     c = c if alpha is None else c * alpha
-    return c if out is None else out.add_(c)
+    return c.to(out_dtype) if out is None else out.add_(c)
 
 
 # --- autograd ---------------------------------------------------------------------------------
@@ -231,7 +253,9 @@ class _QuantLinearFn(torch.autograd.Function):
                 xq, ctx.x_saved = q.quantize_both(x)
             else:
                 xq, ctx.x_saved = q.quantize(x, axis=-1), None
-            y = quantized_mm(xq, plan.w_rowwise, transpose_b=True)
+            # with a bias the float32 sum is rounded once, below
+            rounded = x.dtype if bias is None else torch.float32
+            y = quantized_mm(xq, plan.w_rowwise, transpose_b=True, out_dtype=rounded)
         else:
             y = mm_fp32(x.to(torch.bfloat16), weight.to(torch.bfloat16).t())
             ctx.x_saved = x if plan.save_for_wgrad else None
@@ -251,7 +275,7 @@ class _QuantLinearFn(torch.autograd.Function):
             q = plan.quantizers["grad_output"]
             if ctx.needs_input_grad[0]:
                 dy_row = q.quantize(dy, axis=-1, generator=plan.generator)
-                dx = quantized_mm(dy_row, plan.w_columnwise).to(dy.dtype)
+                dx = quantized_mm(dy_row, plan.w_columnwise, out_dtype=dy.dtype)
             if ctx.x_saved is not None:
                 dy_col = q.quantize(dy, axis=0, generator=plan.generator)
                 quantized_mm(dy_col, ctx.x_saved, transpose_a=True, out=plan.main_grad)

@@ -424,3 +424,66 @@ def dequant_mxfp8_cols_kernel(
         tl.store(out_ptr + off + q, out)
     else:
         tl.store(out_ptr + off + q, out, mask=cmask)
+
+
+@triton.jit
+def gemm_epilogue_kernel(
+    c_ptr,
+    out_ptr,
+    a_ptr,
+    b_ptr,
+    group_ptr,
+    offs_ptr,
+    R,
+    C,
+    G,
+    GROUP_ROWS,
+    NAN16: tl.constexpr,
+    DIVISOR: tl.constexpr,
+    ALPHA: tl.constexpr,
+    GROUPS: tl.constexpr,
+    ADD: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """The emulated GEMM's epilogue in one pass over its float32 (or bf16) result c [R, C]
+    (contiguous): times alpha, then written as bf16 bits to out (int16, the rounding and NaN of
+    `_bf16_word`) or added into the float32 out (ADD), with the float operations and rounding of
+    the torch epilogue it replaces.
+
+    ALPHA 0: no factor; 1: a * b (FP8 scale_invs); 2: (a * b) / DIVISOR (NVFP4 amaxes, one IEEE
+    division). GROUPS 0: a and b are one float32 each; 1: row r belongs to group group_ptr[r]
+    (int64; G means no group: the row is written as zeros) and takes a[g], b[g]; 2: row r belongs
+    to group r // GROUP_ROWS (a grouped weight gradient [G, N, K] seen as [G*N, K]) and a group
+    whose rows are empty (offs_ptr: int32 cumulative row counts) adds zeros."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols < C)[None, :]
+    idx = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    v = tl.load(c_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    keep = rmask
+    if GROUPS == 0:
+        g = rows * 0
+    elif GROUPS == 1:
+        g = tl.load(group_ptr + rows, mask=rmask, other=G)
+        keep = g < G
+        g = tl.minimum(g, G - 1)
+    else:
+        g = rows // GROUP_ROWS
+        end = tl.load(offs_ptr + g, mask=rmask, other=0)
+        start = tl.load(offs_ptr + g - 1, mask=rmask & (g > 0), other=0)
+        keep = end > start
+    if ALPHA > 0:
+        alpha = tl.load(a_ptr + g, mask=rmask, other=1.0) * tl.load(
+            b_ptr + g, mask=rmask, other=1.0
+        )
+        if ALPHA == 2:
+            alpha = tl.math.div_rn(alpha, DIVISOR)
+        v = v * alpha[:, None]
+    if GROUPS != 0:
+        v = tl.where(keep[:, None], v, 0.0)
+    if ADD:
+        tl.store(out_ptr + idx, tl.load(out_ptr + idx, mask=mask, other=0.0) + v, mask=mask)
+    else:
+        tl.store(out_ptr + idx, _bf16_word(v, NAN16), mask=mask)

@@ -23,7 +23,15 @@ import torch
 import triton
 
 from ..elements import block_random_bits, random_seed
-from ..formats import FP8_BITS, FP8_MAX, INV_6, MXFP8_BLOCK, NVFP4_BLOCK, fp32_reciprocal
+from ..formats import (
+    FP8_BITS,
+    FP8_MAX,
+    INV_6,
+    MXFP8_BLOCK,
+    NVFP4_ALPHA_DIVISOR,
+    NVFP4_BLOCK,
+    fp32_reciprocal,
+)
 from ..rht import rht as apply_rht
 from ..tensors import MXFP8Tensor, NVFP4Tensor
 from .gemm import (
@@ -31,6 +39,7 @@ from .gemm import (
     dequant_mxfp8_cols_kernel,
     dequant_mxfp8_rows_kernel,
     dequant_nvfp4_kernel,
+    gemm_epilogue_kernel,
     qgemm_kernel,
 )
 from .mxfp8 import mxfp8_strided_kernel, mxfp8_words_kernel
@@ -611,3 +620,50 @@ def quantized_mm(a, b, transpose_a, transpose_b, alpha, out=None):
         **_COMPILE_OPTIONS,
     )
     return c
+
+
+# --- the emulated GEMM's epilogue --------------------------------------------------------------
+
+GEMM_EPILOGUE_TILE = {"BR": 8, "BC": 512, "num_warps": 4}
+
+
+def gemm_epilogue(c, a, b, mode, out=None, row_groups=None, offsets=None):
+    """A GEMM result c [R, C] (or [G, N, K] with `offsets`) times alpha in one pass: written as
+    a new bf16 tensor, or added into the float32 `out` (returned). `mode` and the factors a, b
+    are `linear.alpha_factors`' (0: no alpha; 1: a * b; 2: NVFP4, (a * b) / 6^2 448^2). Rows:
+    `row_groups` (a RowGroups) gives each row its group's factors and writes rows in no group as
+    zeros; `offsets` (int32 cumulative group rows) reads c as G groups of N rows, each with its
+    group's factors, an empty group's rows as zeros (the grouped weight gradient)."""
+    c = c.contiguous()
+    cols = c.shape[-1]
+    rows = c.numel() // cols
+    groups, group_rows, kind, count = c, 1, 0, 0
+    if row_groups is not None:
+        groups, kind, count = row_groups.index, 1, row_groups.count
+    elif offsets is not None:
+        kind, count, group_rows = 2, c.shape[0], c.shape[1]
+    if out is None:
+        out = torch.empty(c.shape, dtype=torch.bfloat16, device=c.device)
+    tile = GEMM_EPILOGUE_TILE
+    grid = (triton.cdiv(rows, tile["BR"]), triton.cdiv(cols, tile["BC"]))
+    add = out.dtype == torch.float32
+    gemm_epilogue_kernel[grid](
+        c,
+        out if add else out.view(torch.int16),
+        a if a is not None else c,
+        b if b is not None else c,
+        groups,
+        offsets if offsets is not None else c,
+        rows,
+        cols,
+        count,
+        group_rows,
+        NAN16=_nan16(c.device.type),
+        DIVISOR=NVFP4_ALPHA_DIVISOR,
+        ALPHA=mode,
+        GROUPS=kind,
+        ADD=add,
+        **tile,
+        **_COMPILE_OPTIONS,
+    )
+    return out
