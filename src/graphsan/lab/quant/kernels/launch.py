@@ -34,6 +34,7 @@ from ..formats import (
 )
 from ..rht import rht as apply_rht
 from ..tensors import MXFP8Tensor, NVFP4Tensor
+from .fastlaunch import fast
 from .gemm import (
     dequant_kernel,
     dequant_mxfp8_cols_kernel,
@@ -52,6 +53,27 @@ from .nvfp4 import (
     nvfp4_row_words_kernel,
 )
 from .nvfp4_col import nvfp4_col_fused_kernel
+
+# Every kernel this module launches goes through `fastlaunch` (compiled kernels only): the same
+# kernels and arguments, without Triton's per-call binding once a specialization has been seen.
+for _name in (
+    "dequant_kernel",
+    "dequant_mxfp8_cols_kernel",
+    "dequant_mxfp8_rows_kernel",
+    "dequant_nvfp4_kernel",
+    "gemm_epilogue_kernel",
+    "qgemm_kernel",
+    "mxfp8_strided_kernel",
+    "mxfp8_words_kernel",
+    "amax_kernel",
+    "group_amax_kernel",
+    "nvfp4_col_strided_kernel",
+    "nvfp4_col_words_kernel",
+    "nvfp4_row_strided_kernel",
+    "nvfp4_row_words_kernel",
+    "nvfp4_col_fused_kernel",
+):
+    globals()[_name] = fast(globals()[_name])
 
 # Launch parameters, fixed: the fastest tiles of bench/tile_sweep.py (docs/PERF.md).
 MXFP8_STRIDED_TILE = {"BM": 32, "BN": 128, "SPLIT": 2, "num_warps": 2}

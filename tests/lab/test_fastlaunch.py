@@ -1,0 +1,119 @@
+"""kernels/fastlaunch.py: the key of a launch holds what Triton specializes on, a key seen before
+launches the compiled kernel with the arguments in parameter order, and anything the key cannot
+pin goes through Triton. On CPU against a stand-in kernel; on the GPU (marked gpu) the quantize
+kernels through both paths, on aligned and misaligned inputs, byte for byte."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from graphsan.lab.quant.kernels import fastlaunch
+
+
+def test_the_key_holds_dtype_alignment_and_integer_classes():
+    base = torch.zeros(64, dtype=torch.float32)
+    spec = fastlaunch.spec
+    assert spec(base) == spec(torch.ones(64))
+    assert spec(base) != spec(base[1:])  # 4 bytes off: not 16-byte aligned
+    assert spec(base) != spec(base.to(torch.bfloat16))
+    assert [spec(v)[1] for v in (1, 16, 32, 17, 0)] == [1, 16, 16, 0, 16]
+    assert spec(2**31 - 16) != spec(2**31)  # a 64-bit integer is another specialization
+    assert spec(True) is True and spec(None) is None and spec(0.5) is float
+
+
+@dataclass
+class Param:
+    name: str
+    is_constexpr: bool
+    default: object = None
+
+
+class Compiled:
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append((grid, args))
+
+
+class StandIn:
+    """A kernel (x, n, BLOCK: constexpr, FLAG: constexpr = 7): its own launches are counted."""
+
+    params = [Param("x", False), Param("n", False), Param("BLOCK", True), Param("FLAG", True, 7)]
+
+    def __init__(self):
+        self.launches = 0
+        self.compiled = Compiled()
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launches += 1
+            return self.compiled
+
+        return run
+
+
+def test_a_seen_key_launches_the_compiled_kernel_with_every_parameter_in_order():
+    k = StandIn()
+    f = fastlaunch.FastKernel(k)
+    x = torch.zeros(64)
+    f[(4,)](x, 32, BLOCK=128, num_warps=4)
+    assert k.launches == 1 and k.compiled.calls == []
+    f[(5, 2)](x, 48, BLOCK=128, num_warps=4)  # n: another multiple of 16, the same key
+    assert k.launches == 1
+    assert k.compiled.calls == [((5, 2, 1), (x, 48, 128, 7))]
+    for args, kwargs in (
+        ((x, 33), dict(BLOCK=128, num_warps=4)),  # n not a multiple of 16
+        ((x, 32), dict(BLOCK=256, num_warps=4)),  # another constexpr
+        ((x, 32), dict(BLOCK=128, num_warps=8)),  # another option
+        ((x[1:], 32), dict(BLOCK=128, num_warps=4)),  # misaligned
+    ):
+        before = k.launches
+        f[(1,)](*args, **kwargs)
+        assert k.launches == before + 1, (args, kwargs)
+
+
+def test_what_the_key_cannot_pin_always_goes_through_triton(monkeypatch):
+    k = StandIn()
+    f = fastlaunch.FastKernel(k)
+    x = torch.zeros(64)
+    for _ in range(2):
+        f[(1,)](x, 32, 128)  # BLOCK by position: the key would hold only its value class
+        f[(1,)](x, n=32, BLOCK=128)  # a launch argument by keyword
+    assert k.launches == 4 and k.compiled.calls == []
+    monkeypatch.setattr(fastlaunch, "ENABLED", False)
+    for _ in range(2):
+        f[(1,)](x, 32, BLOCK=128)
+    assert k.launches == 6 and k.compiled.calls == []
+
+
+@pytest.mark.gpu
+def test_compiled_launches_equal_tritons_on_aligned_and_misaligned_inputs(monkeypatch):
+    pytest.importorskip("triton")
+    from graphsan.lab.quant import kernels
+
+    assert kernels.available()
+    from graphsan.lab.quant.kernels import launch as tk
+
+    g = torch.Generator(device="cuda")
+    big = torch.randn(
+        4096 + 64, 256, device="cuda", dtype=torch.bfloat16, generator=g.manual_seed(1)
+    )
+    misaligned = big.view(-1)[1 : 1 + 4096 * 256].view(4096, 256)  # 2 bytes off
+    results = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(fastlaunch, "ENABLED", enabled)
+        out = []
+        for rep in range(2):  # the second round hits the keys the first one made
+            for x in (big[:4096], misaligned, big[1:4097, 64:192]):
+                q = tk.nvfp4_quantize(x, 0, rht=True, generator=g.manual_seed(rep))
+                out += [q.data, q.scale, q.amax, tk.gemm_operand(q)]
+                m = tk.mxfp8_quantize(x, 0)
+                out += [m.data, m.scale]
+        results[enabled] = out
+    assert len(tk.nvfp4_col_fused_kernel.cache) > 0  # the fast path ran
+    for a, b in zip(results[False], results[True], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
