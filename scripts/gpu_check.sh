@@ -81,6 +81,8 @@ for part in ${*:-tests}; do
           tk.nvfp4_quantize(x, 0)
           torch.cuda.synchronize()' > "$OUT/ncu-quant.txt" 2>&1
       grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Waves Per SM|Block Limit Reg|Stall|Compute \(SM\) Th" "$OUT/ncu-quant.txt" | head -120 ;;
+    host)  # the host cost of one eager quantized module call, per recipe (bench_host.py)
+      timeout 200 python3 bench/bench_host.py --iters 30 2>&1 | tee "$OUT/bench_host.log" | tail -10 ;;
     train-profile)  # where a step of bf16 graphed and super-mixed graphed goes (bench_train --profile)
       timeout 300 python3 bench/bench_train.py --iters 10 --profile --profile-steps 3 \
         --variants "bf16 graphed,super-mixed graphed" 2>&1 | tee "$OUT/train-profile.log" | tail -90 ;;
@@ -111,6 +113,6 @@ for part in ${*:-tests}; do
       bash scripts/diag_replay.sh 2>&1 | tee "$OUT/overhead.log" | tail -45 ;;
     *) echo "unknown part $part (tests, sanitizer-tests, lab-tests, faults, example, repro, bench," \
          "quant, quantlinear, train, sweep, scale, tracker, overhead, ranks, faults-snapshot," \
-         "capture-profile, tests-parallel, ncu-quant, train-profile)" ;;
+         "capture-profile, tests-parallel, ncu-quant, train-profile, host)" ;;
   esac
 done
