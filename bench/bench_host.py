@@ -7,8 +7,9 @@ For QuantLinear [tokens, 512] -> 1024 (the shared expert's fc1) and GroupedQuant
 experts of [256 -> 256], tokens x 6 routed rows, the routed experts' fc1), per recipe: the wall
 time of `iters` calls launched back to back, divided by `iters` (host-bound at these sizes: the
 GPU finishes each call's kernels before the host has launched the next call's); the same with the
-skip flag at 1 (every microbatch after the first); the torch operators and Triton launches a call
-makes; and the host time spent inside Triton's launcher. Prints one table; never asserts timings.
+skip flag at 1 (every microbatch after the first: a `SkipFlag`, as the trainer's, so the weight is
+not quantized then); the torch operators and Triton launches a call makes; and the host time
+spent launching those (`fastlaunch`, and Triton's binding for a key not seen before). Prints one table; never asserts timings.
 `--cprofile RECIPE` then profiles both modules' calls with that recipe (cProfile, the functions
 with the most time of their own first).
 """
@@ -22,7 +23,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphsan.lab.quant import GroupedQuantLinear, QuantLinear, get_recipe, kernels
+from graphsan.lab.quant import GroupedQuantLinear, QuantLinear, SkipFlag, get_recipe, kernels
 
 RECIPES = ("bf16", "mxfp8", "nvfp4")
 EXPERTS, TOPK = 64, 6
@@ -39,12 +40,13 @@ class _CountOps(TorchDispatchMode):
 
 
 class _TritonLaunches:
-    """Counts Triton launches and the host time inside them (wraps JITFunction.run)."""
+    """Counts the quantize kernels' launches and the host time inside them (wraps
+    `fastlaunch.FastKernel._run`, through which `kernels.launch` launches every kernel)."""
 
     def __init__(self):
-        from triton.runtime.jit import JITFunction
+        from graphsan.lab.quant.kernels.fastlaunch import FastKernel
 
-        self.cls, self.orig = JITFunction, JITFunction.run
+        self.cls, self.orig = FastKernel, FastKernel._run
         self.n, self.seconds = 0, 0.0
         self.on = False
 
@@ -58,7 +60,7 @@ class _TritonLaunches:
                 self.seconds += time.perf_counter() - t0
                 self.n += 1
 
-        JITFunction.run = run
+        FastKernel._run = run
 
 
 def _cases(tokens: int, dev):
@@ -77,8 +79,8 @@ def _cases(tokens: int, dev):
 
 def measure(m, call, iters: int, launches: _TritonLaunches) -> list[str]:
     """The table cells of one module: host us per call with the skip flag at 0 and at 1, torch
-    operators, Triton launches and the us inside Triton's launcher per call (flag at 0)."""
-    m.skip_weight_update = torch.zeros((), device="cuda")
+    operators, Triton launches and the us spent launching them per call (flag at 0)."""
+    m.skip_weight_update = SkipFlag("cuda")  # as the trainer shares it
     grad = []
 
     def step():
@@ -89,7 +91,7 @@ def measure(m, call, iters: int, launches: _TritonLaunches) -> list[str]:
 
     times = {}
     for skip in (1, 0):
-        m.skip_weight_update.fill_(skip)
+        m.skip_weight_update.set(skip)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -182,7 +184,7 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.tokens} tokens")
     print(
         "| module | recipe | host us/call | skip=1 us/call | torch ops | Triton launches | "
-        "us in Triton's launcher |"
+        "us launching them |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     footer = launch_costs(a.iters)
