@@ -10,6 +10,8 @@ and the tests compare the two byte for byte (compiled on the GPU, in Triton's in
     kernels/nvfp4.py      global amax; NVFP4 row and column kernels, strided and bf16 words
     kernels/nvfp4_col.py  NVFP4 columnwise with the RHT and stochastic rounding fused
     kernels/common.py     FP8 bytes from bit fields, bf16 words, NaN-ignoring block maxima
+    kernels/gemm.py       the GEMM operands' dequantization, the GEMM epilogue, a fused GEMM
+    kernels/fastlaunch.py launches without Triton's per-call binding (a seen specialization)
 
 Every kernel has a "strided" form for any floating dtype and strides, and the hot directions
 also a "words" form for bf16 with unit column stride (read as 64-bit words of 4 bf16); the
