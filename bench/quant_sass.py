@@ -1,7 +1,8 @@
 """Instruction counts of the quantize kernels, compiled offline for sm_90 (no GPU needed).
 
     PYTHONPATH=src python3 bench/quant_sass.py [--size 8192] [--kernels strided words fused
-        dequant] [--mix] [--fused-tile NB BK WARPS] [--dequant-tiles] [--dump DIR]
+        dequant] [--mix] [--fused-tile NB BK WARPS] [--amax-tile NB BK WARPS]
+        [--dequant-tiles] [--dump DIR]
 
 Each Triton quantize kernel (the strided family, the bf16-words family, and "fused": the NVFP4
 column kernel with RHT and/or SR, both of its passes, next to the rowwise SR words kernel and the
@@ -11,7 +12,8 @@ strided one every operand ran before; "elements" there are output bf16 values), 
 it (integer arguments divisible by 16 marked so, a unit stride made a constant, fp contraction off
 as the launcher asks), disassembled with Triton's bundled cuobjdump, and summarised: SASS
 instructions per element (static count x threads per program / elements per program: the kernels
-have no loops, so this is what every thread issues), registers per thread, shared memory, and the
+have no loops, so this is what every thread issues; "without slow path" leaves out the code after
+the last EXIT, which only the IEEE division's rare slow path reaches), registers per thread, shared memory, and the
 memory instructions (load/store widths, shared-memory round trips, shuffles, barriers). A proxy
 for the GPU time of instruction-bound kernels, and a check of the access pattern; not a timing.
 --mix adds each kernel's instruction mix per element, grouped by the unit or the purpose the
@@ -98,8 +100,12 @@ def summarise(name, kernel, elements, num_warps, dump, mix=None):
     regs = re.search(r"REG:(\d+)", res.stdout)
     stack = re.search(r"STACK:(\d+)", res.stdout)
     per_elem = len(ops) * num_warps * 32 / elements
+    # code after the last EXIT is reached only by CALL: the IEEE division's slow path (a
+    # denominator out of the fast path's range), so the rest is what every thread issues
+    last_exit = max((i for i, op in enumerate(ops) if op == "EXIT"), default=len(ops) - 1)
+    main_per_elem = (last_exit + 1) * num_warps * 32 / elements
     print(
-        f"| {name} | {per_elem:.1f} | {elements // (num_warps * 32)} | "
+        f"| {name} | {per_elem:.1f} | {main_per_elem:.1f} | {elements // (num_warps * 32)} | "
         f"{regs.group(1) if regs else '?'} | {stack.group(1) if stack else '?'} | "
         f"{kernel.metadata.shared} | {', '.join(f'{k} {v}' for k, v in sorted(mem.items()))} |"
     )
@@ -185,7 +191,15 @@ def main() -> None:
         nargs=3,
         type=int,
         metavar=("NB", "BK", "WARPS"),
-        help="compile the fused column kernel with this tile instead of the launcher's",
+        help="compile the fused column kernel's quantize passes with this tile instead of the "
+        "launcher's (NVFP4_COL_FUSED_TILE)",
+    )
+    ap.add_argument(
+        "--amax-tile",
+        nargs=3,
+        type=int,
+        metavar=("NB", "BK", "WARPS"),
+        help="and its RHT amax pass with this one (instead of NVFP4_COL_AMAX_TILE)",
     )
     ap.add_argument(
         "--dequant-tiles",
@@ -265,21 +279,27 @@ def main() -> None:
     fused += [("stride_k", "i32", 1), ("amax_ptr", "*fp32", 0), ("group_ptr", "*i64", 0)]
     fused += [("G", "i32", 0), ("seed_ptr", "*i64", 0), ("data_ptr", "*i64", 0)]
     fused += [("scale_ptr", "*u8", 0)]
-    p = dict(tk.NVFP4_COL_FUSED_TILE)
-    if args.fused_tile:
-        if any(v < 1 or v & (v - 1) for v in args.fused_tile):
-            ap.error(f"--fused-tile {args.fused_tile}: NB, BK and WARPS must be powers of two")
-        p = dict(zip(("NB", "BK", "num_warps"), args.fused_tile, strict=True))
-    elems = p["NB"] * 16 * p["BK"]
+    tiles = {}  # the quantize passes' tile and the amax pass's, the launcher's unless given
+    for key, attr, given in (
+        ("quantize", "NVFP4_COL_FUSED_TILE", args.fused_tile),
+        ("amax", "NVFP4_COL_AMAX_TILE", args.amax_tile),
+    ):
+        tiles[key] = dict(getattr(tk, attr))
+        if given:
+            if any(v < 1 or v & (v - 1) for v in given):
+                ap.error(f"tile {given}: NB, BK and WARPS must be powers of two")
+            tiles[key] = dict(zip(("NB", "BK", "num_warps"), given, strict=True))
     fn = nvfp4_col_fused_kernel
     base = {"INV_6": INV_6, "LEGACY": False, "BF16_BITS": True, "HW_FP8": True, "GROUPED": False}
-    base |= {"MAXNUM": True}
+    base |= {"MAXNUM": True, "PTX": True, "EVEN": True}  # as launched on CUDA, tiles covering x
     for name, rht, sr, amax_only in (
         ("RHT amax pass", True, False, True),
         ("RHT+SR quantize pass", True, True, False),
         ("RHT quantize pass", True, False, False),
         ("SR (no RHT)", False, True, False),
     ):
+        p = tiles["amax" if amax_only else "quantize"]
+        elems = p["NB"] * 16 * p["BK"]
         flags = {**base, "RHT": rht, "SR": sr, "AMAX_ONLY": amax_only}
         jobs.append(("fused", f"nvfp4 fused col, {name}", fn, fused, flags, p, elems))
     p = dict(tk.NVFP4_ROW_WORDS_TILE)
@@ -301,8 +321,11 @@ def main() -> None:
         jobs += dequant_jobs(n, args.dequant_tiles)
 
     print(f"# sm_90 SASS, {n}x{n} bf16 specialisation, triton {triton.__version__}")
-    print("| kernel | instr/elem | elem/thread | regs | stack B | smem B | memory per thread |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| kernel | instr/elem | without slow path | elem/thread | regs | stack B | smem B | "
+        "memory per thread |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     mix = [] if args.mix else None
     for family, name, fn, fn_args, flags, params, elems in jobs:
         if family not in args.kernels:

@@ -39,14 +39,28 @@ NV_COL_WORDS_TILES = [
     {"NB": 16, "CW": 32, "num_warps": 8},
 ]
 
-# The fused column kernel (RHT and/or SR): 128 values per thread now (214-255 registers), and
-# tiles of 64 (about half the registers, twice the warps per SM, more per-thread overhead).
+# The fused column kernel (RHT and/or SR): 128 values per thread now (227-255 registers), and
+# tiles of 64 (121-128 registers: twice the warps per SM, for about 2 more instructions per
+# element of per-thread overhead, bench/quant_sass.py --fused-tile) and 32 (about 63 registers).
 NV_COL_FUSED_TILES = [
     {"NB": 8, "BK": 64, "num_warps": 2},
     {"NB": 8, "BK": 64, "num_warps": 4},
     {"NB": 4, "BK": 64, "num_warps": 2},
     {"NB": 8, "BK": 32, "num_warps": 2},
     {"NB": 4, "BK": 32, "num_warps": 1},
+    {"NB": 16, "BK": 64, "num_warps": 4},
+    {"NB": 8, "BK": 128, "num_warps": 4},
+    {"NB": 4, "BK": 32, "num_warps": 2},
+]
+# Its RHT amax pass (NVFP4_COL_AMAX_TILE: loads, the transform and a maximum; 128 registers at
+# 128 values a thread, 56-64 at 64, 40 at 32): the whole RHT operation is timed, the quantize
+# pass on its current tile.
+NV_COL_AMAX_TILES = [
+    {"NB": 8, "BK": 64, "num_warps": 2},
+    {"NB": 4, "BK": 64, "num_warps": 2},
+    {"NB": 8, "BK": 64, "num_warps": 4},
+    {"NB": 8, "BK": 32, "num_warps": 2},
+    {"NB": 4, "BK": 32, "num_warps": 2},
     {"NB": 16, "BK": 64, "num_warps": 4},
     {"NB": 8, "BK": 128, "num_warps": 4},
 ]
@@ -208,6 +222,12 @@ SWEEPS = {
     "nvfp4 col RHT fused (wgrad X)": (
         "NVFP4_COL_FUSED_TILE",
         NV_COL_FUSED_TILES,
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True),
+        NVFP4_BYTES,
+    ),
+    "nvfp4 col RHT fused, amax pass tile (wgrad X)": (
+        "NVFP4_COL_AMAX_TILE",
+        NV_COL_AMAX_TILES,
         lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True),
         NVFP4_BYTES,
     ),

@@ -3,6 +3,7 @@ under CUDA-graph capture with the skip flag; no host syncs."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -22,6 +23,20 @@ from tests.lab.kernel_checks import (
     mxfp8_inputs,
     nvfp4_edge_cases,
     random_byte_operands,
+)
+
+# Triton is imported here for the encoder test kernels below (tests/conftest.py has set
+# TRITON_INTERPRET where CUDA is absent; the gpu marker skips these tests there).
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from graphsan.lab.quant.elements import e2m1_rne, e2m1_stochastic  # noqa: E402
+from graphsan.lab.quant.kernels.nvfp4 import _e2m1_sr_field  # noqa: E402
+from graphsan.lab.quant.kernels.nvfp4_col import _bf16_round, _half  # noqa: E402
+from tests.lab.test_sr_encoder_math import (  # noqa: E402
+    boundary_values,
+    sweep_values,
+    window_values,
 )
 
 pytestmark = pytest.mark.gpu
@@ -134,6 +149,147 @@ def test_nvfp4_col_fused_kernel_nan_blocks(tk, order):
             a = tk.nvfp4_quantize(src, 0, False, order, use_rht, g1)
             b = nvfp4.quantize_reference(src, 0, False, order, use_rht, g2)
             where = (name, use_rht, sr)
+            assert torch.equal(a.amax, b.amax), where
+            assert torch.equal(a.scale, b.scale), where
+            assert torch.equal(a.data, b.data), where
+
+
+@triton.jit
+def _sr_field_kernel(v_ptr, r_ptr, out_ptr, N, J: tl.constexpr, BLOCK: tl.constexpr):
+    """The compiled SR encoder's magnitude code for v and the random byte in lane J of r."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + i, mask=i < N)
+    r = tl.load(r_ptr + i, mask=i < N)
+    tl.store(out_ptr + i, ((_e2m1_sr_field(v, r, J) >> 22) ^ 4) & 7, mask=i < N)
+
+
+@triton.jit
+def _half_kernel(v_ptr, w_ptr, out_ptr, N, SR: tl.constexpr, BLOCK: tl.constexpr):
+    """`_half` of eight values (v [8, N]) and two random words (w [2, N]) per column."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    v0 = tl.load(v_ptr + i, mask=m)
+    v1 = tl.load(v_ptr + N + i, mask=m)
+    v2 = tl.load(v_ptr + 2 * N + i, mask=m)
+    v3 = tl.load(v_ptr + 3 * N + i, mask=m)
+    v4 = tl.load(v_ptr + 4 * N + i, mask=m)
+    v5 = tl.load(v_ptr + 5 * N + i, mask=m)
+    v6 = tl.load(v_ptr + 6 * N + i, mask=m)
+    v7 = tl.load(v_ptr + 7 * N + i, mask=m)
+    wa = tl.load(w_ptr + i, mask=m)
+    wb = tl.load(w_ptr + N + i, mask=m)
+    q = _half(v0, v1, v2, v3, v4, v5, v6, v7, wa, wb, SR, True)
+    tl.store(out_ptr + i, q, mask=m)
+
+
+@triton.jit
+def _bf16_round_kernel(y_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(y_ptr + i, mask=i < N)
+    tl.store(out_ptr + i, _bf16_round(y, True), mask=i < N)
+
+
+def test_compiled_sr_encoder_at_every_boundary_with_every_byte(tk):
+    """`_e2m1_sr_field` compiled (inline PTX, round-toward-zero FMA) against
+    `elements.e2m1_stochastic` for the values of test_sr_encoder_math (every code and rounding
+    boundary, a dense sweep, tiny, NaN, inf, both signs), each with all 256 bytes in each lane
+    of a word whose other bytes are set."""
+    values = torch.cat((boundary_values(), window_values(), sweep_values())).cuda()
+    v = values.repeat_interleave(256)
+    k = torch.arange(256, dtype=torch.int32, device="cuda").repeat(values.numel())
+    ref = (e2m1_stochastic(v.clamp(-6, 6), k.to(torch.uint8)) & 7).to(torch.int32)
+    out = torch.empty_like(k)
+    grid = (triton.cdiv(v.numel(), 1024),)
+    for lane in range(4):
+        r = (k << (8 * lane)) | (0x5A5A5A5A & ~(0xFF << (8 * lane)))
+        _sr_field_kernel[grid](v, r, out, v.numel(), J=lane, BLOCK=1024)
+        assert torch.equal(out, ref), lane
+
+
+@pytest.mark.parametrize("sr", [True, False], ids=["sr", "nearest"])
+def test_compiled_nibbles_with_signs(tk, sr):
+    """`_half` compiled (SR, and nearest even): eight codes with their signs in the nibbles of
+    one word, against the reference for random values of every magnitude and both signs, -0.0,
+    tiny negatives (code 8), NaN of either sign (code 7), inf, and values at the grid points and
+    ties, with random words."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n = 1 << 16
+    v = torch.randn(8, n, device="cuda", generator=g) * torch.exp2(
+        torch.randint(-8, 4, (8, n), device="cuda", generator=g).float()
+    )
+    flat = v.view(-1)
+    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0])
+    grid = torch.cat((grid, torch.tensor([5.0, 6.0, 7.0])))
+    special = torch.cat((grid, -grid, torch.tensor([-0.0, -1e-40, -1e-30, math.inf, -math.inf])))
+    nan = torch.tensor([math.nan]).view(torch.int32)
+    special = torch.cat((special, nan.view(torch.float32), (nan | -(2**31)).view(torch.float32)))
+    pick = torch.randint(0, flat.numel(), (n,), device="cuda", generator=g)
+    flat[pick] = special.cuda()[torch.arange(n, device="cuda") % special.numel()]
+    w = torch.randint(-(2**31), 2**31, (2, n), device="cuda", generator=g, dtype=torch.int64)
+    w = w.to(torch.int32)
+    out = torch.empty(n, dtype=torch.int32, device="cuda")
+    _half_kernel[(triton.cdiv(n, 1024),)](v, w, out, n, SR=sr, BLOCK=1024)
+    for j in range(8):
+        byte = ((w[j // 4] >> (8 * (j % 4))) & 0xFF).to(torch.uint8)
+        ref = e2m1_stochastic(v[j].clamp(-6, 6), byte) if sr else e2m1_rne(v[j].clamp(-6, 6))
+        ref = ref.to(torch.int32)
+        assert torch.equal((out >> (4 * j)) & 0xF, ref), j
+
+
+def test_compiled_bf16_rounding(tk):
+    """The hardware bf16 rounding (`_bf16_round` with PTX) equals torch's cast (`rht.rht`'s) for
+    every 65537th float32 bit pattern and, for each of the 65536 upper halves, the lower halves
+    at and next to the tie (0x7FFF, 0x8000, 0x8001) and the ends: subnormals, overflow to inf,
+    NaN staying NaN."""
+    hi = torch.arange(65536, dtype=torch.int64) << 16
+    lo = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF])
+    bits = torch.cat(((hi[:, None] | lo).flatten(), torch.arange(0, 2**32, 65537)))
+    y = bits.to(torch.int32).view(torch.float32).cuda()  # int64 -> int32 wraps to the pattern
+    out = torch.empty_like(y)
+    _bf16_round_kernel[(triton.cdiv(y.numel(), 1024),)](y, out, y.numel(), BLOCK=1024)
+    ref = y.to(torch.bfloat16).float()
+    same = (out.view(torch.int32) == ref.view(torch.int32)) | (out.isnan() & ref.isnan())
+    assert bool(same.all()), y[~same][:8].tolist()
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [None, ({"NB": 4, "BK": 64, "num_warps": 2}, {"NB": 4, "BK": 64, "num_warps": 2})],
+    ids=["launch tiles", "64 a thread"],
+)
+def test_nvfp4_col_fused_kernel_wide_exponents(tk, tiles, monkeypatch):
+    """The fused column kernel compiled on tiles that cover the tensor (no masks) and on partial
+    ones, with values of every exponent bf16 has (subnormals to near overflow, so the transform
+    cancels, underflows and overflows), NaN, +-inf and +-0.0; bytes and amax as the
+    reference's for RHT, RHT+SR and SR (float32: RHT+SR), the SR bits from equally seeded
+    generators. Each case is a few compilations, so the other tile gets the covering shape."""
+    if tiles is not None:
+        monkeypatch.setattr(tk, "NVFP4_COL_FUSED_TILE", tiles[0])
+        monkeypatch.setattr(tk, "NVFP4_COL_AMAX_TILE", tiles[1])
+    g = torch.Generator(device="cuda").manual_seed(11)
+    modes = ((True, False), (True, True), (False, True))
+    # the first without inf (a finite global amax), the second up to bf16's overflow, with inf
+    cases = [((512, 1024), 60, [math.nan, 0.0, -0.0])]
+    if tiles is None:
+        cases.append(((272, 1040), 126, [math.nan, math.inf, -math.inf, 0.0, -0.0]))
+    for shape, top, specials in cases:
+        x = torch.randn(shape, device="cuda", generator=g)
+        e = torch.randint(-140, top, shape, device="cuda", generator=g).float()
+        x = (x * torch.exp2(e)).to(torch.bfloat16)
+        flat = x.view(-1)
+        idx = torch.randint(0, flat.numel(), (8 * len(specials),), device="cuda", generator=g)
+        flat[idx] = torch.tensor(specials * 8, dtype=torch.bfloat16, device="cuda")
+        x[:16, 5] = -0.0
+        x[16:32, 6] = 1e-40
+        runs = [(x, rht, sr) for rht, sr in modes]
+        if shape == (512, 1024):
+            runs.append((x.float(), True, True))
+        for src, use_rht, sr in runs:
+            g1 = torch.Generator(device="cuda").manual_seed(3) if sr else None
+            g2 = torch.Generator(device="cuda").manual_seed(3) if sr else None
+            a = tk.nvfp4_quantize(src, 0, False, "current", use_rht, g1)
+            b = nvfp4.quantize_reference(src, 0, False, "current", use_rht, g2)
+            where = (shape, src.dtype, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
             assert torch.equal(a.data, b.data), where

@@ -27,7 +27,8 @@ from tests.lab.kernel_checks import (
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from graphsan.lab.quant.kernels.nvfp4 import _e2m1_lane  # noqa: E402
+from graphsan.lab.quant.kernels.nvfp4 import _e2m1_lane, _e2m1_rne_field  # noqa: E402
+from tests.lab.test_sr_encoder_math import rne_values  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
@@ -48,6 +49,14 @@ def _sr_encode_kernel(v_ptr, r_ptr, out_ptr, N: tl.constexpr, J: tl.constexpr):
     v = tl.load(v_ptr + i)
     r = (tl.load(r_ptr + i).to(tl.uint32) << (8 * J)) | (0xA5A5A5A5 & ~(0xFF << (8 * J)))
     tl.store(out_ptr + i, (_e2m1_lane(v, r, J, True) >> (4 * J)) & 0xF)
+
+
+@triton.jit
+def _rne_field_kernel(v_ptr, out_ptr, N: tl.constexpr):
+    """The fused kernel's nearest-even encoder (`_e2m1_rne_field`), its code read off bits
+    22-24 as the kernel reads it."""
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, ((_e2m1_rne_field(tl.load(v_ptr + i)) >> 22) ^ 4) & 7)
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +261,18 @@ def test_sr_code_matches_the_reference_for_every_random_byte(tk):
         out = torch.empty(n, dtype=torch.int32)
         _sr_encode_kernel[(1,)](vp, rp, out, N=n, J=lane)
         assert torch.equal(out[: v.numel()].to(torch.uint8), ref), lane
+
+
+def test_rne_field_matches_nearest_even(tk):
+    """`_e2m1_rne_field` under the interpreter (its NaN select, not the GPU's maximum) against
+    `elements.e2m1_rne` on every E2M1 tie and grid point with their neighbours, the SR code
+    boundaries and a dense sweep of [0, 6], tiny, past 6, inf and NaN, both signs."""
+    from graphsan.lab.quant.elements import e2m1_rne
+
+    v = rne_values()
+    n = triton.next_power_of_2(v.numel())
+    vp = torch.cat((v, torch.zeros(n - v.numel())))
+    out = torch.empty(n, dtype=torch.int32)
+    _rne_field_kernel[(1,)](vp, out, N=n)
+    ref = (e2m1_rne(v.clamp(-6, 6)) & 7).to(torch.int32)
+    assert torch.equal(out[: v.numel()], ref)

@@ -84,8 +84,10 @@ NVFP4_COL_STRIDED_TILE = {"BM": 256, "BK": 64, "num_warps": 4}
 NVFP4_ROW_WORDS_TILE = {"BR": 16, "CW": 64, "num_warps": 2}
 NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
 # The fused column kernel took the column words kernel's best tile (8 blocks x 64 columns, 2
-# warps: 128 values per thread) before it was swept; bench/tile_sweep.py now sweeps it too.
+# warps: 128 values per thread) before it was swept; bench/tile_sweep.py now sweeps it too, and
+# the RHT amax pass (its first pass: loads and the transform, no encoder) on its own tile.
 NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 2}
+NVFP4_COL_AMAX_TILE = {"NB": 8, "BK": 64, "num_warps": 2}
 GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}
 # gemm_operand's kernels (contiguous operands; DEQUANT_TILE: any strides), the fastest or level
 # with the fastest of bench/tile_sweep.py's tiles on the H200 (docs/PERF.md). BLOCK: bytes
@@ -344,20 +346,20 @@ def _group_amax(x, groups, num_groups, amax):
 
 def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None):
     """Columnwise with RHT and/or SR in one kernel (`nvfp4_col.py`): with RHT a first pass of
-    the same kernel takes the post-RHT global amax (per group with `grouped` = (groups,
-    num_groups), into the zeroed buffer `amax`); SR bits come from a seed drawn on the generator,
-    as the reference draws them."""
+    the same kernel (on NVFP4_COL_AMAX_TILE) takes the post-RHT global amax (per group with
+    `grouped` = (groups, num_groups), into the zeroed buffer `amax`); SR bits come from a seed
+    drawn on the generator, as the reference draws them."""
     m, k = x.shape
     dev = x.device
     bits = x.dtype == torch.bfloat16
-    tile = NVFP4_COL_FUSED_TILE
-    grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k, tile["BK"]))
     data = torch.empty(k, m // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(k, m // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
     seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
     groups, count = grouped if grouped is not None else (seed, 0)
 
     def run(amax_buffer, amax_only):
+        tile = NVFP4_COL_AMAX_TILE if amax_only else NVFP4_COL_FUSED_TILE
+        grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k, tile["BK"]))
         nvfp4_col_fused_kernel[grid](
             x.view(torch.int16) if bits else x,
             m,
@@ -379,6 +381,8 @@ def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None):
             HW_FP8=_hw_fp8_for(x),
             GROUPED=grouped is not None,
             MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+            PTX=x.is_cuda,  # nor inline PTX or rounding modes
+            EVEN=(m // NVFP4_BLOCK) % tile["NB"] == 0 and k % tile["BK"] == 0,
             **tile,
             **_COMPILE_OPTIONS,
         )

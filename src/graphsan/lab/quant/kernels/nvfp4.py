@@ -131,6 +131,62 @@ def _e2m1_sr_code(v, r, J: tl.constexpr = 0, MAXNUM: tl.constexpr = False):
 
 
 @triton.jit
+def _e2m1_sr_field(v, r, J: tl.constexpr):
+    """Compiled kernels only (inline PTX; NaN -> 6 through the NaN-ignoring minimum): a 32-bit
+    value whose bits 22-24, XOR 4, are `_e2m1_sr_code(v, r, J)`, the magnitude code of v
+    stochastically rounded with byte J of r. With a = min(|v|, 6), k the byte and t the
+    reference's a + (k / 256) * step(a) (docs/numerics.md has the derivations; a CPU test checks
+    them on every boundary with every byte):
+    - a >= 1: step(a) is 2^22 units of a's last place, so bits(a) + (k << 14) crosses each code
+      boundary where t does, and its bits 22-24 (XOR 4) are the code;
+    - a < 1: the step is 0.5, so t = fl(a + k / 512) (one fused multiply-add: k << 16 read as a
+      float is k * 2^-133, exact, times 2^124), and g = fl_rz(t / 2 + 1 / 2) (toward zero, so
+      g >= 0.75 exactly when t >= 0.5 and g >= 1 when t >= 1) has the code in the same bits;
+    - each of the two is at most the code where the other applies, and both are non-negative
+      floats' bits, so their maximum is the answer."""
+    a = tl.minimum(tl.abs(v), E2M1_MAX)
+    # byte J alone in byte 2: one byte permute (the selector's 4s are zero bytes)
+    k16 = tl.inline_asm_elementwise(
+        f"prmt.b32 $0, $1, 0, {0x4044 + 0x100 * J};",
+        "=r,r",
+        [r],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+    t = tl.fma(k16.to(tl.float32, bitcast=True), 2.0**124, a)
+    g = tl.inline_asm_elementwise(
+        "fma.rz.f32 $0, $1, 0f3F000000, 0f3F000000;",
+        "=r,f",
+        [t],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+    return tl.maximum(a.to(tl.int32, bitcast=True) + (k16 >> 2), g)
+
+
+@triton.jit
+def _e2m1_rne_field(v, MAXNUM: tl.constexpr = False):
+    """`_e2m1_code(|v|)` (nearest even) in `_e2m1_sr_field`'s form: bits 22-24, XOR 4, are the
+    code. a = min(|v|, 6) (NaN -> 6); for a >= 1 the step is 2^22 units of a's last place, so
+    bits(a) rounded to a multiple of 2^22, ties to even (add 2^21 - 1 and bit 22), has the code
+    in those bits; below 1, fl(a + 2^22) rounds a to a multiple of 0.5, ties to the even
+    multiple (the even code), and fma(that, 1/2, 1/2 - 2^21) = 1/2 + (the rounded a) / 2 is
+    exact and has the code in the same bits. Each is at most the code where the other applies,
+    so their maximum is the answer (a CPU test checks every boundary)."""
+    m = tl.abs(v)
+    if MAXNUM:
+        a = tl.minimum(m, E2M1_MAX)
+    else:
+        a = tl.where(m != m, E2M1_MAX, tl.minimum(m, E2M1_MAX))
+    bits = a.to(tl.int32, bitcast=True)
+    hi = bits + 0x1FFFFF + ((bits >> 22) & 1)
+    lo = tl.fma(a + 4194304.0, 0.5, 0.5 - 2097152.0)
+    return tl.maximum(hi, lo.to(tl.int32, bitcast=True))
+
+
+@triton.jit
 def _e4m3_scale(s, HW_FP8: tl.constexpr):
     """E4M3 byte (uint8) and its float32 value of a non-negative, non-NaN float32 s."""
     if HW_FP8:
