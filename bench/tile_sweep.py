@@ -39,9 +39,8 @@ NV_COL_WORDS_TILES = [
     {"NB": 16, "CW": 32, "num_warps": 8},
 ]
 
-# The fused column kernel (RHT and/or SR): 128 values per thread now (227-255 registers), and
-# tiles of 64 (121-128 registers: twice the warps per SM, for about 2 more instructions per
-# element of per-thread overhead, bench/quant_sass.py --fused-tile) and 32 (about 63 registers).
+# The fused column kernel's quantize pass (RHT and/or SR): the launch tile has 64 values a thread
+# (about 128 registers); 128 a thread needs 227-255 registers (half the warps per SM).
 NV_COL_FUSED_TILES = [
     {"NB": 8, "BK": 64, "num_warps": 2},
     {"NB": 8, "BK": 64, "num_warps": 4},

@@ -83,10 +83,11 @@ NVFP4_ROW_STRIDED_TILE = {"BR": 32, "BC": 128, "num_warps": 4}
 NVFP4_COL_STRIDED_TILE = {"BM": 256, "BK": 64, "num_warps": 4}
 NVFP4_ROW_WORDS_TILE = {"BR": 16, "CW": 64, "num_warps": 2}
 NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
-# The fused column kernel took the column words kernel's best tile (8 blocks x 64 columns, 2
-# warps: 128 values per thread) before it was swept; bench/tile_sweep.py now sweeps it too, and
-# the RHT amax pass (its first pass: loads and the transform, no encoder) on its own tile.
-NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 2}
+# The fused column kernel's quantize pass: 64 values a thread (about 128 registers, so twice
+# the warps per SM of 128 a thread), the fastest of bench/tile_sweep.py's tiles on the H200 for
+# RHT+SR, RHT and SR alike; its RHT amax pass (loads and the transform, no encoder) keeps 128 a
+# thread, level with every other swept tile (docs/PERF.md).
+NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 4}
 NVFP4_COL_AMAX_TILE = {"NB": 8, "BK": 64, "num_warps": 2}
 GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}
 # gemm_operand's kernels (contiguous operands; DEQUANT_TILE: any strides), the fastest or level
