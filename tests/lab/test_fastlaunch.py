@@ -56,7 +56,12 @@ class StandIn:
         return run
 
 
-def test_a_seen_key_launches_the_compiled_kernel_with_every_parameter_in_order():
+@pytest.fixture(autouse=True)
+def one_device(monkeypatch):
+    monkeypatch.setattr(fastlaunch, "current_device", lambda: 0)
+
+
+def test_a_seen_key_launches_the_compiled_kernel_with_every_parameter_in_order(monkeypatch):
     k = StandIn()
     f = fastlaunch.FastKernel(k)
     x = torch.zeros(64)
@@ -74,6 +79,9 @@ def test_a_seen_key_launches_the_compiled_kernel_with_every_parameter_in_order()
         before = k.launches
         f[(1,)](*args, **kwargs)
         assert k.launches == before + 1, (args, kwargs)
+    monkeypatch.setattr(fastlaunch, "current_device", lambda: 1)  # another GPU's context
+    f[(5, 2)](x, 48, BLOCK=128, num_warps=4)
+    assert k.launches == 6
 
 
 def test_what_the_key_cannot_pin_always_goes_through_triton(monkeypatch):

@@ -5,8 +5,8 @@ cache key and look the compiled kernel up on every call: on the H200's host that
 times the cost of a torch launch, and an eager NVFP4 QuantLinear step makes about twenty such
 launches. `fast(kernel)` wraps a `triton.jit` kernel so that each call computes only the facts
 Triton specializes on (`spec`: every tensor's dtype and 16-byte alignment, every integer's
-value class: 1, a multiple of 16, or other, and 32 or 64 bits; the constexpr and option values),
-and, for a key seen before, launches the `CompiledKernel` Triton returned the first time, with
+value class: 1, a multiple of 16, or other, and 32 or 64 bits; the constexpr and option values;
+the current device), and, for a key seen before, launches the `CompiledKernel` Triton returned the first time, with
 the same arguments in parameter order. A key seen for the first time goes through Triton as
 before (which compiles if needed), so a new alignment or divisibility still gets its own
 specialization. Under Triton's interpreter (CPU tests) the kernel is returned as it is.
@@ -17,6 +17,11 @@ from __future__ import annotations
 import torch
 
 ENABLED = True  # False: every launch goes through Triton's binding (the tests compare the two)
+
+
+def current_device() -> int:
+    """The device a launch goes to (a compiled kernel belongs to one device's context)."""
+    return torch.cuda.current_device()
 
 
 def spec(value):
@@ -52,7 +57,7 @@ class FastKernel:
     def _run(self, grid, args, kwargs):
         if not ENABLED:
             return self.kernel[grid](*args, **kwargs)
-        key = (tuple(map(spec, args)), tuple(kwargs.items()))
+        key = (current_device(), tuple(map(spec, args)), tuple(kwargs.items()))
         hit = self.cache.get(key)
         if hit is not None:
             compiled, tail = hit
