@@ -86,14 +86,9 @@ def grouped_mm(
     return torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offsets).to(out_dtype)
 
 
-def _gemm_dtype(a: torch.Tensor) -> torch.dtype:
-    """The dtype a quantized grouped GEMM returns: bf16 on CUDA (what the sync-free kernel
-    writes, so no float32 copy is made), float32 elsewhere (exact, as QuantLinear's)."""
-    return torch.bfloat16 if a.is_cuda else torch.float32
-
-
 def _mm_dtype(a: torch.Tensor) -> torch.dtype:
-    # CUDA: bf16 operands, the only sync-free grouped kernel (bf16 result). CPU: float32 operands
+    # CUDA: bf16 operands, the only sync-free grouped kernel (bf16 result: asking for bf16
+    # makes no float32 copy, so the quantized GEMMs ask for this dtype too). CPU: float32 operands
     # hold the bf16 values and their products exactly: a float32-accumulated bf16 GEMM with a
     # float32 result, as `mm_fp32` computes on CPU.
     return torch.bfloat16 if a.is_cuda else torch.float32
@@ -177,7 +172,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             else:
                 xq, ctx.x_saved = q.quantize(x, -1, groups=groups), None
             w = _stacked(gemm_operand(plan.w_rowwise), g).transpose(1, 2)
-            y = grouped_mm(gemm_operand(xq), w, plan.offsets, _gemm_dtype(x))
+            y = grouped_mm(gemm_operand(xq), w, plan.offsets, _mm_dtype(x))
             y = _rows_epilogue(y, xq, plan.w_rowwise, groups, x.dtype)
         else:
             y = grouped_mm(x, weight.transpose(1, 2), plan.offsets, x.dtype)
@@ -198,12 +193,12 @@ class _GroupedLinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dy_row = q.quantize(dy, -1, generator=plan.generator, groups=groups)
                 w = _stacked(gemm_operand(plan.w_columnwise), g)
-                dx = grouped_mm(gemm_operand(dy_row), w, offsets, _gemm_dtype(dy))
+                dx = grouped_mm(gemm_operand(dy_row), w, offsets, _mm_dtype(dy))
                 dx = _rows_epilogue(dx, dy_row, plan.w_columnwise, groups, dy.dtype)
             if ctx.x_saved is not None:
                 dy_col = q.quantize(dy, 0, generator=plan.generator, groups=groups)
                 x_col = gemm_operand(ctx.x_saved)
-                dw = grouped_mm(gemm_operand(dy_col).t(), x_col, offsets, _gemm_dtype(dy))
+                dw = grouped_mm(gemm_operand(dy_col).t(), x_col, offsets, _mm_dtype(dy))
                 _groups_epilogue(dw, dy_col, ctx.x_saved, offsets, plan.main_grad)
         else:
             if ctx.needs_input_grad[0]:
