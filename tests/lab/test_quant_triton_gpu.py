@@ -254,7 +254,7 @@ def test_compiled_bf16_rounding(tk):
 
 @pytest.mark.parametrize(
     "tiles",
-    [None, ({"NB": 4, "BK": 64, "num_warps": 2}, {"NB": 4, "BK": 64, "num_warps": 2})],
+    [None, ({"NB": 4, "BK": 64, "num_warps": 2}, {"NB": 4, "BK": 64, "ITERS": 4, "num_warps": 2})],
     ids=["launch tiles", "64 a thread"],
 )
 def test_nvfp4_col_fused_kernel_wide_exponents(tk, tiles, monkeypatch):
@@ -293,6 +293,50 @@ def test_nvfp4_col_fused_kernel_wide_exponents(tk, tiles, monkeypatch):
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
             assert torch.equal(a.data, b.data), where
+
+
+def test_nvfp4_quantize_both_compiled(tk, monkeypatch):
+    """Both copies from one amax read, compiled (`nvfp4_quantize_both`, and grouped): values of
+    every exponent bf16 has, NaN, +-inf, +-0.0, partial tiles; each copy's bytes and amax as the
+    reference's two calls (the SR seed drawn for the row copy first), and with RHT the global
+    amax kernel never runs."""
+    monkeypatch.setattr(tk, "global_amax", lambda t: pytest.fail("a second amax read"))
+    g = torch.Generator(device="cuda").manual_seed(21)
+    x = torch.randn(272, 1040, device="cuda", generator=g)
+    e = torch.randint(-140, 126, x.shape, device="cuda", generator=g).float()
+    x = (x * torch.exp2(e)).to(torch.bfloat16)
+    flat = x.view(-1)
+    specials = [math.nan, math.inf, -math.inf, 0.0, -0.0]
+    idx = torch.randint(0, flat.numel(), (40,), device="cuda", generator=g)
+    flat[idx] = torch.tensor(specials * 8, dtype=torch.bfloat16, device="cuda")
+    finite = inputs((512, 1024), 22)
+    for src in (x, finite, finite.float()):
+        for sr in (False, True):
+            g1 = torch.Generator(device="cuda").manual_seed(4) if sr else None
+            g2 = torch.Generator(device="cuda").manual_seed(4) if sr else None
+            row, col = tk.nvfp4_quantize_both(src, False, "current", True, g1)
+            ref_row = nvfp4.quantize_reference(src, -1, False, "current", False, g2)
+            ref_col = nvfp4.quantize_reference(src, 0, False, "current", True, g2)
+            for got, ref, where in ((row, ref_row, "rowwise"), (col, ref_col, "columnwise")):
+                where = (src.shape, src.dtype, sr, where)
+                assert torch.equal(got.amax, ref.amax), where
+                assert torch.equal(got.scale, ref.scale), where
+                assert torch.equal(got.data, ref.data), where
+    counts = torch.tensor([64, 0, 32, 160], device="cuda")
+    ids = torch.repeat_interleave(torch.arange(4, device="cuda"), counts)
+    ids = torch.cat([ids, torch.full((16,), 4, device="cuda")])  # padding rows: no group
+    xg = inputs((272, 1040), 23)
+    for sr in (False, True):
+        g1 = torch.Generator(device="cuda").manual_seed(5) if sr else None
+        g2 = torch.Generator(device="cuda").manual_seed(5) if sr else None
+        row, col = tk.nvfp4_quantize_grouped_both(xg, ids, 4, False, "current", True, g1)
+        ref = nvfp4.quantize_grouped_reference
+        ref_row = ref(xg, ids, 4, -1, False, "current", False, g2)
+        ref_col = ref(xg, ids, 4, 0, False, "current", True, g2)
+        for got, want, where in ((row, ref_row, "rowwise"), (col, ref_col, "columnwise")):
+            assert torch.equal(got.amax, want.amax), (sr, where)
+            assert torch.equal(got.scale, want.scale), (sr, where)
+            assert torch.equal(got.data, want.data), (sr, where)
 
 
 @STRIDED
@@ -428,10 +472,11 @@ def test_quantlinear_graph_capture_with_skip_flag(tk, name, fused, flag, monkeyp
 
 def test_quantlinear_triton_equals_reference_path(tk, monkeypatch):
     torch.manual_seed(1)
-    for name in ("mxfp8", "nvfp4"):
+    for name, options in (("mxfp8", {}), ("nvfp4", {"sr": False}), ("nvfp4", {})):
         lin = QuantLinear(256, 128, device="cuda")
-        lin.set_recipe(get_recipe(name, **({"sr": False} if name == "nvfp4" else {})))
+        lin.set_recipe(get_recipe(name, **options))
         x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.cuda.manual_seed(9)  # SR: both paths draw the same seeds
         y1 = lin(x)
         y1.backward(torch.ones_like(y1))
         g1, m1 = x.grad.clone(), lin.weight.main_grad.clone()
@@ -439,6 +484,7 @@ def test_quantlinear_triton_equals_reference_path(tk, monkeypatch):
         lin.weight.main_grad.zero_()
         lin.clear_workspace()
         monkeypatch.setenv("GRAPHSAN_NO_TRITON", "1")
+        torch.cuda.manual_seed(9)
         y2 = lin(x)
         y2.backward(torch.ones_like(y2))
         monkeypatch.delenv("GRAPHSAN_NO_TRITON")

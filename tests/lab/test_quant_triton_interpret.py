@@ -198,11 +198,17 @@ def test_nvfp4_col_words_kernel(tk, order):
 
 
 @pytest.mark.parametrize("order", ["current", "legacy"])
-def test_nvfp4_col_fused_kernel(tk, order):
+@pytest.mark.parametrize("amax_iters", [1, 2])
+def test_nvfp4_col_fused_kernel(tk, order, amax_iters, monkeypatch):
     """The fused columnwise kernel (RHT and/or SR): two programs down the rows (the second
     partial), three across the columns (the last partial), bf16 and float32, a column slice and a
     column stride of 2, NaN in a block and an all-NaN block; bytes and the post-RHT amax equal
-    the reference's, the SR bits drawn from equally seeded generators."""
+    the reference's, the SR bits drawn from equally seeded generators. The amax pass also with
+    two tiles a program (its running maximum; 9 block rows: the last program's second tile
+    past the end)."""
+    if amax_iters > 1:
+        tile = {"NB": 2, "BK": 64, "ITERS": amax_iters, "num_warps": 1}
+        monkeypatch.setattr(tk, "NVFP4_COL_AMAX_TILE", tile)
     x = edge_inputs((144, 160), 9, "cpu")
     x[16:32, 7] = math.nan
     x[40, 9] = math.nan
@@ -219,6 +225,95 @@ def test_nvfp4_col_fused_kernel(tk, order):
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
             assert torch.equal(a.data, b.data), where
+
+
+def _same_nvfp4(a, b, where):
+    assert torch.equal(a.amax, b.amax), where
+    assert torch.equal(a.scale, b.scale), where
+    assert torch.equal(a.data, b.data), where
+
+
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_quantize_both_reads_both_amaxes_once(tk, order, monkeypatch):
+    """`nvfp4_quantize_both`: the rowwise and columnwise copies equal the reference's two calls
+    (the SR seed drawn for the row copy first), with RHT both amaxes from the amax pass alone:
+    neither the global amax kernel nor a second amax pass runs. NaN in a block, an all-NaN
+    block, -0.0, bf16 and float32, a column slice and a column stride of 2."""
+    x = edge_inputs((144, 160), 12, "cpu")
+    x[16:32, 7] = math.nan
+    x[40, 9] = math.nan
+    x[64:80, 3] = -0.0
+    cases = {"bf16": x, "float32": x.float()}
+    cases["slice"] = edge_inputs((32, 320), 13, "cpu")[:, 64:256]
+    cases["stride2"] = edge_inputs((32, 256), 14, "cpu")[:, ::2]
+    passes = []
+    real_pass = tk._col_amax_pass
+
+    def counted(*args, **kw):
+        passes.append(args[2] is not None)  # whether the plain amax was asked for too
+        return real_pass(*args, **kw)
+
+    monkeypatch.setattr(tk, "_col_amax_pass", counted)
+    monkeypatch.setattr(tk, "global_amax", lambda t: pytest.fail("a second amax read"))
+    for name, x in cases.items():
+        for use_rht, sr in ((True, False), (True, True)):
+            g1 = torch.Generator().manual_seed(5) if sr else None
+            g2 = torch.Generator().manual_seed(5) if sr else None
+            passes.clear()
+            row, col = tk.nvfp4_quantize_both(x, False, order, use_rht, g1)
+            assert passes == [True], (name, sr)
+            ref_row = nvfp4.quantize_reference(x, -1, False, order, False, g2)
+            ref_col = nvfp4.quantize_reference(x, 0, False, order, use_rht, g2)
+            _same_nvfp4(row, ref_row, (name, sr, "rowwise"))
+            _same_nvfp4(col, ref_col, (name, sr, "columnwise"))
+            assert row.amax.shape == col.amax.shape == ()
+
+
+def test_nvfp4_quantize_both_without_rht_shares_one_amax(tk, monkeypatch):
+    """Without RHT both copies (2-D weight blocks too) take one global amax, and equal the
+    reference's two calls."""
+    calls = []
+    real = tk.global_amax
+    monkeypatch.setattr(tk, "global_amax", lambda t: calls.append(1) or real(t))
+    x = edge_inputs((64, 96), 15, "cpu")
+    for block_2d in (False, True):
+        calls.clear()
+        row, col = tk.nvfp4_quantize_both(x, block_2d, "current", False, None)
+        assert len(calls) == 1, block_2d
+        _same_nvfp4(row, nvfp4.quantize_reference(x, -1, block_2d), ("rowwise", block_2d))
+        _same_nvfp4(col, nvfp4.quantize_reference(x, 0, block_2d), ("columnwise", block_2d))
+
+
+def test_nvfp4_grouped_both(tk, monkeypatch):
+    """`nvfp4_quantize_grouped_both` against the reference's two grouped calls: per-group
+    amaxes before and after the RHT from one amax pass (an empty group, padding rows), with and
+    without SR; without RHT one group amax pass; float32 input: None (the caller quantizes each
+    copy alone)."""
+    from tests.lab.grouped_checks import grouped_rows, row_groups
+
+    counts = (32, 0, 16, 48)
+    g = torch.Generator().manual_seed(7)
+    x = grouped_rows(counts, 64, g, pad=16)
+    groups = row_groups(counts, x.shape[0])
+    ids, count = groups.index.to(torch.int64), groups.count
+    passes = []
+    real_pass = tk._col_amax_pass
+    monkeypatch.setattr(
+        tk, "_col_amax_pass", lambda *a, **k: passes.append(1) or real_pass(*a, **k)
+    )
+    monkeypatch.setattr(tk, "NVFP4_COL_AMAX_TILE", {"NB": 2, "BK": 32, "ITERS": 2, "num_warps": 1})
+    for use_rht, sr, block_2d in ((True, False, False), (True, True, False), (False, False, True)):
+        g1 = torch.Generator().manual_seed(8) if sr else None
+        g2 = torch.Generator().manual_seed(8) if sr else None
+        passes.clear()
+        row, col = tk.nvfp4_quantize_grouped_both(x, ids, count, block_2d, "current", use_rht, g1)
+        assert len(passes) == (1 if use_rht else 0)
+        ref = nvfp4.quantize_grouped_reference
+        ref_row = ref(x, ids, count, -1, block_2d, "current", False, g2)
+        ref_col = ref(x, ids, count, 0, block_2d, "current", use_rht, g2)
+        _same_nvfp4(row, ref_row, (use_rht, sr, "rowwise"))
+        _same_nvfp4(col, ref_col, (use_rht, sr, "columnwise"))
+    assert tk.nvfp4_quantize_grouped_both(x.float(), ids, count, rht=True) is None
 
 
 def test_nvfp4_grouped_kernels(tk, monkeypatch):

@@ -190,13 +190,13 @@ class _GroupedLinearFn(torch.autograd.Function):
         dx = None
         if plan.recipe.quantized:
             q = plan.quantizers["grad_output"]
-            if ctx.needs_input_grad[0]:
-                dy_row = q.quantize(dy, -1, generator=plan.generator, groups=groups)
+            need = (ctx.needs_input_grad[0], ctx.x_saved is not None)
+            dy_row, dy_col = q.quantize_copies(dy, *need, plan.generator, groups)
+            if dy_row is not None:
                 w = _stacked(gemm_operand(plan.w_columnwise), g)
                 dx = grouped_mm(gemm_operand(dy_row), w, offsets, _mm_dtype(dy))
                 dx = _rows_epilogue(dx, dy_row, plan.w_columnwise, groups, dy.dtype)
-            if ctx.x_saved is not None:
-                dy_col = q.quantize(dy, 0, generator=plan.generator, groups=groups)
+            if dy_col is not None:
                 x_col = gemm_operand(ctx.x_saved)
                 dw = grouped_mm(gemm_operand(dy_col).t(), x_col, offsets, _mm_dtype(dy))
                 _groups_epilogue(dw, dy_col, ctx.x_saved, offsets, plan.main_grad)

@@ -273,11 +273,11 @@ class _QuantLinearFn(torch.autograd.Function):
         dx = None
         if plan.recipe.quantized:
             q = plan.quantizers["grad_output"]
-            if ctx.needs_input_grad[0]:
-                dy_row = q.quantize(dy, axis=-1, generator=plan.generator)
+            need = (ctx.needs_input_grad[0], ctx.x_saved is not None)
+            dy_row, dy_col = q.quantize_copies(dy, *need, generator=plan.generator)
+            if dy_row is not None:
                 dx = quantized_mm(dy_row, plan.w_columnwise, out_dtype=dy.dtype)
-            if ctx.x_saved is not None:
-                dy_col = q.quantize(dy, axis=0, generator=plan.generator)
+            if dy_col is not None:
                 quantized_mm(dy_col, ctx.x_saved, transpose_a=True, out=plan.main_grad)
         else:
             dy16 = dy.to(torch.bfloat16)

@@ -17,6 +17,7 @@ bf16 before the global amax and the quantization; `amax` is then the post-RHT am
 
     q = quantize(x, axis=-1, block_2d=False, order="current", rht=False, generator=None)
     q.data; q.scale; q.amax; dequantize(q)
+    row, col = quantize_both(x, rht=True)  # both copies, both global amaxes from one read
 
 `generator` set means stochastic rounding (one seed drawn from that generator, then Philox bytes
 per 16-element block, `elements.sr_bits`: graph-capturable, no host sync, no data-dependent
@@ -71,6 +72,27 @@ def quantize(
     if fast is not None:
         return fast.nvfp4_quantize(x, axis, block_2d, order, rht, generator)
     return _reference(x, axis, block_2d, order, rht, generator)
+
+
+def quantize_both(
+    x: torch.Tensor,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """The (rowwise, columnwise) copies: `quantize(x, -1, block_2d, order, False, generator)`
+    and `quantize(x, 0, block_2d, order, rht, generator)`, byte for byte, the generator drawn in
+    that order. On CUDA one read of x takes both global amaxes (with `rht` the post-RHT one and
+    the plain one together, as TE's quantizer takes them for its two copies), so the copies read
+    x three times where two calls read it four times."""
+    _check_args(x, -1, block_2d, order, False, generator)
+    _check_args(x, 0, block_2d, order, rht, generator)
+    fast = kernels.launcher(x)
+    if fast is not None:
+        return fast.nvfp4_quantize_both(x, block_2d, order, rht, generator)
+    row = _reference(x, -1, block_2d, order, False, generator)
+    return row, _reference(x, 0, block_2d, order, rht, generator)
 
 
 def quantize_reference(
@@ -136,6 +158,33 @@ def quantize_grouped(
         if q is not None:
             return q
     return _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator)
+
+
+def quantize_grouped_both(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """`quantize_grouped`'s (rowwise, columnwise) copies, as `quantize_both` gives them: byte for
+    byte the two calls (rowwise first), on CUDA with one read of x for both per-group amaxes
+    where the kernels take both copies."""
+    _check_args(x, -1, block_2d, order, False, generator)
+    _check_args(x, 0, block_2d, order, rht, generator)
+    check_groups(x, groups, "NVFP4")
+    fast = kernels.launcher(x)
+    if fast is not None:
+        both = fast.nvfp4_quantize_grouped_both(
+            x, groups, num_groups, block_2d, order, rht, generator
+        )
+        if both is not None:
+            return both
+    common = (x, groups, num_groups)
+    row = quantize_grouped(*common, -1, block_2d, order, False, generator)
+    return row, quantize_grouped(*common, 0, block_2d, order, rht, generator)
 
 
 def quantize_grouped_reference(

@@ -160,17 +160,10 @@ class Quantizer:
             fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
             return mxfp8.quantize(x, axis=axis, fmt=fmt)
         if r.kind == "nvfp4":
-            weight = self.role == "weight"
-            options = dict(
-                axis=axis,
-                block_2d=weight and r.weight_2d,
-                order=r.order,
-                rht=r.rht and not weight and axis == 0,
-                generator=generator if (r.sr and self.role == "grad_output") else None,
-            )
+            options = self._nvfp4_options(generator, rht=axis == 0)
             if groups is not None:
-                return nvfp4.quantize_grouped(x, groups.index, groups.count, **options)
-            return nvfp4.quantize(x, **options)
+                return nvfp4.quantize_grouped(x, groups.index, groups.count, axis, **options)
+            return nvfp4.quantize(x, axis, **options)
         raise RecipeError(f"recipe {r.kind} does not quantize")
 
     def quantize_both(
@@ -179,9 +172,41 @@ class Quantizer:
         generator: torch.Generator | None = None,
         groups: RowGroups | None = None,
     ) -> tuple[QTensor, QTensor]:
-        """(rowwise, columnwise) copies; MXFP8 uses the fused one-pass kernel on CUDA."""
+        """(rowwise, columnwise) copies, equal to `quantize(x, -1)` then `quantize(x, 0)`. On
+        CUDA MXFP8 uses the fused one-pass kernel, NVFP4 one read for both global amaxes."""
         r = self.recipe
         if r.kind == "mxfp8":
             fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
             return mxfp8.quantize_both(x, fmt=fmt)
+        if r.kind == "nvfp4":
+            options = self._nvfp4_options(generator, rht=True)
+            if groups is not None:
+                return nvfp4.quantize_grouped_both(x, groups.index, groups.count, **options)
+            return nvfp4.quantize_both(x, **options)
         return self.quantize(x, -1, generator, groups), self.quantize(x, 0, generator, groups)
+
+    def quantize_copies(
+        self,
+        x: torch.Tensor,
+        rowwise: bool,
+        columnwise: bool,
+        generator: torch.Generator | None = None,
+        groups: RowGroups | None = None,
+    ) -> tuple[QTensor | None, QTensor | None]:
+        """The copies asked for (None for the others): both through `quantize_both`, which
+        reads x once for what they share, one through `quantize`."""
+        if rowwise and columnwise:
+            return self.quantize_both(x, generator, groups)
+        row = self.quantize(x, -1, generator, groups) if rowwise else None
+        return row, self.quantize(x, 0, generator, groups) if columnwise else None
+
+    def _nvfp4_options(self, generator: torch.Generator | None, rht: bool) -> dict:
+        """NVFP4's treatment of this slot (`rht`: whether the copy is a columnwise one)."""
+        r = self.recipe
+        weight = self.role == "weight"
+        return dict(
+            block_2d=weight and r.weight_2d,
+            order=r.order,
+            rht=r.rht and not weight and rht,
+            generator=generator if (r.sr and self.role == "grad_output") else None,
+        )

@@ -52,7 +52,7 @@ from .nvfp4 import (
     nvfp4_row_strided_kernel,
     nvfp4_row_words_kernel,
 )
-from .nvfp4_col import nvfp4_col_fused_kernel
+from .nvfp4_col import nvfp4_col_amax_kernel, nvfp4_col_fused_kernel
 
 # Every kernel this module launches goes through `fastlaunch` (compiled kernels only): the same
 # kernels and arguments, without Triton's per-call binding once a specialization has been seen.
@@ -71,6 +71,7 @@ for _name in (
     "nvfp4_col_words_kernel",
     "nvfp4_row_strided_kernel",
     "nvfp4_row_words_kernel",
+    "nvfp4_col_amax_kernel",
     "nvfp4_col_fused_kernel",
 ):
     globals()[_name] = fast(globals()[_name])
@@ -85,10 +86,10 @@ NVFP4_ROW_WORDS_TILE = {"BR": 16, "CW": 64, "num_warps": 2}
 NVFP4_COL_WORDS_TILE = {"NB": 8, "CW": 16, "num_warps": 2}
 # The fused column kernel's quantize pass: 64 values a thread (about 128 registers, so twice
 # the warps per SM of 128 a thread), the fastest of bench/tile_sweep.py's tiles on the H200 for
-# RHT+SR, RHT and SR alike; its RHT amax pass (loads and the transform, no encoder) keeps 128 a
-# thread, level with every other swept tile (docs/PERF.md).
+# RHT+SR, RHT and SR alike; its RHT amax pass (`nvfp4_col_amax_kernel`: loads and the transform,
+# no encoder) 64 a thread and 4 tiles a program, the fastest taking both amaxes (docs/PERF.md).
 NVFP4_COL_FUSED_TILE = {"NB": 8, "BK": 64, "num_warps": 4}
-NVFP4_COL_AMAX_TILE = {"NB": 8, "BK": 64, "num_warps": 2}
+NVFP4_COL_AMAX_TILE = {"NB": 8, "BK": 64, "ITERS": 4, "num_warps": 4}
 GROUP_AMAX_TILE = {"BR": 16, "BC": 256, "ITERS": 8, "num_warps": 4}
 # gemm_operand's kernels (contiguous operands; DEQUANT_TILE: any strides), the fastest or level
 # with the fastest of bench/tile_sweep.py's tiles on the H200 (docs/PERF.md). BLOCK: bytes
@@ -253,13 +254,13 @@ def nvfp4_quantize(
     *,
     _strided: bool = False,
 ) -> NVFP4Tensor:
-    """NVFP4; `amax` may pass a precomputed global amax buffer (valid only without RHT)."""
+    """NVFP4; `amax` may pass a precomputed global amax buffer (with RHT: the post-RHT one)."""
     if axis == 0 and (rht or generator is not None) and not block_2d and not _strided:
         return _nvfp4_col_fused(x, order, rht, generator, amax)
     src = x.t() if axis == 0 else x
     if rht:
         src = apply_rht(src).contiguous()
-        amax = global_amax(src)
+        amax = global_amax(src) if amax is None else amax
     elif amax is None:
         amax = global_amax(x)
     r, c = src.shape
@@ -286,23 +287,28 @@ def nvfp4_quantize_grouped(
     order: str = "current",
     rht: bool = False,
     generator: torch.Generator | None = None,
+    _amax: torch.Tensor | None = None,
 ) -> NVFP4Tensor | None:
     """`nvfp4.quantize_grouped` (one global amax per row group) in kernels, no host sync: the
     per-group amax (`group_amax_kernel`, or the fused column kernel's amax pass after the RHT)
     into a device buffer, gathered per row, which the quantize kernels read as their global
     amax. bf16 with unit column stride (the words kernels; columnwise without SR), or any
     columnwise input with RHT or SR and 1D blocks (the fused kernel); None elsewhere (the caller
-    runs the reference)."""
+    runs the reference). `_amax`: the per-group amaxes already taken ([num_groups + 1], post-RHT
+    with RHT: `nvfp4_quantize_grouped_both`)."""
     m, k = x.shape
     dev = x.device
     fused = axis == 0 and (rht or generator is not None) and not block_2d
     if not fused and (not words_fit(x) or (axis == 0 and generator is not None)):
         return None  # the column words kernel has no SR
-    amax = torch.zeros(num_groups + 1, dtype=torch.float32, device=dev)  # the last: no group
-    if not rht:
-        _group_amax(x, groups, num_groups, amax)
+    amax = _amax
+    if amax is None:
+        amax = torch.zeros(num_groups + 1, dtype=torch.float32, device=dev)  # the last: no group
+        if not rht:
+            _group_amax(x, groups, num_groups, amax)
     if fused:
-        q = _nvfp4_col_fused(x, order, rht, generator, amax, (groups, num_groups))
+        fill = rht and _amax is None
+        q = _nvfp4_col_fused(x, order, rht, generator, amax, (groups, num_groups), fill)
     else:
         row_amax = amax[groups]  # each row's group's amax
         src = x.t() if axis == 0 else x
@@ -319,6 +325,33 @@ def nvfp4_quantize_grouped(
         q = NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
     q.amax = q.amax[:num_groups]
     return q
+
+
+def nvfp4_quantize_grouped_both(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[NVFP4Tensor, NVFP4Tensor] | None:
+    """(rowwise, columnwise) grouped copies, byte for byte the two `nvfp4_quantize_grouped`
+    calls (rowwise first), with one read of x for both per-group amaxes (`nvfp4_quantize_both`'s
+    rule); None where the kernels do not take both copies (the caller quantizes each alone)."""
+    if not words_fit(x) or (generator is not None and block_2d):
+        return None  # the row words kernel takes bf16 with unit column stride only
+    amax = torch.zeros(2, num_groups + 1, dtype=torch.float32, device=x.device)
+    if rht and not block_2d:
+        _col_amax_pass(x, amax[0], amax[1], (groups, num_groups))
+        col_amax = amax[0]
+    else:
+        _group_amax(x, groups, num_groups, amax[1])
+        col_amax = None if rht else amax[1]
+    common = (groups, num_groups)
+    row = nvfp4_quantize_grouped(x, *common, -1, block_2d, order, False, generator, amax[1])
+    col = nvfp4_quantize_grouped(x, *common, 0, block_2d, order, rht, generator, col_amax)
+    return row, col
 
 
 def _group_amax(x, groups, num_groups, amax):
@@ -345,57 +378,114 @@ def _group_amax(x, groups, num_groups, amax):
     )
 
 
-def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None):
-    """Columnwise with RHT and/or SR in one kernel (`nvfp4_col.py`): with RHT a first pass of
-    the same kernel (on NVFP4_COL_AMAX_TILE) takes the post-RHT global amax (per group with
-    `grouped` = (groups, num_groups), into the zeroed buffer `amax`); SR bits come from a seed
-    drawn on the generator, as the reference draws them."""
+def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None, fill=None):
+    """Columnwise with RHT and/or SR in one kernel (`nvfp4_col.py`): where `fill` (by default:
+    RHT and no `amax` given), a first pass of the same kernel takes the post-RHT global amax
+    (`_col_amax_pass`; per group with `grouped` = (groups, num_groups), into the zeroed buffer
+    `amax`); SR bits come from a seed drawn on the generator, as the reference draws them. A
+    given `amax` is the post-RHT one with RHT (`nvfp4_quantize_both` takes it with the plain
+    one, in one pass)."""
     m, k = x.shape
     dev = x.device
-    bits = x.dtype == torch.bfloat16
     data = torch.empty(k, m // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(k, m // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
     seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
-    groups, count = grouped if grouped is not None else (seed, 0)
-
-    def run(amax_buffer, amax_only):
-        tile = NVFP4_COL_AMAX_TILE if amax_only else NVFP4_COL_FUSED_TILE
-        grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k, tile["BK"]))
-        nvfp4_col_fused_kernel[grid](
-            x.view(torch.int16) if bits else x,
-            m,
-            k,
-            x.stride(0),
-            x.stride(1),
-            amax_buffer,
-            groups,
-            count,
-            seed,
-            data.view(torch.int64),
-            scale,
-            INV_6=INV_6,
-            LEGACY=order == "legacy",
-            RHT=rht,
-            SR=generator is not None,
-            AMAX_ONLY=amax_only,
-            BF16_BITS=bits,
-            HW_FP8=_hw_fp8_for(x),
-            GROUPED=grouped is not None,
-            MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
-            PTX=x.is_cuda,  # nor inline PTX or rounding modes
-            EVEN=(m // NVFP4_BLOCK) % tile["NB"] == 0 and k % tile["BK"] == 0,
-            **tile,
-            **_COMPILE_OPTIONS,
-        )
-
-    if rht:
-        if grouped is None:
+    if fill is None:
+        fill = rht and amax is None
+    if fill:
+        if amax is None:
             amax = torch.zeros((), dtype=torch.float32, device=dev)
-        run(amax, True)
+        _col_amax_pass(x, amax, None, grouped)
     elif amax is None:
         amax = global_amax(x)
-    run(amax[groups] if grouped is not None else amax, False)  # grouped: each row's own amax
+    row_amax = amax[grouped[0]] if grouped is not None else amax  # grouped: each row's own
+    _col_fused_launch(x, order, rht, generator, row_amax, seed, data, scale, grouped)
     return NVFP4Tensor(data, scale, amax, 0, False, rht)
+
+
+def _col_amax_pass(x, amax, pre_amax, grouped=None):
+    """`nvfp4_col_amax_kernel`: the post-RHT amax into `amax` and, where `pre_amax` is given,
+    the plain max |x| into it, both from one read (zeroed buffers, per group with `grouped`)."""
+    m, k = x.shape
+    bits = x.dtype == torch.bfloat16
+    groups, count = grouped if grouped is not None else (amax, 0)
+    tile = dict(NVFP4_COL_AMAX_TILE)
+    rows = m // NVFP4_BLOCK  # block rows
+    tile["ITERS"] = max(1, min(tile.get("ITERS", 1), rows // tile["NB"]))
+    grid = (triton.cdiv(rows, tile["NB"] * tile["ITERS"]), triton.cdiv(k, tile["BK"]))
+    nvfp4_col_amax_kernel[grid](
+        x.view(torch.int16) if bits else x,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        amax,
+        pre_amax if pre_amax is not None else amax,
+        groups,
+        count,
+        BF16_BITS=bits,
+        GROUPED=grouped is not None,
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PTX=x.is_cuda,  # nor inline PTX
+        EVEN=rows % (tile["NB"] * tile["ITERS"]) == 0 and k % tile["BK"] == 0,
+        PRE_AMAX=pre_amax is not None,
+        **tile,
+        **_COMPILE_OPTIONS,
+    )
+
+
+def _col_fused_launch(x, order, rht, generator, amax, seed, data, scale, grouped):
+    """One launch of the quantize pass, `nvfp4_col_fused_kernel` (amax: the global amax buffer,
+    or with `grouped` each row's; seed: the SR seed buffer)."""
+    m, k = x.shape
+    bits = x.dtype == torch.bfloat16
+    tile = NVFP4_COL_FUSED_TILE
+    grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k, tile["BK"]))
+    nvfp4_col_fused_kernel[grid](
+        x.view(torch.int16) if bits else x,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        amax,
+        seed,
+        data.view(torch.int64),
+        scale,
+        INV_6=INV_6,
+        LEGACY=order == "legacy",
+        RHT=rht,
+        SR=generator is not None,
+        BF16_BITS=bits,
+        HW_FP8=_hw_fp8_for(x),
+        GROUPED=grouped is not None,
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PTX=x.is_cuda,  # nor inline PTX or rounding modes
+        EVEN=(m // NVFP4_BLOCK) % tile["NB"] == 0 and k % tile["BK"] == 0,
+        **tile,
+        **_COMPILE_OPTIONS,
+    )
+
+
+def nvfp4_quantize_both(
+    x: torch.Tensor,
+    block_2d: bool = False,
+    order: str = "current",
+    rht: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """(rowwise, columnwise) copies of x, byte for byte `nvfp4_quantize(x, -1, block_2d, order,
+    False, generator)` then `nvfp4_quantize(x, 0, block_2d, order, rht, generator)` (the
+    generator drawn in that order), with one read of x for both global amaxes: with RHT the
+    fused column kernel's amax pass takes the post-RHT amax and the plain one together (as TE's
+    `hadamard_transform_amax` does), without RHT one global amax serves both copies."""
+    if rht and not block_2d:
+        amax = torch.zeros(2, dtype=torch.float32, device=x.device)  # post-RHT, plain
+        _col_amax_pass(x, amax[0], amax[1])
+        row = nvfp4_quantize(x, -1, block_2d, order, False, generator, amax[1])
+        return row, _nvfp4_col_fused(x, order, True, generator, amax[0])
+    amax = None if rht else global_amax(x)
+    row = nvfp4_quantize(x, -1, block_2d, order, False, generator, amax)
+    return row, nvfp4_quantize(x, 0, block_2d, order, rht, generator, amax)
 
 
 def _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator):

@@ -6,10 +6,11 @@ into the quantize kernel: the wgrad operands (X with RHT, dY with RHT and SR).
 Every thread holds whole 16-element column blocks, so the transform (the reference's order: the
 signs and 1/4, then four butterfly stages), the bf16 rounding, the block maximum, the scale, the
 SR bits (one Philox4x32-10 call per block, `elements.block_random_bits`) and the packing of the
-block's 16 codes into one 64-bit word of the transposed data all run in its registers. It runs
-twice with RHT: AMAX_ONLY=True accumulates the post-RHT global amax (one atomic max per program),
-then the quantize pass recomputes the transform: the amax must be complete before any block is
-scaled, and reading x again costs less than writing and reading the transformed copy.
+block's 16 codes into one 64-bit word of the transposed data all run in its registers. With RHT
+`nvfp4_col_amax_kernel` runs first: it takes the post-RHT global amax (and, for the rowwise copy
+of the same tensor, the plain one in the same read), because the amax must be complete before
+any block is scaled, and reading x again costs less than writing and reading the transformed
+copy.
 
 bf16 sources are read as int16 bits (BF16_BITS) and widened by a shift, exact for subnormals too.
 """
@@ -239,58 +240,11 @@ def _half(v0, v1, v2, v3, v4, v5, v6, v7, wa, wb, SR: tl.constexpr, MAXNUM: tl.c
 
 
 @triton.jit
-def nvfp4_col_fused_kernel(
-    x_ptr,
-    M,
-    K,
-    stride_m,
-    stride_k,
-    amax_ptr,
-    group_ptr,
-    G,
-    seed_ptr,
-    data_ptr,
-    scale_ptr,
-    INV_6: tl.constexpr,
-    LEGACY: tl.constexpr,
-    RHT: tl.constexpr,
-    SR: tl.constexpr,
-    AMAX_ONLY: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-    HW_FP8: tl.constexpr,
-    NB: tl.constexpr,
-    BK: tl.constexpr,
-    GROUPED: tl.constexpr = False,
-    MAXNUM: tl.constexpr = False,
-    PTX: tl.constexpr = False,
-    EVEN: tl.constexpr = False,
-):
-    """NVFP4 of x^T (16x1 blocks down x's columns, 1D blocks), written transposed: data as an
-    int64 view [K, M/16] (one word per column and block, row 2j of the block in the low nibble of
-    byte j), scales uint8 [K, M/16]. RHT: each block transformed first; SR: random bytes from
-    Philox keyed by the int64 at seed_ptr, counter = the block's index in [K, M/16].
-    AMAX_ONLY: only the NaN-ignoring max |block| into amax_ptr (the post-RHT global amax).
-    GROUPED (rows in groups, every group's row count a multiple of 16): AMAX_ONLY takes one
-    amax per group, amax_ptr[group_ptr[first row of the block]] (int64 groups, G = none: skipped);
-    the quantize pass reads each block's amax at amax_ptr[its first row] (float32 [M]).
-    MAXNUM (compiled kernels, `common.abs_for_max`): NaN leaves maxima and the SR clamp through
-    the GPU's NaN-ignoring maximum and minimum, without a compare and select per element.
-    PTX (compiled kernels, with MAXNUM): the bf16 widening two values a register at a time, the
-    bf16 rounding by the hardware conversion and the SR encoder `_e2m1_sr_field`, which use
-    inline PTX and rounding modes the interpreter lacks (it runs `_e2m1_sr_code`).
-    EVEN: the tiles cover x exactly (M / 16 a multiple of NB, K of BK), so no masks."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    blk = pid_m * NB + tl.arange(0, NB)[:, None]
-    col = pid_k * BK + tl.arange(0, BK)[None, :]
-    if EVEN:
-        mask = None
-    else:
-        mask = (blk < M // 16) & (col < K)
-    p = x_ptr + (blk * 16).to(tl.int64) * stride_m + col.to(tl.int64) * stride_k
+def _rows16(x_ptr, blk, col, mask, stride_m, stride_k, BF16_BITS: tl.constexpr, PTX: tl.constexpr):
+    """The 16 rows of the blocks `blk` (down the columns `col`), each a [NB, BK] float32 tile."""
+    p0 = x_ptr + (blk * 16).to(tl.int64) * stride_m + col.to(tl.int64) * stride_k
     # each row's pointers from the last row's: one 64-bit add a row, where r * stride_m from
     # the first row's costs a multiply more
-    p0 = p
     p1 = p0 + stride_m
     p2 = p1 + stride_m
     p3 = p2 + stride_m
@@ -306,99 +260,182 @@ def nvfp4_col_fused_kernel(
     p13 = p12 + stride_m
     p14 = p13 + stride_m
     p15 = p14 + stride_m
-    x0 = _load_row(p0, mask, BF16_BITS, PTX)
-    x1 = _load_row(p1, mask, BF16_BITS, PTX)
-    x2 = _load_row(p2, mask, BF16_BITS, PTX)
-    x3 = _load_row(p3, mask, BF16_BITS, PTX)
-    x4 = _load_row(p4, mask, BF16_BITS, PTX)
-    x5 = _load_row(p5, mask, BF16_BITS, PTX)
-    x6 = _load_row(p6, mask, BF16_BITS, PTX)
-    x7 = _load_row(p7, mask, BF16_BITS, PTX)
-    x8 = _load_row(p8, mask, BF16_BITS, PTX)
-    x9 = _load_row(p9, mask, BF16_BITS, PTX)
-    x10 = _load_row(p10, mask, BF16_BITS, PTX)
-    x11 = _load_row(p11, mask, BF16_BITS, PTX)
-    x12 = _load_row(p12, mask, BF16_BITS, PTX)
-    x13 = _load_row(p13, mask, BF16_BITS, PTX)
-    x14 = _load_row(p14, mask, BF16_BITS, PTX)
-    x15 = _load_row(p15, mask, BF16_BITS, PTX)
-    if RHT:
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
-            x0,
-            x1,
-            x2,
-            x3,
-            x4,
-            x5,
-            x6,
-            x7,
-            x8,
-            x9,
-            x10,
-            x11,
-            x12,
-            x13,
-            x14,
-            x15,
-            not AMAX_ONLY,
-            BF16_BITS,
-            PTX,
-        )
+    return (
+        _load_row(p0, mask, BF16_BITS, PTX),
+        _load_row(p1, mask, BF16_BITS, PTX),
+        _load_row(p2, mask, BF16_BITS, PTX),
+        _load_row(p3, mask, BF16_BITS, PTX),
+        _load_row(p4, mask, BF16_BITS, PTX),
+        _load_row(p5, mask, BF16_BITS, PTX),
+        _load_row(p6, mask, BF16_BITS, PTX),
+        _load_row(p7, mask, BF16_BITS, PTX),
+        _load_row(p8, mask, BF16_BITS, PTX),
+        _load_row(p9, mask, BF16_BITS, PTX),
+        _load_row(p10, mask, BF16_BITS, PTX),
+        _load_row(p11, mask, BF16_BITS, PTX),
+        _load_row(p12, mask, BF16_BITS, PTX),
+        _load_row(p13, mask, BF16_BITS, PTX),
+        _load_row(p14, mask, BF16_BITS, PTX),
+        _load_row(p15, mask, BF16_BITS, PTX),
+    )
+
+
+@triton.jit
+def _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, MAXNUM):
+    """Each block's NaN-ignoring max |x| (0 for an all-NaN block)."""
     vec = tl.maximum(
         tl.maximum(_amax_part(x0, x1, x2, x3, MAXNUM), _amax_part(x4, x5, x6, x7, MAXNUM)),
         tl.maximum(_amax_part(x8, x9, x10, x11, MAXNUM), _amax_part(x12, x13, x14, x15, MAXNUM)),
     )
-    vec = nan_to_0(vec, MAXNUM)
-    if AMAX_ONLY:
-        # the transform is not rounded in this pass: rounding is monotonic, so the largest
-        # rounded |value| is the rounded largest one, and one rounding per block suffices
+    return nan_to_0(vec, MAXNUM)
+
+
+@triton.jit
+def nvfp4_col_amax_kernel(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    amax_ptr,
+    pre_amax_ptr,
+    group_ptr,
+    G,
+    BF16_BITS: tl.constexpr,
+    NB: tl.constexpr,
+    BK: tl.constexpr,
+    ITERS: tl.constexpr,
+    GROUPED: tl.constexpr = False,
+    MAXNUM: tl.constexpr = False,
+    PTX: tl.constexpr = False,
+    EVEN: tl.constexpr = False,
+    PRE_AMAX: tl.constexpr = False,
+):
+    """The RHT amax pass: the NaN-ignoring max of the transformed |x| (the post-RHT global amax,
+    bf16-rounded as the transform is) into amax_ptr; PRE_AMAX: the max |x| before the transform
+    into pre_amax_ptr too (the plain global amax of the rowwise copy: both from one read, as
+    TE's `hadamard_transform_amax` takes them). Each program takes ITERS tiles of NB blocks down
+    its BK columns, keeps a running maximum and makes one atomic per amax at the end, so the
+    atomics and the reduction across the program are ITERS times fewer. GROUPED (rows in groups,
+    every group's row count a multiple of 16): one amax per group instead, amax_ptr[group_ptr[
+    first row of the block]] (int64 groups, G = none: skipped; pre_amax_ptr likewise), an
+    atomic per block row and tile. EVEN: the tiles cover x exactly (M / 16 a multiple of
+    NB * ITERS, K of BK), so no masks."""
+    pid_m = tl.program_id(0)
+    col = tl.program_id(1) * BK + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([NB, BK], dtype=tl.float32)
+    pre_acc = tl.zeros([NB, BK], dtype=tl.float32)
+    for it in range(ITERS):
+        blk = (pid_m * ITERS + it) * NB + tl.arange(0, NB)[:, None]
+        mask = None if EVEN else (blk < M // 16) & (col < K)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rows16(
+            x_ptr, blk, col, mask, stride_m, stride_k, BF16_BITS, PTX
+        )
+        if PRE_AMAX:
+            pre = _max16(
+                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, MAXNUM
+            )
+        # not rounded here: rounding is monotonic, so the largest rounded |value| is the
+        # rounded largest one, and one rounding per maximum suffices
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _rht16(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            False, BF16_BITS, PTX,
+        )  # fmt: skip
+        vec = _max16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, MAXNUM)
         if GROUPED:
             bmask = blk < M // 16
             group = tl.load(group_ptr + blk * 16, mask=bmask, other=G)
             bmax = _bf16_round(tl.max(vec, axis=1)[:, None])
             tl.atomic_max(amax_ptr + group, bmax, mask=bmask & (group < G))
+            if PRE_AMAX:
+                pmax = tl.max(pre, axis=1)[:, None]
+                tl.atomic_max(pre_amax_ptr + group, pmax, mask=bmask & (group < G))
         else:
-            tl.atomic_max(amax_ptr, _bf16_round(tl.max(tl.max(vec, axis=1), axis=0)))
+            acc = tl.maximum(acc, vec)
+            if PRE_AMAX:
+                pre_acc = tl.maximum(pre_acc, pre)
+    if not GROUPED:
+        tl.atomic_max(amax_ptr, _bf16_round(tl.max(tl.max(acc, axis=1), axis=0)))
+        if PRE_AMAX:
+            tl.atomic_max(pre_amax_ptr, tl.max(tl.max(pre_acc, axis=1), axis=0))
+
+
+@triton.jit
+def nvfp4_col_fused_kernel(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    amax_ptr,
+    seed_ptr,
+    data_ptr,
+    scale_ptr,
+    INV_6: tl.constexpr,
+    LEGACY: tl.constexpr,
+    RHT: tl.constexpr,
+    SR: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    NB: tl.constexpr,
+    BK: tl.constexpr,
+    GROUPED: tl.constexpr = False,
+    MAXNUM: tl.constexpr = False,
+    PTX: tl.constexpr = False,
+    EVEN: tl.constexpr = False,
+):
+    """NVFP4 of x^T (16x1 blocks down x's columns, 1D blocks), written transposed: data as an
+    int64 view [K, M/16] (one word per column and block, row 2j of the block in the low nibble of
+    byte j), scales uint8 [K, M/16]. RHT: each block transformed first (the post-RHT amax at
+    amax_ptr: `nvfp4_col_amax_kernel`); SR: random bytes from Philox keyed by the int64 at
+    seed_ptr, counter = the block's index in [K, M/16]. GROUPED: each block's amax at
+    amax_ptr[its first row] (float32 [M]: its row group's).
+    MAXNUM (compiled kernels, `common.abs_for_max`): NaN leaves maxima and the SR clamp through
+    the GPU's NaN-ignoring maximum and minimum, without a compare and select per element.
+    PTX (compiled kernels, with MAXNUM): the bf16 widening two values a register at a time, the
+    bf16 rounding by the hardware conversion and the SR encoder `_e2m1_sr_field`, which use
+    inline PTX and rounding modes the interpreter lacks (it runs `_e2m1_sr_code`).
+    EVEN: the tiles cover x exactly (M / 16 a multiple of NB, K of BK), so no masks."""
+    blk = tl.program_id(0) * NB + tl.arange(0, NB)[:, None]
+    col = tl.program_id(1) * BK + tl.arange(0, BK)[None, :]
+    mask = None if EVEN else (blk < M // 16) & (col < K)
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rows16(
+        x_ptr, blk, col, mask, stride_m, stride_k, BF16_BITS, PTX
+    )
+    if RHT:
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht16(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+            True, BF16_BITS, PTX,
+        )  # fmt: skip
+    vec = _max16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, MAXNUM)
+    s_enc, s_dec = _global_scales(amax_ptr, blk * 16, blk < M // 16, GROUPED)
+    sbyte, enc = _block_scale(vec, s_enc, s_dec, INV_6, LEGACY, HW_FP8)
+    out = col.to(tl.int64) * (M // 16) + blk
+    if SR:
+        # the counter XOR a zero made from the block's own scale: Triton then computes the
+        # counter and Philox in the elements' layout, so no word moves between layouts
+        z = (sbyte.to(tl.int32) >> 8).to(tl.int64)
+        w0, w1, w2, w3 = _philox(tl.load(seed_ptr), out ^ z)
+        w0, w1 = w0.to(tl.int32, bitcast=True), w1.to(tl.int32, bitcast=True)
+        w2, w3 = w2.to(tl.int32, bitcast=True), w3.to(tl.int32, bitcast=True)
     else:
-        s_enc, s_dec = _global_scales(amax_ptr, blk * 16, blk < M // 16, GROUPED)
-        sbyte, enc = _block_scale(vec, s_enc, s_dec, INV_6, LEGACY, HW_FP8)
-        out = col.to(tl.int64) * (M // 16) + blk
-        if SR:
-            w0, w1, w2, w3 = _philox(tl.load(seed_ptr), out)
-            # zero, but made from the block's own values: Triton then moves the four words to
-            # the elements' layout, not the sixteen floats made from them
-            z = sbyte.to(tl.int32) >> 8
-            w0, w1 = w0.to(tl.int32, bitcast=True) ^ z, w1.to(tl.int32, bitcast=True) ^ z
-            w2, w3 = w2.to(tl.int32, bitcast=True) ^ z, w3.to(tl.int32, bitcast=True) ^ z
-        else:
-            w0 = 0
-            w1 = 0
-            w2 = 0
-            w3 = 0
-        if PTX or not SR:
-            e = enc
-            lo = _half(
-                x0 * e, x1 * e, x2 * e, x3 * e, x4 * e, x5 * e, x6 * e, x7 * e, w0, w1, SR, MAXNUM
-            )
-            hi = _half(
-                x8 * e,
-                x9 * e,
-                x10 * e,
-                x11 * e,
-                x12 * e,
-                x13 * e,
-                x14 * e,
-                x15 * e,
-                w2,
-                w3,
-                SR,
-                MAXNUM,
-            )
-            word = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
-        else:
-            word = _quad(x0, x1, x2, x3, enc, w0, SR, MAXNUM)
-            word |= _quad(x4, x5, x6, x7, enc, w1, SR, MAXNUM) << 16
-            word |= _quad(x8, x9, x10, x11, enc, w2, SR, MAXNUM) << 32
-            word |= _quad(x12, x13, x14, x15, enc, w3, SR, MAXNUM) << 48
-        tl.store(data_ptr + out, word, mask=mask)
-        tl.store(scale_ptr + out, sbyte, mask=mask)
+        w0 = 0
+        w1 = 0
+        w2 = 0
+        w3 = 0
+    if PTX or not SR:
+        e = enc
+        lo = _half(
+            x0 * e, x1 * e, x2 * e, x3 * e, x4 * e, x5 * e, x6 * e, x7 * e, w0, w1, SR, MAXNUM
+        )
+        hi = _half(
+            x8 * e, x9 * e, x10 * e, x11 * e, x12 * e, x13 * e, x14 * e, x15 * e, w2, w3, SR, MAXNUM
+        )
+        word = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+    else:
+        word = _quad(x0, x1, x2, x3, enc, w0, SR, MAXNUM)
+        word |= _quad(x4, x5, x6, x7, enc, w1, SR, MAXNUM) << 16
+        word |= _quad(x8, x9, x10, x11, enc, w2, SR, MAXNUM) << 32
+        word |= _quad(x12, x13, x14, x15, enc, w3, SR, MAXNUM) << 48
+    tl.store(data_ptr + out, word, mask=mask)
+    tl.store(scale_ptr + out, sbyte, mask=mask)
