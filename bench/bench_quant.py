@@ -19,7 +19,11 @@
    rows time the quantize kernel given the global amax (computed once, as TE computes it in a
    separate kernel or fused into the op before); the amax pass has its own row, and "end to end"
    rows time both, crediting both reads of the input where the two passes read it as it is
-   (the RHT rows credit one read: their 50% target counts the bytes the operation must move).
+   (the RHT end to end rows credit one read: the bytes the operation must move). The RHT
+   quantize rows, like the plain ones, are given their (post-RHT) amax: TE takes it in a separate
+   pass together with the plain amax of the rowwise copy, and so does `nvfp4.quantize_both`,
+   whose rows ("both copies") time that pass and the two copies against two separate calls
+   ("strided" there: `nvfp4_quantize` rowwise then columnwise, the default kernels).
    The RHT and SR rows: "default" is the fused column kernel (transform and Philox bits in
    registers) or the row words kernel (Philox bits in registers), "strided" the torch RHT and
    the bits handed to the strided kernel as a tensor. The
@@ -105,6 +109,42 @@ def main() -> None:
         return run
 
     sr_rht = col_fused(True, True)
+    post_amax = tk.nvfp4_quantize(x, 0, rht=True).amax  # the post-RHT amax, taken once
+
+    def col_given(sr):
+        def run(v, seed=None):
+            if seed is not None:
+                torch.cuda.manual_seed(seed)
+            g = gen if sr else None
+            return tk.nvfp4_quantize(x, 0, rht=True, generator=g, amax=post_amax,
+                                     _strided=STRIDED[v])  # fmt: skip
+
+        run.seeded = True
+        return run
+
+    def both_copies(sr):
+        def run(v, seed=None):
+            if seed is not None:
+                torch.cuda.manual_seed(seed)
+            g = gen if sr else None
+            if v == "strided":  # two calls: each copy takes its own amax
+                row = tk.nvfp4_quantize(x, -1, generator=g)
+                return row, tk.nvfp4_quantize(x, 0, rht=True, generator=g)
+            return tk.nvfp4_quantize_both(x, rht=True, generator=g)
+
+        run.seeded = True
+        return run
+
+    def ref_pair(sr):
+        g = gen if sr else None
+        nvfp4.quantize_reference(x, -1, generator=g)
+        nvfp4.quantize_reference(x, 0, rht=True, generator=g)
+
+    def amax_both(v):
+        amax = torch.zeros(2, dtype=torch.float32, device=dev)
+        tk._col_amax_pass(x, amax[0], amax[1])
+        return amax
+
     groups = torch.arange(n, device=dev) // (n // GROUPS)  # GROUPS equal experts
 
     def grouped(axis, rht, sr):
@@ -144,10 +184,19 @@ def main() -> None:
          lambda: nvfp4.quantize_reference(x, -1), row_bytes_nv + 2 * elems, None),
         ("nvfp4 columnwise 1D end to end", lambda v: tk.nvfp4_quantize(x, 0, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, 0), row_bytes_nv + 2 * elems, None),
-        ("nvfp4 col RHT+SR end to end (wgrad dY)", sr_rht,
+        ("nvfp4 col RHT+SR (wgrad dY)", col_given(True),
          lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, 0.50),
-        ("nvfp4 col RHT end to end (wgrad X)", col_fused(True, False),
+        ("nvfp4 col RHT (wgrad X)", col_given(False),
          lambda: nvfp4.quantize_reference(x, 0, rht=True), row_bytes_nv, 0.50),
+        ("nvfp4 RHT amax pass (post-RHT and plain amax)", amax_both, None, 2 * elems, None),
+        ("nvfp4 col RHT+SR end to end (wgrad dY)", sr_rht,
+         lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, None),
+        ("nvfp4 col RHT end to end (wgrad X)", col_fused(True, False),
+         lambda: nvfp4.quantize_reference(x, 0, rht=True), row_bytes_nv, None),
+        ("nvfp4 dY both copies (row SR, col RHT+SR) end to end", both_copies(True),
+         lambda: ref_pair(True), 2 * row_bytes_nv - 2 * elems, None),
+        ("nvfp4 X both copies (row, col RHT) end to end", both_copies(False),
+         lambda: ref_pair(False), 2 * row_bytes_nv - 2 * elems, None),
         ("nvfp4 col SR end to end (no RHT)", col_fused(False, True),
          lambda: nvfp4.quantize_reference(x, 0, generator=gen), row_bytes_nv + 2 * elems, None),
         ("nvfp4 rowwise SR end to end (dgrad dY)", col_fused(False, True, -1),

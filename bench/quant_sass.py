@@ -40,7 +40,7 @@ from graphsan.lab.quant.kernels import gemm as gemm_kernels
 from graphsan.lab.quant.kernels import launch as tk
 from graphsan.lab.quant.kernels import mxfp8 as mx_kernels
 from graphsan.lab.quant.kernels import nvfp4 as nv_kernels
-from graphsan.lab.quant.kernels.nvfp4_col import nvfp4_col_fused_kernel
+from graphsan.lab.quant.kernels.nvfp4_col import nvfp4_col_amax_kernel, nvfp4_col_fused_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -59,8 +59,9 @@ MIX = {
 }
 
 
-def compile_sm90(fn, args, consts, num_warps):
-    """args: (name, type, value) per runtime argument, value as at launch (for specialisation)."""
+def compile_sm90(fn, args, consts, num_warps, maxnreg=None):
+    """args: (name, type, value) per runtime argument, value as at launch (for specialisation);
+    maxnreg: the register cap a launch tile may set."""
     signature, constexprs, attrs = {}, {}, {}
     for name, ty, value in args:
         idx = (fn.arg_names.index(name),)
@@ -73,7 +74,7 @@ def compile_sm90(fn, args, consts, num_warps):
     for name, value in consts.items():
         signature[name] = "constexpr"
         constexprs[(fn.arg_names.index(name),)] = value
-    options = {"num_warps": num_warps, "enable_fp_fusion": False}
+    options = {"num_warps": num_warps, "enable_fp_fusion": False, "maxnreg": maxnreg}
     return triton.compile(
         ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options
     )
@@ -274,11 +275,12 @@ def main() -> None:
         elems = p["NB"] * 16 * p["CW"] * 4
         jobs.append(("words", f"nvfp4 columnwise {d}", fn, nv_col_words, flags, p, elems))
 
-    # the fused column kernel as `launch._nvfp4_col_fused` runs it on bf16 (int16 bits), not grouped
-    fused = [("x_ptr", "*i16", 0), ("M", "i32", n), ("K", "i32", n), ("stride_m", "i32", n)]
-    fused += [("stride_k", "i32", 1), ("amax_ptr", "*fp32", 0), ("group_ptr", "*i64", 0)]
-    fused += [("G", "i32", 0), ("seed_ptr", "*i64", 0), ("data_ptr", "*i64", 0)]
-    fused += [("scale_ptr", "*u8", 0)]
+    # the fused column kernel's two passes as `launch._nvfp4_col_fused` runs them on bf16 (int16
+    # bits), not grouped: the amax pass (`nvfp4_col_amax_kernel`), then the quantize pass
+    head = [("x_ptr", "*i16", 0), ("M", "i32", n), ("K", "i32", n), ("stride_m", "i32", n)]
+    head += [("stride_k", "i32", 1), ("amax_ptr", "*fp32", 0)]
+    amax_args = head + [("pre_amax_ptr", "*fp32", 0), ("group_ptr", "*i64", 0), ("G", "i32", 0)]
+    fused = head + [("seed_ptr", "*i64", 0), ("data_ptr", "*i64", 0), ("scale_ptr", "*u8", 0)]
     tiles = {}  # the quantize passes' tile and the amax pass's, the launcher's unless given
     for key, attr, given in (
         ("quantize", "NVFP4_COL_FUSED_TILE", args.fused_tile),
@@ -288,19 +290,24 @@ def main() -> None:
         if given:
             if any(v < 1 or v & (v - 1) for v in given):
                 ap.error(f"tile {given}: NB, BK and WARPS must be powers of two")
-            tiles[key] = dict(zip(("NB", "BK", "num_warps"), given, strict=True))
-    fn = nvfp4_col_fused_kernel
-    base = {"INV_6": INV_6, "LEGACY": False, "BF16_BITS": True, "HW_FP8": True, "GROUPED": False}
-    base |= {"MAXNUM": True, "PTX": True, "EVEN": True}  # as launched on CUDA, tiles covering x
-    for name, rht, sr, amax_only in (
-        ("RHT amax pass", True, False, True),
-        ("RHT+SR quantize pass", True, True, False),
-        ("RHT quantize pass", True, False, False),
-        ("SR (no RHT)", False, True, False),
+            tiles[key] |= dict(zip(("NB", "BK", "num_warps"), given, strict=True))
+    common = {"BF16_BITS": True, "GROUPED": False, "MAXNUM": True, "PTX": True, "EVEN": True}
+    p = {"ITERS": 1, **tiles["amax"]}
+    elems = p["NB"] * 16 * p["BK"] * p["ITERS"]
+    for name, pre in (("RHT amax pass", False), ("RHT amax pass, plain amax too", True)):
+        flags = {**common, "PRE_AMAX": pre}
+        fn = nvfp4_col_amax_kernel
+        jobs.append(("fused", f"nvfp4 fused col, {name}", fn, amax_args, flags, p, elems))
+    base = {**common, "INV_6": INV_6, "LEGACY": False, "HW_FP8": True}
+    for name, rht, sr in (
+        ("RHT+SR quantize pass", True, True),
+        ("RHT quantize pass", True, False),
+        ("SR (no RHT)", False, True),
     ):
-        p = tiles["amax" if amax_only else "quantize"]
+        p = tiles["quantize"]
         elems = p["NB"] * 16 * p["BK"]
-        flags = {**base, "RHT": rht, "SR": sr, "AMAX_ONLY": amax_only}
+        flags = {**base, "RHT": rht, "SR": sr}
+        fn = nvfp4_col_fused_kernel
         jobs.append(("fused", f"nvfp4 fused col, {name}", fn, fused, flags, p, elems))
     p = dict(tk.NVFP4_ROW_WORDS_TILE)
     flags = {**nv, "SR": True, "BLOCK_2D": False, "MAXNUM": True, "PER_ROW": False}
@@ -332,7 +339,8 @@ def main() -> None:
             continue
         params = dict(params)
         warps = params.pop("num_warps")
-        kernel = compile_sm90(fn, fn_args, {**flags, **params}, warps)
+        maxnreg = params.pop("maxnreg", None)
+        kernel = compile_sm90(fn, fn_args, {**flags, **params}, warps, maxnreg)
         label = name if family in ("fused", "dequant") else f"{name} {family}"
         summarise(label, kernel, elems, warps, args.dump, mix)
     if mix:

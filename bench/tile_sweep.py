@@ -52,10 +52,21 @@ NV_COL_FUSED_TILES = [
     {"NB": 4, "BK": 32, "num_warps": 2},
 ]
 # Its RHT amax pass (NVFP4_COL_AMAX_TILE: loads, the transform and a maximum; 128 registers at
-# 128 values a thread, 56-64 at 64, 40 at 32): the whole RHT operation is timed, the quantize
-# pass on its current tile.
+# 128 values a thread, 56-64 at 64, 40 at 32; ITERS tiles a program, one atomic at the end):
+# the whole RHT operation is timed, the quantize pass on its current tile.
+# The same tiles with a register cap (`maxnreg`), so that more programs fit an SM: 96 gives 5
+# programs of 4 warps where 121 registers give 4, 80 gives 6 (both spill a little).
+NV_COL_FUSED_CAPPED = [
+    {"NB": 8, "BK": 64, "num_warps": 4, "maxnreg": 96},
+    {"NB": 8, "BK": 64, "num_warps": 4, "maxnreg": 80},
+    {"NB": 4, "BK": 64, "num_warps": 2, "maxnreg": 96},
+]
 NV_COL_AMAX_TILES = [
-    {"NB": 8, "BK": 64, "num_warps": 2},
+    {"NB": 8, "BK": 64, "ITERS": 4, "num_warps": 4},
+    {"NB": 8, "BK": 64, "ITERS": 8, "num_warps": 4},
+    {"NB": 8, "BK": 64, "ITERS": 4, "num_warps": 2},
+    {"NB": 4, "BK": 64, "ITERS": 8, "num_warps": 2},
+    {"NB": 8, "BK": 128, "ITERS": 4, "num_warps": 4},
     {"NB": 4, "BK": 64, "num_warps": 2},
     {"NB": 8, "BK": 64, "num_warps": 4},
     {"NB": 8, "BK": 32, "num_warps": 2},
@@ -184,6 +195,16 @@ def _reseed() -> None:
     _default_generator().manual_seed(1234)
 
 
+_GIVEN = {}  # the post-RHT amax of the input, taken once in main
+
+
+def _amax_both(tk, x):
+    """The fused column kernel's amax pass taking the post-RHT and the plain amax together."""
+    amax = torch.zeros(2, dtype=torch.float32, device=x.device)
+    tk._col_amax_pass(x, amax[0], amax[1])
+    return amax
+
+
 SWEEPS = {
     # name: (parameter dict in kernels.launch, alternatives, call, bytes moved per element)
     "nvfp4 columnwise 1D": (
@@ -217,6 +238,21 @@ SWEEPS = {
         lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True, generator=_default_generator()),
         NVFP4_BYTES,
         _reseed,
+    ),
+    "nvfp4 col RHT+SR quantize pass, post-RHT amax given": (
+        "NVFP4_COL_FUSED_TILE",
+        NV_COL_FUSED_TILES + NV_COL_FUSED_CAPPED,
+        lambda tk, x, amax: tk.nvfp4_quantize(
+            x, 0, rht=True, generator=_default_generator(), amax=_GIVEN["post"]
+        ),
+        NVFP4_BYTES,
+        _reseed,
+    ),
+    "nvfp4 RHT amax pass, plain amax too": (
+        "NVFP4_COL_AMAX_TILE",
+        NV_COL_AMAX_TILES,
+        lambda tk, x, amax: _amax_both(tk, x),
+        2,
     ),
     "nvfp4 col RHT fused (wgrad X)": (
         "NVFP4_COL_FUSED_TILE",
@@ -273,6 +309,7 @@ def main() -> None:
     dst = torch.empty_like(x)
     copy_bw = 4 * x.numel() / bench_device(lambda: dst.copy_(x), args.iters)
     amax = tk.global_amax(x)
+    _GIVEN["post"] = tk.nvfp4_quantize(x, 0, rht=True).amax
     print(
         f"# {torch.cuda.get_device_name()}, {args.size}x{args.size} bf16, copy {copy_bw / 1e9:.0f} GB/s"
     )

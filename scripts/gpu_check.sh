@@ -10,7 +10,7 @@
 #   (tracker: the compiled allocator tracker's GPU tests; overhead: a profile of a graphed training
 #   step under graphsan and the bench without allocation stacks; ranks: issue 16 on two GPUs)
 #   (quant: the Triton kernel tests and bench_quant; quantlinear: bench_quant_linear; train: bench_train; sweep: the kernels'
-#   launch parameters; scale: capture cost against live blocks, bench_capture_scale;
+#   launch parameters; rht: the RHT rows' tiles and Nsight Compute on them; scale: capture cost against live blocks, bench_capture_scale;
 #   capture-profile: a cProfile of one process of its scale run)
 # One-off investigations (case 1 with synchronous launches, wider Mamba workspaces) are in
 # scripts/investigations.sh.
@@ -81,6 +81,21 @@ for part in ${*:-tests}; do
           tk.nvfp4_quantize(x, 0)
           torch.cuda.synchronize()' > "$OUT/ncu-quant.txt" 2>&1
       grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Waves Per SM|Block Limit Reg|Stall|Compute \(SM\) Th" "$OUT/ncu-quant.txt" | head -120 ;;
+    rht)  # the RHT rows: their tiles and the quantize pass order (tile_sweep), then Nsight Compute
+      # on the RHT+SR quantize pass given the post-RHT amax and on the two-amax pass (stalls)
+      timeout 200 python3 bench/tile_sweep.py --iters 10 --only "nvfp4 col RHT+SR" \
+        "nvfp4 RHT amax pass" 2>&1 | tee "$OUT/tile_sweep_rht.log" | tail -30
+      timeout 200 ncu --clock-control none --target-processes all -k regex:'nvfp4_col_fused' \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats \
+        python3 -c 'if 1:
+          import torch
+          from graphsan.lab.quant.kernels import launch as tk
+          x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+          g = torch.Generator(device="cuda"); g.manual_seed(0)
+          tk.nvfp4_quantize_both(x, rht=True, generator=g)
+          torch.cuda.synchronize()' > "$OUT/ncu-rht.txt" 2>&1
+      grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|stall|Executed Ipc A" -i "$OUT/ncu-rht.txt" | head -80 ;;
     host)  # the host cost of one eager quantized module call, per recipe (bench_host.py)
       timeout 200 python3 bench/bench_host.py --iters 30 2>&1 | tee "$OUT/bench_host.log" | tail -10 ;;
     train-profile)  # where a step of bf16 graphed and super-mixed graphed goes (bench_train --profile)
