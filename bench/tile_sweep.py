@@ -55,10 +55,9 @@ NV_COL_FUSED_TILES = [
 # 128 values a thread, 56-64 at 64, 40 at 32; ITERS tiles a program, one atomic at the end):
 # the whole RHT operation is timed, the quantize pass on its current tile.
 # The same tiles with a register cap (`maxnreg`), so that more programs fit an SM: 96 gives 5
-# programs of 4 warps where 121 registers give 4, 80 gives 6 (both spill a little).
+# programs of 4 warps where 121 registers give 4 (spilling a little).
 NV_COL_FUSED_CAPPED = [
     {"NB": 8, "BK": 64, "num_warps": 4, "maxnreg": 96},
-    {"NB": 8, "BK": 64, "num_warps": 4, "maxnreg": 80},
     {"NB": 4, "BK": 64, "num_warps": 2, "maxnreg": 96},
 ]
 NV_COL_AMAX_TILES = [

@@ -311,6 +311,25 @@ def test_a_kernel_assertion_is_a_device_side_assert_even_when_python_lost_the_me
     assert logparse.result_of("", log.splitlines()[0], 1).outcome == "died (exit 1)"
 
 
+def test_an_error_the_child_could_not_name_is_named_from_its_log():
+    # seen on the H200: the kernel's assertion reached Python as the next cuBLAS call's failure
+    res = CaseResult("error", iteration=6, symptom="CUDA error: CUBLAS_STATUS_EXECUTION_FAILED")
+    log = (
+        "/pytorch/aten/src/ATen/native/cuda/IndexKernel.cu:111: operator(): block: [5,0,0], "
+        'thread: [80,0,0] Assertion `-sizes[i] <= index && index < sizes[i] && "index out of '
+        'bounds"` failed.\n'
+    )
+    named = logparse.result_of(json.dumps(res.to_dict()), log, 0)
+    assert (named.outcome, named.iteration, named.symptom) == (
+        "device-side assert",
+        6,
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED",
+    )
+    assert logparse.result_of(json.dumps(res.to_dict()), "no kernel message", 0).outcome == "error"
+    other = CaseResult("StaleMemoryError", iteration=6)
+    assert logparse.result_of(json.dumps(other.to_dict()), log, 0).outcome == "StaleMemoryError"
+
+
 def test_a_child_without_a_result_file_is_refused_and_a_result_survives_json(capsys):
     assert main(["repro", "--child", "1"]) == 2
     assert capsys.readouterr().err.strip() == (

@@ -31,11 +31,18 @@ def crash_kind(text: str) -> Outcome | None:
 
 
 def result_of(result: str, log: str, rc: int) -> CaseResult:
-    """The child's own result (JSON it wrote), or what its log and exit status say."""
+    """The child's own result (JSON it wrote), or what its log and exit status say. A result
+    of an error the child could not name is named from the log where the log shows the crash:
+    a kernel's assertion makes the CUDA context fail for every later call, so the exception the
+    child caught can be the next library's (cuBLAS: "CUBLAS_STATUS_EXECUTION_FAILED") while the
+    kernel's own message went to its stderr."""
+    crash = crash_kind(log)
     if result:
         with contextlib.suppress(json.JSONDecodeError):
-            return CaseResult.from_dict(json.loads(result))
-    crash = crash_kind(log)
+            res = CaseResult.from_dict(json.loads(result))
+            if res.outcome == "error" and crash is not None:
+                res.outcome = crash.value
+            return res
     if crash is not None:
         outcome = crash.value
     elif rc < 0:
