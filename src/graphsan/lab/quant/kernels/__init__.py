@@ -8,7 +8,8 @@ and the tests compare the two byte for byte (compiled on the GPU, in Triton's in
     kernels/launch.py     the launchers: which kernel runs for which input, tiles, outputs
     kernels/mxfp8.py      MXFP8 kernels: strided (any input), bf16 words (columnwise, both)
     kernels/nvfp4.py      global amax; NVFP4 row and column kernels, strided and bf16 words
-    kernels/nvfp4_col.py  NVFP4 columnwise with the RHT and stochastic rounding fused
+    kernels/nvfp4_col.py  NVFP4 columnwise with the RHT and stochastic rounding fused; the
+                          RHT amax pass (the post-RHT and the plain amax from one read)
     kernels/common.py     FP8 bytes from bit fields, bf16 words, NaN-ignoring block maxima
     kernels/gemm.py       the GEMM operands' dequantization, the GEMM epilogue, a fused GEMM
     kernels/fastlaunch.py launches without Triton's per-call binding (a seen specialization)
