@@ -85,7 +85,7 @@ for part in ${*:-tests}; do
       # on the RHT+SR quantize pass given the post-RHT amax and on the two-amax pass (stalls)
       timeout 200 python3 bench/tile_sweep.py --iters 10 --only "nvfp4 col RHT+SR" \
         "nvfp4 RHT amax pass" 2>&1 | tee "$OUT/tile_sweep_rht.log" | tail -30
-      timeout 200 ncu --clock-control none --target-processes all -k regex:'nvfp4_col_fused' \
+      timeout 200 ncu --clock-control none --target-processes all -k regex:'nvfp4_col_(fused|amax)' \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section SchedulerStats --section InstructionStats \
         python3 -c 'if 1:

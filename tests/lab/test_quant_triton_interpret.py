@@ -256,14 +256,14 @@ def test_nvfp4_quantize_both_reads_both_amaxes_once(tk, order, monkeypatch):
     monkeypatch.setattr(tk, "_col_amax_pass", counted)
     monkeypatch.setattr(tk, "global_amax", lambda t: pytest.fail("a second amax read"))
     for name, x in cases.items():
-        for use_rht, sr in ((True, False), (True, True)):
+        for sr in (False, True):
             g1 = torch.Generator().manual_seed(5) if sr else None
             g2 = torch.Generator().manual_seed(5) if sr else None
             passes.clear()
-            row, col = tk.nvfp4_quantize_both(x, False, order, use_rht, g1)
+            row, col = tk.nvfp4_quantize_both(x, False, order, True, g1)
             assert passes == [True], (name, sr)
             ref_row = nvfp4.quantize_reference(x, -1, False, order, False, g2)
-            ref_col = nvfp4.quantize_reference(x, 0, False, order, use_rht, g2)
+            ref_col = nvfp4.quantize_reference(x, 0, False, order, True, g2)
             _same_nvfp4(row, ref_row, (name, sr, "rowwise"))
             _same_nvfp4(col, ref_col, (name, sr, "columnwise"))
             assert row.amax.shape == col.amax.shape == ()
@@ -287,8 +287,8 @@ def test_nvfp4_quantize_both_without_rht_shares_one_amax(tk, monkeypatch):
 def test_nvfp4_grouped_both(tk, monkeypatch):
     """`nvfp4_quantize_grouped_both` against the reference's two grouped calls: per-group
     amaxes before and after the RHT from one amax pass (an empty group, padding rows), with and
-    without SR; without RHT one group amax pass; float32 input: None (the caller quantizes each
-    copy alone)."""
+    without SR; without RHT (1D blocks with and without SR, 2D weights) one group amax pass and
+    no RHT pass; float32 input: None (the caller quantizes each copy alone)."""
     from tests.lab.grouped_checks import grouped_rows, row_groups
 
     counts = (32, 0, 16, 48)
@@ -296,18 +296,23 @@ def test_nvfp4_grouped_both(tk, monkeypatch):
     x = grouped_rows(counts, 64, g, pad=16)
     groups = row_groups(counts, x.shape[0])
     ids, count = groups.index.to(torch.int64), groups.count
-    passes = []
-    real_pass = tk._col_amax_pass
+    passes, group_passes = [], []
+    real_pass, real_group = tk._col_amax_pass, tk._group_amax
     monkeypatch.setattr(
         tk, "_col_amax_pass", lambda *a, **k: passes.append(1) or real_pass(*a, **k)
     )
+    monkeypatch.setattr(
+        tk, "_group_amax", lambda *a, **k: group_passes.append(1) or real_group(*a, **k)
+    )
     monkeypatch.setattr(tk, "NVFP4_COL_AMAX_TILE", {"NB": 2, "BK": 32, "ITERS": 2, "num_warps": 1})
-    for use_rht, sr, block_2d in ((True, False, False), (True, True, False), (False, False, True)):
+    modes = [(True, False, False), (True, True, False), (False, False, False), (False, True, False)]
+    for use_rht, sr, block_2d in [*modes, (False, False, True)]:
         g1 = torch.Generator().manual_seed(8) if sr else None
         g2 = torch.Generator().manual_seed(8) if sr else None
         passes.clear()
+        group_passes.clear()
         row, col = tk.nvfp4_quantize_grouped_both(x, ids, count, block_2d, "current", use_rht, g1)
-        assert len(passes) == (1 if use_rht else 0)
+        assert (len(passes), len(group_passes)) == ((1, 0) if use_rht else (0, 1))
         ref = nvfp4.quantize_grouped_reference
         ref_row = ref(x, ids, count, -1, block_2d, "current", False, g2)
         ref_col = ref(x, ids, count, 0, block_2d, "current", use_rht, g2)

@@ -326,6 +326,9 @@ def test_an_error_the_child_could_not_name_is_named_from_its_log():
         "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED",
     )
     assert logparse.result_of(json.dumps(res.to_dict()), "no kernel message", 0).outcome == "error"
+    # PyTorch's advice under any CUDA error is not a kernel's assertion
+    advice = "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
+    assert logparse.result_of(json.dumps(res.to_dict()), advice, 0).outcome == "error"
     other = CaseResult("StaleMemoryError", iteration=6)
     assert logparse.result_of(json.dumps(other.to_dict()), log, 0).outcome == "StaleMemoryError"
 

@@ -25,7 +25,8 @@ def crash_kind(text: str) -> Outcome | None:
         return Outcome.ILLEGAL_MEMORY_ACCESS
     # the kernel's own message counts too: PyTorch's text can be lost when a GPU-trace hook
     # fails while the error is being raised
-    if "device-side assert" in text or _KERNEL_ASSERT.search(text):
+    # "triggered": PyTorch's advice under every CUDA error names "device-side assertions"
+    if "device-side assert triggered" in text or _KERNEL_ASSERT.search(text):
         return Outcome.DEVICE_SIDE_ASSERT
     return None
 

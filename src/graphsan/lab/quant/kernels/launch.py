@@ -290,7 +290,7 @@ def nvfp4_quantize_grouped(
     _amax: torch.Tensor | None = None,
 ) -> NVFP4Tensor | None:
     """`nvfp4.quantize_grouped` (one global amax per row group) in kernels, no host sync: the
-    per-group amax (`group_amax_kernel`, or the fused column kernel's amax pass after the RHT)
+    per-group amax (`group_amax_kernel`, or after the RHT `nvfp4_col_amax_kernel`)
     into a device buffer, gathered per row, which the quantize kernels read as their global
     amax. bf16 with unit column stride (the words kernels; columnwise without SR), or any
     columnwise input with RHT or SR and 1D blocks (the fused kernel); None elsewhere (the caller
@@ -380,7 +380,7 @@ def _group_amax(x, groups, num_groups, amax):
 
 def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None, fill=None):
     """Columnwise with RHT and/or SR in one kernel (`nvfp4_col.py`): where `fill` (by default:
-    RHT and no `amax` given), a first pass of the same kernel takes the post-RHT global amax
+    RHT and no `amax` given), the RHT amax pass runs first and takes the post-RHT global amax
     (`_col_amax_pass`; per group with `grouped` = (groups, num_groups), into the zeroed buffer
     `amax`); SR bits come from a seed drawn on the generator, as the reference draws them. A
     given `amax` is the post-RHT one with RHT (`nvfp4_quantize_both` takes it with the plain
