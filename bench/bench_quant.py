@@ -40,7 +40,7 @@ import datetime
 
 import torch
 from bench_quant_linear import quant_linear_table
-from quant_timing import bench, bench_device, same_bytes
+from quant_timing import amax_pass_both, bench, bench_device, same_bytes
 
 from graphsan.lab.quant import kernels, mxfp8, nvfp4
 
@@ -140,11 +140,6 @@ def main() -> None:
         nvfp4.quantize_reference(x, -1, generator=g)
         nvfp4.quantize_reference(x, 0, rht=True, generator=g)
 
-    def amax_both(v):
-        amax = torch.zeros(2, dtype=torch.float32, device=dev)
-        tk._col_amax_pass(x, amax[0], amax[1])
-        return amax
-
     groups = torch.arange(n, device=dev) // (n // GROUPS)  # GROUPS equal experts
 
     def grouped(axis, rht, sr):
@@ -188,7 +183,7 @@ def main() -> None:
          lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, 0.50),
         ("nvfp4 col RHT (wgrad X)", col_given(False),
          lambda: nvfp4.quantize_reference(x, 0, rht=True), row_bytes_nv, 0.50),
-        ("nvfp4 RHT amax pass (post-RHT and plain amax)", amax_both, None, 2 * elems, None),
+        ("nvfp4 RHT amax pass (post-RHT and plain amax)", lambda v: amax_pass_both(tk, x), None, 2 * elems, None),
         ("nvfp4 col RHT+SR end to end (wgrad dY)", sr_rht,
          lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, None),
         ("nvfp4 col RHT end to end (wgrad X)", col_fused(True, False),

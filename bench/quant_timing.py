@@ -52,6 +52,14 @@ def bench_device(fn, iters: int, reps: int = 20) -> float | None:
     return times[len(times) // 2]
 
 
+def amax_pass_both(tk, x):
+    """The RHT amax pass (`launch._col_amax_pass`) taking the post-RHT and the plain amax
+    together, into a fresh [2] buffer (the benches' timed call)."""
+    amax = torch.zeros(2, dtype=torch.float32, device=x.device)
+    tk._col_amax_pass(x, amax[0], amax[1])
+    return amax
+
+
 def tensors(out):
     """The tensors of a kernel's result (a quantized tensor, a pair of them, or an amax)."""
     if isinstance(out, torch.Tensor):

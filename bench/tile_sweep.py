@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from quant_timing import bench_device, same_bytes
+from quant_timing import amax_pass_both, bench_device, same_bytes
 
 from graphsan.lab.quant import kernels
 
@@ -197,13 +197,6 @@ def _reseed() -> None:
 _GIVEN = {}  # the post-RHT amax of the input, taken once in main
 
 
-def _amax_both(tk, x):
-    """The fused column kernel's amax pass taking the post-RHT and the plain amax together."""
-    amax = torch.zeros(2, dtype=torch.float32, device=x.device)
-    tk._col_amax_pass(x, amax[0], amax[1])
-    return amax
-
-
 SWEEPS = {
     # name: (parameter dict in kernels.launch, alternatives, call, bytes moved per element)
     "nvfp4 columnwise 1D": (
@@ -250,7 +243,7 @@ SWEEPS = {
     "nvfp4 RHT amax pass, plain amax too": (
         "NVFP4_COL_AMAX_TILE",
         NV_COL_AMAX_TILES,
-        lambda tk, x, amax: _amax_both(tk, x),
+        lambda tk, x, amax: amax_pass_both(tk, x),
         2,
     ),
     "nvfp4 col RHT fused (wgrad X)": (
