@@ -94,10 +94,17 @@ def test_a_kernel_node_is_read_through_its_function_layout(monkeypatch):
         driver, "function_info", lambda h, is_kernel: asked.append((h, is_kernel)) or info
     )
     node = types.SimpleNamespace(
-        func=0x1234, kern=0, kernelParams=ctypes.addressof(params), extra=0
+        func=0x1234,
+        kern=0,
+        kernelParams=ctypes.addressof(params),
+        extra=0,
+        gridDimX=40,
+        gridDimY=2,
+        gridDimZ=1,
     )
     monkeypatch.setattr(driver.drv, "cuGraphKernelNodeGetParams", lambda n: (driver._SUCCESS, node))
     got = driver._read_kernel("node", 5)
     want = bytes(values[0]) + bytes(4) + bytes(values[1]) + bytes(values[2])
     assert (got.index, got.name, got.buffer, got.offsets) == (5, "axpy", want, [0, 8, 16])
+    assert got.grid == (40, 2, 1)  # the launch shape: which struct entries the launch fills
     assert asked == [(0x1234, False)]

@@ -12,7 +12,7 @@ import struct
 
 import pytest
 
-from graphsan.core.records import CopyArgs, KernelArgs, WalkStats
+from graphsan.core.records import AllocArgs, CopyArgs, KernelArgs, WalkStats
 from graphsan.cuda import graphwalk, tracelog
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,17 +65,18 @@ def test_the_compiled_walk_reads_every_kind_of_node(walker):
     child = struct.pack("<ifQ", 7, -2.0, 0x7F0000004000)
     f2 = struct.pack("<QI4xQ", 0x7F0000005000, 0, 0x7F0000006000)  # a null parameter: zeros
     assert nodes == [
-        KernelArgs(0, "f1(int, float, float*)", f1, [0, 4, 8]),
-        KernelArgs(1, "k1", bytes(3 * i + 1 for i in range(40)), []),
+        KernelArgs(0, "f1(int, float, float*)", f1, [0, 4, 8], (40, 2, 1)),
+        KernelArgs(1, "k1", bytes(3 * i + 1 for i in range(40)), [], (7, 0, 0)),
         CopyArgs(2, "memcpy", [("src", 0x7F0000002010), ("dst", 0x555500000000)]),
         KernelArgs(3, "f1(int, float, float*)", child, [0, 4, 8]),  # inside the child graph
         CopyArgs(4, "memcpy", [("dst", 0x7F0000007008)]),  # an array source has no address
         CopyArgs(5, "memset", [("dst", 0x7F0000003000)]),
         KernelArgs(6, "f2(float*, int, float*)", f2, [0, 8, 16]),
         KernelArgs(7, "f1(int, float, float*)", b"", []),
+        AllocArgs(8, 0x7F0000008000, 4096),  # memory the graph owns (cudaMallocAsync)
     ]
-    # 12 nodes: the empty node and the child graph node count, two kernels are unreadable
-    assert stats == WalkStats(nodes=12, kernels=7, copies=3, unreadable=2, child_graphs=1)
+    # 13 nodes: the empty node and the child graph node count, two kernels are unreadable
+    assert stats == WalkStats(nodes=13, kernels=7, copies=3, unreadable=2, child_graphs=1)
 
 
 def test_a_failed_driver_call_is_one_error_and_the_next_walk_works(walker):
@@ -84,7 +85,7 @@ def test_a_failed_driver_call_is_one_error_and_the_next_walk_works(walker):
     with pytest.raises(graphwalk.WalkError, match="^cuGraphGetNodes failed$"):
         walk(fake.fake_root())
     fake.fake_fail_get_nodes(0)
-    assert len(walk(fake.fake_root())[0]) == 8
+    assert len(walk(fake.fake_root())[0]) == 9
 
 
 def test_a_record_the_parser_does_not_know_is_an_error():

@@ -1,4 +1,4 @@
-/* A stand-in for the nine driver functions graphwalk.cpp calls, over one fixed graph, so that
+/* A stand-in for the ten driver functions graphwalk.cpp calls, over one fixed graph, so that
  * the compiled walk can be tested without a GPU (tests/test_graphwalk.py knows the graph). */
 #include <cuda.h>
 #include <stdint.h>
@@ -16,6 +16,7 @@ typedef struct Node {
   CUDA_KERNEL_NODE_PARAMS kernel;
   CUDA_MEMCPY3D copy;
   CUDA_MEMSET_NODE_PARAMS set;
+  CUDA_MEM_ALLOC_NODE_PARAMS alloc;
   CUgraph child;
 } Node;
 
@@ -58,7 +59,12 @@ static void build(void) {
   n = add(&root, CU_GRAPH_NODE_TYPE_KERNEL); /* 0: F1 with its three parameters */
   n->kernel.func = F1;
   n->kernel.kernelParams = f1_args;
+  n->kernel.gridDimX = 40; /* the launch shape travels with the record */
+  n->kernel.gridDimY = 2;
+  n->kernel.gridDimZ = 1;
+  n->kernel.blockDimX = 128;
   n = add(&root, CU_GRAPH_NODE_TYPE_KERNEL); /* 1: K1 with a packed buffer */
+  n->kernel.gridDimX = 7;
   for (size_t i = 0; i < sizeof(packed); ++i) packed[i] = (unsigned char)(3 * i + 1);
   extra[0] = CU_LAUNCH_PARAM_BUFFER_POINTER;
   extra[1] = packed;
@@ -95,6 +101,9 @@ static void build(void) {
   n->kernel.kernelParams = f2_args;
   n = add(&root, CU_GRAPH_NODE_TYPE_KERNEL); /* 7: F1 without arguments */
   n->kernel.func = F1;
+  n = add(&root, CU_GRAPH_NODE_TYPE_MEM_ALLOC); /* 8: memory the graph allocates */
+  n->alloc.dptr = 0x7f0000008000ull;
+  n->alloc.bytesize = 4096;
 }
 
 static CUresult get_nodes(CUgraph graph, CUgraphNode* out, size_t* count) {
@@ -130,6 +139,11 @@ static CUresult set_params(CUgraphNode node, CUDA_MEMSET_NODE_PARAMS* p) {
   return CUDA_SUCCESS;
 }
 
+static CUresult alloc_params(CUgraphNode node, CUDA_MEM_ALLOC_NODE_PARAMS* p) {
+  *p = ((Node*)node)->alloc;
+  return CUDA_SUCCESS;
+}
+
 static CUresult child_graph(CUgraphNode node, CUgraph* g) {
   *g = ((Node*)node)->child;
   return CUDA_SUCCESS;
@@ -156,7 +170,8 @@ int32_t fake_table(void** out) {
   out[6] = NULL; /* no conditional bodies */
   out[7] = (void*)func_param;
   out[8] = NULL; /* no CUkernel layouts: K1 has none */
-  return 9;
+  out[9] = (void*)alloc_params;
+  return 10;
 }
 
 uint64_t fake_root(void) { return (uint64_t)(uintptr_t)&root; }

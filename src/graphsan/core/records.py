@@ -23,6 +23,9 @@ Stack = tuple[Frame, ...]  # outermost first, like a traceback
 
 # the free_op of memory that was already free when the capture ended (no free was seen)
 FREED_BEFORE_CAPTURE = "freed before capture ended"
+# the free_op of memory found freed when the driver was asked before a replay (an allocator
+# backend that reports no frees: graphsan.cuda.driverwatch)
+FREED_UNSEEN = "found freed before the replay"
 # storage changes that free a tensor's old memory while the tensor lives on
 MOVE_OPS = ("resize_", "set_", ".data =", "storage.resize_")
 
@@ -92,12 +95,13 @@ def _stack(frames) -> Stack:
 # ----------------------------------------------------------------------------- graph nodes
 @dataclass
 class KernelArgs:
-    """A kernel node: its name and its device-side parameter block as bytes."""
+    """A kernel node: its name, its device-side parameter block as bytes, and its grid."""
 
     index: int
     name: str
     buffer: bytes
     offsets: list[int]  # start of each parameter inside `buffer` (empty when unknown)
+    grid: tuple[int, int, int] = (0, 0, 0)  # blocks launched in x, y, z ((0, 0, 0): not read)
 
 
 @dataclass
@@ -107,6 +111,17 @@ class CopyArgs:
     index: int
     kind: str  # "memcpy" | "memset"
     addresses: list[tuple[str, int]]  # ("src" | "dst", address)
+
+
+@dataclass
+class AllocArgs:
+    """A memory-allocation node (stream-ordered allocation captured into the graph, as under
+    the cudaMallocAsync backend): memory the graph itself owns."""
+
+    index: int
+    address: int
+    nbytes: int
+    kind: str = "mem_alloc"
 
 
 @dataclass
@@ -124,7 +139,9 @@ class WalkStats:
 class Reference(NamedTuple):
     """One device address found in one node's arguments (a tuple: graphs hold many). An
     indirect reference was read from a small device buffer (a pointer table) that the node's
-    argument points at: `through` is that buffer's block, `slot` the byte offset inside it."""
+    argument points at: `through` is that buffer's block, `slot` the byte offset inside it.
+    `caveat` says why the word may not be read by the kernel at all (it sits in a struct whose
+    layout could not be confirmed: `graphsan.core.argstructs`)."""
 
     node: int
     kernel: str  # demangled kernel name, or "memcpy" / "memset"
@@ -133,6 +150,7 @@ class Reference(NamedTuple):
     address: DataPtr
     through: DataPtr | None = None
     slot: int = 0
+    caveat: str | None = None
 
 
 # ----------------------------------------------------------------------------- graphs and frees
@@ -246,6 +264,9 @@ class Finding:
     through: int | None = None
     through_slot: int | None = None
     host: bool = False  # the memory is pinned host memory (a memcpy node's source or target)
+    # why the graph may not read this address at all: every reference to the block sits in an
+    # argument struct whose layout could not be confirmed ("unconfirmed layout (...)")
+    caveat: str | None = None
 
     def __post_init__(self) -> None:
         # callers may hand lists; the evidence is kept as tuples so nobody can change it

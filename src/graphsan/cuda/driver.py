@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from cuda.bindings import driver as drv
 
-from graphsan.core.records import CopyArgs, KernelArgs, WalkStats
+from graphsan.core.records import AllocArgs, CopyArgs, KernelArgs, WalkStats
 
 CU_LAUNCH_PARAM_END = 0
 CU_LAUNCH_PARAM_BUFFER_POINTER = 1
@@ -32,6 +32,7 @@ _KERNEL, _MEMCPY, _MEMSET = (
     _T.CU_GRAPH_NODE_TYPE_MEMSET,
 )
 _CHILD, _CONDITIONAL = _T.CU_GRAPH_NODE_TYPE_GRAPH, _T.CU_GRAPH_NODE_TYPE_CONDITIONAL
+_MEM_ALLOC = _T.CU_GRAPH_NODE_TYPE_MEM_ALLOC
 # the smallest page size of the hosts CUDA runs on (x86-64, aarch64)
 PAGE = 4096
 
@@ -59,7 +60,7 @@ def capturing_graph(stream_handle: int):
     return graph
 
 
-def walk(graph) -> tuple[list[KernelArgs | CopyArgs], WalkStats]:
+def walk(graph) -> tuple[list[KernelArgs | CopyArgs | AllocArgs], WalkStats]:
     """Every kernel, memcpy and memset node of `graph`, child and conditional bodies included."""
     stats = WalkStats()
     out: list[KernelArgs | CopyArgs] = []
@@ -128,6 +129,9 @@ def _read_node(node, kind, index: int, stats: WalkStats) -> KernelArgs | CopyArg
             stats.copies += 1
             p = _check(drv.cuGraphMemsetNodeGetParams(node), "cuGraphMemsetNodeGetParams")
             return CopyArgs(index, "memset", [("dst", int(p.dst))])
+        if kind == _MEM_ALLOC:
+            p = _check(drv.cuGraphMemAllocNodeGetParams(node), "cuGraphMemAllocNodeGetParams")
+            return AllocArgs(index, int(p.dptr), int(p.bytesize))
     except DriverError:
         stats.unreadable += 1
     return None
@@ -150,18 +154,19 @@ def _read_kernel(node, index: int) -> KernelArgs:
     info = function_info(func, False) if func else function_info(kern, True) if kern else None
     if info is None:
         info = FunctionInfo("<unknown kernel>", (), 0, ())
+    grid = (int(p.gridDimX), int(p.gridDimY), int(p.gridDimZ))
     kp = int(p.kernelParams)
     if kp:
         if not info.layout:
             raise DriverError(f"no parameter layout for {info.name}")
         ptrs = info.pointers.from_address(kp)[:]
         return KernelArgs(
-            index, info.name, gather(ptrs, info.layout, info.size), list(info.offsets)
+            index, info.name, gather(ptrs, info.layout, info.size), list(info.offsets), grid
         )
     extra = int(p.extra)
     if extra:
-        return KernelArgs(index, info.name, _packed_buffer(extra), list(info.offsets))
-    return KernelArgs(index, info.name, b"", [])
+        return KernelArgs(index, info.name, _packed_buffer(extra), list(info.offsets), grid)
+    return KernelArgs(index, info.name, b"", [], grid)
 
 
 def gather(ptrs: list[int | None], layout: tuple[tuple[int, int], ...], size: int) -> bytes:
@@ -252,6 +257,19 @@ def address_range(ptr: int) -> tuple[int, int] | None:
     if err != _SUCCESS:
         return None
     return int(base), int(size)
+
+
+def allocation(ptr: int) -> tuple[int, int, int] | None:
+    """(base, size, buffer id) of the allocation holding `ptr`, or None. The buffer id is the
+    driver's process-wide unique id of an allocation: memory freed and allocated anew at the
+    same address gets a new one."""
+    span = address_range(ptr)
+    if span is None:
+        return None
+    err, ident = drv.cuPointerGetAttribute(
+        drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr
+    )
+    return (*span, int(ident) if err == _SUCCESS else 0)
 
 
 def is_host(ptr: int) -> bool:

@@ -9,7 +9,8 @@
 //
 // The buffer, per node, in walk order (little-endian): a 16-byte head
 //   uint32 kind (KIND_*), uint32 payload bytes, uint64 a kernel's function handle
-// then the payload, padded to 8 bytes:
+// then, for the kernel kinds, the launch shape: uint32 grid x, y, z and block x (16 bytes, not
+// counted in the payload bytes), then the payload, padded to 8 bytes:
 //   KIND_KERNEL_FUNC / KIND_KERNEL_KERN: the parameter block (`gather`'s layout: each
 //       parameter at its offset, zeros in padding and for null pointers); the handle is a
 //       CUfunction or a CUkernel
@@ -18,6 +19,7 @@
 //   KIND_MEMCPY: uint32 count, uint32 0, then count x (uint32 side: 0 src, 1 dst; uint32 host;
 //       uint64 address)
 //   KIND_MEMSET: uint64 destination
+//   KIND_MEM_ALLOC: uint64 address, uint64 bytes (memory the graph allocates: cudaMallocAsync)
 // A node that cannot be read is counted in the stats and left out.
 
 #include <dlfcn.h>
@@ -47,6 +49,7 @@ enum : uint32_t {
   KIND_KERNEL_NONE_KERN = 5,
   KIND_MEMCPY = 6,
   KIND_MEMSET = 7,
+  KIND_MEM_ALLOC = 8,
 };
 
 // nodes, kernels, copies, unreadable, child_graphs: WalkStats' fields in order
@@ -75,6 +78,7 @@ struct Driver {
   CUresult (*node_get_params)(CUgraphNode, void*); // CUgraphNodeParams*; may be null
   CUresult (*func_get_param_info)(CUfunction, size_t, size_t*, size_t*);
   CUresult (*kernel_get_param_info)(CUkernel, size_t, size_t*, size_t*); // may be null
+  CUresult (*mem_alloc_node_get_params)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS*); // may be null
 };
 constexpr int kDriverSlots = sizeof(Driver) / sizeof(void*);
 
@@ -109,6 +113,7 @@ bool load_driver(std::string& why) {
       "cuGraphNodeGetParams",
       "cuFuncGetParamInfo",
       "cuKernelGetParamInfo",
+      "cuGraphMemAllocNodeGetParams",
   };
   void* slots[kDriverSlots] = {};
   for (int i = 0; i < kDriverSlots; ++i) {
@@ -117,7 +122,7 @@ bool load_driver(std::string& why) {
             CUDA_SUCCESS ||
         slots[i] == nullptr) {
       slots[i] = nullptr;
-      if (i != 6 && i != 8) { // the conditional bodies and CUkernel layouts are optional
+      if (i != 6 && i != 8 && i != 9) { // conditional bodies, CUkernel layouts, memory nodes
         why = std::string("the driver has no ") + names[i];
         return false;
       }
@@ -136,6 +141,13 @@ void put_head(uint32_t kind, uint32_t bytes, uint64_t handle) {
   put(&kind, 4);
   put(&bytes, 4);
   put(&handle, 8);
+}
+
+// The launch shape a kernel record carries after its head: the grid says which entries of a
+// by-value argument struct the launch fills (PyTorch's multi-tensor metadata: one per block).
+void put_shape(const CUDA_KERNEL_NODE_PARAMS& p) {
+  const uint32_t shape[4] = {p.gridDimX, p.gridDimY, p.gridDimZ, p.blockDimX};
+  put(shape, sizeof(shape));
 }
 
 void pad8() {
@@ -162,7 +174,7 @@ const std::vector<std::pair<size_t, size_t>>* layout_of(uint64_t handle, bool is
 
 // The packed `extra` launch buffer (CU_LAUNCH_PARAM_BUFFER_POINTER / _SIZE), as cuBLASLt
 // passes its arguments; false where the array holds none.
-bool put_extra(void** extra, uint32_t kind, uint64_t handle) {
+bool put_extra(void** extra, uint32_t kind, uint64_t handle, const CUDA_KERNEL_NODE_PARAMS& p) {
   void* ptr = nullptr;
   size_t size = 0;
   for (int i = 0; i < 16; i += 2) {
@@ -172,6 +184,7 @@ bool put_extra(void** extra, uint32_t kind, uint64_t handle) {
   }
   if (ptr == nullptr || size == 0 || size > UINT32_MAX) return false;
   put_head(kind, static_cast<uint32_t>(size), handle);
+  put_shape(p);
   put(ptr, size);
   pad8();
   return true;
@@ -194,6 +207,7 @@ bool read_kernel(CUgraphNode node) {
     size_t size = 0;
     for (const auto& [off, sz] : *layout) size = std::max(size, off + sz);
     put_head(KIND_KERNEL_FUNC + k, static_cast<uint32_t>(size), handle);
+    put_shape(p);
     size_t at = g_out.size();
     g_out.resize(at + size, 0);
     for (size_t i = 0; i < layout->size(); ++i) {
@@ -205,8 +219,9 @@ bool read_kernel(CUgraphNode node) {
     pad8();
     return true;
   }
-  if (p.extra != nullptr) return put_extra(p.extra, KIND_KERNEL_EXTRA_FUNC + k, handle);
+  if (p.extra != nullptr) return put_extra(p.extra, KIND_KERNEL_EXTRA_FUNC + k, handle, p);
   put_head(KIND_KERNEL_NONE_FUNC + k, 0, handle);
+  put_shape(p);
   return true;
 }
 
@@ -256,6 +271,17 @@ bool read_memset(CUgraphNode node) {
   return true;
 }
 
+bool read_mem_alloc(CUgraphNode node) {
+  if (g_driver.mem_alloc_node_get_params == nullptr) return false;
+  CUDA_MEM_ALLOC_NODE_PARAMS p;
+  std::memset(&p, 0, sizeof(p));
+  if (g_driver.mem_alloc_node_get_params(node, &p) != CUDA_SUCCESS) return false;
+  const uint64_t range[2] = {static_cast<uint64_t>(p.dptr), static_cast<uint64_t>(p.bytesize)};
+  put_head(KIND_MEM_ALLOC, sizeof(range), 0);
+  put(range, sizeof(range));
+  return true;
+}
+
 bool walk_graph(CUgraph graph, int depth, std::string& why) {
   if (depth > kMaxDepth) {
     why = "child graphs nested past 64 levels";
@@ -292,6 +318,9 @@ bool walk_graph(CUgraph graph, int depth, std::string& why) {
       case CU_GRAPH_NODE_TYPE_MEMSET:
         ++g_stats[ST_COPIES];
         ok = read_memset(node);
+        break;
+      case CU_GRAPH_NODE_TYPE_MEM_ALLOC:
+        ok = read_mem_alloc(node);
         break;
       case CU_GRAPH_NODE_TYPE_GRAPH: {
         ++g_stats[ST_CHILD_GRAPHS];

@@ -15,14 +15,26 @@ import struct
 import threading
 from collections.abc import Callable
 
-from graphsan.core.records import CopyArgs, KernelArgs, WalkStats
+from graphsan.core.records import AllocArgs, CopyArgs, KernelArgs, WalkStats
 
 HEAD = struct.Struct("<IIQ")  # kind, payload bytes, function handle
+SHAPE = struct.Struct("<IIII")  # a kernel record's grid x, y, z and block x, after its head
 SIDE = struct.Struct("<IIQ")  # side (0 src, 1 dst), host, address
 COUNT = struct.Struct("<II")
 ADDRESS = struct.Struct("<Q")
 # graphwalk.cpp's KIND_* codes
-KERNEL_FUNC, KERNEL_KERN, EXTRA_FUNC, EXTRA_KERN, NONE_FUNC, NONE_KERN, MEMCPY, MEMSET = range(8)
+(
+    KERNEL_FUNC,
+    KERNEL_KERN,
+    EXTRA_FUNC,
+    EXTRA_KERN,
+    NONE_FUNC,
+    NONE_KERN,
+    MEMCPY,
+    MEMSET,
+    MEM_ALLOC,
+) = range(9)
+RANGE = struct.Struct("<QQ")  # a memory node's address and bytes
 SIDES = ("src", "dst")
 STATS = ("nodes", "kernels", "copies", "unreadable", "child_graphs")  # gs_walk's stats order
 
@@ -59,8 +71,14 @@ def parse(raw: bytes, describe: Describe) -> list[KernelArgs | CopyArgs]:
     out: list[KernelArgs | CopyArgs] = []
     pos, end = 0, len(raw)
     while pos < end:
+        start = pos
         kind, size, handle = HEAD.unpack_from(raw, pos)
         pos += HEAD.size
+        grid = (0, 0, 0)
+        if kind <= NONE_KERN:  # a kernel record: the launch shape comes before the payload
+            gx, gy, gz, _ = SHAPE.unpack_from(raw, pos)
+            grid = (gx, gy, gz)
+            pos += SHAPE.size
         payload = raw[pos : pos + size]
         pos += (size + 7) & ~7
         index = len(out)
@@ -70,9 +88,9 @@ def parse(raw: bytes, describe: Describe) -> list[KernelArgs | CopyArgs]:
             else:
                 name, offsets = "<unknown kernel>", ()
             if kind >= NONE_FUNC:
-                out.append(KernelArgs(index, name, b"", []))
+                out.append(KernelArgs(index, name, b"", [], grid))
             else:
-                out.append(KernelArgs(index, name, payload, list(offsets)))
+                out.append(KernelArgs(index, name, payload, list(offsets), grid))
         elif kind == MEMCPY:
             count, _ = COUNT.unpack_from(payload, 0)
             addrs = []
@@ -82,8 +100,10 @@ def parse(raw: bytes, describe: Describe) -> list[KernelArgs | CopyArgs]:
             out.append(CopyArgs(index, "memcpy", addrs))
         elif kind == MEMSET:
             out.append(CopyArgs(index, "memset", [("dst", ADDRESS.unpack_from(payload)[0])]))
+        elif kind == MEM_ALLOC:
+            out.append(AllocArgs(index, *RANGE.unpack_from(payload)))
         else:
-            raise WalkError(f"unknown node record {kind} at byte {pos - HEAD.size - size}")
+            raise WalkError(f"unknown node record {kind} at byte {start}")
     return out
 
 
