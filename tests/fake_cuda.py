@@ -67,7 +67,7 @@ def install(monkeypatch, kernel: str, stream: int) -> dict:
     monkeypatch.setattr(driver, "is_mapped", lambda ptr: True)
     monkeypatch.setattr(driver, "is_host", lambda ptr: False)
     monkeypatch.setattr(driver, "address_range", lambda ptr: None)
-    monkeypatch.setattr(AllocatorWatch, "view", lambda self, device, sync=True: state["map"])
+    monkeypatch.setattr(AllocatorWatch, "view", lambda self, device, sync=True, **kw: state["map"])
     monkeypatch.setattr(AllocatorWatch, "sync", lambda self: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -99,7 +99,7 @@ def test_report_round_trip_and_version_check(tmp_path):
     back = Report.load(str(path))
     assert back.findings == rep.findings and back.rank == 0
     data = json.loads(path.read_text())
-    assert data["version"] == 4
+    assert data["version"] == 5
     v1 = dict(data, version=1, findings=[dict(data["findings"][0])])
     del v1["findings"][0]["also_used_by"]  # written before version 2 added it
     path.write_text(json.dumps(v1))
@@ -279,3 +279,34 @@ def test_a_long_kernel_name_prints_short_and_stays_whole_in_json():
     assert Report([f]).to_dict()["findings"][0]["kernel"] == WHERE
     f = dataclasses.replace(f, kernel="void dequant<float>(float const*, float*)")
     assert "  node 7: void dequant<float>(float const*, float*)\n" in format_finding(f)
+
+
+def test_pytest_plugin_summary_counts_real_graph_records():
+    """The terminal summary reads the sanitizer's GraphStats records (dataclasses, not the
+    report's dicts): a suite that captured graphs once ended in an AttributeError here."""
+    from types import SimpleNamespace
+
+    from graphsan.core.records import GraphStats, ReferenceCounts, WalkStats
+    from graphsan.pytest_plugin import pytest_terminal_summary
+
+    stats = {
+        gid: GraphStats(
+            gid,
+            f"g{gid}",
+            (),
+            (1, gid),
+            WalkStats(nodes=n, kernels=n),
+            ReferenceCounts(),
+            3,
+            None,
+            {},
+        )
+        for gid, n in ((1, 5), (2, 7))
+    }
+    san = SimpleNamespace(
+        active=True, disabled_reason=None, graph_stats=stats, findings=[finding()], policy="record"
+    )
+    lines = []
+    reporter = SimpleNamespace(write_line=lines.append)
+    pytest_terminal_summary(reporter, 0, SimpleNamespace(_graphsan=san))
+    assert lines == ["graphsan: 2 graph(s), 12 node(s) watched, 1 finding(s), policy record"]

@@ -205,7 +205,7 @@ def test_report_v3_round_trips_and_v2_still_loads(tmp_path):
     assert back.findings == rep.findings and back.events == rep.events
     assert back.allocator_log == rep.allocator_log
     data = json.loads((tmp_path / "r.json").read_text())
-    assert data["version"] == 4
+    assert data["version"] == 5
     for f in data["findings"]:
         del f["freed_at"], f["found_at"]
     del data["events"], data["events_dropped"], data["allocator_log"]

@@ -24,7 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from graphsan.core.records import CopyArgs, GraphInfo, GraphStats, KernelArgs, WalkStats
+from graphsan.core.argstructs import FAMILIES, NOT_CALIBRATED, Layouts
+from graphsan.core.records import (
+    DEFAULT_POOL,
+    AllocArgs,
+    CopyArgs,
+    GraphInfo,
+    GraphStats,
+    KernelArgs,
+    WalkStats,
+)
 from graphsan.core.replay import ReplayOrders
 from graphsan.core.scan import (
     TABLE_BLOCK,
@@ -77,29 +86,70 @@ class CaptureAnalysis:
         self.timeline = timeline
         self.table_block = TABLE_BLOCK
         self.table_budget = TABLE_BUDGET
+        # per device: the argument-struct layouts the startup probe confirmed, and its report
+        self.layouts: dict[int, Layouts] = {}
+        self.calibration: dict[str, dict] = {}
+
+    def prepare(self, device: int) -> None:
+        """Before the first capture on `device` begins: confirm PyTorch's argument-struct
+        layouts there (`graphsan.cuda.calibrate`), once. Never raises: what fails stays
+        unconfirmed, and the scan keeps reading those structs word by word."""
+        if device in self.layouts:
+            return
+        if self.memory.polls:  # a backend without block map: its captured memory is the graph's
+            why = "not probed: under this allocator backend the probe's captures would own memory"
+            self.layouts[device] = Layouts(why=tuple((f, why) for f in FAMILIES))
+            self.calibration[str(device)] = {"families": self.layouts[device].summary()}
+            return
+        try:
+            if torch.cuda.is_current_stream_capturing() or getattr(self.memory, "routes", None):
+                # a capture in progress, or eager allocations routed to a graph pool (CUDA-graph
+                # trees' warm-up): the probe's memory must not land there; the next one tries
+                return
+            from graphsan.cuda import driver
+            from graphsan.cuda.calibrate import calibrate
+
+            layouts, seconds = calibrate(
+                lambda stream: self._walk_handle(driver.capturing_graph(stream))[0]
+            )
+        except Exception as err:
+            why = f"the probe failed: {type(err).__name__}: {err}"[:200]
+            layouts, seconds = Layouts(why=tuple((f, why) for f in FAMILIES)), 0.0
+        self.layouts[device] = layouts
+        self.calibration[str(device)] = {
+            "torch": layouts.torch,
+            "probe_ms": round(seconds * 1e3, 1),
+            "families": layouts.summary(),
+        }
 
     def walk(self) -> Walk:
         """Read the graph being captured on the current stream (call before `capture_end`):
         through graphsan's library where it is loaded, else (or where it fails on this graph)
         through cuda-bindings."""
         from graphsan.cuda import driver
-        from graphsan.cuda.graphwalk import WalkError
 
         t0 = time.perf_counter()
         handle = driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
+        nodes, stats = self._walk_handle(handle)
+        return Walk(nodes, stats, time.perf_counter() - t0)
+
+    def _walk_handle(self, handle) -> tuple[list, WalkStats]:
+        from graphsan.cuda import driver
+        from graphsan.cuda.graphwalk import WalkError
+
         compiled = self.memory.graph_walk()
         if compiled is not None:
             try:
                 nodes, stats = compiled.walk(int(handle), _describe)
                 stats.source = "compiled"
-                return Walk(nodes, stats, time.perf_counter() - t0)
+                return nodes, stats
             except WalkError as err:
                 why = f"cuda-bindings (the compiled walk failed: {err})"
         else:
             why = "cuda-bindings"
         nodes, stats = driver.walk(handle)
         stats.source = why
-        return Walk(nodes, stats, time.perf_counter() - t0)
+        return nodes, stats
 
     def ended(
         self, info: GraphInfo, tag: str, walk: Walk | None
@@ -112,9 +162,16 @@ class CaptureAnalysis:
             return None
         from graphsan.cuda import driver
 
-        view = self.memory.view(info.device, sync=False)
+        own = [(n.address, n.nbytes) for n in walk.nodes if isinstance(n, AllocArgs)]
+        own_pool = info.pool if info.pool not in (None, DEFAULT_POOL) else (-2, info.id)
+        view = self.memory.view(info.device, sync=False, own=own, own_pool=own_pool)
         t1 = time.perf_counter()
-        refs = references(walk.nodes, view, foreign=lambda v: driver.address_range(v) is not None)
+        refs = references(
+            walk.nodes,
+            view,
+            foreign=lambda v: driver.address_range(v) is not None,
+            layouts=self.layouts.get(info.device, NOT_CALIBRATED),
+        )
         indirect, tables_read = self._indirect(refs, view, info.pool)
         refs += indirect
         t2 = time.perf_counter()
@@ -123,6 +180,8 @@ class CaptureAnalysis:
         if outside:  # pinned host memory: blocks not recorded at pin_memory() are looked up
             self.host.find(outside)
         state = self.tracker.add_graph(info, refs, view, host=self.host.locate)
+        if self.memory.polls:  # frees are found by asking before each replay
+            state.dirty = True
         self.orders.add_capture(info, carved, refs, view)
         t3 = time.perf_counter()
         stats = GraphStats(

@@ -108,7 +108,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if not san.active and san.disabled_reason:
         terminalreporter.write_line(f"graphsan: idle ({san.disabled_reason}), policy {san.policy}")
         return
-    nodes = sum(g.get("nodes", 0) for g in san.graph_stats.values())
+    nodes = sum(g.walk.nodes for g in san.graph_stats.values())
     terminalreporter.write_line(
         f"graphsan: {len(san.graph_stats)} graph(s), {nodes} node(s) watched, "
         f"{len(san.findings)} finding(s), policy {san.policy}"

@@ -37,7 +37,7 @@ from graphsan.core.order import PoolOrder
 from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
 from graphsan.core.replay import ReplayOrders
 from graphsan.core.tracker import Tracker
-from graphsan.cuda import hooks
+from graphsan.cuda import driverwatch, hooks
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.host import HostWatch
 from graphsan.policies import POLICIES, Policy
@@ -53,6 +53,22 @@ _YOUNG = "_graphsan_young"  # weak references to the young tensors at capture be
 
 def check_policy(policy: str | Policy) -> Policy:
     return Policy.parse(policy)
+
+
+def _memory_watch(tracker, context, on_error, alloc_stacks):
+    """The allocator's watch: its events where the native backend runs, the driver elsewhere."""
+    name = driverwatch.backend()
+    if name == "native":
+        return AllocatorWatch(tracker, context, on_error, alloc_stacks)
+    why = f"the {name} allocator backend keeps no block map and reports no frees"
+    return driverwatch.DriverWatch(tracker, context, on_error, alloc_stacks, why, _driver)
+
+
+def _driver():
+    """graphsan.cuda.driver, imported on first use (it loads cuda-bindings and libcuda)."""
+    from graphsan.cuda import driver
+
+    return driver
 
 
 def rank_from_env() -> int | None:
@@ -84,7 +100,7 @@ class Sanitizer:
         self.disabled_reason: str | None = None
         self._failed = False  # an internal error disabled it
         self.report_path: str | None = None
-        self.memory = AllocatorWatch(self.tracker, self.context, self._internal_error, alloc_stacks)
+        self.memory = _memory_watch(self.tracker, self.context, self._internal_error, alloc_stacks)
         self.host = HostWatch(self.tracker, self.memory._free_event, self._internal_error)
         self.pool_orders = ReplayOrders(self.tracker, self.memory.site_frames)
         self.tracker.host_owner = self.host.owner
@@ -163,7 +179,20 @@ class Sanitizer:
             return self
         self.context.start()
         self.context.on_phase_change.append(self._phase_changed)
-        self.memory.start()
+        try:
+            self.memory.start()
+        except Exception as err:  # the environment refuses what graphsan reads: it stays idle
+            self.context.stop()
+            self.disabled_reason = (
+                f"the allocator cannot be read here ({type(err).__name__}: {err})"
+            )
+            self._say(f"{self.disabled_reason[:300]}; graphsan stays idle")
+            return self
+        if isinstance(self.memory, driverwatch.DriverWatch):
+            self._say(
+                f"{self.memory.why}: graphsan asks the driver about the memory graphs use before "
+                "each replay (frees are found, not seen: no free stacks; no allocation stacks)"
+            )
         self.host.start()
         self.hooks.install()
         if self.pinner is not None:
@@ -197,6 +226,7 @@ class Sanitizer:
             list(tl.events),
             tl.dropped,
             self.memory.allocator_log,
+            dict(self.capture.calibration),
         )
 
     # -- labels -----------------------------------------------------------------------------
@@ -207,6 +237,15 @@ class Sanitizer:
         self._labels.pop()
 
     # -- capture (graph hooks) ----------------------------------------------------------------
+    def before_capture_begin(self, graph) -> None:
+        """The first capture on a device: confirm the argument-struct layouts there first."""
+        if not self.active:
+            return
+        try:
+            self.capture.prepare(torch.cuda.current_device())
+        except Exception as err:
+            self._internal_error(err)
+
     def capture_begin(self, graph, pool) -> None:
         try:
             old = hooks.graph_state(graph)
@@ -301,8 +340,6 @@ class Sanitizer:
         if not self.active:
             return
         try:
-            from graphsan.cuda import driver
-
             if self.pinner is not None:
                 self.pinner.flush()
             info = state.info
@@ -312,6 +349,8 @@ class Sanitizer:
                 phase, step = self.context.current()
                 judged = Judged(self.rank, time.time())
                 findings = self.pool_orders.findings(info, hazards, phase, step, judged)
+            if self.memory.polls:
+                self.memory.poll(state)
             if state.dirty and not any(wb.freed is not None for wb in state.blocks.values()):
                 state.dirty = False  # nothing the graph uses was freed: nothing to judge
             judging = state.dirty
@@ -320,8 +359,13 @@ class Sanitizer:
                 as_of = self.tracker.free_seq  # frees after this are not in the view yet
                 view = self.memory.view(info.device)
                 judged = Judged(self.rank, time.time(), self.memory.last_release)
-                findings += self.tracker.judge(info.id, view, driver.is_mapped, as_of, judged)
+                # the native allocator unmaps pages of expandable segments; the driver watch
+                # cannot tell unmapped from freed, and asks nothing of pages
+                mapped = None if self.memory.polls else _driver().is_mapped
+                findings += self.tracker.judge(info.id, view, mapped, as_of, judged)
                 self.graph_stats[info.id].replays_judged += 1
+            if self.memory.polls:
+                state.dirty = True  # the next replay asks the driver again
             if findings or judging:
                 stop = bool(findings) and self.policy.stops_replay
                 found_at = findings[0].found_at if findings else time.time()

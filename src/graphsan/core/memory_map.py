@@ -663,3 +663,88 @@ def layout(memmap: MemoryMap | AllocatorView) -> list[tuple]:
         )
         for seg in memmap.segments
     ]
+
+
+# the range of addresses a device allocation can have on x86-64 and aarch64
+DEVICE_LO, DEVICE_HI = 1 << 32, 1 << 49
+RangeOf = Callable[[DataPtr], tuple[DataPtr, int] | None]  # address -> its allocation
+
+
+class AskedMap(MemoryMap):
+    """A map built from answers to `range_of(address)` (the driver's allocation holding an
+    address), for allocators that keep no block map: one segment and one allocated block per
+    allocation named, asked once per address. `own` ranges are memory the graph being analysed
+    allocates itself (its memory nodes): free blocks of `own_pool`, its temporaries.
+
+    With `freed` (judging), a watched address the driver no longer knows is a free block of
+    the size it had, rather than no memory at all: the allocator's pool keeps what it freed."""
+
+    def __init__(
+        self,
+        range_of: RangeOf,
+        own: Iterable[tuple[DataPtr, int]] = (),
+        own_pool: PoolId | None = None,
+        freed: dict[DataPtr, int] | None = None,
+    ) -> None:
+        segments = [
+            Segment(a, n, own_pool or DEFAULT_POOL, False, [Block(a, n, "inactive")])
+            for a, n in own
+            if n > 0
+        ]
+        super().__init__(segments)
+        self.range_of = range_of
+        self.freed = dict(freed or {})
+        self._asked: dict[DataPtr, tuple[Segment, Block] | None] = {}
+
+    def bounds(self) -> tuple[int, int]:
+        return (DEVICE_LO, DEVICE_HI)
+
+    def _ask(self, addr: DataPtr) -> tuple[Segment, Block] | None:
+        if addr in self._asked:
+            return self._asked[addr]
+        seg = SegmentIndex.segment_at(self, addr)  # the segments asked about so far
+        blk = seg.block_at(addr) if seg is not None else None
+        hit = (seg, blk) if blk is not None else None
+        if hit is None:
+            answer = self.range_of(addr)
+            if answer is None and addr in self.freed:
+                answer = (addr, self.freed[addr])
+                state = "inactive"
+            else:
+                state = "active_allocated"
+            if answer is not None:
+                base, size = answer
+                blk = Block(base, size, state)
+                seg = Segment(base, size, DEFAULT_POOL, False, [blk])
+                i = bisect.bisect_left(self._starts, base)
+                if not (i < len(self._starts) and self._starts[i] == base):
+                    self.segments.insert(i, seg)
+                    self._starts.insert(i, base)
+                    self._extents = None
+                hit = (seg, blk)
+        self._asked[addr] = hit
+        return hit
+
+    def locate(self, addr: DataPtr) -> tuple[Segment, Block] | None:
+        return self._ask(addr)
+
+    def contains(self, addrs: np.ndarray) -> np.ndarray:
+        answers = {int(a): self._ask(int(a)) is not None for a in np.unique(addrs).tolist()}
+        return np.array([answers[int(a)] for a in addrs.tolist()], dtype=bool)
+
+    def segment_at(self, addr: DataPtr):
+        hit = self._ask(addr)
+        return hit[0] if hit is not None else None
+
+    def segments_in(self, start: DataPtr, end: DataPtr) -> list:
+        self._ask(start)
+        return super().segments_in(start, end)
+
+    def covers(self, start: DataPtr, end: DataPtr) -> bool:
+        pos = start
+        while pos < end:
+            hit = self._ask(pos)
+            if hit is None:
+                return False
+            pos = hit[0].address + hit[0].size
+        return True

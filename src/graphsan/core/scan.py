@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from graphsan.core import offset_calc
+from graphsan.core import argstructs, offset_calc
+from graphsan.core.argstructs import NOT_CALIBRATED, Layouts
 from graphsan.core.memory_map import KEEP_REQUESTED, MemoryMap
 from graphsan.core.records import CopyArgs, KernelArgs, PoolId, Reference
 
@@ -42,12 +43,17 @@ def references(
     memmap: MemoryMap,
     foreign: Callable[[int], bool] | None = None,
     unaligned: bool = False,
+    layouts: Layouts = NOT_CALIBRATED,
 ) -> list[Reference]:
     """Every confirmed device address in the nodes' arguments.
 
     A kernel word counts when it is 8-byte aligned and falls inside a block of the allocator's
     map; words outside it count as foreign memory only when `foreign(value)` (a driver query)
     confirms them. Memcpy and memset addresses are taken as they are.
+
+    Words in the slots of PyTorch's argument structs that a launch does not fill are never
+    references (`argstructs.decode`, with the `layouts` confirmed on this torch); in a struct
+    whose layout is not confirmed they are scanned, and their references carry its caveat.
 
     Kernel parameters follow the C++ ABI, so a pointer sits at an 8-byte-aligned offset of the
     parameter buffer (inside structs too) unless a struct is declared packed. Unaligned words
@@ -59,12 +65,14 @@ def references(
     """
     nodes = list(nodes)
     if unaligned:
-        return _references_unaligned(nodes, memmap, foreign)
+        return _references_unaligned(nodes, memmap, foreign, layouts)
     copies = [(i, n) for i, n in enumerate(nodes) if isinstance(n, CopyArgs)]
     out: list[Reference] = []
     c = 0  # copies before the node of the current word are emitted first: node order
     node_at, seen, offsets, index, name = -1, set(), [], 0, ""
-    for pos, off, value in zip(*_aligned_hits(nodes, memmap, foreign), strict=True):
+    for pos, off, value, caveat in zip(
+        *_aligned_hits(nodes, memmap, foreign, layouts), strict=True
+    ):
         if pos != node_at:
             node_at, seen = pos, set()
             node = nodes[pos]
@@ -79,9 +87,9 @@ def references(
             p = bisect.bisect_right(offsets, off) - 1
             if p < 0:
                 p = 0
-            out.append(Reference(index, name, p, off - offsets[p], value))
+            out.append(Reference(index, name, p, off - offsets[p], value, caveat=caveat))
         else:
-            out.append(Reference(index, name, 0, off, value))
+            out.append(Reference(index, name, 0, off, value, caveat=caveat))
     for _, copy in copies[c:]:
         out += _copy_references(copy)
     return out
@@ -92,17 +100,21 @@ def _copy_references(node: CopyArgs) -> list[Reference]:
 
 
 def _aligned_hits(
-    nodes: list[KernelArgs | CopyArgs], memmap: MemoryMap, foreign: Callable[[int], bool] | None
-) -> tuple[list[int], list[int], list[int]]:
-    """Node position, offset and value of each confirmed 8-byte-aligned word, in node and
-    offset order: inside the map, or (with `foreign`) confirmed by it."""
+    nodes: list[KernelArgs | CopyArgs],
+    memmap: MemoryMap,
+    foreign: Callable[[int], bool] | None,
+    layouts: Layouts = NOT_CALIBRATED,
+) -> tuple[list[int], list[int], list[int], list[str | None]]:
+    """Node position, offset, value and caveat of each confirmed 8-byte-aligned word, in node
+    and offset order: inside the map, or (with `foreign`) confirmed by it; never in a slot the
+    launch does not fill."""
     bufs = [
         (i, n.buffer[: len(n.buffer) // 8 * 8])
         for i, n in enumerate(nodes)
         if isinstance(n, KernelArgs) and len(n.buffer) >= 8
     ]
     if not bufs:
-        return [], [], []
+        return [], [], [], []
     lo, hi = memmap.bounds()
     counts = np.array([len(b) // 8 for _, b in bufs])
     words = np.frombuffer(b"".join(b for _, b in bufs), dtype="<u8")
@@ -119,13 +131,54 @@ def _aligned_hits(
             if yes:
                 ok |= ask & np.isin(values, np.array(yes, dtype=np.uint64))
     hits, values = hits[ok], values[ok]
-    if len(hits):  # words inside PyTorch's offset calculators are never addresses
-        keep = ~_in_calculators(nodes, bufs, counts, words, hits)
-        hits, values = hits[keep], values[keep]
+    caveats: list[str | None] = []
+    if len(hits):
+        drop, caveats = _unread(nodes, bufs, counts, words, hits, layouts)
+        hits, values = hits[~drop], values[~drop]
+        caveats = [c for c, d in zip(caveats, drop.tolist(), strict=True) if not d]
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     which = np.searchsorted(starts, hits, side="right") - 1
     positions = np.array([i for i, _ in bufs])
-    return positions[which].tolist(), (8 * (hits - starts[which])).tolist(), values.tolist()
+    return (
+        positions[which].tolist(),
+        (8 * (hits - starts[which])).tolist(),
+        values.tolist(),
+        caveats,
+    )
+
+
+def _unread(
+    nodes: list[KernelArgs | CopyArgs],
+    bufs: list[tuple[int, bytes]],
+    counts: np.ndarray,
+    words: np.ndarray,
+    hits: np.ndarray,
+    layouts: Layouts,
+) -> tuple[np.ndarray, list[str | None]]:
+    """Which hits (indexes of 64-bit words in the kernels' joined buffers) the kernel never
+    reads, and the caveat of each: slots of PyTorch's argument structs the launch does not fill
+    (`argstructs`), and the certain part of offset calculators found in PyTorch's other kernels
+    (`offset_calc`)."""
+    drop = _in_calculators(nodes, bufs, counts, words, hits)
+    caveats: list[str | None] = [None] * len(hits)
+    starts = 8 * np.concatenate(([0], np.cumsum(counts)[:-1]))
+    at = 8 * hits.astype(np.int64)
+    which = np.searchsorted(starts, at, side="right") - 1
+    for k in np.unique(which).tolist():
+        node = nodes[bufs[k][0]]
+        if not argstructs.plan(node.name):
+            continue
+        decoded = argstructs.decode(node.name, node.buffer, node.offsets, node.grid, layouts)
+        if decoded is None:
+            continue
+        sel = np.flatnonzero(which == k)
+        rel = at[sel] - starts[k]
+        if decoded.dead:
+            drop[sel] |= offset_calc.inside(decoded.dead, rel)
+        if decoded.unsure:
+            for j in sel[offset_calc.inside(decoded.unsure, rel)].tolist():
+                caveats[j] = decoded.caveat
+    return drop, caveats
 
 
 def _in_calculators(
@@ -157,7 +210,10 @@ def _in_calculators(
 
 
 def _references_unaligned(
-    nodes: list[KernelArgs | CopyArgs], memmap: MemoryMap, foreign: Callable[[int], bool] | None
+    nodes: list[KernelArgs | CopyArgs],
+    memmap: MemoryMap,
+    foreign: Callable[[int], bool] | None,
+    layouts: Layouts = NOT_CALIBRATED,
 ) -> list[Reference]:
     """`references` with every byte offset of kernel buffers read (`unaligned=True`)."""
     lo, hi = memmap.bounds()
@@ -174,10 +230,22 @@ def _references_unaligned(
                 for off, v in scan_words(node.buffer, FOREIGN_LO, FOREIGN_HI, unaligned=False)
                 if not lo <= v < hi
             ]
+        caveat_of = {}
         if candidates and offset_calc.is_pytorch_kernel(node.name):
-            # words inside PyTorch's offset calculators are never addresses
-            calcs = offset_calc.calculator_words(node.buffer, [*node.offsets[1:]])
-            skip = offset_calc.inside(calcs, np.array([o for o, _ in candidates], dtype=np.int64))
+            # words inside PyTorch's offset calculators and unfilled struct slots are no addresses
+            at = np.array([o for o, _ in candidates], dtype=np.int64)
+            skip = offset_calc.inside(
+                offset_calc.calculator_words(node.buffer, [*node.offsets[1:]]), at
+            )
+            decoded = argstructs.decode(node.name, node.buffer, node.offsets, node.grid, layouts)
+            if decoded is not None:
+                skip |= offset_calc.inside(decoded.dead, at)
+                unsure = offset_calc.inside(decoded.unsure, at)
+                caveat_of = {
+                    o: decoded.caveat
+                    for o, u in zip(at.tolist(), unsure.tolist(), strict=True)
+                    if u
+                }
             candidates = [c for c, s in zip(candidates, skip.tolist(), strict=True) if not s]
         seen = set()
         for off, value in candidates:
@@ -193,7 +261,9 @@ def _references_unaligned(
                     continue
             seen.add(value)
             param, inner = _param_of(node.offsets, off)
-            out.append(Reference(node.index, node.name, param, inner, value))
+            out.append(
+                Reference(node.index, node.name, param, inner, value, caveat=caveat_of.get(off))
+            )
     return out
 
 

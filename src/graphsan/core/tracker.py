@@ -365,6 +365,7 @@ class Tracker:
                     through=first.through,
                     through_slot=first.slot if first.through is not None else None,
                     host=wb.pool == HOST_POOL,
+                    caveat=first.caveat if all(r.caveat for r in refs) else None,
                 )
             )
         return findings

@@ -257,10 +257,13 @@ class AllocatorWatch:
             return "tracker"
         return f"snapshot ({self.log_reason})" if self.log_reason is not None else None
 
+    polls = False  # frees arrive as events: a clean graph needs no look before its replay
+
     # -- the view ------------------------------------------------------------------------------
-    def view(self, device: int, sync: bool = True) -> AllocatorView:
+    def view(self, device: int, sync: bool = True, own=(), own_pool=None) -> AllocatorView:
         """The allocator of `device` as of now (`sync`: apply the event log since the last
-        drain first)."""
+        drain first). `own` and `own_pool` are for watches without a block map (a capture's
+        memory nodes); this view knows the pools' blocks itself."""
         if sync:
             self.sync()
         view = self.views.get(device)

@@ -19,6 +19,7 @@ _ATTR = "_graphsan_state"
 
 
 class Listener(Protocol):
+    def before_capture_begin(self, graph: torch.cuda.CUDAGraph) -> None: ...
     def capture_begin(self, graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> None: ...
     def before_capture_end(self, graph: torch.cuda.CUDAGraph) -> object: ...
     def after_capture_end(self, graph: torch.cuda.CUDAGraph, walked: object) -> None: ...
@@ -56,6 +57,7 @@ class GraphHooks:
 
         @functools.wraps(orig["capture_begin"])
         def capture_begin(self, *args, **kwargs):
+            listener.before_capture_begin(self)  # the stream is not capturing yet
             result = orig["capture_begin"](self, *args, **kwargs)
             pool = args[0] if args else kwargs.get("pool")  # None: a fresh pool of its own
             listener.capture_begin(self, pool)

@@ -18,9 +18,10 @@ SCHEMA = "graphsan.report"
 # 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
 # captured_at and node summary, and the process's events (see graphsan.report.timeline);
 # 4 added the replay-order kind and its Finding.written_by and carved_by, and indirect
-# references' Finding.through and through_slot, and Finding.host (pinned host memory)
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)  # older reports read with the newer fields empty
+# references' Finding.through and through_slot, and Finding.host (pinned host memory);
+# 5 added Finding.caveat and the report's layouts (graphsan.core.argstructs, per device)
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # older reports read with the newer fields empty
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:
@@ -57,6 +58,8 @@ class Report:
     events_dropped: int = 0
     # where the allocator's events came from: "tracker" or "snapshot (why)" (cuda.allocator)
     allocator_log: str | None = None
+    # per device: which argument-struct layouts the startup probe confirmed (else why not)
+    layouts: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +73,7 @@ class Report:
             "events": self.events,
             "events_dropped": self.events_dropped,
             "allocator_log": self.allocator_log,
+            "layouts": self.layouts,
         }
 
     def save(self, path: str) -> None:
@@ -149,6 +153,7 @@ _FINDING_OPTIONAL = {
     "through": _OPT_INT,
     "through_slot": _OPT_INT,
     "host": (bool,),
+    "caveat": _OPT_STR,
 }
 _GRAPH_FIELDS = {"id": _INT, "label": _STR, "capture_site": (list,)}
 _GRAPH_OPTIONAL = {"pool": (list, type(None)), "device": _INT}
@@ -241,6 +246,8 @@ def _report_from_dict(data: dict[str, Any]) -> Report:
         _expect(e, (dict,), f"events[{i}]")
     _expect(data.get("events_dropped", 0), _INT, "events_dropped")
     _expect(data.get("allocator_log"), _OPT_STR, "allocator_log")
+    layouts = data.get("layouts", {})
+    _expect(layouts, (dict,), "layouts")
     return Report(
         findings=[finding_from_dict(f) for f in findings],
         graphs=graphs,
@@ -250,4 +257,5 @@ def _report_from_dict(data: dict[str, Any]) -> Report:
         events=events,
         events_dropped=data.get("events_dropped", 0),
         allocator_log=data.get("allocator_log"),
+        layouts=layouts,
     )

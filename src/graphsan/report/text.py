@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import re
 
-from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, Frame, Kind, frame_text
+from graphsan.core.records import (
+    FREED_BEFORE_CAPTURE,
+    FREED_UNSEEN,
+    Finding,
+    Frame,
+    Kind,
+    frame_text,
+)
 
 
 def one_line(f: Finding) -> str:
@@ -18,6 +25,7 @@ def one_line(f: Finding) -> str:
         f"{f.kind}: {f.graph.label} node {f.node} {short_kernel(f.kernel)} "
         f"param {f.param}+{f.offset}{_via(f)} -> {f.nbytes} B block at {f.block_address:#x}"
         f" ({f.pool}), {what}{when(f.phase, f.step)}"
+        + (f" [{f.caveat.split(' (', 1)[0]}]" if f.caveat else "")
     )
 
 
@@ -70,6 +78,10 @@ NO_FREE_FRAMES = "torch internals (no Python frames of yours: e.g. autograd's ba
 def no_free_stack(f: Finding) -> str:
     if f.free_op == FREED_BEFORE_CAPTURE:
         return "no free seen: the memory was already free when the capture ended"
+    if f.free_op == FREED_UNSEEN:
+        return (
+            "no free seen: the allocator reports none; the driver found it gone before the replay"
+        )
     return NO_FREE_FRAMES
 
 
@@ -124,6 +136,12 @@ def format_finding(f: Finding) -> str:
         )
     elif f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
         lines.append("  freed: before the capture ended (the graph captured memory already free)")
+    elif f.free_op == FREED_UNSEEN and not f.free_stack:
+        lines.append(
+            f"  freed: before this replay{when(f.phase, f.step)} (the allocator backend reports no "
+            "frees; the driver found the allocation gone or replaced, so where it was freed is "
+            "unknown)"
+        )
     else:
         op = f" by {f.free_op}" if f.free_op else ""
         lines.append(f"  freed{op}{when(f.phase, f.step)} at (most recent call last):")
@@ -138,6 +156,11 @@ def format_finding(f: Finding) -> str:
         if len(f.also_used_by) > MAX_ALSO:
             lines.append(f"      ... and {len(f.also_used_by) - MAX_ALSO} more graph(s)")
     lines.append(f"  likely cause: {f.likely_cause}")
+    if f.caveat:
+        lines.append(
+            f"  caveat: {f.caveat}; the word may sit in a slot of the struct this launch does "
+            "not fill (`graphsan selftest` checks this torch)"
+        )
     return "\n".join(lines)
 
 

@@ -1,0 +1,201 @@
+"""The startup probe of PyTorch's argument-struct layouts (`graphsan.core.calibration` solves
+them): a handful of launches whose contents are known, each captured into a private graph of
+its own on a side stream, walked, and thrown away. It runs once per device, before the first
+capture there begins, in well under a second.
+
+The probe's graphs bypass graphsan's hooks (they are captured through the base class), capture
+in thread-local mode, and their memory is freed before the user's capture starts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from graphsan.core.argstructs import Layouts
+from graphsan.core.calibration import Probe, solve
+from graphsan.core.records import KernelArgs
+
+Walk = Callable[[int], list]  # a capturing stream's handle -> its graph's nodes so far
+CHUNK = 65536  # elements per multi_tensor_apply block in every release so far (checked)
+
+
+def calibrate(walk: Walk) -> tuple[Layouts, float]:
+    """The confirmed layouts on the current device, and the seconds the probe took. Never
+    raises: whatever fails leaves its family unconfirmed, with the reason."""
+    t0 = time.perf_counter()
+    probes: list[Probe] = []
+    failed: dict[str, str] = {}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for family, launch in _LAUNCHES:
+            try:
+                probes += launch(walk)
+            except Exception as err:  # a probe that cannot run leaves its family unconfirmed
+                failed.setdefault(family, f"the probe failed: {type(err).__name__}: {err}"[:200])
+        side.synchronize()
+    return solve(probes, torch.__version__, failed), time.perf_counter() - t0
+
+
+def _captured(walk: Walk, fn: Callable[[], object], known: Callable[[object], dict]):
+    """Run `fn` once eagerly (kernels load outside the capture), then capture it into a graph
+    of its own and walk that graph before the capture ends; (kernel nodes, `known(output)`).
+    The output is dropped before the graph is reset: its memory belongs to the graph."""
+    fn()
+    graph = torch._C._CUDAGraph()
+    stream = torch.cuda.current_stream()
+    graph.capture_begin(None, "thread_local")  # a pool of its own; other threads may run on
+    try:
+        out = fn()
+        nodes = walk(stream.cuda_stream)
+    finally:
+        graph.capture_end()
+    what = known(out)
+    del out
+    graph.reset()
+    return [n for n in nodes if isinstance(n, KernelArgs) and n.buffer], what
+
+
+def _named(nodes: list[KernelArgs], part: str) -> list[KernelArgs]:
+    return [n for n in nodes if part in n.name]
+
+
+def _ptrs(tensors) -> list[int]:
+    return [t.data_ptr() for t in tensors]
+
+
+# sizes that give each tensor 3, 2, 1 and 4 blocks: a block table no stale bytes imitate
+_SIZES = (2 * CHUNK + 5, CHUNK + 1001, 3, 3 * CHUNK + 77)
+
+
+def _mta(walk: Walk) -> list[Probe]:
+    lists = [[torch.randn(n, device="cuda") for n in _SIZES] for _ in range(4)]
+    a, b, c, d = lists
+    steps = [torch.zeros((), device="cuda") for _ in _SIZES]
+    scalars = [0.5, 1.5, 2.5, 3.5]
+    numel = list(_SIZES)
+    probes = []
+    nodes, _ = _captured(walk, lambda: torch._foreach_add_(a, b), lambda out: {})
+    probes += [
+        Probe(
+            "multi_tensor_apply", n, {"lists": [_ptrs(a), _ptrs(b)], "numel": numel, "chunk": CHUNK}
+        )
+        for n in _named(nodes, "TensorListMetadata<2")
+    ]
+    nodes, _ = _captured(walk, lambda: torch._foreach_mul_(a, scalars), lambda out: {})
+    probes += [
+        Probe(
+            "multi_tensor_apply",
+            n,
+            {"lists": [_ptrs(a)], "numel": numel, "chunk": CHUNK, "scalars": scalars},
+        )
+        for n in _named(nodes, "TensorListScalarListMetadata<float, 1")
+    ]
+    lr = torch.tensor(1e-3, device="cuda")
+
+    def adam():
+        torch._fused_adam_(
+            a,
+            b,
+            c,
+            d,
+            [],
+            steps,
+            lr=lr,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.0,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
+
+    nodes, _ = _captured(walk, adam, lambda out: {})
+    probes += [
+        Probe(
+            "multi_tensor_apply",
+            n,
+            {
+                "lists": [_ptrs(t) for t in lists],
+                "numel": numel,
+                "chunk": CHUNK,
+                "steps": _ptrs(steps),
+            },
+        )
+        for n in _named(nodes, "FusedOptimizerTensorListMetadata<4")
+    ]
+    return probes
+
+
+def _closure(walk: Walk) -> list[Probe]:
+    x = torch.randn(64, 258, device="cuda")  # rows of 258: its stepped views keep two dims
+    line = torch.randn(4096, device="cuda")
+    a, b = x[:, :256:2], x[:, 1:257:2]
+    probes = []
+    for dims, fn, inputs in (
+        (2, lambda: a * 2.0, [a]),
+        (1, lambda: line[::4] * 3.0, [line]),  # one dimension, divisor 1024
+        (2, lambda: torch.addcmul(a, b, a), [a, b, a]),
+    ):
+        nodes, known = _captured(
+            walk,
+            fn,
+            lambda out, inputs=inputs, dims=dims: {"data": _ptrs([out, *inputs]), "dims": dims},
+        )
+        probes += [Probe("closure", n, known) for n in _named(nodes, "elementwise_kernel<")]
+    return probes
+
+
+def _reduce(walk: Walk) -> list[Probe]:
+    red = torch.randn(256, 64, device="cuda")
+    probes = []
+    for fn in (lambda: red.t().sum(dim=1), lambda: red.t().max(dim=1)):
+        nodes, known = _captured(
+            walk,
+            fn,
+            lambda out: {
+                "src": red.data_ptr(),
+                "dst": _ptrs(out) if isinstance(out, tuple) else [out.data_ptr()],
+            },
+        )
+        probes += [Probe("reduce", n, known) for n in _named(nodes, "reduce_kernel<")]
+    return probes
+
+
+def _cat(walk: Walk) -> list[Probe]:
+    parts = [torch.randn(3, 8, device="cuda") for _ in range(131)]  # a short last batch
+    nodes, _ = _captured(walk, lambda: torch.cat(parts, dim=0), lambda out: {})
+    return [Probe("cat", n, {"inputs": _ptrs(parts)}) for n in _named(nodes, "CatArrayBatchedCopy")]
+
+
+def _pointer_list(walk: Walk) -> list[Probe]:
+    a = [torch.randn(n, device="cuda") for n in (7, 70000, 5)]
+    nodes, known = _captured(
+        walk, lambda: torch._foreach_norm(a), lambda out: {"addresses": _ptrs(out)}
+    )
+    return [Probe("pointer_list", n, known) for n in _named(nodes, "lpnorm_cleanup")]
+
+
+def _tensor_info(walk: Walk) -> list[Probe]:
+    dst = torch.zeros(50, 8, device="cuda")
+    idx = torch.randint(0, 50, (20,), device="cuda")
+    src = torch.randn(20, 8, device="cuda")
+    nodes, _ = _captured(walk, lambda: dst.index_add_(0, idx, src), lambda out: {})
+    return [
+        Probe("tensor_info", n, {"data": dst.data_ptr(), "dims_at_most": dst.dim()})
+        for n in nodes
+        if "TensorInfo" in n.name
+    ]
+
+
+_LAUNCHES = (
+    ("multi_tensor_apply", _mta),
+    ("closure", _closure),
+    ("reduce", _reduce),
+    ("cat", _cat),
+    ("pointer_list", _pointer_list),
+    ("tensor_info", _tensor_info),
+)

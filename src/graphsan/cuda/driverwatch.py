@@ -1,0 +1,170 @@
+"""The memory watch for allocators that keep no block map: PyTorch's cudaMallocAsync backend
+(and any pluggable allocator whose snapshots and history are refused).
+
+Such a backend gives graphsan nothing to follow: no snapshot, no memory history, no trace
+tracker, and its allocations and frees never reach PyTorch's GPU trace (seen on the H200 with
+torch 2.11). What the driver knows is enough to keep watching:
+
+- at capture end a candidate word is a reference when the driver names the allocation holding
+  it (`cuMemGetAddressRange`); the graph's own memory (its memory-allocation nodes, which is
+  how a capture allocates under this backend) is its temporaries, not watched;
+- a watched allocation is remembered with the driver's buffer id, and before each replay of a
+  graph that uses such memory the driver is asked again: an allocation that is gone, or whose
+  id changed (freed and allocated anew at the same address), is a free found there, judged as
+  any other (freed, or reowned by the allocation that holds the address now).
+
+What it cannot give: the stack and phase of a free (it is found, not seen: reports say so),
+allocation stacks, storage moves as such (they read as frees), pool replay order (no carves),
+and an empty_cache that trims the pool reads as freed, not unmapped. Each replay of a watched
+graph pays one driver call per allocation it references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from graphsan.context import Context, python_stack
+from graphsan.core.memory_map import AskedMap
+from graphsan.core.records import DEFAULT_POOL, FREED_UNSEEN, FreeEvent, PoolId, Release
+from graphsan.core.tracker import GraphState, Tracker
+from graphsan.report.timeline import Timeline
+
+Identity = tuple[int, int, int]  # an allocation's base, size and the driver's buffer id
+
+
+def backend() -> str:
+    """The CUDA allocator backend PyTorch runs ("native", "cudaMallocAsync"), "native" where
+    this torch cannot say."""
+    try:
+        return str(torch.cuda.get_allocator_backend())
+    except Exception:
+        return "native"
+
+
+class DriverWatch:
+    """The allocator watch's interface (`cuda.allocator.AllocatorWatch`) answered through the
+    driver; `polls` tells the sanitizer to judge every replay of a watched graph."""
+
+    polls = True
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        context: Context,
+        on_error: Callable[[BaseException], None],
+        alloc_stacks: bool = True,
+        why: str = "",
+        driver: Callable[[], object] | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.context = context
+        self.on_error = on_error
+        self.alloc_stacks = alloc_stacks
+        self.why = why
+        # the driver module (cuda.driver), loaded when first asked: nothing loads libcuda before
+        # a graph is captured
+        self._driver = driver
+        self.last_release: Release | None = None
+        self.capture_pool: PoolId | None = None
+        self.redirect_resize = None
+        self.timeline: Timeline | None = None
+        self.log = None
+        self.trace = None
+        self.ids: dict[int, Identity] = {}  # watched address -> its allocation at watch time
+        self._active = False
+        self._patches: list = []
+
+    @property
+    def allocator_log(self) -> str:
+        return f"driver ({self.why})"
+
+    def graph_walk(self):
+        return None  # the walk goes through cuda-bindings
+
+    # -- what the analysis asks --------------------------------------------------------------
+    def view(
+        self, device: int, sync: bool = True, own=(), own_pool: PoolId | None = None
+    ) -> AskedMap:
+        """Addresses answered by the driver; `own`: the capture's memory nodes."""
+        freed = {
+            wb.address: wb.size
+            for g in self.tracker.graphs.values()
+            for wb in g.blocks.values()
+            if wb.freed is not None and wb.pool == DEFAULT_POOL
+        }
+        return AskedMap(self._driver().address_range, own, own_pool, freed)
+
+    def sync(self) -> None:
+        pass
+
+    @staticmethod
+    def site_frames(site) -> list:
+        return []
+
+    def capture_started(self, gid: int, stream: int) -> str:
+        return f"graphsan capture {gid}"
+
+    def capture_ended(self, tag: str, pool: PoolId) -> list:
+        return []  # no carves: the pool replay order needs the allocator's log
+
+    def capture_failed(self, tag: str) -> None:
+        pass
+
+    # -- frees, found before a replay ----------------------------------------------------------
+    def _on_watch(self, addresses: list[int]) -> None:
+        allocation = self._driver().allocation
+        for a in addresses:
+            ident = allocation(a)
+            if ident is not None:
+                self.ids[a] = ident
+
+    def poll(self, state: GraphState) -> None:
+        """Ask the driver about every allocation the graph watches: one that is gone, or was
+        allocated anew at its address, counts as freed now."""
+        allocation = self._driver().allocation
+        for wb in list(state.blocks.values()):
+            if wb.freed is not None or wb.address not in self.ids:
+                continue
+            if allocation(wb.address) != self.ids[wb.address]:
+                self.ids.pop(wb.address, None)
+                self.tracker.on_free(wb.address, self._free_found)
+
+    def _free_found(self) -> FreeEvent:
+        phase, step = self.context.current()
+        return FreeEvent((), phase, step, FREED_UNSEEN)
+
+    def _free_event(self) -> FreeEvent:
+        """A free seen as it happens (pinned host memory, through its storage's finalizer)."""
+        phase, step = self.context.current()
+        return FreeEvent(python_stack(), phase, step, None, self.capture_pool)
+
+    # -- start / stop ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._active:
+            return
+        self.tracker.on_watch = self._on_watch
+        orig = torch.cuda.empty_cache
+        watch = self
+
+        def empty_cache() -> None:
+            orig()
+            with contextlib.suppress(Exception):
+                phase, step = watch.context.current()
+                watch.last_release = Release(tuple(python_stack()), phase, step)
+
+        empty_cache.__wrapped__ = orig
+        self._patches.append((torch.cuda, "empty_cache", orig))
+        torch.cuda.empty_cache = empty_cache
+        self._active = True
+
+    def stop(self) -> None:
+        self._active = False
+        if self.tracker.on_watch == self._on_watch:
+            self.tracker.on_watch = None
+        for owner, name, orig in reversed(self._patches):
+            setattr(owner, name, orig)
+        self._patches.clear()
+        self.ids.clear()
