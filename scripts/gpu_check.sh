@@ -7,6 +7,7 @@
 #   call 2:  bash scripts/gpu_check.sh faults             (1,000 fault-injection trials, <= 8 min;
 #            faults-snapshot: the same with GRAPHSAN_TRACELOG=0)
 #   call 3:  bash scripts/gpu_check.sh example repro bench scale
+#   (selftest: `graphsan selftest` with its JSON and each program's argument bytes under $OUT)
 #   (tracker: the compiled allocator tracker's GPU tests; overhead: a profile of a graphed training
 #   step under graphsan and the bench without allocation stacks; ranks: issue 16 on two GPUs)
 #   (quant: the Triton kernel tests and bench_quant; quantlinear: bench_quant_linear; train: bench_train; sweep: the kernels'
@@ -37,6 +38,11 @@ for part in ${*:-tests}; do
     lab-tests)
       timeout 540 python3 -m pytest -q -m gpu tests/lab -p no:cacheprovider 2>&1 \
         | tee "$OUT/lab-tests.log" | tail -15 ;;
+    selftest)  # the corpus of correct programs and their broken twins (docs/coverage.md)
+      mkdir -p /tmp/selftest-dump
+      timeout 300 python3 -m graphsan.cli selftest --jobs 12 --dump /tmp/selftest-dump \
+        --json "$OUT/selftest.json" 2>&1 | tee "$OUT/selftest.log" | tail -40
+      tar czf "$OUT/selftest-dump.tar.gz" -C /tmp selftest-dump ;;
     faults)  # docs/coverage.md (FAULTS_SEED picks the trials)
       timeout 540 python3 bench/bench_faults.py --trials 1000 --workers 16 --time-limit 450 \
         --seed "${FAULTS_SEED:-0}" --json "$OUT/faults.json" 2>&1 | tee "$OUT/faults.log" | tail -40 ;;

@@ -3,6 +3,7 @@
     graphsan run [--policy P] [--report out.json] script.py [args...]
     graphsan run [--policy P] [--report out.json] -m package.module [args...]
     graphsan report [--html OUT.html] [--trace OUT.json] out.json [more.json ...]
+    graphsan selftest [--list [--json PATH]] [-k PATTERN] [--jobs N] [--json PATH]
     graphsan train [...]      the lab trainer (see `graphsan train --help`)
     graphsan repro [...]      the Transformer Engine #3316 scenario matrix
 
@@ -20,6 +21,7 @@ import sys
 
 from graphsan import __version__
 from graphsan.command_line import (
+    EXIT_NO_GPU,
     EXIT_USAGE,
     CliError,
     DefaultsHelpFormatter,
@@ -34,6 +36,7 @@ __all__ = ["CliError", "DefaultsHelpFormatter", "OneLineParser", "check_output_f
 COMMANDS = {
     "run": "run a script or module with the sanitizer on",
     "report": "render saved reports (several: merged by rank)",
+    "selftest": "check graphsan on this torch and GPU: correct programs and broken twins",
     "train": "train the lab's hybrid model",
     "repro": "the Transformer Engine #3316 scenario matrix",
 }
@@ -272,6 +275,67 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- graphsan selftest
+def _selftest_parser() -> OneLineParser:
+    p = OneLineParser(
+        prog="graphsan selftest",
+        description="Run graphsan's corpus of correct CUDA-graph programs, each with a broken "
+        "twin, on this machine's GPU: every correct program must end with no finding, every "
+        "twin must be stopped before its bad replay. Exits 1 on any false alarm, miss or error.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    p.add_argument("--list", action="store_true", help="list the programs (no GPU needed)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the list (with --list) or the results as JSON",
+    )
+    p.add_argument("-k", dest="pattern", metavar="PATTERN", help="only runs whose name contains it")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="runs side by side (each its own process on the one GPU)",
+    )
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
+    p.add_argument(
+        "--dump",
+        metavar="DIR",
+        help="also write each correct program's captured nodes and argument bytes here, one "
+        "gzipped file per program (to attach to a bug report)",
+    )
+    return p
+
+
+def cmd_selftest(argv: list[str]) -> int:
+    args = _selftest_parser().parse_args(argv)
+    if args.jobs < 1:
+        raise CliError(f"--jobs {args.jobs}: expected 1 or more")
+    if args.timeout <= 0:
+        raise CliError(f"--timeout {args.timeout}: expected a positive number of seconds")
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    if args.dump is not None and not os.path.isdir(args.dump):
+        raise CliError(f"--dump {args.dump}: expected an existing folder")
+    from graphsan.selftest import runner, runs
+
+    if args.list:
+        listing = [r for r in runs() if not args.pattern or args.pattern in r["name"]]
+        if args.json:
+            runner.write_json(args.json, listing)
+            sys.stderr.write(f"graphsan selftest: {len(listing)} runs listed in {args.json}\n")
+        else:
+            width = max((len(r["name"]) for r in listing), default=0)
+            for r in listing:
+                print(f"{r['name']:<{width}}  {r['kind']:<7}  {r.get('bug') or r['pattern']}")
+        return 0
+    chosen = runner.selected(args.pattern)
+    if not chosen:
+        raise CliError(f"-k {args.pattern}: no run's name contains it (see --list)")
+    code = runner.run_and_report(chosen, args.jobs, args.timeout, args.dump, args.json)
+    return EXIT_NO_GPU if code is None else code
+
+
 # ----------------------------------------------------------------------------- the lab
 def _lab_import_error(err: ImportError) -> CliError:
     return CliError(f"the lab cannot be imported here ({err}); `graphsan run` does not need it")
@@ -293,7 +357,13 @@ def cmd_repro(argv: list[str]) -> int:
     return repro.run(argv)
 
 
-_HANDLERS = {"run": cmd_run, "report": cmd_report, "train": cmd_train, "repro": cmd_repro}
+_HANDLERS = {
+    "run": cmd_run,
+    "report": cmd_report,
+    "selftest": cmd_selftest,
+    "train": cmd_train,
+    "repro": cmd_repro,
+}
 
 
 def _top_parser() -> OneLineParser:

@@ -12,6 +12,7 @@ import os
 import tempfile
 
 EXIT_USAGE = 2
+EXIT_NO_GPU = 4  # the command needs a CUDA GPU and this machine has none
 
 
 class CliError(Exception):
