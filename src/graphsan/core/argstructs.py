@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphsan.core.offset_calc import dividers_ok
-
 Range = tuple[int, int]  # [start, end) bytes of a node's parameter buffer
 
 MTA_KINDS = (
@@ -394,10 +392,22 @@ def calculator_dims(data: bytes, at: int, max_dims: int, minimum: int = 1) -> in
     (dims,) = struct.unpack_from("<I", data, at)
     if not minimum <= dims <= max_dims:
         return None
-    words = np.frombuffer(data, "<u4", 3 * dims, at + 4).reshape(dims, 3)
-    if not (dividers_ok(words[:, 0], words[:, 1], words[:, 2]) & (words[:, 0] >= 1)).all():
-        return None
+    words = struct.unpack_from(f"<{3 * dims}I", data, at + 4)
+    for i in range(0, 3 * dims, 3):
+        if not _divider_ok(*words[i : i + 3]):
+            return None
     return dims
+
+
+def _divider_ok(divisor: int, m1: int, shift: int) -> bool:
+    """Whether (divisor, m1, shift) is what `IntDivider<uint32_t>(divisor)` holds (the smallest
+    shift with 2**shift >= divisor, m1 = 2**32 * (2**shift - divisor) // divisor + 1); plain
+    integers: a calculator has a few dividers, too few for numpy to pay."""
+    if not 1 <= divisor <= 0x7FFFFFFF or shift > 31:
+        return False
+    if (1 << shift) < divisor or (shift > 0 and (1 << (shift - 1)) >= divisor):
+        return False
+    return m1 == ((1 << 32) * ((1 << shift) - divisor)) // divisor + 1
 
 
 def calculator_dead(at: int, dims: int, nargs: int, max_dims: int) -> list[Range]:
