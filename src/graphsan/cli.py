@@ -112,6 +112,48 @@ class _NoSuchModule(Exception):
     pass
 
 
+class _Terminated(BaseException):
+    """A scheduler's stop signal (torchrun stops the other ranks with SIGTERM when one fails;
+    SLURM and Kubernetes stop jobs with it): raised in the program so that the report is
+    written as on Ctrl-C, then the process ends by the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1")
+
+
+def _catch_stop_signals() -> dict:
+    """Turn the stop signals into `_Terminated` while the program runs; returns the handlers
+    to put back. A signal the program already handles is left to it."""
+    import signal
+
+    saved = {}
+    for name in STOP_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is None or signal.getsignal(sig) not in (signal.SIG_DFL, None):
+            continue
+
+        def stop(signum, frame):
+            raise _Terminated(signum)
+
+        saved[sig] = signal.signal(sig, stop)
+    return saved
+
+
+def _end_by_signal(signum: int) -> None:
+    """Die of `signum` as the program would have without graphsan (the exit status a shell,
+    torchrun or a scheduler expects: 128 + signum)."""
+    import signal
+
+    signal.signal(signum, signal.SIG_DFL)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signum)
+
+
 def _run_program(module: str | None, target: list[str]) -> None:
     """Run the program as `python script.py` / `python -m module` would."""
     import runpy
@@ -164,18 +206,19 @@ def _print_user_traceback(exc: BaseException) -> None:
 
 
 def _write_report(san, path: str) -> bool:
+    who = f"[rank {san.rank}] " if san.rank is not None else ""
     try:
         san.report().save(path)
     except OSError as err:
         with contextlib.suppress(OSError):
             os.unlink(f"{path}.tmp")
         sys.stderr.write(
-            f"graphsan run: error: could not write the report to {path} ({err.strerror}); "
+            f"{who}graphsan run: error: could not write the report to {path} ({err.strerror}); "
             "here it is instead:\n"
         )
         sys.stderr.write(san.report().render() + "\n")
         return False
-    sys.stderr.write(f"graphsan: report written to {path}\n")
+    sys.stderr.write(f"{who}graphsan: report written to {path}\n")
     return True
 
 
@@ -213,6 +256,8 @@ def cmd_run(argv: list[str]) -> int:
         sys.argv = [module, *target]
         sys.path.insert(0, os.getcwd())
     code = 0
+    signalled = None
+    saved_handlers = _catch_stop_signals()
     try:
         _run_program(module, target)
     except _NoSuchModule as err:
@@ -220,6 +265,8 @@ def cmd_run(argv: list[str]) -> int:
         raise CliError(f"-m {module}: {err}") from None
     except SystemExit as exc:
         code = _exit_status(exc.code)
+    except _Terminated as exc:
+        signalled = exc.signum
     except BaseException as exc:  # the program's own error, KeyboardInterrupt included
         _print_user_traceback(exc)
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
@@ -228,6 +275,12 @@ def cmd_run(argv: list[str]) -> int:
     graphsan.disable()
     if path and not _write_report(san, path) and code == 0:
         code = 1
+    if signalled is not None:
+        _end_by_signal(signalled)
+    import signal
+
+    for sig, handler in saved_handlers.items():
+        signal.signal(sig, handler)
     if (
         code == 0
         and san.findings
@@ -248,8 +301,14 @@ def cmd_report(argv: list[str]) -> int:
     p.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto)")
     args = p.parse_args(argv)
+    inputs = {os.path.realpath(x) for x in args.paths}
     for path, option in ((args.html, "--html"), (args.trace, "--trace")):
         if path is not None:
+            if os.path.realpath(path) in inputs:
+                raise CliError(
+                    f"{option} {path}: that is one of the reports being read; writing it would "
+                    "replace the report (expected another path)"
+                )
             check_output_file(path, option)
     from graphsan.report import Report
     from graphsan.report.ranks import merge_reports

@@ -1,0 +1,101 @@
+"""CPU: `graphsan run --report` loses nothing when the job is stopped: on SIGTERM (SIGHUP,
+SIGUSR1) it writes its report as on Ctrl-C, then ends by the signal; under torchrun, where one
+rank's failure makes torchrun terminate the others, every rank's report is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.gpu_programs import ROOT
+
+ENV = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), PYTHONUNBUFFERED="1")
+
+WAITER = """
+import sys, time
+print("started", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGUSR1"])
+def test_a_stop_signal_writes_the_report_then_ends_by_the_signal(tmp_path, name):
+    prog = tmp_path / "prog.py"
+    prog.write_text(WAITER)
+    report = tmp_path / "out.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graphsan.cli", "run", "--report", str(report), str(prog)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    assert proc.stdout.readline().strip() == "started"
+    sig = getattr(signal, name)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -sig, err  # died of the signal, as without graphsan
+    assert json.loads(report.read_text())["schema"] == "graphsan.report"
+    assert f"graphsan: report written to {report}" in err
+    assert "Traceback" not in err
+
+
+def test_under_torchrun_a_failed_rank_and_a_terminated_one_both_write_their_reports(tmp_path):
+    prog = tmp_path / "prog.py"
+    prog.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit('rank 1 fails')\n"
+        "time.sleep(60)\n"
+    )
+    report = tmp_path / "out.json"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            "-m",
+            "graphsan.cli",
+            "run",
+            "--report",
+            str(report),
+            str(prog),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60, proc.stderr[-3000:]
+    for rank in (0, 1):
+        data = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        assert data["rank"] == rank
+    assert "[rank 0] graphsan: report written to" in proc.stderr
+
+
+def test_report_refuses_to_write_over_a_report_it_reads(tmp_path, capsys):
+    from graphsan.cli import main
+    from graphsan.report import Report
+
+    path = tmp_path / "r.json"
+    Report([]).save(str(path))
+    before = path.read_text()
+    for option in ("--trace", "--html"):
+        assert main(["report", option, str(path), str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"graphsan report: error: {option} {path}: that is one of the reports being read; "
+            "writing it would replace the report (expected another path)"
+        )
+    assert path.read_text() == before
