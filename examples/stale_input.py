@@ -2,7 +2,15 @@
 emptied before the next replay. Without graphsan the replay dies with "an illegal memory access";
 with `graphsan run examples/stale_input.py` it stops before launch and says why."""
 
+import sys
+
 import torch
+
+if not torch.cuda.is_available():
+    sys.exit(
+        "examples/stale_input.py needs an NVIDIA GPU; `graphsan report --sample stale-input` "
+        "shows the report graphsan gives for it (recorded on an H200)"
+    )
 
 
 def make_input():

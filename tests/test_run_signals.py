@@ -99,3 +99,49 @@ def test_report_refuses_to_write_over_a_report_it_reads(tmp_path, capsys):
             "writing it would replace the report (expected another path)"
         )
     assert path.read_text() == before
+
+
+def test_the_shipped_samples_render_without_a_gpu(tmp_path, capsys):
+    from graphsan.cli import main
+
+    assert main(["report", "--sample", "stale-input"]) == 0
+    out = capsys.readouterr().out
+    assert "UNMAPPED: graph #1 'stale_input.py:14'" in out and "empty_cache()" in out
+    assert main(["report", "--sample", "te3316-case4"]) == 0
+    assert "FREED: graph #1 'layers.0:layer fwd mb0'" in capsys.readouterr().out
+    html, trace = tmp_path / "s.html", tmp_path / "s.trace.json"
+    assert (
+        main(["report", "--sample", "te3316-case4", "--html", str(html), "--trace", str(trace)])
+        == 0
+    )
+    assert "<html" in html.read_text() and json.loads(trace.read_text())["traceEvents"]
+
+
+def test_a_gzipped_report_loads_like_a_plain_one(tmp_path):
+    import gzip
+
+    from graphsan.report import Report
+
+    plain = tmp_path / "r.json"
+    Report([], rank=3).save(str(plain))
+    packed = tmp_path / "r.json.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert Report.load(str(packed)).rank == 3
+
+
+def test_the_example_says_in_one_line_that_it_needs_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the example runs")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "stale_input.py")],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "examples/stale_input.py needs an NVIDIA GPU; `graphsan report --sample stale-input` "
+        "shows the report graphsan gives for it (recorded on an H200)"
+    ]

@@ -297,10 +297,24 @@ def cmd_report(argv: list[str]) -> int:
         prog="graphsan report",
         description="Print saved reports; several (one per rank) are merged into one summary.",
     )
-    p.add_argument("paths", nargs="+", metavar="REPORT.json")
+    from graphsan.report.json_report import SAMPLES, sample_path
+
+    p.add_argument("paths", nargs="*", metavar="REPORT.json")
     p.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto)")
+    p.add_argument(
+        "--sample",
+        choices=list(SAMPLES),
+        help="a report recorded on an NVIDIA H200, shipped with graphsan (no GPU needed): "
+        + "; ".join(f"{k}: {v[1]}" for k, v in SAMPLES.items()),
+    )
     args = p.parse_args(argv)
+    if args.sample is not None:
+        if args.paths:
+            raise CliError("--sample reads the shipped report; give it no REPORT.json as well")
+        args.paths = [sample_path(args.sample)]
+    elif not args.paths:
+        raise CliError("expected REPORT.json (or --sample NAME; see graphsan report --help)")
     inputs = {os.path.realpath(x) for x in args.paths}
     for path, option in ((args.html, "--html"), (args.trace, "--trace")):
         if path is not None:

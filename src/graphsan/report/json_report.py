@@ -6,6 +6,7 @@ hand-edited or truncated file gets one line naming the wrong field.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -84,10 +85,14 @@ class Report:
 
     @classmethod
     def load(cls, path: str) -> Report:
+        """A saved report (gzipped too: `*.json.gz`, or any file starting with gzip's magic)."""
         try:
-            with open(path) as fh:
+            with open(path, "rb") as fh:
+                gzipped = fh.read(2) == b"\x1f\x8b"
+            opener = gzip.open if gzipped else open
+            with opener(path, "rt") as fh:
                 data = json.load(fh)
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: not a readable graphsan report ({err})") from None
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ValueError(f"{path}: not a graphsan report (expected schema '{SCHEMA}')")
@@ -115,6 +120,23 @@ class Report:
                 f"{self.pinned.get('bytes', 0)} bytes kept alive for live graphs"
             )
         return "\n\n".join([head, *body])
+
+
+SAMPLES = {  # name -> (file in graphsan/report/samples, what it is)
+    "stale-input": (
+        "stale-input.h200.json",
+        "examples/stale_input.py under `graphsan run`: an input freed and the cache emptied",
+    ),
+    "te3316-case4": (
+        "te3316-case4.h200.json.gz",
+        "`graphsan repro --case 4`: Transformer Engine #3316's stale weight workspace",
+    ),
+}
+
+
+def sample_path(name: str) -> str:
+    """The shipped report recorded on an NVIDIA H200 (torch 2.11.0+cu130, 2026-12-02)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "samples", SAMPLES[name][0])
 
 
 class _BadReport(Exception):
