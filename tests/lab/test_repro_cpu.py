@@ -95,7 +95,7 @@ def test_list_json_writes_the_case_table(capsys, tmp_path):
 def test_without_cuda_it_explains_and_fails(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert main(["repro", "--case", "1"]) == 1
+    assert main(["repro", "--case", "1"]) == 4  # not 1: no case ended unexpectedly
     assert "need an NVIDIA GPU" in capsys.readouterr().err
 
 

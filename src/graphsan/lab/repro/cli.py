@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 
+from graphsan.command_line import EXIT_NO_GPU
 from graphsan.lab.repro import runner
 from graphsan.lab.repro.cases import BY_NUMBER, CASES, model_overrides
 from graphsan.lab.repro.child import run_child
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="graphsan repro",
         description="The Transformer Engine #3316 scenario matrix: each case in its own process "
         "on one NVIDIA GPU (or as N ranks on N GPUs with --nproc); exits 1 when a case does not "
-        "end as expected.",
+        "end as expected, 4 on a machine without a GPU.",
         formatter_class=DefaultsHelpFormatter,
     )
     add_arguments(parser)
@@ -160,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
             "(torch.cuda.is_available() is False here); `graphsan repro --list` shows them, "
             "`graphsan train --preset tiny` runs the lab eagerly on CPU\n"
         )
-        return 1
+        return EXIT_NO_GPU
     gpus = torch.cuda.device_count() if args.nproc > 1 else 1
     if args.nproc > gpus:
         return _error(
