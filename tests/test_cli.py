@@ -317,3 +317,16 @@ def test_train_help_shows_the_defaults(capsys):
         "--state-policy STATE_POLICY, --graph-state STATE_POLICY fixed | te218",
     ):
         assert needle in out, needle
+
+
+def test_help_shows_a_default_of_zero():
+    """argparse's `0 == False` once hid six defaults of `train` and two of `repro`."""
+    import argparse
+
+    from graphsan.command_line import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(prog="x", formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--jobs", type=int, default=0, help="processes")
+    p.add_argument("--flag", action="store_true", help="a switch")
+    text = p.format_help()
+    assert "processes (default: 0)" in text and "a switch\n" in text

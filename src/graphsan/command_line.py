@@ -32,9 +32,12 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
+        # `0 in (False,)` is True: an option whose default is 0 must still show it
+        hidden = default is None or default is False or default is argparse.SUPPRESS
         if (
             action.option_strings
-            and default not in (None, False, [], (), argparse.SUPPRESS)
+            and not hidden
+            and default not in ([], ())
             and "default" not in text
         ):
             text += " (default: %(default)s)"
