@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -330,3 +331,30 @@ def test_help_shows_a_default_of_zero():
     p.add_argument("--flag", action="store_true", help="a switch")
     text = p.format_help()
     assert "processes (default: 0)" in text and "a switch\n" in text
+
+
+def test_environment_variables_are_checked_on_every_path(monkeypatch, capsys):
+    """A typo in a container image's environment shows on the first command, CPU included."""
+    monkeypatch.setenv("GRAPHSAN_NO_TRITON", "maybe")
+    monkeypatch.setenv("GRAPHSAN_TRITON_VARIANT", "bogus")
+    assert main(["report", "--sample", "stale-input"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "graphsan report: warning: GRAPHSAN_TRITON_VARIANT is set but graphsan reads no such "
+        "variable (it reads GRAPHSAN_TRACELOG, GRAPHSAN_NO_TRITON)",
+        "graphsan report: error: GRAPHSAN_NO_TRITON='maybe': expected one of '1', 'true', "
+        "'yes', 'on', empty, '0', 'false', 'no', 'off'",
+    ]
+    monkeypatch.setenv("GRAPHSAN_NO_TRITON", " ON ")
+    monkeypatch.setenv("GRAPHSAN_TRACELOG", "maybe")
+    assert main(["report", "--sample", "stale-input"]) == 2
+    assert "GRAPHSAN_TRACELOG='maybe': expected one of empty, '0', '1'" in capsys.readouterr().err
+
+
+def test_the_readme_lists_every_environment_variable():
+    from graphsan.environment import VARIABLES
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme[readme.index("| variable | values | default | effect |") :]
+    for var in VARIABLES:
+        assert f"| `{var.name}` |" in table, var.name

@@ -40,6 +40,7 @@ TORCH_FREE = {
     "graphsan.cli": False,
     "graphsan.command_line": False,
     "graphsan.pytest_plugin": False,
+    "graphsan.environment": False,
 }
 # the entry points that dispatch to the lab: the lab itself never imports them (that would be a
 # circle through the CLI); what the lab's commands share with graphsan's is graphsan.command_line

@@ -81,6 +81,7 @@ def enable(policy: str | Policy = Policy.RAISE, *, alloc_stacks: bool = True) ->
     Without CUDA it says so once and stays idle."""
     global _current, _enabled
     policy = Policy.parse(policy)
+    _check_environment()
     from graphsan.sanitizer import Sanitizer
 
     if _enabled and _current is not None:
@@ -89,6 +90,25 @@ def enable(policy: str | Policy = Policy.RAISE, *, alloc_stacks: bool = True) ->
     _current = Sanitizer(policy, _get_context(), alloc_stacks)
     _enabled = True
     return _current.start()
+
+
+_environment_checked = False
+
+
+def _check_environment() -> None:
+    """Say once, in one line each, which GRAPHSAN_* variables are wrong or unknown (the
+    library never raises for its environment: the CLI refuses a wrong value instead)."""
+    global _environment_checked
+    if _environment_checked:
+        return
+    _environment_checked = True
+    import sys
+
+    from graphsan import environment
+
+    errors, warnings = environment.problems()
+    for line in errors + warnings:
+        sys.stderr.write(f"graphsan: {line}\n")
 
 
 def disable() -> None:

@@ -464,6 +464,14 @@ def main(argv: list[str] | None = None) -> int:
         ns = top.parse_args(argv)  # --help, --version and mistakes end here
         argv = [ns.command, *ns.args]
     command, rest = argv[0], argv[1:]
+    from graphsan import environment
+
+    errors, warnings = environment.problems()
+    for line in warnings:
+        sys.stderr.write(f"graphsan {command}: warning: {line}\n")
+    if errors:
+        sys.stderr.write("".join(f"graphsan {command}: error: {line}\n" for line in errors))
+        return EXIT_USAGE
     try:
         return int(_HANDLERS[command](rest) or 0)
     except CliError as err:
