@@ -138,8 +138,22 @@ def _parameter_types(name: str) -> tuple[str, ...]:
                 break
     if start < 0 or name[start] != "(":
         return ()
+    return tuple(_split(name[start + 1 : end]))
+
+
+def template_args(type_name: str) -> list[str]:
+    """The template arguments of `T<a, b<c>, d>` -> ["a", "b<c>", "d"]."""
+    start = type_name.find("<")
+    if start < 0 or not type_name.endswith(">"):
+        return []
+    return _split(type_name[start + 1 : -1])
+
+
+def _split(text: str) -> list[str]:
+    """`text` cut at its top-level commas (outside <>, () and {}), each part stripped; no
+    empty last part."""
     out, depth, cur = [], 0, []
-    for c in name[start + 1 : end]:
+    for c in text:
         if c in "(<{":
             depth += 1
         elif c in ")>}":
@@ -152,26 +166,6 @@ def _parameter_types(name: str) -> tuple[str, ...]:
     last = "".join(cur).strip()
     if last:
         out.append(last)
-    return tuple(out)
-
-
-def template_args(type_name: str) -> list[str]:
-    """The template arguments of `T<a, b<c>, d>` -> ["a", "b<c>", "d"]."""
-    start = type_name.find("<")
-    if start < 0 or not type_name.endswith(">"):
-        return []
-    out, depth, cur = [], 0, []
-    for c in type_name[start + 1 : -1]:
-        if c in "(<{":
-            depth += 1
-        elif c in ")>}":
-            depth -= 1
-        if c == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(c)
-    out.append("".join(cur).strip())
     return out
 
 

@@ -79,6 +79,14 @@ class Case:
             storage = t.untyped_storage()
             self.victims.append((storage.data_ptr(), max(storage.nbytes(), 1)))
 
+    def drop_if_broken(self, inputs: dict, name: str) -> None:
+        """The twin's usual mistake: the tensor `inputs[name]` is dropped after the capture
+        (the dict held the only reference) and new tensors take its memory."""
+        if self.broken:
+            self.victim(inputs[name])
+            del inputs[name]
+            self.churn()
+
     def expect(self, kind: str) -> None:
         """A finding of this kind names the twin's mistake wherever it points (the replay-order
         kind points at the re-carved range, not at a tensor the program holds)."""

@@ -38,10 +38,7 @@ def _run(case: Case, inputs: dict[str, torch.Tensor], fn, victim: str, tol: floa
                 case.check(torch.equal(got, want), f"output {i} equals eager")
             else:
                 case.close(got, want, f"output {i} equals eager", tol)
-        if case.broken:
-            case.victim(inputs[victim])
-            del inputs[victim]
-            case.churn()
+        case.drop_if_broken(inputs, victim)
         case.replay(g)
 
 

@@ -36,10 +36,7 @@ def _graph_and_check(case: Case, inputs: dict, fn, tol: float = 1e-4):
 
 
 def _drop_and_replay(case: Case, g, inputs: dict, name: str) -> None:
-    if case.broken:
-        case.victim(inputs[name])
-        del inputs[name]
-        case.churn()
+    case.drop_if_broken(inputs, name)
     case.replay(g)
 
 

@@ -70,10 +70,7 @@ def _capture_and_break(case: Case, inputs: dict, launch, want, victim: str) -> N
     case.replay(g)
     torch.cuda.synchronize()
     case.close(out, want(), "the Triton kernel's output equals torch's")
-    if case.broken:
-        case.victim(inputs[victim])
-        del inputs[victim]
-        case.churn()
+    case.drop_if_broken(inputs, victim)
     case.replay(g)
 
 
