@@ -308,5 +308,6 @@ def test_pytest_plugin_summary_counts_real_graph_records():
     )
     lines = []
     reporter = SimpleNamespace(write_line=lines.append)
-    pytest_terminal_summary(reporter, 0, SimpleNamespace(_graphsan=san))
+    config = SimpleNamespace(_graphsan=san, getoption=lambda name, default=None: default)
+    pytest_terminal_summary(reporter, 0, config)
     assert lines == ["graphsan: 2 graph(s), 12 node(s) watched, 1 finding(s), policy record"]

@@ -81,6 +81,12 @@ def _run_parser() -> OneLineParser:
         action="store_true",
         help=f"exit {EXIT_FINDINGS} when the program finishes with findings (warn/record)",
     )
+    p.add_argument(
+        "--suppressions",
+        metavar="FILE",
+        help="a YAML file of findings to suppress (counted, never stopping a replay; see "
+        "graphsan report --gen-suppressions)",
+    )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a library module as a script")
     return p
 
@@ -243,10 +249,12 @@ def cmd_run(argv: list[str]) -> int:
     if args.report is not None:
         path = report_path_for(args.report, rank_from_env())
         check_output_file(path, "--report")
+    entries = _suppressions(args.suppressions)
 
     import graphsan
 
     san = graphsan.enable(policy=args.policy)
+    san.suppressions = entries
     saved_argv, saved_path = sys.argv, list(sys.path)
     # sys.path[0] is the script's folder, or the current one for -m, as with `python`
     if module is None:
@@ -273,6 +281,11 @@ def cmd_run(argv: list[str]) -> int:
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     graphsan.disable()
+    if san.suppressed:
+        from graphsan.report.suppressions import summary
+
+        who = f"[rank {san.rank}] " if san.rank is not None else ""
+        sys.stderr.write(f"{who}graphsan: {summary(san.suppressed)}\n")
     if path and not _write_report(san, path) and code == 0:
         code = 1
     if signalled is not None:
@@ -289,6 +302,18 @@ def cmd_run(argv: list[str]) -> int:
     ):
         code = EXIT_FINDINGS
     return code
+
+
+def _suppressions(path: str | None) -> list:
+    """The entries of --suppressions FILE (none without one); a bad file is one CliError."""
+    if path is None:
+        return []
+    from graphsan.report import suppressions
+
+    try:
+        return suppressions.load(path)
+    except ValueError as err:
+        raise CliError(f"--suppressions {err}") from None
 
 
 # ----------------------------------------------------------------------------- graphsan report
@@ -308,7 +333,26 @@ def cmd_report(argv: list[str]) -> int:
         help="a report recorded on an NVIDIA H200, shipped with graphsan (no GPU needed): "
         + "; ".join(f"{k}: {v[1]}" for k, v in SAMPLES.items()),
     )
+    p.add_argument(
+        "--suppressions",
+        metavar="FILE",
+        help="leave out the findings a YAML suppression file matches (they are counted)",
+    )
+    p.add_argument(
+        "--gen-suppressions",
+        action="store_true",
+        help="print a suppression entry for each finding, ready to edit, and exit",
+    )
+    p.add_argument(
+        "--error-exitcode",
+        type=int,
+        metavar="N",
+        help="exit N when findings remain after suppressions (compute-sanitizer's flag)",
+    )
     args = p.parse_args(argv)
+    if args.error_exitcode is not None and not 1 <= args.error_exitcode <= 255:
+        raise CliError(f"--error-exitcode {args.error_exitcode}: expected 1 to 255")
+    entries = _suppressions(args.suppressions)
     if args.sample is not None:
         if args.paths:
             raise CliError("--sample reads the shipped report; give it no REPORT.json as well")
@@ -333,6 +377,17 @@ def cmd_report(argv: list[str]) -> int:
             reports.append(Report.load(path))
         except ValueError as err:
             raise CliError(str(err)) from None
+    if entries:
+        from graphsan.report import suppressions
+
+        for rep in reports:
+            rep.findings, suppressed = suppressions.split(entries, rep.findings)
+            rep.suppressed = rep.suppressed + suppressed
+    if args.gen_suppressions:
+        from graphsan.report.suppressions import generate
+
+        print(generate([f for rep in reports for f in rep.findings]), end="")
+        return 0
     if args.html or args.trace:
         from graphsan.report.pages import OutputError, write_report_outputs
 
@@ -345,6 +400,8 @@ def cmd_report(argv: list[str]) -> int:
         print(reports[0].render())
     else:
         print(merge_reports(reports, args.paths))
+    if args.error_exitcode is not None and any(rep.findings for rep in reports):
+        return args.error_exitcode
     return 0
 
 

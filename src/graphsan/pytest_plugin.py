@@ -32,6 +32,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help=f"watch every CUDA graph for stale memory; POLICY one of {', '.join(POLICIES)} "
         f"(default {Policy.RAISE}; write --graphsan=POLICY)",
     )
+    group.addoption(
+        "--graphsan-suppressions",
+        metavar="FILE",
+        default=None,
+        help="with --graphsan: a YAML file of findings to suppress (counted in the summary)",
+    )
+    group.addoption(
+        "--graphsan-report",
+        metavar="PATH",
+        default=None,
+        help="with --graphsan: write the run's JSON report here",
+    )
 
 
 def _is_test_path(arg: str) -> bool:
@@ -80,9 +92,27 @@ def pytest_configure(config: pytest.Config) -> None:
             f"--graphsan: unknown policy {policy!r}; expected one of {', '.join(POLICIES)} "
             "(write --graphsan=POLICY)"
         )
+    entries = []
+    path = config.getoption("graphsan_suppressions", None)
+    if path is not None:
+        from graphsan.report import suppressions
+
+        try:
+            entries = suppressions.load(path)
+        except ValueError as err:
+            raise pytest.UsageError(f"--graphsan-suppressions {err}") from None
+    report = config.getoption("graphsan_report", None)
+    if report is not None:
+        from graphsan.command_line import CliError, check_output_file
+
+        try:
+            check_output_file(report, "--graphsan-report")
+        except CliError as err:
+            raise pytest.UsageError(str(err)) from None
     import graphsan
 
     config._graphsan = graphsan.enable(policy=policy)
+    config._graphsan.suppressions = entries
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -105,6 +135,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     san = getattr(config, "_graphsan", None)
     if san is None:
         return
+    path = config.getoption("graphsan_report", None)
+    if path is not None:  # idle too: the report says why
+        san.report().save(path)
+        terminalreporter.write_line(f"graphsan: report written to {path}")
     if not san.active and san.disabled_reason:
         terminalreporter.write_line(f"graphsan: idle ({san.disabled_reason}), policy {san.policy}")
         return
@@ -113,3 +147,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         f"graphsan: {len(san.graph_stats)} graph(s), {nodes} node(s) watched, "
         f"{len(san.findings)} finding(s), policy {san.policy}"
     )
+    suppressed = getattr(san, "suppressed", [])
+    if suppressed:
+        from graphsan.report.suppressions import summary
+
+        terminalreporter.write_line(f"graphsan: {summary(suppressed)}")

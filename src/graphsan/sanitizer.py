@@ -42,7 +42,8 @@ from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.host import HostWatch
 from graphsan.policies import POLICIES, Policy
 from graphsan.policies.pin import Pinner
-from graphsan.report import Report, StaleMemoryError, format_finding
+from graphsan.report import Report, StaleMemoryError, format_finding, suppressions
+from graphsan.report.suppressions import Suppression
 from graphsan.report.timeline import Timeline
 
 __all__ = ["POLICIES", "Policy", "Sanitizer", "check_policy", "rank_from_env"]
@@ -117,6 +118,9 @@ class Sanitizer:
         self._ids = itertools.count(1)
         self._labels: list[str] = []
         self._reported: set[tuple[int, int, str]] = set()
+        # findings matching one of these are counted in `suppressed`, never stop a replay
+        self.suppressions: list[Suppression] = []
+        self.suppressed: list[tuple[str, Finding]] = []
 
     # -- policy ------------------------------------------------------------------------------
     @property
@@ -227,6 +231,7 @@ class Sanitizer:
             tl.dropped,
             self.memory.allocator_log,
             dict(self.capture.calibration),
+            list(self.suppressed),
         )
 
     # -- labels -----------------------------------------------------------------------------
@@ -366,6 +371,7 @@ class Sanitizer:
                 self.graph_stats[info.id].replays_judged += 1
             if self.memory.polls:
                 state.dirty = True  # the next replay asks the driver again
+            findings = self._suppress(findings)
             if findings or judging:
                 stop = bool(findings) and self.policy.stops_replay
                 found_at = findings[0].found_at if findings else time.time()
@@ -377,6 +383,18 @@ class Sanitizer:
             return
         if findings:
             self._apply_policy(state, findings)
+
+    def _suppress(self, findings: list[Finding]) -> list[Finding]:
+        """The findings no suppression matches; the others are counted (once each)."""
+        if not findings or not self.suppressions:
+            return findings
+        kept, suppressed = suppressions.split(self.suppressions, findings)
+        for name, f in suppressed:
+            key = (*f.key, f.kind)
+            if key not in self._reported:
+                self._reported.add(key)
+                self.suppressed.append((name, f))
+        return kept
 
     def _apply_policy(self, state, findings: list[Finding]) -> None:
         new = []

@@ -20,7 +20,8 @@ SCHEMA = "graphsan.report"
 # captured_at and node summary, and the process's events (see graphsan.report.timeline);
 # 4 added the replay-order kind and its Finding.written_by and carved_by, and indirect
 # references' Finding.through and through_slot, and Finding.host (pinned host memory);
-# 5 added Finding.caveat and the report's layouts (graphsan.core.argstructs, per device)
+# 5 added Finding.caveat, the report's layouts (graphsan.core.argstructs, per device) and its
+# suppressed findings (graphsan.report.suppressions)
 SCHEMA_VERSION = 5
 READABLE_VERSIONS = (1, 2, 3, 4, 5)  # older reports read with the newer fields empty
 
@@ -61,6 +62,8 @@ class Report:
     allocator_log: str | None = None
     # per device: which argument-struct layouts the startup probe confirmed (else why not)
     layouts: dict[str, Any] = field(default_factory=dict)
+    # (suppression entry's name, finding) of each finding a suppression file matched
+    suppressed: list[tuple[str, Finding]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,6 +78,7 @@ class Report:
             "events_dropped": self.events_dropped,
             "allocator_log": self.allocator_log,
             "layouts": self.layouts,
+            "suppressed": [{"by": name, **finding_to_dict(f)} for name, f in self.suppressed],
         }
 
     def save(self, path: str) -> None:
@@ -113,7 +117,11 @@ class Report:
             f"graphsan report{who}: {len(self.graphs)} graph(s), {nodes} node(s) analysed, "
             f"{len(self.findings)} finding(s), policy {self.policy}"
         )
+        from graphsan.report.suppressions import summary
+
         body = [format_finding(f) for f in self.findings]
+        if self.suppressed:
+            body.append(summary(self.suppressed))
         if self.pinned:
             body.append(
                 f"pinned: {self.pinned.get('blocks', 0)} block(s), "
@@ -270,6 +278,12 @@ def _report_from_dict(data: dict[str, Any]) -> Report:
     _expect(data.get("allocator_log"), _OPT_STR, "allocator_log")
     layouts = data.get("layouts", {})
     _expect(layouts, (dict,), "layouts")
+    suppressed = data.get("suppressed", [])
+    _expect(suppressed, (list,), "suppressed")
+    for i, f in enumerate(suppressed):
+        _expect(f, (dict,), f"suppressed[{i}]")
+        _expect(f.get("by"), _STR, f"suppressed[{i}].by")
+        _check_finding({k: v for k, v in f.items() if k != "by"}, f"suppressed[{i}]")
     return Report(
         findings=[finding_from_dict(f) for f in findings],
         graphs=graphs,
@@ -280,4 +294,8 @@ def _report_from_dict(data: dict[str, Any]) -> Report:
         events_dropped=data.get("events_dropped", 0),
         allocator_log=data.get("allocator_log"),
         layouts=layouts,
+        suppressed=[
+            (f["by"], finding_from_dict({k: v for k, v in f.items() if k != "by"}))
+            for f in suppressed
+        ],
     )
