@@ -15,6 +15,8 @@ import pytest
 
 from tests.gpu_programs import ROOT
 
+pytest_plugins = ["pytester"]
+
 ENV = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), PYTHONUNBUFFERED="1")
 
 WAITER = """
@@ -145,3 +147,38 @@ def test_the_example_says_in_one_line_that_it_needs_a_gpu():
         "examples/stale_input.py needs an NVIDIA GPU; `graphsan report --sample stale-input` "
         "shows the report graphsan gives for it (recorded on an H200)"
     ]
+
+
+def test_run_gives_the_program_an_absolute_file_and_ranks_its_traceback(tmp_path):
+    prog = tmp_path / "prog.py"
+    prog.write_text("import os\nprint(os.path.isabs(__file__))\nraise ValueError('boom')\n")
+    env = dict(ENV, WORLD_SIZE="2", RANK="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphsan.cli", "run", "prog.py"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and proc.stdout.strip() == "True"
+    tb = [x for x in proc.stderr.splitlines() if "Traceback" in x or "ValueError" in x]
+    assert tb and all(x.startswith("[rank 1] ") for x in tb), proc.stderr
+
+
+def test_report_refuses_the_same_report_twice(tmp_path, capsys):
+    from graphsan.cli import main
+    from graphsan.report import Report
+
+    path = tmp_path / "r.json"
+    Report([]).save(str(path))
+    assert main(["report", str(path), str(tmp_path / "." / "r.json")]) == 2
+    assert "is given twice; each report counts once" in capsys.readouterr().err
+
+
+def test_the_plugin_says_when_the_policy_it_got_is_a_missing_test_path(pytester):
+    bad = pytester.runpytest_subprocess("--graphsan", "tests_typo_dir")
+    assert bad.ret != 0
+    bad.stderr.fnmatch_lines(
+        ["*unknown policy 'tests_typo_dir' (and no file or folder has that name)*"]
+    )

@@ -164,8 +164,8 @@ def _run_program(module: str | None, target: list[str]) -> None:
     """Run the program as `python script.py` / `python -m module` would."""
     import runpy
 
-    if module is None:
-        runpy.run_path(target[0], run_name="__main__")
+    if module is None:  # __file__ absolute, as `python script.py` sets it
+        runpy.run_path(os.path.abspath(target[0]), run_name="__main__")
         return
     from importlib.util import find_spec
 
@@ -208,7 +208,17 @@ def _print_user_traceback(exc: BaseException) -> None:
         if not (name in own or name.startswith("<frozen ") or name.endswith("importlib/util.py")):
             break
         tb = tb.tb_next
-    sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the hook prints exc's own traceback
+    exc = exc.with_traceback(tb)
+    from graphsan.sanitizer import rank_from_env
+
+    rank = rank_from_env()
+    if rank is None or sys.excepthook is not sys.__excepthook__:
+        sys.excepthook(type(exc), exc, tb)  # the hook prints exc's own traceback
+        return
+    import traceback  # under torchrun: every line says which rank it comes from
+
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
 
 
 def _write_report(san, path: str) -> bool:
@@ -360,6 +370,13 @@ def cmd_report(argv: list[str]) -> int:
     elif not args.paths:
         raise CliError("expected REPORT.json (or --sample NAME; see graphsan report --help)")
     inputs = {os.path.realpath(x) for x in args.paths}
+    if len(inputs) < len(args.paths):
+        twice = next(
+            x
+            for i, x in enumerate(args.paths)
+            if os.path.realpath(x) in {os.path.realpath(y) for y in args.paths[:i]}
+        )
+        raise CliError(f"{twice} is given twice; each report counts once")
     for path, option in ((args.html, "--html"), (args.trace, "--trace")):
         if path is not None:
             if os.path.realpath(path) in inputs:

@@ -88,9 +88,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if policy is None:
         return
     if policy not in POLICIES:
+        # `--graphsan tests_typo_dir`: argparse gave the policy a test path that does not exist
+        nothing = "" if os.path.exists(policy) else " (and no file or folder has that name)"
         raise pytest.UsageError(
-            f"--graphsan: unknown policy {policy!r}; expected one of {', '.join(POLICIES)} "
-            "(write --graphsan=POLICY)"
+            f"--graphsan: unknown policy {policy!r}{nothing}; expected one of "
+            f"{', '.join(POLICIES)} (write --graphsan=POLICY)"
         )
     entries = []
     path = config.getoption("graphsan_suppressions", None)
