@@ -187,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     """Run `graphsan train`: a bad option gives one error line and exit status 2, a run that
     diverges one line and exit status 1."""
     from graphsan.lab.quant import PrecisionConfigError, RecipeError
-    from graphsan.lab.train.trainer import TrainingDiverged, train
+    from graphsan.lab.train.trainer import TrainingDiverged, TrainingInterrupted, train
 
     try:
         cfg = config_from_args(args)
@@ -199,6 +199,10 @@ def main(args: argparse.Namespace) -> int:
         return _error(str(e))
     except TrainingDiverged as e:
         return _error(f"training diverged: {e} (a lower --lr may help)", status=1)
+    except TrainingInterrupted as e:
+        return _error(str(e), status=130)
+    except KeyboardInterrupt:  # before training started, or a second Ctrl-C
+        return _error("interrupted", status=130)
     except ValueError as e:
         # bad input found while building (model shape, data file, device): one line, no traceback
         return _error(str(e))

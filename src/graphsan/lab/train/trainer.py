@@ -77,6 +77,40 @@ class TrainingDiverged(Exception):
         self.iteration, self.loss, self.losses = iteration, loss, losses
 
 
+class TrainingInterrupted(Exception):
+    """Ctrl-C stopped training after `iteration` (the one in flight was finished first);
+    `checkpoint` is where it was saved (None without --save)."""
+
+    def __init__(self, iteration: int, checkpoint: str | None):
+        saved = f"; checkpoint saved to {checkpoint}" if checkpoint else ""
+        super().__init__(f"interrupted after iteration {iteration}{saved}")
+        self.iteration, self.checkpoint = iteration, checkpoint
+
+
+@contextmanager
+def _stop_after_iteration():
+    """Ctrl-C during training asks to stop once the iteration in flight is done (a second one
+    stops at once); yields a one-item list that holds True once asked."""
+    import signal
+    import threading
+
+    asked = [False]
+    if threading.current_thread() is not threading.main_thread():
+        yield asked
+        return
+
+    def handler(signum, frame):
+        if asked[0]:
+            raise KeyboardInterrupt
+        asked[0] = True
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield asked
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -375,10 +409,12 @@ class Trainer:
         cfg, result = self.cfg, self.result
         self._print_header()
         losses, mtp_losses, norms = [], [], []
-        with _manual_gc(cfg.manual_gc_interval):
+        with _manual_gc(cfg.manual_gc_interval), _stop_after_iteration() as stop:
             self.model.train()
             first = self.start_iteration
             for it in range(first, cfg.train_iters + 1):
+                if stop[0]:
+                    self._interrupted(it - 1)
                 if self.use_graphs and it == first + cfg.cuda_graph_warmup_steps:
                     self.capture_graphs()
                 self.clock.start_iteration(it)
@@ -402,6 +438,14 @@ class Trainer:
         result.peak_mem_gib = memory_gib(self.device)
         self._print_summary()
         return result
+
+    def _interrupted(self, done: int) -> None:
+        """Stop after iteration `done`, saving it first where --save asks for checkpoints."""
+        path = None
+        if self.cfg.save and done >= self.start_iteration:
+            self.save(done)
+            path = self.cfg.save
+        raise TrainingInterrupted(done, path)
 
     def _side_work(self, it: int) -> None:
         """Megatron's order after a train step: validation, checkpoint, manual GC."""
