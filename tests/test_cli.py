@@ -358,3 +358,31 @@ def test_the_readme_lists_every_environment_variable():
     table = readme[readme.index("| variable | values | default | effect |") :]
     for var in VARIABLES:
         assert f"| `{var.name}` |" in table, var.name
+
+
+@pytest.mark.parametrize(
+    "event, needle",
+    [
+        ({"kind": "free"}, "events[0]: key 't' is missing"),
+        ({"t": "noon", "kind": "free"}, "events[0].t is 'noon'; expected a number"),
+        ({"t": 1.0, "kind": "explode"}, "events[0].kind is 'explode'; expected one of capture"),
+    ],
+)
+def test_a_bad_event_is_one_line_not_a_crash_of_the_pages(tmp_path, capsys, event, needle):
+    data = _saved_report(tmp_path)
+    data["events"] = [event]
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(data))
+    for extra in ([], ["--html", str(tmp_path / "p.html")], ["--trace", str(tmp_path / "t.json")]):
+        assert main(["report", str(path), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+
+
+def test_the_report_format_document_is_rendered_from_the_schema():
+    from graphsan.report import format_doc
+
+    doc = Path(__file__).parent.parent / "docs" / "report-format.md"
+    assert doc.read_text() == format_doc.markdown(), (
+        "run: python -m graphsan.report.format_doc > docs/report-format.md"
+    )

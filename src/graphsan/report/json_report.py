@@ -12,7 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from graphsan.core.records import KINDS, Finding, GraphInfo
+from graphsan.core.records import Finding, GraphInfo
+from graphsan.report.schema import SchemaError, validate, validate_finding
 from graphsan.report.text import format_finding
 
 SCHEMA = "graphsan.report"
@@ -107,7 +108,7 @@ class Report:
             )
         try:
             return _report_from_dict(data)
-        except _BadReport as err:
+        except SchemaError as err:
             raise ValueError(f"{path}: not a valid graphsan report: {err}") from None
 
     def render(self) -> str:
@@ -147,153 +148,23 @@ def sample_path(name: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "samples", SAMPLES[name][0])
 
 
-class _BadReport(Exception):
-    """What is wrong in a report file, as `where: what; expected what`."""
-
-
-# The fields a saved report must have, with the types `render` and `merge_reports` rely on.
-_INT, _STR, _OPT_INT, _OPT_STR = (int,), (str,), (int, type(None)), (str, type(None))
-_FINDING_FIELDS = {
-    "kind": _STR,
-    "graph": (dict,),
-    "node": _INT,
-    "kernel": _STR,
-    "param": (int, str),
-    "offset": _INT,
-    "address": _INT,
-    "nbytes": _INT,
-    "block_address": _INT,
-    "pool": _STR,
-}
-_FINDING_OPTIONAL = {
-    "alloc_stack": (list,),
-    "free_stack": (list,),
-    "phase": _OPT_STR,
-    "step": _OPT_INT,
-    "free_op": _OPT_STR,
-    "now": _STR,
-    "other_nodes": _INT,
-    "rank": _OPT_INT,
-    "also_used_by": (list,),
-    "likely_cause": _STR,
-    "freed_at": (int, float, type(None)),
-    "found_at": (int, float, type(None)),
-    "written_by": _OPT_INT,
-    "carved_by": _OPT_INT,
-    "through": _OPT_INT,
-    "through_slot": _OPT_INT,
-    "host": (bool,),
-    "caveat": _OPT_STR,
-}
-_GRAPH_FIELDS = {"id": _INT, "label": _STR, "capture_site": (list,)}
-_GRAPH_OPTIONAL = {"pool": (list, type(None)), "device": _INT}
-_ALSO_FIELDS = {
-    "graph": _INT,
-    "label": _STR,
-    "node": _INT,
-    "kernel": _STR,
-    "param": (int, str),
-    "offset": _INT,
-}
-_TYPE_NAMES = {
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    list: "a list",
-    dict: "a mapping",
-    bool: "true or false",
-}
-
-
-def _expect(value: Any, types: tuple, where: str) -> None:
-    # bool is an int to Python, never to a report
-    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-        names = " or ".join(_TYPE_NAMES.get(t, "null") for t in types)
-        raise _BadReport(f"{where} is {value!r:.60}; expected {names}")
-
-
-def _check_fields(d: Any, required: dict, optional: dict, where: str) -> None:
-    _expect(d, (dict,), where)
-    for key, types in required.items():
-        if key not in d:
-            raise _BadReport(f"{where}: key '{key}' is missing")
-        _expect(d[key], types, f"{where}.{key}")
-    for key, value in d.items():
-        if key in optional:
-            _expect(value, optional[key], f"{where}.{key}")
-        elif key not in required:
-            known = ", ".join([*required, *optional])
-            raise _BadReport(f"{where}: unknown key '{key}'; expected some of {known}")
-
-
-def _check_frames(frames: list, where: str) -> None:
-    for i, frame in enumerate(frames):
-        ok = isinstance(frame, list) and len(frame) == 3
-        if ok:
-            file, line, name = frame
-            ok = isinstance(file, str) and isinstance(line, int) and isinstance(name, str)
-        if not ok:
-            raise _BadReport(f"{where}[{i}] is {frame!r:.60}; expected [file, line, function]")
-
-
-def _check_finding(d: Any, where: str) -> None:
-    _check_fields(d, _FINDING_FIELDS, _FINDING_OPTIONAL, where)
-    if d["kind"] not in KINDS:
-        raise _BadReport(f"{where}.kind is {d['kind']!r}; expected one of {', '.join(KINDS)}")
-    g = d["graph"]
-    _check_fields(g, _GRAPH_FIELDS, _GRAPH_OPTIONAL, f"{where}.graph")
-    _check_frames(g["capture_site"], f"{where}.graph.capture_site")
-    pool = g.get("pool")
-    if pool is not None and (len(pool) != 2 or not all(type(x) is int for x in pool)):
-        raise _BadReport(f"{where}.graph.pool is {pool!r:.60}; expected [int, int] or null")
-    for key in ("alloc_stack", "free_stack"):
-        _check_frames(d.get(key, []), f"{where}.{key}")
-    for i, u in enumerate(d.get("also_used_by", [])):
-        _check_fields(u, _ALSO_FIELDS, {}, f"{where}.also_used_by[{i}]")
-
-
 def _report_from_dict(data: dict[str, Any]) -> Report:
-    """A Report from a file's JSON, every field checked (a file may be hand-edited or truncated
-    by a tool): `_BadReport` names the first wrong field."""
-    findings = data.get("findings")
-    _expect(findings, (list,), "findings")
-    for i, f in enumerate(findings):
-        _check_finding(f, f"findings[{i}]")
-    graphs = data.get("graphs", [])
-    _expect(graphs, (list,), "graphs")
-    for i, g in enumerate(graphs):
-        _expect(g, (dict,), f"graphs[{i}]")
-        _expect(g.get("nodes", 0), _INT, f"graphs[{i}].nodes")
-    _expect(data.get("rank"), _OPT_INT, "rank")
-    _expect(data.get("policy", "raise"), _STR, "policy")
-    pinned = data.get("pinned", {})
-    _expect(pinned, (dict,), "pinned")
-    for key in ("blocks", "bytes"):
-        _expect(pinned.get(key, 0), _INT, f"pinned.{key}")
-    events = data.get("events", [])
-    _expect(events, (list,), "events")
-    for i, e in enumerate(events):
-        _expect(e, (dict,), f"events[{i}]")
-    _expect(data.get("events_dropped", 0), _INT, "events_dropped")
-    _expect(data.get("allocator_log"), _OPT_STR, "allocator_log")
-    layouts = data.get("layouts", {})
-    _expect(layouts, (dict,), "layouts")
+    """A Report from a file's JSON, checked against the report schema first (a file may be
+    hand-edited or truncated by a tool): SchemaError names the first wrong field."""
+    validate(data)
     suppressed = data.get("suppressed", [])
-    _expect(suppressed, (list,), "suppressed")
     for i, f in enumerate(suppressed):
-        _expect(f, (dict,), f"suppressed[{i}]")
-        _expect(f.get("by"), _STR, f"suppressed[{i}].by")
-        _check_finding({k: v for k, v in f.items() if k != "by"}, f"suppressed[{i}]")
+        validate_finding({k: v for k, v in f.items() if k != "by"}, f"suppressed[{i}]")
     return Report(
-        findings=[finding_from_dict(f) for f in findings],
-        graphs=graphs,
+        findings=[finding_from_dict(f) for f in data["findings"]],
+        graphs=data.get("graphs", []),
         rank=data.get("rank"),
         policy=data.get("policy", "raise"),
-        pinned=pinned,
-        events=events,
+        pinned=data.get("pinned", {}),
+        events=data.get("events", []),
         events_dropped=data.get("events_dropped", 0),
         allocator_log=data.get("allocator_log"),
-        layouts=layouts,
+        layouts=data.get("layouts", {}),
         suppressed=[
             (f["by"], finding_from_dict({k: v for k, v in f.items() if k != "by"}))
             for f in suppressed
