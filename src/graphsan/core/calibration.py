@@ -43,13 +43,6 @@ def _words(data: bytes) -> np.ndarray:
     return np.frombuffer(data[: len(data) // 8 * 8], "<u8")
 
 
-def _find(data: bytes, value: int, start: int = 0) -> int:
-    """Byte offset of the first 8-aligned word equal to `value` at or after `start`, or -1."""
-    hits = np.flatnonzero(_words(data) == np.uint64(value))
-    hits = hits[8 * hits >= start]
-    return int(8 * hits[0]) if len(hits) else -1
-
-
 def _find_run(data: bytes, values: list[int], start: int = 0) -> int:
     """Byte offset of the first 8-aligned run of words equal to `values`, at or after `start`,
     or -1. (A run, not a first word: stale copies of one address sit elsewhere in a struct.)"""
