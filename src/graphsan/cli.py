@@ -428,7 +428,8 @@ def _selftest_parser() -> OneLineParser:
         prog="graphsan selftest",
         description="Run graphsan's corpus of correct CUDA-graph programs, each with a broken "
         "twin, on this machine's GPU: every correct program must end with no finding, every "
-        "twin must be stopped before its bad replay. Exits 1 on any false alarm, miss or error.",
+        "twin must be stopped before its bad replay. Exits 1 on any false alarm, miss or error, 4 "
+        "on a machine without a GPU.",
         formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--list", action="store_true", help="list the programs (no GPU needed)")
