@@ -117,6 +117,7 @@ def _aligned_hits(
         return [], [], [], []
     lo, hi = memmap.bounds()
     counts = np.array([len(b) // 8 for _, b in bufs])
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))  # each buffer's first word
     words = np.frombuffer(b"".join(b for _, b in bufs), dtype="<u8")
     mask = (words >= lo) & (words < hi)
     if foreign is not None:
@@ -133,10 +134,9 @@ def _aligned_hits(
     hits, values = hits[ok], values[ok]
     caveats: list[str | None] = []
     if len(hits):
-        drop, caveats = _unread(nodes, bufs, counts, words, hits, layouts)
+        drop, caveats = _unread(nodes, bufs, starts, counts, words, hits, layouts)
         hits, values = hits[~drop], values[~drop]
         caveats = [c for c, d in zip(caveats, drop.tolist(), strict=True) if not d]
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     which = np.searchsorted(starts, hits, side="right") - 1
     positions = np.array([i for i, _ in bufs])
     return (
@@ -150,6 +150,7 @@ def _aligned_hits(
 def _unread(
     nodes: list[KernelArgs | CopyArgs],
     bufs: list[tuple[int, bytes]],
+    starts: np.ndarray,
     counts: np.ndarray,
     words: np.ndarray,
     hits: np.ndarray,
@@ -159,11 +160,9 @@ def _unread(
     reads, and the caveat of each: slots of PyTorch's argument structs the launch does not fill
     (`argstructs`), and the certain part of offset calculators found in PyTorch's other kernels
     (`offset_calc`)."""
-    drop = _in_calculators(nodes, bufs, counts, words, hits)
+    drop = _in_calculators(nodes, bufs, starts, counts, words, hits)
     caveats: list[str | None] = [None] * len(hits)
-    starts = 8 * np.concatenate(([0], np.cumsum(counts)[:-1]))
-    at = 8 * hits.astype(np.int64)
-    which = np.searchsorted(starts, at, side="right") - 1
+    which = np.searchsorted(starts, hits, side="right") - 1
     for k in np.unique(which).tolist():
         node = nodes[bufs[k][0]]
         if not argstructs.plan(node.name):
@@ -172,7 +171,7 @@ def _unread(
         if decoded is None:
             continue
         sel = np.flatnonzero(which == k)
-        rel = at[sel] - starts[k]
+        rel = 8 * (hits[sel].astype(np.int64) - starts[k])
         if decoded.dead:
             drop[sel] |= offset_calc.inside(decoded.dead, rel)
         if decoded.unsure:
@@ -184,20 +183,21 @@ def _unread(
 def _in_calculators(
     nodes: list[KernelArgs | CopyArgs],
     bufs: list[tuple[int, bytes]],
+    starts: np.ndarray,
     counts: np.ndarray,
     words: np.ndarray,
     hits: np.ndarray,
 ) -> np.ndarray:
     """Which hits (indexes of 64-bit words in the kernels' joined buffers) lie inside an offset
     calculator of a PyTorch kernel (`graphsan.core.offset_calc`)."""
-    starts = 8 * np.concatenate(([0], np.cumsum(counts)[:-1]))
+    byte_starts = 8 * starts
 
     def end_of(at: np.ndarray) -> np.ndarray:
         """Where the parameter holding each byte offset ends; -1 outside PyTorch's kernels."""
         out = []
-        which = (np.searchsorted(starts, at, side="right") - 1).tolist()
+        which = (np.searchsorted(byte_starts, at, side="right") - 1).tolist()
         for a, k in zip(at.tolist(), which, strict=True):
-            i, base, size = bufs[k][0], int(starts[k]), 8 * int(counts[k])
+            i, base, size = bufs[k][0], int(byte_starts[k]), 8 * int(counts[k])
             if not offset_calc.is_pytorch_kernel(nodes[i].name):
                 out.append(-1)
                 continue
