@@ -24,6 +24,9 @@ control trials, nothing:
     table-free    a buffer named in the address table is freed and its block reused
     replay-order  the pool-sharing graphs replay out of order (the third re-carved memory the
                   second has still to read)
+    live-output   four graphs of one pool captured in a 1F1B order (forward mb0, forward mb1,
+                  backward mb1, backward mb0) replay forward mb0, backward mb0, forward mb1:
+                  forward mb1 writes over backward mb0's gradient, which the caller holds
     mgc-data-rebind
                   `p.data = p.data.clone()` on a weight of the make_graphed_callables model: its
                   graphed callables keep the Parameter and replay against its old storage
@@ -61,7 +64,7 @@ from collections import Counter, defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_FAULTS = ("free", "free-reuse", "resize", "data-rebind", "set", "empty-cache")
-OTHER_FAULTS = ("host-free", "table-free", "replay-order")
+OTHER_FAULTS = ("host-free", "table-free", "replay-order", "live-output")
 MGC_FAULTS = ("mgc-data-rebind", "mgc-input-rebind")
 INTERNAL = ("internal-driver", "internal-node")
 KINDS = ("control", *DEVICE_FAULTS, *OTHER_FAULTS, *MGC_FAULTS, *INTERNAL)
@@ -207,6 +210,7 @@ class SideGraphs:
         with torch.cuda.graph(self.g[2], pool=pool):
             self.c = self.x * 3
         self.recarved = self.c.data_ptr() == a_ptr
+        self.pipeline = Pipeline(torch)
         self.keep = []
         self.mgc = GraphedBlocks(torch)
 
@@ -215,12 +219,41 @@ class SideGraphs:
         self.gather.replay()
         for i in order:
             self.g[i].replay()
+        self.pipeline.replay()
 
     def step(self, iteration: int) -> None:
         self.replay()
         self.mgc.step()
         if iteration % EVAL_INTERVAL == 0:  # when the lab validates
             self.mgc.evaluate()
+
+
+class Pipeline:
+    """Four graphs of one pool captured in a 1F1B order: forward mb0, forward mb1, backward mb1
+    (which drops mb1's activation), backward mb0, whose gradient is carved from that memory."""
+
+    ORDER = ("f0", "f1", "b1", "b0")
+
+    def __init__(self, torch):
+        n = 1 << 16
+        pool = torch.cuda.graph_pool_handle()
+        self.x = [torch.randn(n, device="cuda") for _ in range(2)]
+        self.g = {name: torch.cuda.CUDAGraph() for name in self.ORDER}
+        with torch.cuda.graph(self.g["f0"], pool=pool):
+            act0 = (self.x[0] * 3).sin()
+        with torch.cuda.graph(self.g["f1"], pool=pool):
+            act1 = (self.x[1] * 3).sin()
+        with torch.cuda.graph(self.g["b1"], pool=pool):
+            self.grad1 = act1 * 2
+        act1_ptr = act1.data_ptr()
+        del act1
+        with torch.cuda.graph(self.g["b0"], pool=pool):
+            self.grad0 = act0 * 2
+        self.recarved = self.grad0.data_ptr() == act1_ptr
+
+    def replay(self, order=ORDER) -> None:
+        for name in order:
+            self.g[name].replay()
 
 
 class Injector:
@@ -321,6 +354,12 @@ class Injector:
                 return
             self.injected = "replayed g0, g2, g1"
             self.side.replay(order=(0, 2, 1))
+        elif kind == "live-output":
+            if not self.side.pipeline.recarved:
+                self.injected = "no-hazard"  # backward mb0's gradient got memory of its own
+                return
+            self.injected = "replayed forward mb0, backward mb0, forward mb1"
+            self.side.pipeline.replay(order=("f0", "b0", "f1"))
         elif kind == "mgc-data-rebind":
             self.injected = self.side.mgc.rebind_weight(self.rng)
         elif kind == "mgc-input-rebind":

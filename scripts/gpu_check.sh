@@ -28,9 +28,11 @@ for part in ${*:-tests}; do
       timeout 580 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
     tests-parallel)  # every GPU test in 6 workers (pytest-xdist, in the GPU image); a failure is
       # run again alone, so that a test that only fails beside others shows as such
-      timeout 420 python3 -m pytest -q -m gpu tests -n 6 2>&1 | tee "$OUT/tests-parallel.log" | tail -15
-      if ! grep -qE "^[0-9]+ passed.* in " "$OUT/tests-parallel.log" || grep -qE "[0-9]+ (failed|error)" "$OUT/tests-parallel.log"; then
-        timeout 240 python3 -m pytest -q -m gpu tests --lf 2>&1 | tee "$OUT/tests-rerun.log" | tail -15
+      # (-v names each test as it ends, so a run cut short by its limit still says what failed)
+      timeout "${TESTS_LIMIT:-420}" python3 -m pytest -v -m gpu tests -n "${GPU_WORKERS:-6}" -rfE \
+        --durations=15 --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/tests-parallel.log" | tail -40
+      if grep -qE "[0-9]+ (failed|error)" "$OUT/tests-parallel.log"; then
+        timeout 240 python3 -m pytest -q -m gpu tests --lf --lfnf=none -rfE 2>&1 | tee "$OUT/tests-rerun.log" | tail -15
       fi ;;
     sanitizer-tests)
       timeout 300 python3 -m pytest -q -m gpu tests --ignore=tests/lab -p no:cacheprovider 2>&1 \

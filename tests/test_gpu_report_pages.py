@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from graphsan.report.json_report import SCHEMA_VERSION
 from tests.gpu_programs import ROOT
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +44,7 @@ def test_a_real_run_has_the_times_the_pages_draw(tmp_path):
     run = _cli("run", "--report", str(report), str(script), env=env)
     assert "UNMAPPED" in run.stderr, run.stderr[-3000:]
     data = json.loads(report.read_text())
-    assert data["version"] == 4
+    assert data["version"] == SCHEMA_VERSION
     (graph,) = data["graphs"]
     (f,) = data["findings"]
     assert graph["captured_at"] <= f["freed_at"] <= f["found_at"]

@@ -62,7 +62,7 @@ def test_the_startup_probe_confirms_every_family():
 
 
 def test_enable_under_cuda_malloc_async_says_one_line_and_stops_a_stale_replay():
-    rc, result, log = run_program("freed_empty_cache", policy="raise", env=ASYNC)
+    rc, result, log = run_program("async_stale", policy="raise", env=ASYNC)
     assert rc == 0, log[-3000:]
     assert log.count("the cudaMallocAsync allocator backend keeps no block map") == 1
     assert result["replay"] == "raised", log[-3000:]

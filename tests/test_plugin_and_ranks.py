@@ -10,6 +10,7 @@ import pytest
 
 from graphsan.cli import main, report_path_for
 from graphsan.report import (
+    SCHEMA_VERSION,
     Finding,
     GraphInfo,
     Report,
@@ -99,7 +100,7 @@ def test_report_round_trip_and_version_check(tmp_path):
     back = Report.load(str(path))
     assert back.findings == rep.findings and back.rank == 0
     data = json.loads(path.read_text())
-    assert data["version"] == 5
+    assert data["version"] == SCHEMA_VERSION
     v1 = dict(data, version=1, findings=[dict(data["findings"][0])])
     del v1["findings"][0]["also_used_by"]  # written before version 2 added it
     path.write_text(json.dumps(v1))

@@ -39,9 +39,10 @@ def three_successive():
     return tracker, orders, (g0, g1, g2)
 
 
-def test_the_reader_is_checked_and_the_carvers_replays_are_counted():
+def test_the_reader_and_the_overwriter_are_checked_and_the_carvers_replays_are_counted():
     _, orders, (g0, g1, g2) = three_successive()
-    assert (g0.reads, g1.reads, g2.reads) == (False, True, False)
+    # g1 reads c; g0 writes c, where g2 carved its output
+    assert (g0.reads, g1.reads, g2.reads) == (True, True, False)
     assert g0.order is g2.order is orders.orders[(0, POOL)]
     assert orders.hazards(g0) == [] and orders.hazards(g1) == []
 

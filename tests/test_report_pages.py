@@ -17,7 +17,7 @@ from html import unescape
 import pytest
 
 from graphsan.cli import main
-from graphsan.report import Finding, GraphInfo, Report, short_kernel
+from graphsan.report import SCHEMA_VERSION, Finding, GraphInfo, Report, short_kernel
 from graphsan.report.pages import check_output
 from graphsan.report.pages.matrix import matrix_view, render_matrix
 from graphsan.report.pages.report_page import kernel_signature, render_report, report_view
@@ -205,7 +205,7 @@ def test_report_v3_round_trips_and_v2_still_loads(tmp_path):
     assert back.findings == rep.findings and back.events == rep.events
     assert back.allocator_log == rep.allocator_log
     data = json.loads((tmp_path / "r.json").read_text())
-    assert data["version"] == 5
+    assert data["version"] == SCHEMA_VERSION
     for f in data["findings"]:
         del f["freed_at"], f["found_at"]
     del data["events"], data["events_dropped"], data["allocator_log"]

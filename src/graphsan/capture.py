@@ -109,9 +109,12 @@ class CaptureAnalysis:
             from graphsan.cuda import driver
             from graphsan.cuda.calibrate import calibrate
 
-            layouts, seconds = calibrate(
-                lambda stream: self._walk_handle(driver.capturing_graph(stream))[0]
-            )
+            try:
+                layouts, seconds = calibrate(
+                    lambda stream: self._walk_handle(driver.capturing_graph(stream))[0]
+                )
+            finally:
+                self.memory.captured_unseen()
         except Exception as err:
             why = f"the probe failed: {type(err).__name__}: {err}"[:200]
             layouts, seconds = Layouts(why=tuple((f, why) for f in FAMILIES)), 0.0

@@ -247,7 +247,12 @@ class Sanitizer:
         if not self.active:
             return
         try:
-            self.capture.prepare(torch.cuda.current_device())
+            device = torch.cuda.current_device()
+            if self.pinner is not None and device not in self.capture.layouts:
+                # the probe's objects can push the capture's inputs out of the young
+                # generations, where the pinner looks for them: list them first
+                graph.__dict__[_YOUNG] = self.pinner.young_tensors()
+            self.capture.prepare(device)
         except Exception as err:
             self._internal_error(err)
 
@@ -268,7 +273,8 @@ class Sanitizer:
             tag = self.memory.capture_started(gid, torch.cuda.current_stream().cuda_stream)
             graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device(), tag)
             if self.pinner is not None:
-                graph.__dict__[_YOUNG] = self.pinner.young_tensors()
+                before = graph.__dict__.get(_YOUNG, [])
+                graph.__dict__[_YOUNG] = before + self.pinner.young_tensors()
             self.timeline.capture_begun(gid)
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
@@ -354,6 +360,12 @@ class Sanitizer:
                 phase, step = self.context.current()
                 judged = Judged(self.rank, time.time())
                 findings = self.pool_orders.findings(info, hazards, phase, step, judged)
+            overs = self.pool_orders.overwritten(state) if not self.memory.polls else []
+            if overs:
+                phase, step = self.context.current()
+                view = self.memory.view(info.device)
+                judged = Judged(self.rank, time.time())
+                findings += self.pool_orders.live_outputs(info, overs, view, phase, step, judged)
             if self.memory.polls:
                 self.memory.poll(state)
             if state.dirty and not any(wb.freed is not None for wb in state.blocks.values()):

@@ -18,6 +18,15 @@ as they replay in capture order. The model, per pool:
   order since the last restart, and how far: a reader whose producers all ran in this pass,
   and that comes before the next carver, is clean without looking at its ranges.
 
+The caller is a reader too. A capture can carve memory an earlier graph of the pool used as
+scratch and hand it out as an output the caller keeps (a backward's input gradient in a pipeline
+schedule). Replaying the earlier graph then writes over that output. In capture order, and at a
+restart, that output belongs to a finished pass; out of capture order, when the output's producer
+ran after the earlier graph last did, the caller has not read it yet. That `Overwrite` is judged
+only in pools where graphs pass data to each other (some graph reads another's range): graphs of
+one pool that never do (one graph per batch size, replayed in any order) each hand their output to
+the caller before the next replay.
+
 A replay costs a clock tick and that order bookkeeping, whatever the graph's size; a reader out
 of order is checked per range it reads (its own footprint, never the number of graphs). A
 reference counts as a read: the model cannot tell a kernel's reads from its writes, so a graph
@@ -58,6 +67,18 @@ class Conflict:
     site: object = None  # the producer's allocation stack of the range
 
 
+@dataclass(frozen=True)
+class Overwrite:
+    """A replay of `writer` writes [start, end): memory `producer`, captured later, carved from
+    `writer`'s scratch; `site` is the producer's allocation stack of its carve."""
+
+    writer: GraphId
+    start: DataPtr
+    end: DataPtr
+    producer: GraphId
+    site: object = None
+
+
 @dataclass(eq=False)
 class Watched:
     """A range one graph writes and others read."""
@@ -89,6 +110,14 @@ class PoolOrder:
     _longest: int = 0
     _count: int = 0
     reads: dict[GraphId, list[tuple[Watched, Reference]]] = field(default_factory=dict)
+    # per carver its carved ranges; the carvers of each range that no later capture carved
+    # over yet; the carvers some later capture did carve over (their replays can overwrite)
+    _carves_of: dict[GraphId, list[tuple[DataPtr, DataPtr]]] = field(default_factory=dict)
+    _not_carved_over: dict[tuple[DataPtr, DataPtr], list[GraphId]] = field(default_factory=dict)
+    _carved_over: set[GraphId] = field(default_factory=set)
+    _newly_carved_over: list[GraphId] = field(default_factory=list)
+    # per carver, its first reference (node order) into each of its carves, by carve start
+    _first_refs: dict[GraphId, dict[DataPtr, Reference]] = field(default_factory=dict)
     writes: dict[GraphId, list[Watched]] = field(default_factory=dict)
     clock: int = 0
     last: dict[GraphId, int] = field(default_factory=dict)  # graph -> clock of its last replay
@@ -106,31 +135,40 @@ class PoolOrder:
     _pending: tuple | None = None
 
     # -- capture ------------------------------------------------------------------------------
-    def defer(self, gid: GraphId, carved: list[tuple[DataPtr, int, object]]) -> bool:
+    def defer(
+        self,
+        gid: GraphId,
+        carved: list[tuple[DataPtr, int, object]],
+        first_refs: dict[DataPtr, Reference] | None = None,
+    ) -> bool:
         """Keep the pool's first capture for `add_graph` when the order next needs it; False
         (nothing kept) for any later capture, which the caller adds at once. It needs no
         references: the first graph of a pool can only point into its own carves, which are no
         reads."""
         if self.sequence or self._pending is not None:
             return False
-        self._pending = (gid, list(carved))
+        self._pending = (gid, list(carved), first_refs)
         return True
 
     def _settle(self) -> None:
         if self._pending is not None:
-            gid, carved = self._pending
+            gid, carved, first_refs = self._pending
             self._pending = None
-            self.add_graph(gid, carved, [])
+            self.add_graph(gid, carved, [], first_refs)
 
     def add_graph(
         self,
         gid: GraphId,
         carved: list[tuple[DataPtr, int, object]],
         refs: list[Reference],
+        first_refs: dict[DataPtr, Reference] | None = None,
     ) -> set[GraphId]:
-        """Register capture `gid`: the ranges it carved ((address, size, site)) and its
-        references. Returns the readers that a range they read can now be overwritten for."""
+        """Register capture `gid`: the ranges it carved ((address, size, site)), its references
+        and its first reference into each carve (by carve start, `first_refs_into`). Returns
+        the readers that a range they read can now be overwritten for."""
         self._settle()
+        if first_refs:
+            self._first_refs[gid] = first_refs
         self._place[gid] = len(self.sequence)
         self.sequence.append(gid)
         readers: set[GraphId] = set()
@@ -149,6 +187,15 @@ class PoolOrder:
                     w.writers.add(gid)
                     self.writes.setdefault(gid, []).append(w)
                     readers |= w.readers
+        for c in carves:  # memory earlier graphs carved, carved again here
+            for key in self._overlapping(self._ranges, c.start, c.end):
+                earlier = self._not_carved_over.pop(key, None)
+                for g in earlier or ():
+                    if g != gid and g not in self._carved_over:
+                        self._carved_over.add(g)
+                        self._newly_carved_over.append(g)
+        if carves:
+            self._carves_of[gid] = [(c.start, c.end) for c in carves]
         for c in carves:
             key = (c.start, c.end)
             if key not in self._carved_by:
@@ -156,6 +203,7 @@ class PoolOrder:
                 bisect.insort(self._ranges, key)
                 self._longest = max(self._longest, c.end - c.start)
             self._carved_by[key].add(gid)
+            self._not_carved_over.setdefault(key, []).append(gid)
             self._carve(c)
         seen: set[tuple[DataPtr, DataPtr]] = set()
         for ref in sorted(refs, key=lambda r: r.node):  # this graph's reads
@@ -234,6 +282,9 @@ class PoolOrder:
         self._settle()
         for w, _ in self.reads.pop(gid, ()):
             w.readers.discard(gid)
+        self._carves_of.pop(gid, None)
+        self._first_refs.pop(gid, None)
+        self._carved_over.discard(gid)
         # its readers read what no replay rewrites now: capture order no longer clears them
         for w in self._watched_by_key.values():
             if w.producer == gid:
@@ -282,6 +333,62 @@ class PoolOrder:
                 out.append(Conflict(gid, w.start, w.end, w.producer, owner, ref, w.site))
         return out
 
+    def new_overwriters(self) -> list[GraphId]:
+        """The graphs whose replays can now write over a later graph's output, each once, from
+        when graphs of the pool pass data to each other (see the module docstring)."""
+        if not self.reads:
+            return []
+        new, self._newly_carved_over = self._newly_carved_over, []
+        return [g for g in new if g in self._carved_over]
+
+    def first_ref(self, gid: GraphId, start: DataPtr, end: DataPtr) -> Reference | None:
+        """`gid`'s first reference into its carves that overlap [start, end)."""
+        refs = self._first_refs.get(gid, {})
+        hits = [
+            refs[s] for s, e in self._carves_of.get(gid, ()) if s < end and e > start and s in refs
+        ]
+        return min(hits, key=lambda r: r.node) if hits else None
+
+    def overwritten(self, gid: GraphId) -> list[Overwrite]:
+        """The ranges a replay of `gid` now would write that hold the latest carve of a graph
+        captured later, which ran after `gid` last did: outputs the caller has not read yet, if
+        the caller still holds them (that is the caller's to check). Judged out of capture
+        order, in pools whose graphs pass data to each other."""
+        if gid not in self._carved_over or not self.reads or self.in_order(gid):
+            return []
+        mine, place, last = self.last.get(gid, 0), self._place[gid], self.last
+        out = []
+        for start, end in self._carves_of.get(gid, ()):
+            i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+            while i < len(self._latest) and self._latest[i].start < end:
+                c = self._latest[i]
+                i += 1
+                if c.end <= start or c.graph == gid:
+                    continue
+                theirs = last.get(c.graph, 0)
+                if self._place.get(c.graph, -1) <= place or theirs <= mine:
+                    continue
+                lo, hi = max(start, c.start), min(end, c.end)
+                if self._written_since(lo, hi, c.graph, theirs):
+                    continue  # its data there is gone already (found at that replay)
+                out.append(Overwrite(gid, lo, hi, c.graph, c.site))
+        return out
+
+    def _written_since(self, lo: DataPtr, hi: DataPtr, producer: GraphId, clock: int) -> bool:
+        """Whether a graph other than `producer` that carved memory in [lo, hi) replayed after
+        `clock`."""
+        last = self.last
+        return any(
+            g != producer and last.get(g, 0) > clock
+            for key in self._overlapping(self._ranges, lo, hi)
+            for g in self._carved_by[key]
+        )
+
+    def producer_at(self, addr: DataPtr) -> GraphId | None:
+        """The graph that carved `addr` last (None: no capture of the pool did)."""
+        c = self._carve_at(addr)
+        return c.graph if c is not None else None
+
     def replayed(self, gid: GraphId) -> None:
         """`gid` ran: it wrote every range it carves (it owns them until another writer runs).
         Only a shared pool's graphs are counted, so nothing is pending here."""
@@ -298,3 +405,19 @@ class PoolOrder:
 
     def _reached_graph(self) -> GraphId | None:
         return self.sequence[self._reached] if self._reached >= 0 else None
+
+
+def first_refs_into(
+    carved: list[tuple[DataPtr, int, object]], refs: list[Reference]
+) -> dict[DataPtr, Reference]:
+    """Per carve start, the first reference (node order) that points into that carve."""
+    carves = sorted((a, a + n) for a, n, _ in carved if n > 0)
+    starts = [a for a, _ in carves]
+    out: dict[DataPtr, Reference] = {}
+    for ref in refs:
+        i = bisect.bisect_right(starts, ref.address) - 1
+        if i >= 0 and ref.address < carves[i][1]:
+            best = out.get(starts[i])
+            if best is None or ref.node < best.node:
+                out[starts[i]] = ref
+    return out

@@ -39,6 +39,7 @@ class Kind(str, Enum):
     UNMAPPED = "unmapped"
     POOL_REUSE = "pool-reuse"
     REPLAY_ORDER = "replay-order"
+    LIVE_OUTPUT = "live-output"
 
     # print as the bare value, like the strings these replace
     __str__ = str.__str__
@@ -66,6 +67,11 @@ _CAUSES = {
     "graph of the pool carved memory this graph reads and ran after the graph that writes it; "
     "the replay would read the later graph's data (replay the writer first, or give the graphs "
     "separate pools)",
+    Kind.LIVE_OUTPUT: "graphs sharing a memory pool replayed out of capture order: a graph "
+    "captured later carved its output from this graph's scratch memory and ran after this graph "
+    "last did; the caller still holds that output and would read this graph's data there "
+    "(replay in capture order, read the output first, or give the graphs separate pools; pin "
+    "cannot help: this is an order, not a lifetime)",
 }
 KINDS = tuple(k.value for k in Kind)
 # the causes of findings about pinned host memory (a graph's memcpy node reads or writes it)
@@ -256,9 +262,13 @@ class Finding:
     freed_at: float | None = None
     found_at: float | None = None
     # replay-order findings: the graph that last wrote the range for this one, and the graph
-    # captured later that re-carved it and has replayed since
+    # captured later that re-carved it and has replayed since; live-output findings: the graph
+    # whose output the replay would overwrite
     written_by: int | None = None
     carved_by: int | None = None
+    # live-output findings: the pool's replay count at the output's producer's last replay, and
+    # the count this replay would have (`written_by` names the producer)
+    replays: tuple[int, int] | None = None
     # an indirect reference: `address` sits at byte `through_slot` of the block at `through`,
     # a pointer table the node's argument (`param`, `offset`) points at
     through: int | None = None

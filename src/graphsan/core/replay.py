@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from graphsan.core.memory_map import SegmentIndex
-from graphsan.core.order import Conflict, PoolOrder
+from graphsan.core.order import Conflict, Overwrite, PoolOrder, first_refs_into
 from graphsan.core.records import (
     DataPtr,
     Finding,
@@ -57,12 +57,14 @@ class ReplayOrders:
             if not in_pool:
                 return  # nothing carved: no later graph of the pool can depend on this one
             order = self.orders[key] = PoolOrder()
+        firsts = first_refs_into(in_pool, refs) if in_pool else None
         if in_pool:
             order.carvers.add(info.id)
-        if order.defer(info.id, in_pool):
+        if order.defer(info.id, in_pool, firsts):
             return  # alone in its pool: registered when a second capture joins it
         graphs = self.tracker.graphs
-        for gid in order.add_graph(info.id, in_pool, refs):
+        checked = order.add_graph(info.id, in_pool, refs, firsts)
+        for gid in [*checked, *order.new_overwriters()]:
             g = graphs.get(gid)
             if g is not None:
                 g.reads, g.read_order = True, order
@@ -102,6 +104,83 @@ class ReplayOrders:
         order = self.orders.get((state.info.device, state.info.pool))
         return order.hazards(state.info.id) if order is not None else []
 
+    def overwritten(self, state: GraphState) -> list[Overwrite]:
+        """The later graphs' outputs a replay of the graph now would write over, if the caller
+        still holds them (`live_outputs` asks the allocator)."""
+        if not state.reads:
+            return []
+        order = self.orders.get((state.info.device, state.info.pool))
+        return order.overwritten(state.info.id) if order is not None else []
+
+    def live_outputs(
+        self,
+        info: GraphInfo,
+        overs: list[Overwrite],
+        view: SegmentIndex,
+        phase: str | None,
+        step: int | None,
+        judged: Judged,
+    ) -> list[Finding]:
+        """A live-output finding per block the caller holds in the ranges of `overs`: memory a
+        later graph of the pool carved as its output, and that graph's latest carve there."""
+        order = self.orders[(info.device, info.pool)]
+        out: list[Finding] = []
+        seen: set[DataPtr] = set()
+        for o in overs:
+            for seg in view.segments_in(o.start, o.end):
+                if seg.pool != info.pool:
+                    continue
+                blk = seg.allocated_in(o.start, o.end)
+                if blk is None or blk.address in seen:
+                    continue
+                if order.producer_at(max(blk.address, o.start)) != o.producer:
+                    continue  # another capture carved it since, or eager code allocated it
+                seen.add(blk.address)
+                out.append(self._live_output(info, order, o, blk, phase, step, judged))
+        return out
+
+    def _live_output(
+        self,
+        info: GraphInfo,
+        order: PoolOrder,
+        o: Overwrite,
+        blk,
+        phase: str | None,
+        step: int | None,
+        judged: Judged,
+    ) -> Finding:
+        ref = order.first_ref(o.writer, o.start, o.end)
+        last_mine = order.last.get(o.writer)
+        mine = f"#{last_mine}" if last_mine else "none since capture"
+        return Finding(
+            kind=Kind.LIVE_OUTPUT,
+            graph=info,
+            node=ref.node if ref is not None else -1,
+            kernel=ref.kernel if ref is not None else "",
+            param=ref.param if ref is not None else "",
+            offset=ref.offset if ref is not None else 0,
+            address=ref.address if ref is not None else o.start,
+            nbytes=blk.size,
+            block_address=blk.address,
+            pool=pool_name(info.pool, info.pool),
+            alloc_stack=tuple(self.site_frames(o.site)),
+            phase=phase,
+            step=step,
+            now=(
+                f"holds the output of {self._who(o.producer)} from the pool's replay "
+                f"#{order.last.get(o.producer)}, still held by the caller; this replay would be "
+                f"#{order.clock + 1} and writes over it (this graph's last replay: {mine})"
+            ),
+            rank=judged.rank,
+            found_at=judged.found_at,
+            written_by=o.producer,
+            replays=(order.last.get(o.producer, 0), order.clock + 1),
+        )
+
+    def _who(self, gid: GraphId) -> str:
+        g = self.tracker.graphs.get(gid)
+        return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
+
     def findings(
         self,
         info: GraphInfo,
@@ -117,12 +196,7 @@ class ReplayOrders:
     def _finding(
         self, info: GraphInfo, c: Conflict, phase: str | None, step: int | None, judged: Judged
     ) -> Finding:
-        graphs = self.tracker.graphs
-
-        def who(gid: GraphId) -> str:
-            g = graphs.get(gid)
-            return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
-
+        who = self._who
         return Finding(
             kind=Kind.REPLAY_ORDER,
             graph=info,

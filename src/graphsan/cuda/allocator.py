@@ -438,6 +438,11 @@ class AllocatorWatch:
         self.carves.pop(tag, None)
         self._reseed = True
 
+    def captured_unseen(self) -> None:
+        """Captures graphsan did not hook (its own startup probe) routed segments to pools the
+        log cannot name: the next drain seeds the views afresh."""
+        self._reseed = True
+
     def _clear_log(self) -> None:
         self._record(clear=True)
 

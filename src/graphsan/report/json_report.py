@@ -22,9 +22,10 @@ SCHEMA = "graphsan.report"
 # 4 added the replay-order kind and its Finding.written_by and carved_by, and indirect
 # references' Finding.through and through_slot, and Finding.host (pinned host memory);
 # 5 added Finding.caveat, the report's layouts (graphsan.core.argstructs, per device) and its
-# suppressed findings (graphsan.report.suppressions)
-SCHEMA_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)  # older reports read with the newer fields empty
+# suppressed findings (graphsan.report.suppressions); 6 added the live-output kind and its
+# Finding.replays
+SCHEMA_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)  # older reports read with the newer fields empty
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:
@@ -43,6 +44,8 @@ def finding_from_dict(d: dict[str, Any]) -> Finding:
         g["pool"] = tuple(g["pool"])
     for k in ("alloc_stack", "free_stack"):
         d[k] = tuple(tuple(x) for x in d.get(k, []))
+    if d.get("replays") is not None:
+        d["replays"] = tuple(d["replays"])
     return Finding(graph=GraphInfo(**g), **d)
 
 

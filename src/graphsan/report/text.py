@@ -18,6 +18,8 @@ def one_line(f: Finding) -> str:
     """The finding in one line: kind, graph, kernel, buffer, free site."""
     if f.kind is Kind.REPLAY_ORDER:
         what = f"written by graph #{f.written_by}, overwritten by graph #{f.carved_by}"
+    elif f.kind is Kind.LIVE_OUTPUT:
+        what = f"holds graph #{f.written_by}'s output, still held by the caller"
     else:
         free = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
         what = f"freed at {free}"
@@ -133,6 +135,12 @@ def format_finding(f: Finding) -> str:
         lines.append(
             f"  order: replayed after graph #{f.carved_by} overwrote the range and before "
             f"graph #{f.written_by} wrote it again{when(f.phase, f.step)}"
+        )
+    elif f.kind is Kind.LIVE_OUTPUT:
+        mine, theirs = (f.replays[1], f.replays[0]) if f.replays else ("?", "?")
+        lines.append(
+            f"  order: this would be the pool's replay #{mine}; graph #{f.written_by} wrote the "
+            f"output at replay #{theirs}, after this graph last ran{when(f.phase, f.step)}"
         )
     elif f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
         lines.append("  freed: before the capture ended (the graph captured memory already free)")

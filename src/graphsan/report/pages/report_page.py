@@ -267,8 +267,8 @@ def _life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
                 "site": "",
             }
         )
-    if f.kind == "replay-order":
-        free_what, free_site = "", ""  # nothing was freed: another graph overwrote the range
+    if f.kind in ("replay-order", "live-output"):
+        free_what, free_site = "", ""  # nothing was freed: a graph overwrites the range
     elif f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
         free_what, free_site = "already free when the capture ended", ""
     else:
@@ -324,6 +324,7 @@ def _now_title(f: Finding) -> str:
         "moved": "the tensor's storage moved",
         "freed": "free in the allocator's cache",
         "replay-order": "overwritten by a graph captured later into the same pool",
+        "live-output": "another graph's output the caller still holds",
     }.get(f.kind, "now")
 
 

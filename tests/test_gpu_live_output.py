@@ -1,0 +1,42 @@
+"""A pipeline schedule's graphs on a real GPU: four graphs of one pool captured in a 1F1B order,
+replayed in capture order (quiet and correct) and in another schedule, which writes forward
+mb1's activation over backward mb0's gradient while the caller holds it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu_programs import prefetch, run_program
+
+pytestmark = pytest.mark.gpu
+
+POLICIES = ("off", "raise", "pin")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _all_policies_side_by_side():
+    prefetch([("pipeline_schedule", p, None) for p in POLICIES])
+
+
+def test_the_other_schedule_corrupts_the_gradient_without_graphsan():
+    rc, result, log = run_program("pipeline_schedule", policy="off")
+    assert rc == 0, log[-3000:]
+    assert result["shares"] and result["in_order"] == (["replayed"] * 4 + [True]) * 3
+    assert result["schedule"] == ["replayed"] * 3
+    assert result["grad0_correct"] is False, "forward mb1 did not overwrite the gradient"
+    assert result["healthy"]
+
+
+@pytest.mark.parametrize("policy", ["raise", "pin"])
+def test_graphsan_stops_forward_mb1_before_it_overwrites_the_gradient(policy):
+    rc, result, log = run_program("pipeline_schedule", policy=policy)
+    assert rc == 0, log[-3000:]
+    assert result["in_order"] == (["replayed"] * 4 + [True]) * 3, log[-3000:]
+    assert result["schedule"] == ["replayed", "replayed", "raised"], log[-3000:]
+    assert result["error_kinds"] == ["live-output"]
+    assert result["grad0_correct"] is True and result["healthy"]
+    text = result["error_text"]
+    assert "LIVE-OUTPUT" in text and "pin cannot help" in text
+    assert "prog_pipeline_schedule.py" in text  # the gradient's allocation site
+    (f,) = result["findings"]
+    assert f["written_by"] is not None and f["label"].startswith("prog_pipeline_schedule.py")
