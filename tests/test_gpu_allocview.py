@@ -39,4 +39,5 @@ def test_the_view_follows_the_real_allocator(seed, expandable, log, chunk):
         assert res["log"] == "snapshot (GRAPHSAN_TRACELOG=0)" and res["history"] is not False, res
     assert res["checks"] == 40 and res["mismatches"] == 0, res
     assert res["events"] > 100, res  # the view followed the log, it was not reseeded each time
-    assert res["seeds"] == 1, res
+    # once; the snapshot log's view once more after the startup probe's own captures
+    assert res["seeds"] == (1 if log == "tracker" else 2), res

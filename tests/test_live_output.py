@@ -71,6 +71,14 @@ def test_another_schedule_writes_forward_mb1_over_backward_mb0s_output():
     assert o.first_ref(F1, w.start, w.end).address == ref(1).address
 
 
+def test_outputs_of_the_last_pass_are_not_this_passs_to_protect():
+    """Backward mb1 carves its gradient from the forwards' scratch: after a full pass the next
+    one restarts at forward mb0, and forward mb1 may write over last pass's gradient."""
+    captures = dict(CAPTURES)
+    captures[B1] = (carve(4), [ref(1), ref(4, 1)])
+    assert run(one_f_one_b(captures), [F0, F1, B1, B0, F0, B0, F1]) == [(F1, B0)]
+
+
 def test_the_writer_having_run_after_the_producer_is_quiet():
     o = one_f_one_b()
     assert run(o, [F0, F1, B0, B1, B0]) == []  # backward mb0 ran last: its output is fresh

@@ -130,6 +130,7 @@ class PoolOrder:
     # since the last restart the carvers replayed in capture order up to place `_reached`
     _in_order: bool = False
     _reached: int = -1
+    _pass_start: int = 0  # the clock of the last restart
     # the pool's first capture, registered once a second one joins it or the order is asked
     # about it: alone in its pool, a graph's replays cannot conflict (most pools are one graph's)
     _pending: tuple | None = None
@@ -351,12 +352,18 @@ class PoolOrder:
 
     def overwritten(self, gid: GraphId) -> list[Overwrite]:
         """The ranges a replay of `gid` now would write that hold the latest carve of a graph
-        captured later, which ran after `gid` last did: outputs the caller has not read yet, if
+        captured later, which ran in this pass after `gid` last did (and nothing wrote there
+        since): outputs the caller has not read yet, if
         the caller still holds them (that is the caller's to check). Judged out of capture
         order, in pools whose graphs pass data to each other."""
         if gid not in self._carved_over or not self.reads or self.in_order(gid):
             return []
-        mine, place, last = self.last.get(gid, 0), self._place[gid], self.last
+        # outputs of an earlier pass were the caller's to read before the restart
+        mine, place, last = (
+            max(self.last.get(gid, 0), self._pass_start),
+            self._place[gid],
+            self.last,
+        )
         out = []
         for start, end in self._carves_of.get(gid, ()):
             i = max(bisect.bisect_right(self._starts, start) - 1, 0)
@@ -399,6 +406,7 @@ class PoolOrder:
             return  # it carved nothing: the order of the pass does not change
         if i == 0:
             self._in_order = True  # a pass restarts
+            self._pass_start = self.clock
         elif not (self._in_order and self._chain[i - 1] == self._reached_graph()):
             self._in_order = False
         self._reached = self._place[gid]

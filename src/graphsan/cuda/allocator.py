@@ -439,9 +439,10 @@ class AllocatorWatch:
         self._reseed = True
 
     def captured_unseen(self) -> None:
-        """Captures graphsan did not hook (its own startup probe) routed segments to pools the
-        log cannot name: the next drain seeds the views afresh."""
-        self._reseed = True
+        """Captures graphsan did not hook (its own startup probe) routed segments to pools that
+        snapshots' logs cannot name (the tracker's can): the next drain seeds the views afresh."""
+        if self.log is None:
+            self._reseed = True
 
     def _clear_log(self) -> None:
         self._record(clear=True)
