@@ -63,7 +63,7 @@ for part in ${*:-tests}; do
     repro)
       timeout 330 python3 -m graphsan.cli repro --timeout 240 --json "$OUT/repro.json" 2>&1 | tee "$OUT/repro.log" | tail -60 ;;
     bench)
-      timeout 240 python3 bench/bench_sanitizer.py --layers 32 --steps 50 --rounds 3 --repeats 3 2>&1 | tee "$OUT/bench_sanitizer.log" | tail -10 ;;
+      timeout 240 python3 bench/bench_sanitizer.py --layers 32 --steps 30 --rounds 2 --repeats 1 2>&1 | tee "$OUT/bench_sanitizer.log" | tail -10 ;;
     quant)
       timeout 270 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py ${QUANT_K:+-k "$QUANT_K"} \
         -p no:cacheprovider 2>&1 | tail -5

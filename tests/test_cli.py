@@ -386,3 +386,19 @@ def test_the_report_format_document_is_rendered_from_the_schema():
     assert doc.read_text() == format_doc.markdown(), (
         "run: python -m graphsan.report.format_doc > docs/report-format.md"
     )
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["repro", "--help"], ["repro", "--list"]])
+def test_help_and_listings_start_without_importing_torch(argv):
+    """Importing torch costs seconds; a newcomer asking for help should not wait for it."""
+    code = (
+        "import sys\nfrom graphsan.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print('TORCH', 'torch' in sys.modules)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "TORCH False", proc.stdout[-2000:]

@@ -41,7 +41,23 @@ TORCH_FREE = {
     "graphsan.command_line": False,
     "graphsan.pytest_plugin": False,
     "graphsan.environment": False,
+    # the lab's command lines: help, listings and argument checks
+    "graphsan.lab.vocab": False,
+    "graphsan.lab.models.args": False,
+    "graphsan.lab.train.cli": False,
+    "graphsan.lab.train.config": False,
+    "graphsan.lab.repro.cases": False,
 }
+# the lab's layers, lowest first: a lab module imports its own layer and those below, and from
+# the sanitizer only what a user would (the package, its command-line helpers, its reports)
+LAB_LAYERS = (
+    "graphsan.lab.vocab",
+    "graphsan.lab.quant",
+    "graphsan.lab.models",
+    "graphsan.lab.train",
+    "graphsan.lab.repro",
+)
+LAB_MAY_USE = ("graphsan.command_line", "graphsan.report")
 # the entry points that dispatch to the lab: the lab itself never imports them (that would be a
 # circle through the CLI); what the lab's commands share with graphsan's is graphsan.command_line
 ENTRY_POINTS = {"graphsan.cli", "graphsan.pytest_plugin"}
@@ -251,3 +267,46 @@ def test_every_file_the_package_reads_is_shipped():
         ):
             missing.append(str(rel))
     assert not missing, f"not in pyproject's package-data, so not in a wheel: {missing}"
+
+
+def lab_violations(graph: dict[str, set[str]]) -> list[str]:
+    def layer(mod: str) -> int | None:
+        for i, name in enumerate(LAB_LAYERS):
+            if mod == name or mod.startswith(name + "."):
+                return i
+        return None
+
+    out = []
+    for mod, deps in sorted(graph.items()):
+        own = layer(mod)
+        if own is None:
+            continue
+        for dep in sorted(deps):
+            theirs = layer(dep)
+            if theirs is not None:
+                if theirs > own:
+                    out.append(f"{mod} imports {dep}: {LAB_LAYERS[theirs]} is above it")
+            elif dep not in ("graphsan", "graphsan.lab") and not any(
+                dep == a or dep.startswith(a + ".") for a in LAB_MAY_USE
+            ):
+                out.append(
+                    f"{mod} imports {dep}: the lab uses only graphsan, " + ", ".join(LAB_MAY_USE)
+                )
+    return out
+
+
+def test_the_lab_imports_down_its_layers_and_only_graphsans_public_parts():
+    assert lab_violations(whole_graph()) == []
+
+
+def test_the_lab_check_catches_an_upward_import_and_a_private_one(tmp_path):
+    import shutil
+
+    shutil.copytree(SRC / "graphsan", tmp_path / "graphsan")
+    args = tmp_path / "graphsan" / "lab" / "models" / "args.py"
+    args.write_text(args.read_text() + "\nfrom graphsan.lab.train import config\n")
+    cli = tmp_path / "graphsan" / "lab" / "train" / "cli.py"
+    cli.write_text(cli.read_text() + "\nfrom graphsan.sanitizer import Sanitizer\n")
+    found = lab_violations(whole_graph(tmp_path))
+    assert any("graphsan.lab.models.args imports graphsan.lab.train" in v for v in found), found
+    assert any("graphsan.lab.train.cli imports graphsan.sanitizer" in v for v in found), found

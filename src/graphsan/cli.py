@@ -209,7 +209,7 @@ def _print_user_traceback(exc: BaseException) -> None:
             break
         tb = tb.tb_next
     exc = exc.with_traceback(tb)
-    from graphsan.sanitizer import rank_from_env
+    from graphsan.command_line import rank_from_env
 
     rank = rank_from_env()
     if rank is None or sys.excepthook is not sys.__excepthook__:
@@ -253,7 +253,7 @@ def cmd_run(argv: list[str]) -> int:
             raise CliError(f"no such script: {script}")
         if os.path.isdir(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
             raise CliError(f"{script} is a directory without __main__.py; expected a script")
-    from graphsan.sanitizer import rank_from_env
+    from graphsan.command_line import rank_from_env
 
     path = None
     if args.report is not None:

@@ -44,6 +44,16 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return text
 
 
+def rank_from_env() -> int | None:
+    """The distributed rank under torchrun (None for a single process)."""
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        pass
+    return None
+
+
 def check_output_file(path: str, option: str) -> None:
     """Raise CliError unless a file can be written at `path`. Checked before the work starts, so
     that a typo costs nothing and the results of a long run are not lost at the end."""

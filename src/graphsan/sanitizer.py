@@ -32,6 +32,7 @@ import weakref
 import torch
 
 from graphsan.capture import CaptureAnalysis, stream_handle
+from graphsan.command_line import rank_from_env
 from graphsan.context import Context, python_stack
 from graphsan.core.order import PoolOrder
 from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
@@ -70,16 +71,6 @@ def _driver():
     from graphsan.cuda import driver
 
     return driver
-
-
-def rank_from_env() -> int | None:
-    """The distributed rank under torchrun (None for a single process)."""
-    try:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        pass
-    return None
 
 
 class Sanitizer:

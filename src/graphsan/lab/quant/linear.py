@@ -41,13 +41,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from graphsan.lab.vocab import STATE_POLICIES, StatePolicy
+
 from . import kernels, nvfp4
 from .elements import div, fp8_decode
 from .formats import MXFP8_BLOCK, NVFP4_ALPHA_DIVISOR, NVFP4_BLOCK
 from .recipe import Quantizer, Recipe, get_recipe
 from .tensors import FP8Tensor, MXFP8Tensor, NVFP4Tensor, QTensor
-
-STATE_POLICIES = ("fixed", "te218")
 
 
 @dataclass
@@ -382,7 +382,7 @@ class QuantModule(nn.Module):
         # `_fp8_workspaces`. `stored_recipe` is that recorded recipe; the graph wrapper
         # (`pytorch/graph.py` ~1228-1258) overwrites it with the ambient recipe on replay.
         if (
-            self.state_policy == "te218"
+            self.state_policy == StatePolicy.TE218
             and self.stored_recipe is not None
             and self.stored_recipe.kind != recipe.kind
         ):
@@ -407,7 +407,7 @@ class QuantModule(nn.Module):
 
         # "fixed": an eval (no-grad) forward quantizes the weight on the fly and never touches
         # the workspace, so eager evaluation cannot free or re-point memory a graph uses.
-        if self.state_policy == "fixed" and not grad_enabled:
+        if self.state_policy == StatePolicy.FIXED and not grad_enabled:
             return q.quantize(w, axis=-1), None
 
         ws = self.workspace

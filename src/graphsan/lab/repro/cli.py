@@ -13,7 +13,6 @@ import time
 from graphsan.command_line import EXIT_NO_GPU
 from graphsan.lab.repro import runner
 from graphsan.lab.repro.cases import BY_NUMBER, CASES, model_overrides
-from graphsan.lab.repro.child import run_child
 from graphsan.lab.repro.table import print_cases, print_results
 from graphsan.report.pages import OutputPathAction, write_matrix_page
 
@@ -127,6 +126,8 @@ def main(args: argparse.Namespace) -> int:
     if args.child is not None:
         if not args.result:
             return _error("--child needs --result PATH (the file the parent reads)")
+        from graphsan.lab.repro.child import run_child  # the child trains: it needs torch
+
         res = run_child(args.child, args.preset, args.reference, args.mamba_heads, args.report_file)
         with open(args.result, "w") as fh:
             json.dump(res.to_dict(), fh)

@@ -6,7 +6,16 @@ result.losses, result.eval_losses, result.main_grads
 """
 
 from graphsan.lab.train.config import ConfigError, TrainConfig
-from graphsan.lab.train.graphs import GRAPH_SCOPES
-from graphsan.lab.train.trainer import TrainResult, train
+from graphsan.lab.vocab import GRAPH_SCOPES
 
 __all__ = ["GRAPH_SCOPES", "ConfigError", "TrainConfig", "TrainResult", "train"]
+
+
+def __getattr__(name: str):
+    # the trainer imports torch: loaded on first use, so the command line's help and checks
+    # (graphsan.lab.train.cli, .config, .callbacks) start without it
+    if name in ("TrainResult", "train"):
+        from graphsan.lab.train import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from graphsan.lab.models import PRESETS
-from graphsan.lab.quant.linear import STATE_POLICIES
+from graphsan.lab.models.args import PRESETS
 from graphsan.lab.train.config import ConfigError, TrainConfig
-from graphsan.lab.train.graphs import GRAPH_SCOPES
+from graphsan.lab.vocab import GRAPH_SCOPES, STATE_POLICIES
 
 
 def _scopes(values: list[str]) -> tuple[str, ...]:
@@ -175,7 +174,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _error(msg: str, status: int = 2) -> int:
     """One line on stderr; every rank of a torchrun job prints its own, named by its rank."""
-    from graphsan.sanitizer import rank_from_env
+    from graphsan.command_line import rank_from_env
 
     rank = rank_from_env()
     who = f" [rank {rank}]" if rank is not None else ""

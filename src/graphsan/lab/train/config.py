@@ -9,9 +9,8 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 
-from graphsan.lab.models import PRESETS, get_preset
-from graphsan.lab.quant.linear import STATE_POLICIES
-from graphsan.lab.train.graphs import check_scopes
+from graphsan.lab.models.args import PRESETS, get_preset
+from graphsan.lab.vocab import STATE_POLICIES, check_scopes
 
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 

@@ -50,8 +50,7 @@ from torch import nn
 
 import graphsan
 from graphsan.lab.quant import QuantModule
-
-GRAPH_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess", "mlp")
+from graphsan.lab.vocab import StatePolicy, check_scopes
 
 
 class MicrobatchCounter:
@@ -130,26 +129,12 @@ class GraphedStage:
                     self.params.append(p)
 
     def __call__(self, x):
-        if self.state_policy == "te218":
+        if self.state_policy == StatePolicy.TE218:
             # TE 2.18 graph.py (~1245): the ambient recipe overwrites every module's stored recipe
             for q in self.quant:
                 q.stored_recipe = self.ambient_recipe
         outs = _GraphedFn.apply(self, x, *self.params)
         return outs[0] if len(outs) == 1 else outs
-
-
-def check_scopes(scopes) -> tuple[str, ...]:
-    """The scopes without repeats, or a ValueError naming the bad one and the allowed set."""
-    scopes = tuple(dict.fromkeys(scopes))
-    unknown = [s for s in scopes if s not in GRAPH_SCOPES]
-    if unknown:
-        raise ValueError(
-            f"--cuda-graph-modules: unknown scope {unknown[0]!r}; expected some of "
-            f"{', '.join(GRAPH_SCOPES)}"
-        )
-    if "moe_preprocess" in scopes and "moe_router" not in scopes:
-        raise ValueError("--cuda-graph-modules: moe_preprocess needs moe_router as well")
-    return scopes
 
 
 def plan_stages(model, scopes, counter, state_policy, ambient_recipe) -> list[GraphedStage]:
@@ -278,7 +263,7 @@ def capture(
         if gc_was_enabled:
             gc.enable()
     for st in stages:
-        if st.state_policy == "fixed":
+        if st.state_policy == StatePolicy.FIXED:
             st.keepalive = [q.workspace for q in st.quant if q.workspace is not None]
         install(st)
     with torch.no_grad():  # undo the warm-up's side effects
