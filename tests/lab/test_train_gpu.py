@@ -67,6 +67,38 @@ elif spec["kind"] == "transitions":
     out["losses"] = r.losses
     out["evals"] = r.eval_losses
     out["stages"] = r.graphed_stages
+elif spec["kind"] == "schedule":
+    # 1F1B with 2 of 4 microbatches in flight, graphs captured in that order, under graphsan:
+    # the same losses and grads as the eager run of the same schedule, and no finding
+    import graphsan
+    kw = dict(micro_batch_size=1, global_batch_size=4, microbatch_schedule="1f1b",
+              precision_config="mxfp8-all")
+    eager = run(**kw)
+    with graphsan.watch(policy="raise") as san:
+        graphed = run(cuda_graph_modules=("attn", "mamba", "moe_router", "moe_preprocess",
+                                          "mlp"), **kw)
+    out["schedule"] = compare(eager, graphed, 0)
+    out["findings"] = [str(f) for f in san.findings]
+    out["graphs_watched"] = len(san.graph_stats)
+elif spec["kind"] == "mismatch":
+    # the step runs 1F1B over graphs captured in sequence: out of capture order
+    import graphsan
+    kw = dict(micro_batch_size=1, global_batch_size=2, microbatch_schedule="1f1b",
+              capture_schedule="sequential", precision_config="mxfp8-all", capture_grads=(),
+              cuda_graph_modules=("attn", "mamba", "moe_router", "moe_preprocess"))
+    if spec["graphsan"] == "off":
+        eager = run(**{k: v for k, v in kw.items() if k not in ("cuda_graph_modules",
+                                                               "capture_schedule")})
+        graphed = run(**kw)
+        out["eager"], out["graphed"] = eager.losses, graphed.losses
+    else:
+        try:
+            with graphsan.watch(policy="raise"):
+                run(**kw)
+            out["raised"] = None
+        except graphsan.StaleMemoryError as err:
+            out["raised"] = sorted({f.kind for f in err.findings})
+            out["text"] = str(err)[:3000]
 elif spec["kind"] == "resume":
     # graphed: the resumed run captures its graphs after its own warm-up steps
     import graphsan
@@ -145,3 +177,25 @@ def test_a_resumed_graphed_run_continues_as_the_whole_one(tmp_path):
     assert len(res["rest"]) == 3
     for x, y in zip(res["rest"], res["whole"][3:], strict=True):
         assert abs(x - y) <= 1e-3 * abs(y), (res["rest"], res["whole"])
+
+
+def test_a_1f1b_schedule_with_its_graphs_captured_in_that_order_matches_eager():
+    res = _run({"kind": "schedule"})
+    r = res["schedule"]
+    assert r["stages"] and res["graphs_watched"] > 0
+    assert res["findings"] == []
+    assert r["loss"] < 1e-3, r
+    for name, err in r["grads"].items():
+        assert err < 1e-2, (name, err)
+
+
+def test_1f1b_over_graphs_captured_in_sequence_diverges_without_graphsan():
+    res = _run({"kind": "mismatch", "graphsan": "off"})
+    worst = max(abs(a - b) / abs(a) for a, b in zip(res["eager"], res["graphed"], strict=True))
+    assert worst > 1e-3 or any(x != x for x in res["graphed"]), res
+
+
+def test_1f1b_over_graphs_captured_in_sequence_is_stopped_by_graphsan():
+    res = _run({"kind": "mismatch", "graphsan": "raise"})
+    assert res["raised"], res
+    assert set(res["raised"]) <= {"replay-order", "live-output"}, res["text"]

@@ -49,3 +49,64 @@ def check_scopes(scopes) -> tuple[str, ...]:
     if "moe_preprocess" in scopes and "moe_router" not in scopes:
         raise ValueError("--cuda-graph-modules: moe_preprocess needs moe_router as well")
     return scopes
+
+
+class Schedule(str, Enum):
+    """The order of a step's microbatch forwards and backwards (one pipeline stage).
+
+    SEQUENTIAL: each microbatch's forward, then its backward.
+    ONE_F_ONE_B: Megatron's 1F1B: `in_flight` forwards first, then one backward and one forward
+    in turn, then the remaining backwards; up to `in_flight` microbatches keep their activations.
+    """
+
+    SEQUENTIAL = "sequential"
+    ONE_F_ONE_B = "1f1b"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+SCHEDULES = tuple(s.value for s in Schedule)
+Pass = tuple[str, int]  # ("F" or "B", microbatch)
+
+
+def schedule_order(
+    schedule: str | Schedule, num_microbatches: int, in_flight: int = 2
+) -> list[Pass]:
+    """The step's forwards and backwards in order, e.g. 1F1B of 3 microbatches with 2 in
+    flight: F0 F1 B0 F2 B1 B2."""
+    schedule = Schedule(schedule)
+    if num_microbatches < 1 or in_flight < 1:
+        raise ValueError(
+            f"{num_microbatches} microbatch(es), {in_flight} in flight: expected both >= 1"
+        )
+    if schedule is Schedule.SEQUENTIAL:
+        return [(p, mb) for mb in range(num_microbatches) for p in ("F", "B")]
+    warmup = min(in_flight, num_microbatches)
+    order: list[Pass] = [("F", mb) for mb in range(warmup)]
+    for mb in range(num_microbatches - warmup):
+        order += [("B", mb), ("F", mb + warmup)]
+    order += [("B", mb) for mb in range(num_microbatches - warmup, num_microbatches)]
+    return order
+
+
+def check_order(order: list[Pass], num_microbatches: int) -> list[Pass]:
+    """`order` if it has each microbatch's forward once and, after it, its backward once; else
+    a ValueError naming the first pass out of place."""
+    seen: set[Pass] = set()
+    for kind, mb in order:
+        bad = (
+            kind not in ("F", "B")
+            or not 0 <= mb < num_microbatches
+            or (kind, mb) in seen
+            or (kind == "B" and ("F", mb) not in seen)
+        )
+        if bad:
+            raise ValueError(
+                f"pass {kind}{mb} of {order}: expected each of microbatches 0..{num_microbatches - 1} "
+                "forward once, then its backward once"
+            )
+        seen.add((kind, mb))
+    if len(seen) != 2 * num_microbatches:
+        raise ValueError(f"{order}: expected all {num_microbatches} microbatches' passes")
+    return order

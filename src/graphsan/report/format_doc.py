@@ -14,7 +14,7 @@ def markdown() -> str:
     """docs/report-format.md: every field of the report, its type and meaning."""
     root = schema()
     out = [
-        "# The report format (graphsan.report, version 5)",
+        f"# The report format (graphsan.report, version {max(root['properties']['version']['enum'])})",
         "",
         "<!-- rendered from src/graphsan/report/report.schema.json by "
         "`python -m graphsan.report.format_doc`; edit the schema, not this file -->",

@@ -20,7 +20,7 @@ import sys
 
 from graphsan.lab.models.args import PRESETS
 from graphsan.lab.train.config import ConfigError, TrainConfig
-from graphsan.lab.vocab import GRAPH_SCOPES, STATE_POLICIES
+from graphsan.lab.vocab import GRAPH_SCOPES, SCHEDULES, STATE_POLICIES
 
 
 def _scopes(values: list[str]) -> tuple[str, ...]:
@@ -91,6 +91,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--graph-state is a deprecated alias",
     )
     a(
+        "--microbatch-schedule",
+        default=d.microbatch_schedule,
+        choices=SCHEDULES,
+        help="the order of a step's microbatch forwards and backwards: sequential (each "
+        "forward, then its backward) or 1f1b (Megatron's one-forward-one-backward)",
+    )
+    a(
+        "--microbatches-in-flight",
+        type=int,
+        default=d.microbatches_in_flight,
+        help="1f1b: forwards before the first backward (microbatches holding activations)",
+    )
+    a(
+        "--capture-schedule",
+        default=None,
+        choices=SCHEDULES,
+        help="the order the per-microbatch graphs are captured in (default: the step's "
+        "schedule); a different one replays them out of capture order, as a schedule that "
+        "does not match the graphs' order does",
+    )
+    a(
         "--precision-config",
         default=None,
         metavar="FILE",
@@ -157,6 +178,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cuda_graph_modules=_scopes(args.cuda_graph_modules),
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         state_policy=args.state_policy,
+        microbatch_schedule=args.microbatch_schedule,
+        microbatches_in_flight=args.microbatches_in_flight,
+        capture_schedule=args.capture_schedule,
         precision_config=args.precision_config,
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16,

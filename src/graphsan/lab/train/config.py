@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from graphsan.lab.models.args import PRESETS, get_preset
-from graphsan.lab.vocab import STATE_POLICIES, check_scopes
+from graphsan.lab.vocab import SCHEDULES, STATE_POLICIES, check_scopes
 
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
@@ -38,6 +38,9 @@ class TrainConfig:
     cuda_graph_modules: tuple = ()
     cuda_graph_warmup_steps: int = 3
     state_policy: str = "fixed"
+    microbatch_schedule: str = "sequential"  # graphsan.lab.vocab.Schedule
+    microbatches_in_flight: int = 2  # 1F1B: forwards before the first backward
+    capture_schedule: str | None = None  # the graphs' capture order; None: the step's schedule
     precision_config: str | None = None  # file or built-in name; None: BF16 everywhere
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
@@ -80,6 +83,7 @@ class TrainConfig:
             "world_size",
             "expert_model_parallel_size",
             "distributed_timeout_minutes",
+            "microbatches_in_flight",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -120,6 +124,12 @@ class TrainConfig:
             self.cuda_graph_modules = check_scopes(self.cuda_graph_modules)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        for name in ("microbatch_schedule", "capture_schedule"):
+            value = getattr(self, name)
+            if value is not None and value not in SCHEDULES:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {value}: expected one of {', '.join(SCHEDULES)}"
+                )
         if self.state_policy not in STATE_POLICIES:
             raise ConfigError(
                 f"--state-policy {self.state_policy}: expected one of {', '.join(STATE_POLICIES)}"

@@ -50,7 +50,14 @@ from torch import nn
 
 import graphsan
 from graphsan.lab.quant import QuantModule
-from graphsan.lab.vocab import StatePolicy, check_scopes
+from graphsan.lab.vocab import (
+    Pass,
+    Schedule,
+    StatePolicy,
+    check_order,
+    check_scopes,
+    schedule_order,
+)
 
 
 class MicrobatchCounter:
@@ -187,8 +194,10 @@ def capture(
     sample_shape,
     dtype=torch.bfloat16,
     warmup_iters: int = 2,
+    order: list[Pass] | None = None,
 ) -> None:
-    """Warm up, capture every stage's forward and backward graphs per microbatch, install them."""
+    """Warm up, capture every stage's forward and backward graphs per microbatch in `order`
+    (`graphsan.lab.vocab.schedule_order`; default: sequential), install them."""
     device = next(model.parameters()).device
     pool = torch.cuda.graph_pool_handle()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -223,19 +232,26 @@ def capture(
     mode = "thread_local" if torch.distributed.is_initialized() else "global"
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    order = check_order(
+        order or schedule_order(Schedule.SEQUENTIAL, num_microbatches), num_microbatches
+    )
+    captured: dict[int, list] = {mb: [] for mb in range(num_microbatches)}
+    live: dict[int, list] = {}  # microbatch -> its forwards, until its backwards are captured
     try:
-        for mb in range(num_microbatches):
-            live = []
-            for st in stages:  # forward graphs, in execution order
-                x = sample()
-                g = torch.cuda.CUDAGraph()
-                with (
-                    graphsan.label(f"{st.name} fwd mb{mb}"),
-                    torch.cuda.graph(g, pool=pool, capture_error_mode=mode),
-                ):
-                    outs = _flat(st.fn(x))
-                live.append((st, x, g, outs))
-            for st, x, g, outs in reversed(live):  # backward graphs, in reverse
+        for kind, mb in order:
+            if kind == "F":
+                live[mb] = []
+                for st in stages:  # forward graphs, in execution order
+                    x = sample()
+                    g = torch.cuda.CUDAGraph()
+                    with (
+                        graphsan.label(f"{st.name} fwd mb{mb}"),
+                        torch.cuda.graph(g, pool=pool, capture_error_mode=mode),
+                    ):
+                        outs = _flat(st.fn(x))
+                    live[mb].append((st, x, g, outs))
+                continue
+            for st, x, g, outs in reversed(live.pop(mb)):  # backward graphs, in reverse
                 diff = tuple(o.requires_grad for o in outs)
                 douts = [o for o in outs if o.requires_grad]
                 grad_bufs = tuple(torch.empty_like(o) for o in douts)
@@ -247,7 +263,7 @@ def capture(
                     grads = torch.autograd.grad(
                         douts, [x, *st.params], grad_bufs, allow_unused=True
                     )
-                st.graphs.append(
+                captured[mb].append(
                     _Graphs(
                         g,
                         x.detach().requires_grad_(False),
@@ -258,10 +274,14 @@ def capture(
                         tuple(grads),
                     )
                 )
-            del live, outs, douts, grads
+            # the forward's saved activations go with its autograd graph, as in training
+            del x, g, outs, douts, grads
     finally:
         if gc_was_enabled:
             gc.enable()
+    for mb in range(num_microbatches):  # captured backwards run in reverse stage order
+        for st, graphs in zip(reversed(stages), captured[mb], strict=True):
+            st.graphs.append(graphs)
     for st in stages:
         if st.state_policy == StatePolicy.FIXED:
             st.keepalive = [q.workspace for q in st.quant if q.workspace is not None]

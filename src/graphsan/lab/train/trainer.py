@@ -50,6 +50,7 @@ from graphsan.lab.train.data import build_data
 from graphsan.lab.train.distributed import Dist, DistributedError, check_device_for_rank, setup
 from graphsan.lab.train.metrics import Metrics, memory_gib
 from graphsan.lab.train.optim import MainGradAdamW
+from graphsan.lab.vocab import schedule_order
 
 
 @dataclass
@@ -470,6 +471,11 @@ class Trainer:
             model,
             num_microbatches=cfg.num_microbatches,
             sample_shape=(cfg.micro_batch_size, cfg.seq_length, model.args.hidden_size),
+            order=schedule_order(
+                cfg.capture_schedule or cfg.microbatch_schedule,
+                cfg.num_microbatches,
+                cfg.microbatches_in_flight,
+            ),
         )
         self.result.graphed_stages = [s.name for s in stages]
         self.metrics.print(
@@ -485,11 +491,18 @@ class Trainer:
         num_mb, mbs = cfg.num_microbatches, cfg.micro_batch_size
         self.opt.zero_grad()
         lm, mtp = torch.zeros((), device=device), torch.zeros((), device=device)
-        for mb in range(num_mb):
-            self.skip.set(0 if mb == 0 else 1)
-            self.counter.index = mb
-            tokens, labels = self.data.batch("train", self._sample("train", it, mb), mbs)
-            out = model(tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+        pending = {}  # microbatch -> its forward's outputs, until its backward
+        order = schedule_order(cfg.microbatch_schedule, num_mb, cfg.microbatches_in_flight)
+        for kind, mb in order:
+            if kind == "F":
+                self.skip.set(0 if mb == 0 else 1)
+                self.counter.index = mb  # the graphs the forward replays; backward follows it
+                tokens, labels = self.data.batch("train", self._sample("train", it, mb), mbs)
+                pending[mb] = model(
+                    tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+                )
+                continue
+            out = pending.pop(mb)
             (out["loss"] / num_mb).backward()
             lm += out["lm_loss"] / num_mb
             if "mtp_loss" in out:
@@ -637,8 +650,19 @@ class Trainer:
             f"graphsan train: preset {cfg.preset} ({total / 1e6:.1f} M params, {active / 1e6:.1f} "
             f"M active) on {self.device} | precision {cfg.precision_config or 'bf16'} | graphs "
             f"{graphs} (state {cfg.state_policy}) | {cfg.num_microbatches} microbatch(es) x "
-            f"{cfg.micro_batch_size} x {cfg.seq_length}"
+            f"{cfg.micro_batch_size} x {cfg.seq_length}{self._schedule_text()}"
         )
+
+    def _schedule_text(self) -> str:
+        cfg = self.cfg
+        if cfg.microbatch_schedule == "sequential" and cfg.capture_schedule in (None, "sequential"):
+            return ""
+        text = f", schedule {cfg.microbatch_schedule}"
+        if cfg.microbatch_schedule == "1f1b":
+            text += f" ({cfg.microbatches_in_flight} in flight)"
+        if cfg.capture_schedule not in (None, cfg.microbatch_schedule):
+            text += f", graphs captured {cfg.capture_schedule}"
+        return text
 
     def _print_summary(self) -> None:
         r = self.result
