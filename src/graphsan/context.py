@@ -16,6 +16,7 @@ import traceback
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from graphsan.core.patches import Patches
 from graphsan.core.records import Frame
 
 _GRAPHSAN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -85,7 +86,7 @@ class Context:
         self.steps = 0
         self._explicit: list[tuple[str, int | None]] = []
         self._handles: list = []
-        self._orig_train = None
+        self._patches = Patches()  # nn.Module.train, wrapped while started
         # called on every train()/eval() and phase() entry: the moments eager code is about to
         # change state (validation clears caches); the pin policy pins pending graphs here
         self.on_phase_change: list = []
@@ -117,7 +118,7 @@ class Context:
         return Phase(self, name, step)
 
     def start(self) -> None:
-        if self._orig_train is not None:
+        if self._patches:
             return
         orig = torch.nn.Module.train
         ctx = self
@@ -129,8 +130,7 @@ class Context:
             return orig(module, mode)
 
         train.__wrapped__ = orig
-        self._orig_train = orig
-        torch.nn.Module.train = train
+        self._patches.set(torch.nn.Module, "train", train)
 
         def count_step(_optimizer, _args, _kwargs):
             ctx.steps += 1
@@ -138,9 +138,7 @@ class Context:
         self._handles.append(register_optimizer_step_post_hook(count_step))
 
     def stop(self) -> None:
-        if self._orig_train is not None:
-            torch.nn.Module.train = self._orig_train
-            self._orig_train = None
+        self._patches.restore()
         for h in self._handles:
             h.remove()
         self._handles.clear()

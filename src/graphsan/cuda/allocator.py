@@ -45,6 +45,7 @@ import torch
 
 from graphsan.context import Context, python_stack, user_frames
 from graphsan.core.memory_map import AllocatorView, MemoryMap, ViewError
+from graphsan.core.patches import Patches
 from graphsan.core.records import DEFAULT_POOL, Frame, FreeEvent, PoolId, Release
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import tracelog
@@ -68,7 +69,6 @@ Site = tuple  # (code, instruction offset, code, instruction offset, ...), inner
 INTERN_BATCH = 1024
 
 _op = threading.local()
-_ABSENT = object()
 
 
 def _current_op() -> str | None:
@@ -230,7 +230,7 @@ class AllocatorWatch:
         self._reseed = False
         self.timeline: Timeline | None = None  # gets watched frees and empty_cache releases
         self._active = False
-        self._patches: list[tuple[object, str, object]] = []
+        self._patches = Patches()  # the storage ops, empty_cache and pool routing wrapped
         self.log: tracelog.TraceLog | None = None  # the compiled tracker, when it could be used
         self.log_reason: str | None = None  # why not
         # the same library as PyTorch's GPU-trace interpreter: frees and allocations reach
@@ -658,12 +658,7 @@ class AllocatorWatch:
     def stop(self) -> None:
         self._active = False  # the gpu-trace callbacks cannot be unregistered; they go idle
         self._stop_trace()
-        for owner, name, orig in reversed(self._patches):
-            if orig is _ABSENT:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, orig)
-        self._patches.clear()
+        self._patches.restore()
         if self.log is not None:
             self.log.enable(False)
         else:
@@ -676,8 +671,7 @@ class AllocatorWatch:
         self._interned.clear()
 
     def _set(self, owner: object, name: str, value: object) -> None:
-        self._patches.append((owner, name, vars(owner).get(name, _ABSENT)))
-        setattr(owner, name, value)
+        self._patches.set(owner, name, value)
 
     def _patch_storage_ops(self) -> None:
         for name in ("resize_as_", "set_"):

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from graphsan.core.patches import Patches
+
 _ATTR = "_graphsan_state"
 
 
@@ -41,11 +43,11 @@ class GraphHooks:
 
     def __init__(self, listener: Listener) -> None:
         self.listener = listener
-        self._originals: dict[str, object] = {}
+        self._patches = Patches()
 
     @property
     def installed(self) -> bool:
-        return bool(self._originals)
+        return bool(self._patches)
 
     def install(self) -> None:
         if self.installed:
@@ -97,11 +99,7 @@ class GraphHooks:
             ("replay", replay),
             ("reset", reset),
         ):
-            setattr(cls, name, fn)
-        self._originals = orig
+            self._patches.set(cls, name, fn)
 
     def uninstall(self) -> None:
-        cls = torch.cuda.CUDAGraph
-        for name, fn in self._originals.items():
-            setattr(cls, name, fn)
-        self._originals = {}
+        self._patches.restore()

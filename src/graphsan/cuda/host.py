@@ -31,10 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from graphsan.context import python_stack
+from graphsan.core.patches import Patches
 from graphsan.core.records import DataPtr, Frame, FreeEvent
 from graphsan.core.tracker import Tracker
-
-_ABSENT = object()
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class HostWatch:
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
         self._active = False
-        self._patches: list[tuple[object, str, object]] = []
+        self._patches = Patches()
 
     # -- the registry --------------------------------------------------------------------------
     def note(self, address: DataPtr, size: int, frames, storage=None) -> HostBlock:
@@ -173,13 +172,7 @@ class HostWatch:
 
     def stop(self) -> None:
         self._active = False
-        for owner, name, orig in reversed(self._patches):
-            if orig is _ABSENT:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, orig)
-        self._patches.clear()
+        self._patches.restore()
 
     def _set(self, owner: object, name: str, value: object) -> None:
-        self._patches.append((owner, name, vars(owner).get(name, _ABSENT)))
-        setattr(owner, name, value)
+        self._patches.set(owner, name, value)
