@@ -149,32 +149,62 @@ class ReplayOrders:
         step: int | None,
         judged: Judged,
     ) -> Finding:
-        ref = order.first_ref(o.writer, o.start, o.end)
+        # no argument names the range (a pointer table, say): the range itself is the address
+        ref = order.first_ref(o.writer, o.start, o.end) or Reference(-1, "", "", 0, o.start)
         last_mine = order.last.get(o.writer)
         mine = f"#{last_mine}" if last_mine else "none since capture"
-        return Finding(
-            kind=Kind.LIVE_OUTPUT,
-            graph=info,
-            node=ref.node if ref is not None else -1,
-            kernel=ref.kernel if ref is not None else "",
-            param=ref.param if ref is not None else "",
-            offset=ref.offset if ref is not None else 0,
-            address=ref.address if ref is not None else o.start,
-            nbytes=blk.size,
-            block_address=blk.address,
-            pool=pool_name(info.pool, info.pool),
-            alloc_stack=tuple(self.site_frames(o.site)),
-            phase=phase,
-            step=step,
-            now=(
-                f"holds the output of {self._who(o.producer)} from the pool's replay "
-                f"#{order.last.get(o.producer)}, still held by the caller; this replay would be "
-                f"#{order.clock + 1} and writes over it (this graph's last replay: {mine})"
-            ),
-            rank=judged.rank,
-            found_at=judged.found_at,
+        now = (
+            f"holds the output of {self._who(o.producer)} from the pool's replay "
+            f"#{order.last.get(o.producer)}, still held by the caller; this replay would be "
+            f"#{order.clock + 1} and writes over it (this graph's last replay: {mine})"
+        )
+        return self._order_finding(
+            Kind.LIVE_OUTPUT,
+            info,
+            ref,
+            (blk.address, blk.size),
+            o.site,
+            now,
+            phase,
+            step,
+            judged,
             written_by=o.producer,
             replays=(order.last.get(o.producer, 0), order.clock + 1),
+        )
+
+    def _order_finding(
+        self,
+        kind: Kind,
+        info: GraphInfo,
+        ref: Reference,
+        block: tuple[DataPtr, int],
+        site: object,
+        now: str,
+        phase: str | None,
+        step: int | None,
+        judged: Judged,
+        **fields,
+    ) -> Finding:
+        """A finding of the pool's order: `ref` is the graph's argument, `block` (start, size)
+        the range, `site` the producer's carve site."""
+        return Finding(
+            kind=kind,
+            graph=info,
+            node=ref.node,
+            kernel=ref.kernel,
+            param=ref.param,
+            offset=ref.offset,
+            address=ref.address,
+            nbytes=block[1],
+            block_address=block[0],
+            pool=pool_name(info.pool, info.pool),
+            alloc_stack=tuple(self.site_frames(site)),
+            phase=phase,
+            step=step,
+            now=now,
+            rank=judged.rank,
+            found_at=judged.found_at,
+            **fields,
         )
 
     def _who(self, gid: GraphId) -> str:
@@ -197,26 +227,20 @@ class ReplayOrders:
         self, info: GraphInfo, c: Conflict, phase: str | None, step: int | None, judged: Judged
     ) -> Finding:
         who = self._who
-        return Finding(
-            kind=Kind.REPLAY_ORDER,
-            graph=info,
-            node=c.ref.node,
-            kernel=c.ref.kernel,
-            param=c.ref.param,
-            offset=c.ref.offset,
-            address=c.ref.address,
-            nbytes=c.end - c.start,
-            block_address=c.start,
-            pool=pool_name(info.pool, info.pool),
-            alloc_stack=tuple(self.site_frames(c.site)),
-            phase=phase,
-            step=step,
-            now=(
-                f"written by {who(c.producer)}; {who(c.carver)} also carved it in this pool "
-                f"and has replayed since the writer last did: the range holds its data"
-            ),
-            rank=judged.rank,
-            found_at=judged.found_at,
+        now = (
+            f"written by {who(c.producer)}; {who(c.carver)} also carved it in this pool "
+            f"and has replayed since the writer last did: the range holds its data"
+        )
+        return self._order_finding(
+            Kind.REPLAY_ORDER,
+            info,
+            c.ref,
+            (c.start, c.end - c.start),
+            c.site,
+            now,
+            phase,
+            step,
+            judged,
             written_by=c.producer,
             carved_by=c.carver,
         )

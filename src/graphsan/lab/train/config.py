@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from graphsan.lab.models.args import PRESETS, get_preset
-from graphsan.lab.vocab import SCHEDULES, STATE_POLICIES, check_scopes
+from graphsan.lab.vocab import SCHEDULES, StatePolicy, check_scopes
 
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
@@ -130,10 +130,10 @@ class TrainConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} {value}: expected one of {', '.join(SCHEDULES)}"
                 )
-        if self.state_policy not in STATE_POLICIES:
-            raise ConfigError(
-                f"--state-policy {self.state_policy}: expected one of {', '.join(STATE_POLICIES)}"
-            )
+        try:
+            StatePolicy.parse(self.state_policy)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(
                 f"--device {self.device}: expected auto, cpu, cuda or cuda:N (N a GPU index >= 0)"

@@ -50,7 +50,7 @@ from graphsan.lab.train.data import build_data
 from graphsan.lab.train.distributed import Dist, DistributedError, check_device_for_rank, setup
 from graphsan.lab.train.metrics import Metrics, memory_gib
 from graphsan.lab.train.optim import MainGradAdamW
-from graphsan.lab.vocab import schedule_order
+from graphsan.lab.vocab import Schedule, schedule_order
 
 
 @dataclass
@@ -655,13 +655,14 @@ class Trainer:
 
     def _schedule_text(self) -> str:
         cfg = self.cfg
-        if cfg.microbatch_schedule == "sequential" and cfg.capture_schedule in (None, "sequential"):
+        captured = cfg.capture_schedule or cfg.microbatch_schedule
+        if cfg.microbatch_schedule == captured == Schedule.SEQUENTIAL:
             return ""
         text = f", schedule {cfg.microbatch_schedule}"
-        if cfg.microbatch_schedule == "1f1b":
+        if cfg.microbatch_schedule == Schedule.ONE_F_ONE_B:
             text += f" ({cfg.microbatches_in_flight} in flight)"
-        if cfg.capture_schedule not in (None, cfg.microbatch_schedule):
-            text += f", graphs captured {cfg.capture_schedule}"
+        if captured != cfg.microbatch_schedule:
+            text += f", graphs captured {captured}"
         return text
 
     def _print_summary(self) -> None:
