@@ -20,33 +20,14 @@ for part in ${*:-trace1}; do
         timeout 150 python3 -m graphsan.cli repro --case 1 --case 4 --mamba-heads $h --timeout 140 \
           --json "$OUT/wide$h.json" > "$OUT/wide$h.log" 2>&1; sed -n '/^| case/,/^whole/p' "$OUT/wide$h.log"
       done ;;
-    schedules)
-      timeout 150 python3 - <<'PY' 2>&1 | tee "$OUT/schedules.log" | grep -v "^W\|^ *warn"
-import collections, graphsan
-from graphsan.report import one_line
-from graphsan.lab.train import TrainConfig, train
-def run(**kw):
-    base = dict(preset="tiny", quiet=True, device="cuda", train_iters=6, seq_length=64,
-                micro_batch_size=1, global_batch_size=4, cuda_graph_warmup_steps=2,
-                precision_config="mxfp8-all", capture_grads=())
-    base.update(kw)
-    return train(TrainConfig(**base))
-scopes = ("attn", "mamba", "moe_router", "moe_preprocess", "mlp")
-for run_s, cap_s, inflight, gb in [("1f1b", "sequential", 2, 4), ("sequential", "1f1b", 2, 4),
-                                   ("1f1b", "sequential", 3, 6), ("1f1b", "sequential", 2, 2)]:
-    kw = dict(microbatch_schedule=run_s, microbatches_in_flight=inflight, global_batch_size=gb)
-    eager = run(**kw)
-    off = run(cuda_graph_modules=scopes, capture_schedule=cap_s, **kw)
-    worst = max(abs(a - b) / abs(a) for a, b in zip(eager.losses, off.losses))
-    with graphsan.watch(policy="record") as san:
-        run(cuda_graph_modules=scopes, capture_schedule=cap_s, **kw)
-    kinds = collections.Counter(f.kind for f in san.findings)
-    first = san.findings[0] if san.findings else None
-    print(f"run {run_s} captured {cap_s} in-flight {inflight} mb {gb}: worst loss rel {worst:.3g}; "
-          f"eager {[round(x, 4) for x in eager.losses]} graphed {[round(x, 4) for x in off.losses]}; "
-          f"findings {dict(kinds)}; first: {one_line(first) if first else None}")
-PY
-      ;;
+    schedules)  # each run in its own process: a stale replay can kill the CUDA context
+      for combo in "1f1b sequential 2 4" "sequential 1f1b 2 4" "1f1b sequential 2 2" \
+                   "sequential 1f1b 2 2" "1f1b sequential 3 6"; do
+        for mode in eager off record; do
+          timeout 60 python3 scripts/schedule_run.py $combo $mode > "$OUT/sched.log" 2>&1
+          rc=$?; echo "$combo $mode: rc $rc $(grep -m1 '^RESULT' "$OUT/sched.log" || grep -m1 -o 'device-side assert\|illegal memory access' "$OUT/sched.log")"
+        done
+      done 2>&1 | tee "$OUT/schedules.log" ;;
     *) echo "unknown part $part (trace1, wide, schedules)" ;;
   esac
 done

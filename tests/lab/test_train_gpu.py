@@ -114,15 +114,19 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _run(spec: dict, env_extra: dict | None = None) -> dict:
+def _spawn(spec: dict, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, **(env_extra or {}))
-    p = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", WORKER, json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=280,
         env=env,
     )
+
+
+def _run(spec: dict, env_extra: dict | None = None) -> dict:
+    p = _spawn(spec, env_extra)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return json.loads(lines[-1][len("RESULT ") :])
@@ -190,7 +194,16 @@ def test_a_1f1b_schedule_with_its_graphs_captured_in_that_order_matches_eager():
 
 
 def test_1f1b_over_graphs_captured_in_sequence_diverges_without_graphsan():
-    res = _run({"kind": "mismatch", "graphsan": "off"})
+    # the stale replays corrupt the step: its losses leave eager's, or a kernel reading the
+    # overwritten routing indices trips its bounds check (which of the two depends on the run)
+    p = _spawn({"kind": "mismatch", "graphsan": "off"})
+    if p.returncode != 0:
+        assert "device-side assert" in p.stderr or "illegal memory access" in p.stderr, (
+            p.stderr[-5000:]
+        )
+        return
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    res = json.loads(line[len("RESULT ") :])
     worst = max(abs(a - b) / abs(a) for a, b in zip(res["eager"], res["graphed"], strict=True))
     assert worst > 1e-3 or any(x != x for x in res["graphed"]), res
 
