@@ -85,6 +85,18 @@ def test_the_writer_having_run_after_the_producer_is_quiet():
     assert run(o, [F0, F1]) == []  # a restart: the last pass's outputs were the caller's to read
 
 
+def test_an_output_the_pools_graphs_have_all_read_since_is_handed_on():
+    """Backward mb0's input gradient goes to a graph of the previous layer (6), not to the
+    caller: once that reader replayed after backward mb0, forward mb1 may write over it."""
+    captures = dict(CAPTURES)
+    captures[6] = (carve(7), [ref(1), ref(7, 1)])  # reads backward mb0's gradient (slot 1)
+    assert run(one_f_one_b(captures), [F0, B0, 6, F1]) == []
+    # before its reader ran, the gradient is still fresh data that forward mb1 would destroy
+    assert run(one_f_one_b(captures), [F0, B0, F1]) == [(F1, B0)]
+    # read once, then written again by its producer: fresh again until the reader runs
+    assert run(one_f_one_b(captures), [F0, B0, 6, B0, F1]) == [(F1, B0)]
+
+
 def test_graphs_that_pass_no_data_are_never_judged():
     """One graph per batch size in one pool, each output read before the next replay: a later
     capture's output sits in an earlier one's scratch, and any order is correct."""

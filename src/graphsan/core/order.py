@@ -25,7 +25,10 @@ restart, that output belongs to a finished pass; out of capture order, when the 
 ran after the earlier graph last did, the caller has not read it yet. That `Overwrite` is judged
 only in pools where graphs pass data to each other (some graph reads another's range): graphs of
 one pool that never do (one graph per batch size, replayed in any order) each hand their output to
-the caller before the next replay.
+the caller before the next replay. An output that graphs of the pool read is consumed once every
+one of them replayed after its producer did (a schedule's activations and gradients, handed from
+graph to graph): the model cannot see eager code read it, and stays quiet there rather than
+guess.
 
 A replay costs a clock tick and that order bookkeeping, whatever the graph's size; a reader out
 of order is checked per range it reads (its own footprint, never the number of graphs). A
@@ -378,8 +381,21 @@ class PoolOrder:
                 lo, hi = max(start, c.start), min(end, c.end)
                 if self._written_since(lo, hi, c.graph, theirs):
                     continue  # its data there is gone already (found at that replay)
+                if self._consumed(lo, hi, c.graph, theirs):
+                    continue
                 out.append(Overwrite(gid, lo, hi, c.graph, c.site))
         return out
+
+    def _consumed(self, lo: DataPtr, hi: DataPtr, producer: GraphId, clock: int) -> bool:
+        """Whether `producer`'s output in [lo, hi) went to graphs of the pool that have all read
+        it since `clock` (its last replay): a pipeline's activation or gradient, handed on."""
+        readers = [
+            w.readers
+            for _, _, _, w in self._overlapping(self._watched, lo, hi)
+            if w.producer == producer
+        ]
+        last = self.last
+        return bool(readers) and all(r and all(last.get(g, 0) > clock for g in r) for r in readers)
 
     def _written_since(self, lo: DataPtr, hi: DataPtr, producer: GraphId, clock: int) -> bool:
         """Whether a graph other than `producer` that carved memory in [lo, hi) replayed after
