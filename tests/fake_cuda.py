@@ -83,27 +83,72 @@ def kernel(index: int, *addresses: int) -> KernelArgs:
     return KernelArgs(index, f"void k{index}(float*)", buf, [8 * i for i in range(len(addresses))])
 
 
-def graph_class(monkeypatch, pool=(1, 3)) -> type:
+def graph_class(monkeypatch, pool=(1, 3), seams: bool = False) -> type:
     """A stand-in for `torch.cuda.CUDAGraph` (CPU torch cannot make one) with the four methods
-    the hooks wrap; `launched` counts the replays that really ran."""
+    the hooks wrap; `launched` counts the replays that really ran. With `seams`, torch's own
+    graph hooks as PyTorch's main branch has them (no installable torch does yet): global
+    capture-end, replay-start and replay-end hooks in `torch.cuda.graphs` (a capture-end hook
+    sees the graph still live through `raw_cuda_graph()`; a replay-start hook that raises aborts
+    the launch, and no end hook runs), and `retain_object`, which holds an object until the
+    graph's `reset` (`retained` lists (object, synchronize_before_release))."""
+    hooks: dict[str, dict] = {"capture_end": {}, "replay_start": {}, "replay_end": {}}
+
+    class Handle:
+        def __init__(self, table: dict, key: object):
+            self.table, self.key = table, key
+
+        def remove(self):
+            self.table.pop(self.key, None)
+
+    def register(kind):
+        def add(fn):
+            key = object()
+            hooks[kind][key] = fn
+            return Handle(hooks[kind], key)
+
+        return add
 
     def __init__(self):
         self.launched = 0
+        self.live = False  # the captured graph's template, readable in a capture-end hook
+        self.retained: dict = {}
+
+    def capture_end(self):
+        self.live = True
+        for fn in list(hooks["capture_end"].values()):
+            fn(self)
+        self.live = False
+
+    def raw_cuda_graph(self):
+        assert self.live, "the template is gone outside a capture-end hook"
+        return "graph"
 
     def replay(self):
+        for fn in list(hooks["replay_start"].values()):
+            fn(self)
         self.launched += 1
+        for fn in list(hooks["replay_end"].values()):
+            fn(self)
 
-    cls = type(
-        "FakeCUDAGraph",
-        (),
-        {
-            "__init__": __init__,
-            "capture_begin": lambda self, pool=None: None,
-            "capture_end": lambda self: None,
-            "replay": replay,
-            "reset": lambda self: None,
-            "pool": lambda self: pool,
-        },
-    )
+    def retain_object(self, obj, *, synchronize_before_release=False):
+        key = object()
+        self.retained[key] = (obj, synchronize_before_release)
+        return Handle(self.retained, key)
+
+    methods = {
+        "__init__": __init__,
+        "capture_begin": lambda self, pool=None: None,
+        "capture_end": capture_end if seams else (lambda self: None),
+        "replay": replay if seams else (lambda self: setattr(self, "launched", self.launched + 1)),
+        "reset": lambda self: self.retained.clear(),
+        "pool": lambda self: pool,
+    }
+    if seams:
+        methods.update(raw_cuda_graph=raw_cuda_graph, retain_object=retain_object)
+        for kind in hooks:
+            name = f"register_graph_{kind}_hook"
+            monkeypatch.setattr(torch.cuda.graphs, name, register(kind), raising=False)
+    cls = type("FakeCUDAGraph", (), methods)
+    cls.hooks = hooks
     monkeypatch.setattr(torch.cuda, "CUDAGraph", cls)
     return cls

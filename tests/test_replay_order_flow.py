@@ -1,5 +1,6 @@
 """Replay order through the sanitizer's hooks on CPU (the CUDA side faked): PyTorch's
-three-graph sequence in one shared pool, under each policy."""
+three-graph sequence in one shared pool, under each policy, through graphsan's wrappers and
+through a stand-in of PyTorch's own graph hooks."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ SEG, SLOT, POOL = fake_cuda.SEG, 4096, (1, 3)
 B, C, D, E = (SEG + i * SLOT for i in range(4))
 
 
-@pytest.fixture
-def env(monkeypatch):
+@pytest.fixture(params=["wrapped", "torch hooks"])
+def env(monkeypatch, request):
+    """Each test twice: through graphsan's wrappers (the torch releases of today), and through
+    a stand-in of PyTorch's own graph hooks."""
     state = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     state["map"] = fake_cuda.one_segment([(SLOT, "active_allocated")] * 4, pool=POOL)
-    state["cls"] = fake_cuda.graph_class(monkeypatch, POOL)
+    state["cls"] = fake_cuda.graph_class(monkeypatch, POOL, seams=request.param == "torch hooks")
     return state
 
 

@@ -125,14 +125,16 @@ class CaptureAnalysis:
             "families": layouts.summary(),
         }
 
-    def walk(self) -> Walk:
-        """Read the graph being captured on the current stream (call before `capture_end`):
-        through graphsan's library where it is loaded, else (or where it fails on this graph)
-        through cuda-bindings."""
+    def walk(self, handle: int | None = None) -> Walk:
+        """Read the captured graph `handle` (live in torch's capture-end hook), or without one
+        the graph being captured on the current stream (call before `capture_end`): through
+        graphsan's library where it is loaded, else (or where it fails on this graph) through
+        cuda-bindings."""
         from graphsan.cuda import driver
 
         t0 = time.perf_counter()
-        handle = driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
+        if handle is None:
+            handle = driver.capturing_graph(torch.cuda.current_stream().cuda_stream)
         nodes, stats = self._walk_handle(handle)
         return Walk(nodes, stats, time.perf_counter() - t0)
 

@@ -274,7 +274,9 @@ class Sanitizer:
         except Exception as err:
             self._internal_error(err)
 
-    def before_capture_end(self, graph):
+    def before_capture_end(self, graph, handle: int | None = None):
+        """The capture is ending: walk its graph (`handle`, from torch's capture-end hook, or
+        the graph still being captured on the current stream)."""
         pending = graph.__dict__.get(_PENDING)
         if pending is None or not self.active:
             return None
@@ -287,7 +289,7 @@ class Sanitizer:
                 young = self.pinner.young_objects()
                 earlier = [t for t in (r() for r in begun) if t is not None]
                 young = earlier + young if young is not None else earlier or None
-            return self.capture.walk(), young
+            return self.capture.walk(handle), young
         except Exception as err:
             self._internal_error(err)
             return None
@@ -308,7 +310,7 @@ class Sanitizer:
             self.graph_stats[gid] = stats
             hooks.set_graph_state(graph, state)
             if self.pinner is not None:
-                self.pinner.pin(state, young)
+                self.pinner.pin(state, young, hooks.retainer(graph, self.hooks.seams))
         except Exception as err:
             self._internal_error(err)
 

@@ -64,6 +64,8 @@ class Pinner:
         self.objects_scanned = 0
         self._pinned_ptrs: dict[int, int] = defaultdict(int)  # storage data_ptr -> holders
         self._pinned: set[tuple[int, int]] = set()  # (id(watched block), graph id)
+        self._retain: dict[int, Callable] = {}  # graph id -> its retain_object
+        self._retained: dict[int, list] = defaultdict(list)  # graph id -> retain handles
         self.attach()
 
     # -- capture / replay -----------------------------------------------------------------------
@@ -83,8 +85,14 @@ class Pinner:
             return []
         return [weakref.ref(o) for o in objects if isinstance(o, torch.Tensor)]
 
-    def pin(self, state: GraphState, young: list | None = None) -> None:
-        """A graph was captured: pin what `young` objects own now, queue the rest."""
+    def pin(
+        self, state: GraphState, young: list | None = None, retain: Callable | None = None
+    ) -> None:
+        """A graph was captured: pin what `young` objects own now, queue the rest. `retain`
+        (torch's `retain_object` for this graph, where it has one) holds each pinned storage
+        for the graph as well, so that it outlives the graph's replays in flight."""
+        if retain is not None:
+            self._retain[state.info.id] = retain
         if young:
             self._scan([state], lambda: young, final=False)
         self.pending.append(state)
@@ -105,6 +113,10 @@ class Pinner:
 
     def release_all(self) -> None:
         """Drop every pin: the memory goes back to its owners (or to the allocator)."""
+        for handles in self._retained.values():
+            for handle in handles:
+                if handle is not None:
+                    handle.remove()
         for gid in list(self.held):
             self.release(gid)
         self.pending.clear()
@@ -173,6 +185,9 @@ class Pinner:
                 self.held.setdefault(gid, []).append((wb, storage, owners))
                 self._pinned.add((id(wb), gid))
                 self._pinned_ptrs[storage.data_ptr()] += 1
+                retain = self._retain.get(gid)
+                if retain is not None:
+                    self._retained[gid].append(retain(storage))
             elif final:
                 self.unpinnable.setdefault(gid, []).append(wb)
         if final:
@@ -183,6 +198,10 @@ class Pinner:
         self.scan_ms += (time.perf_counter() - t0) * 1e3
 
     def release(self, gid: int) -> None:
+        """The graph is gone (reset or destroyed): what torch retains for it, torch lets go of
+        after the graph's replays in flight."""
+        self._retain.pop(gid, None)
+        self._retained.pop(gid, None)
         for wb, storage, _ in self.held.pop(gid, []):
             self._pinned.discard((id(wb), gid))
             ptr = storage.data_ptr()
