@@ -131,7 +131,14 @@ class GraphHooks:
             return result
 
         def on_capture_end(graph):  # torch's hook: the capture ended, its graph is still live
-            graph.__dict__[_WALKED] = listener.before_capture_end(graph, graph.raw_cuda_graph())
+            own = getattr(graph, "__dict__", None)  # None: a base-class graph (the probe's)
+            if own is None:
+                return
+            try:
+                handle = graph.raw_cuda_graph()
+            except Exception:  # never break the user's capture: no walk, no watched graph
+                return
+            own[_WALKED] = listener.before_capture_end(graph, handle)
 
         @functools.wraps(orig["capture_end"])
         def capture_end(self, *args, **kwargs):
