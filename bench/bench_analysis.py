@@ -254,7 +254,7 @@ def empty_drain_us(snapshot: dict, rounds: int = 200) -> float:
 
     from graphsan.context import Context
     from graphsan.core.tracker import Tracker
-    from graphsan.cuda import allocator
+    from graphsan.cuda import allocator, allocator_log
 
     class EmptyLog:
         def drain_raw(self):
@@ -263,7 +263,7 @@ def empty_drain_us(snapshot: dict, rounds: int = 200) -> float:
     def fail(err):
         raise err
 
-    allocator._snapshot = lambda pool=(0, 0), traces=False: snapshot
+    allocator_log._snapshot = lambda pool=(0, 0), traces=False: snapshot
     torch.cuda.is_current_stream_capturing = lambda: False
     watch = allocator.AllocatorWatch(Tracker(), Context(), fail)
     watch.log = EmptyLog()

@@ -25,7 +25,7 @@ from graphsan.context import Context
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import FreeEvent, GraphInfo, Reference
 from graphsan.core.tracker import Tracker
-from graphsan.cuda import allocator
+from graphsan.cuda import allocator, sites
 from graphsan.cuda.allocator import AllocatorWatch
 
 SEG = 0x7F00_0000_0000
@@ -159,18 +159,18 @@ def test_sites_are_the_reference_walks_on_random_stacks(where):
     rec = Recorder()
     plans = random_plans(random.Random(1234), 400) + [[]]
     run_plans(rec, plans, where)
-    assert len(rec.expected) == len(plans) and set(rec.watch.sites) == set(rec.expected)
+    assert len(rec.expected) == len(plans) and set(rec.watch.sites.by_address) == set(rec.expected)
     for ptr, want in rec.expected.items():
-        assert_same_site(rec.watch.sites[ptr], want)
+        assert_same_site(rec.watch.sites.by_address[ptr], want)
     depths = {len(site) // 2 for site in rec.expected.values()}
-    assert max(depths) == allocator.SITE_DEPTH
+    assert max(depths) == sites.SITE_DEPTH
     if where == "bare thread":  # stacks of every size, from two frames up to the cut
-        assert min(depths) == 2 and len(depths) > allocator.SITE_DEPTH // 2
+        assert min(depths) == 2 and len(depths) > sites.SITE_DEPTH // 2
 
 
 def sites_of_caller(watch: AllocatorWatch) -> tuple:
     frame = sys._getframe(1)  # stopped at this call meanwhile
-    return watch._site(frame), old_site(frame, {}), watch._site(frame)
+    return watch.sites.of_frame(frame), old_site(frame, {}), watch.sites.of_frame(frame)
 
 
 def test_an_interned_site_is_the_reference_walk():
@@ -201,18 +201,18 @@ def test_live_sites_are_interned_one_tuple_per_call_path(monkeypatch):
             frees.fire_callbacks(ptr)  # a temporary
         else:
             kept.append(ptr)
-    assert set(rec.watch.sites) == set(kept)
-    assert len(rec.watch._fresh) < 8
-    rec.watch._intern_fresh()
+    assert set(rec.watch.sites.by_address) == set(kept)
+    assert len(rec.watch.sites.fresh) < 8
+    rec.watch.sites.intern_fresh()
     # the reference interns by call path too: one tuple of ours for each of its tuples
     ours: dict[int, tuple] = {}
     for ptr in kept:
-        site = rec.watch.sites[ptr]
+        site = rec.watch.sites.by_address[ptr]
         assert_same_site(site, rec.expected[ptr])
         assert ours.setdefault(id(rec.expected[ptr]), site) is site
     assert len(ours) == len({id(s) for s in ours.values()}) == 6
-    again = rec.watch._intern(tuple(rec.expected[kept[0]]))  # the same path, interned later
-    assert again is rec.watch.sites[kept[0]]
+    again = rec.watch.sites.intern(tuple(rec.expected[kept[0]]))  # the same path, interned later
+    assert again is rec.watch.sites.by_address[kept[0]]
 
 
 def test_a_reallocation_while_interning_keeps_the_newer_site():
@@ -220,7 +220,7 @@ def test_a_reallocation_while_interning_keeps_the_newer_site():
     watch = rec.watch
     _a([0, 1], 0, rec.allocs.fire_callbacks, SEG)  # the old allocation at SEG
     _a([2], 0, rec.allocs.fire_callbacks, SEG + 64)
-    intern, calls = watch._intern, []
+    intern, calls = watch.sites.intern, []
 
     def intern_while_another_thread_reallocates(site):
         out = intern(site)
@@ -230,28 +230,28 @@ def test_a_reallocation_while_interning_keeps_the_newer_site():
             _b([3, 3], 0, rec.allocs.fire_callbacks, SEG)  # the new allocation at SEG
         return out
 
-    watch._intern = intern_while_another_thread_reallocates
-    old = watch.sites[SEG]
-    watch._intern_fresh()
-    assert watch.sites[SEG] is not old
-    assert_same_site(watch.sites[SEG], rec.expected[SEG])  # the reallocation's path
-    assert_same_site(watch.sites[SEG + 64], rec.expected[SEG + 64])
+    watch.sites.intern = intern_while_another_thread_reallocates
+    old = watch.sites.by_address[SEG]
+    watch.sites.intern_fresh()
+    assert watch.sites.by_address[SEG] is not old
+    assert_same_site(watch.sites.by_address[SEG], rec.expected[SEG])  # the reallocation's path
+    assert_same_site(watch.sites.by_address[SEG + 64], rec.expected[SEG + 64])
 
 
 def test_a_free_while_interning_leaves_no_site():
     rec = Recorder()
     watch = rec.watch
     _a([1], 0, rec.allocs.fire_callbacks, SEG)
-    intern = watch._intern
+    intern = watch.sites.intern
 
     def intern_while_another_thread_frees(site):
         out = intern(site)
         watch._on_free(SEG)
         return out
 
-    watch._intern = intern_while_another_thread_frees
-    watch._intern_fresh()
-    assert SEG not in watch.sites
+    watch.sites.intern = intern_while_another_thread_frees
+    watch.sites.intern_fresh()
+    assert SEG not in watch.sites.by_address
 
 
 def test_a_site_names_the_allocating_line():
@@ -260,16 +260,20 @@ def test_a_site_names_the_allocating_line():
     rec.allocs.fire_callbacks(SEG)
     frames = rec.watch._frames_of(SEG)
     assert frames[-1] == (__file__, line, "test_a_site_names_the_allocating_line")
-    rec.watch._intern_fresh()
+    rec.watch.sites.intern_fresh()
     assert rec.watch._frames_of(SEG) == frames
 
 
 def test_stop_forgets_the_sites():
     rec = Recorder()
     rec.allocs.fire_callbacks(SEG)
-    assert rec.watch.sites and rec.watch._fresh
+    assert rec.watch.sites.by_address and rec.watch.sites.fresh
     rec.watch.stop()
-    assert not rec.watch.sites and not rec.watch._fresh and not rec.watch._interned
+    assert (
+        not rec.watch.sites.by_address
+        and not rec.watch.sites.fresh
+        and not rec.watch.sites._interned
+    )
 
 
 def test_callbacks_reach_the_tracker():
@@ -292,7 +296,7 @@ def test_callbacks_reach_the_tracker():
     }
     info = GraphInfo(1, "g1", [("train.py", 5, "capture")], (1, 0), 0)
     state = tracker.add_graph(info, [Reference(0, "k", 1, 8, SEG)], MemoryMap.from_snapshot(snap))
-    watch._free_event = lambda: FreeEvent([("train.py", 9, "step")], "train", 1, None, None)
+    watch.free_event = lambda: FreeEvent([("train.py", 9, "step")], "train", 1, None, None)
     frees.fire_callbacks(SEG + (1 << 30))  # unwatched, nothing freed yet: nothing to do
     assert not state.dirty and not tracker.freed_segments
     frees.fire_callbacks(SEG)  # the watched block

@@ -14,7 +14,7 @@ from graphsan.context import Context
 from graphsan.core.memory_map import AllocatorView
 from graphsan.core.records import DEFAULT_POOL
 from graphsan.core.tracker import Tracker
-from graphsan.cuda import allocator
+from graphsan.cuda import allocator, allocator_log
 
 STREAM, OTHER, POOL = 0x5000, 0x6000, (0, 7)
 WARM, SEG, FORK = 0x7F00_0000_0000, 0x7F00_1000_0000, 0x7F00_2000_0000
@@ -46,11 +46,11 @@ def watch(monkeypatch):
             return {"segments": [], "device_traces": [entries]}
         return {"segments": fake["pools"].get(tuple(pool), [])}
 
-    monkeypatch.setattr(allocator, "_snapshot", snapshot)
-    monkeypatch.setattr(allocator, "_empty_pool_id", lambda: (0, 99))
+    monkeypatch.setattr(allocator_log, "_snapshot", snapshot)
+    monkeypatch.setattr(allocator_log, "_empty_pool_id", lambda: (0, 99))
     monkeypatch.setattr(allocator.AllocatorWatch, "_clear_log", lambda self: None)
-    monkeypatch.setattr(allocator, "_metadata", lambda: "")
-    monkeypatch.setattr(allocator, "_set_metadata", lambda text: None)
+    monkeypatch.setattr(allocator_log, "_metadata", lambda: "")
+    monkeypatch.setattr(allocator_log, "_set_metadata", lambda text: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     w = allocator.AllocatorWatch(Tracker(), Context(), on_error=lambda err: None)
     w.views[0] = AllocatorView()
@@ -105,7 +105,7 @@ def test_untagged_mapped_pages_of_the_pool_reseed_the_view(watch, monkeypatch):
     before their pool was known; only a snapshot gives the runs."""
     w, fake = watch
     seeded = []
-    real = allocator._snapshot
+    real = allocator_log._snapshot
 
     def snapshot(pool=(0, 0), traces=False):
         if not traces and tuple(pool) == (0, 0):
@@ -113,7 +113,7 @@ def test_untagged_mapped_pages_of_the_pool_reseed_the_view(watch, monkeypatch):
             return {"segments": [_seg(WARM, DEFAULT_POOL), _seg(WARM + MB2, POOL)]}
         return real(pool, traces)
 
-    monkeypatch.setattr(allocator, "_snapshot", snapshot)
+    monkeypatch.setattr(allocator_log, "_snapshot", snapshot)
     tag = w.capture_started(1, STREAM)
     fake["log"] = [
         _entry("segment_map", WARM, MB2, STREAM),

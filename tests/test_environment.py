@@ -14,7 +14,7 @@ import torch
 
 from graphsan import sanitizer
 from graphsan.core.records import FREED_UNSEEN, AllocArgs, KernelArgs
-from graphsan.cuda import allocator, driver, driverwatch, tracelog
+from graphsan.cuda import allocator, allocator_log, driver, driverwatch, tracelog
 from graphsan.report import StaleMemoryError, format_finding
 from tests import fake_cuda
 
@@ -123,7 +123,7 @@ def test_snapshots_refused_leave_graphsan_idle_in_one_line(cuda_here, monkeypatc
     def refused(*args, **kwargs):
         raise RuntimeError("Calling snapshot with backend:X is not meaningful")
 
-    monkeypatch.setattr(allocator, "_snapshot", refused)
+    monkeypatch.setattr(allocator_log, "_snapshot", refused)
     san = started()
     assert not san.active
     assert (

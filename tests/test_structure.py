@@ -25,6 +25,10 @@ ALLOWED = {
         "graphsan.cuda.tracelog",  # the allocator watch's compiled event source
         "graphsan.cuda.gputrace",  # the same library's GPU-trace interpreter
         "graphsan.cuda.graphwalk",  # the same library's walk of a graph being captured
+        # the allocator watch's parts: its event log's views, allocation sites, wrapped ops
+        "graphsan.cuda.allocator_log",
+        "graphsan.cuda.sites",
+        "graphsan.cuda.storage_ops",
     ),
     "graphsan.capture": ("graphsan.core", "graphsan.cuda", "graphsan.report.timeline"),
 }

@@ -27,7 +27,7 @@ from graphsan.context import Context
 from graphsan.core.memory_map import AllocatorView, MemoryMap
 from graphsan.core.records import DEFAULT_POOL
 from graphsan.core.tracker import Tracker, WatchedBlock
-from graphsan.cuda import allocator, tracelog
+from graphsan.cuda import allocator, allocator_log, tracelog
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.gputrace import GpuTrace
 from tests.test_allocview import STREAM_POOL, ModelAllocator, random_event, same_answers
@@ -176,7 +176,7 @@ def test_sync_drains_the_tracker_reseeds_on_overflow_and_keeps_capture_allocatio
         seeds.append(1)
         return model.snapshot()
 
-    monkeypatch.setattr(allocator, "_snapshot", snapshot)
+    monkeypatch.setattr(allocator_log, "_snapshot", snapshot)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     watch = new_watch()
     log = watch.log = FakeLog()
@@ -213,7 +213,7 @@ def test_sync_drains_the_tracker_reseeds_on_overflow_and_keeps_capture_allocatio
     capture(8, overflow=True)  # the tracker dropped events: the view is reseeded
     assert len(seeds) == 2
 
-    for _ in range(allocator.RESEED_ENTRIES // 2 + 1):  # alloc + free_completed each
+    for _ in range(allocator_log.RESEED_ENTRIES // 2 + 1):  # alloc + free_completed each
         model.free(model.malloc(512, 11), 11)
     drained()
     watch.sync()
@@ -637,7 +637,9 @@ def test_the_background_builder_runs_as_a_module_and_removes_its_marker(tmp_path
 
 def _model_watch(monkeypatch) -> tuple[ModelAllocator, AllocatorWatch, FakeLog]:
     model = ModelAllocator(random.Random(3), expandable=False)
-    monkeypatch.setattr(allocator, "_snapshot", lambda pool=(0, 0), traces=False: model.snapshot())
+    monkeypatch.setattr(
+        allocator_log, "_snapshot", lambda pool=(0, 0), traces=False: model.snapshot()
+    )
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     w = new_watch()
     log = w.log = FakeLog()
@@ -715,7 +717,7 @@ def test_the_trace_records_each_allocations_site_in_cpp(traced):
     frames = traced._frames_of(0x7000_0000)
     assert frames[-1][2] == "allocate_in_user_code"
     assert frames[-1][0] == __file__ and frames[-2][2].startswith("test_the_trace_records")
-    assert traced.sites == {}  # nothing went through the Python allocation callback
+    assert traced.sites.by_address == {}  # nothing went through the Python allocation callback
     for addr in (0x7000_1000, 0x7000_2000):  # one call path: one interned tuple
         allocate_in_user_code(trace, addr)
     assert traced._site_at(0x7000_1000) is traced._site_at(0x7000_2000)

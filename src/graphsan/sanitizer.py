@@ -57,13 +57,13 @@ def check_policy(policy: str | Policy) -> Policy:
     return Policy.parse(policy)
 
 
-def _memory_watch(tracker, context, on_error, alloc_stacks):
+def _memory_watch(tracker, context, on_error, alloc_stacks, timeline):
     """The allocator's watch: its events where the native backend runs, the driver elsewhere."""
     name = driverwatch.backend()
     if name == "native":
-        return AllocatorWatch(tracker, context, on_error, alloc_stacks)
+        return AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline)
     why = f"the {name} allocator backend keeps no block map and reports no frees"
-    return driverwatch.DriverWatch(tracker, context, on_error, alloc_stacks, why, _driver)
+    return driverwatch.DriverWatch(tracker, context, on_error, alloc_stacks, why, _driver, timeline)
 
 
 def _driver():
@@ -84,7 +84,6 @@ class Sanitizer:
     ):
         policy = Policy.parse(policy)
         self.context = context or Context()
-        self.tracker = Tracker()
         self.findings: list[Finding] = []
         self.graph_stats: dict[int, GraphStats] = {}  # by graph id, in capture order
         self.rank = rank_from_env()
@@ -92,13 +91,15 @@ class Sanitizer:
         self.disabled_reason: str | None = None
         self._failed = False  # an internal error disabled it
         self.report_path: str | None = None
-        self.memory = _memory_watch(self.tracker, self.context, self._internal_error, alloc_stacks)
-        self.host = HostWatch(self.tracker, self.memory._free_event, self._internal_error)
-        self.pool_orders = ReplayOrders(self.tracker, self.memory.site_frames)
-        self.tracker.host_owner = self.host.owner
-        self.tracker.order_reads = self.pool_orders.judges
         self.timeline = Timeline(self.rank)
-        self.memory.timeline = self.timeline
+        self.tracker = Tracker()
+        self.memory = _memory_watch(
+            self.tracker, self.context, self._internal_error, alloc_stacks, self.timeline
+        )
+        self.host = HostWatch(self.tracker, self.memory.free_event, self._internal_error)
+        self.pool_orders = ReplayOrders(self.tracker, self.memory.site_frames)
+        # the tracker asks these two about a block; both need the tracker themselves
+        self.tracker.consult(host_owner=self.host.owner, order_reads=self.pool_orders.judges)
         self.capture = CaptureAnalysis(
             self.memory, self.tracker, self.host, self.pool_orders, self.timeline
         )

@@ -17,7 +17,7 @@ import torch
 import graphsan
 from graphsan.core import memory_map
 from graphsan.core.memory_map import layout
-from graphsan.cuda.allocator import snapshot_map
+from graphsan.cuda.allocator_log import snapshot_map
 
 rng = random.Random(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 if len(sys.argv) > 2:

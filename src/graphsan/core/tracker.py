@@ -134,6 +134,17 @@ class Tracker:
         self.on_watch: Callable[[list[DataPtr]], None] | None = None
         self.on_freed_segments: Callable[[list[tuple[DataPtr, int]]], None] | None = None
 
+    def consult(
+        self,
+        host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None,
+        order_reads: Callable[[WatchedBlock], bool] | None = None,
+    ) -> None:
+        """The two questions the tracker asks of its neighbours, which need the tracker
+        themselves: who owns pinned host memory now, and whether the pool's replay order judges
+        a block's readers."""
+        self.host_owner = host_owner
+        self.order_reads = order_reads
+
     # -- capture -----------------------------------------------------------------------------
     def add_graph(
         self,

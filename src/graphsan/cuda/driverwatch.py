@@ -58,6 +58,7 @@ class DriverWatch:
         alloc_stacks: bool = True,
         why: str = "",
         driver: Callable[[], object] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.tracker = tracker
         self.context = context
@@ -70,7 +71,7 @@ class DriverWatch:
         self.last_release: Release | None = None
         self.capture_pool: PoolId | None = None
         self.redirect_resize = None
-        self.timeline: Timeline | None = None
+        self.timeline = timeline
         self.log = None
         self.trace = None
         self.ids: dict[int, Identity] = {}  # watched address -> its allocation at watch time
@@ -136,7 +137,7 @@ class DriverWatch:
         phase, step = self.context.current()
         return FreeEvent((), phase, step, FREED_UNSEEN)
 
-    def _free_event(self) -> FreeEvent:
+    def free_event(self) -> FreeEvent:
         """A free seen as it happens (pinned host memory, through its storage's finalizer)."""
         phase, step = self.context.current()
         return FreeEvent(python_stack(), phase, step, None, self.capture_pool)

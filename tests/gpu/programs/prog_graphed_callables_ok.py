@@ -7,7 +7,7 @@ from _prelude import *  # noqa: F403
 
 import graphsan
 from graphsan.core.memory_map import layout
-from graphsan.cuda.allocator import snapshot_map
+from graphsan.cuda.allocator_log import snapshot_map
 
 torch.manual_seed(0)
 h, tokens = 512, 1024
