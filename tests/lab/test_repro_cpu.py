@@ -17,7 +17,7 @@ from graphsan.cli import main
 from graphsan.lab import repro
 from graphsan.lab.models import build_model
 from graphsan.lab.repro import CaseResult, Outcome, child, compare, logparse, runner
-from graphsan.lab.train.trainer import bind_precision, model_args
+from graphsan.lab.train.recipes import bind_precision
 
 
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
@@ -33,7 +33,7 @@ def test_each_case_builds_the_configuration_it_names(case):
         assert cfg.cuda_graph_warmup_steps == repro.WARMUP < repro.EVAL_AT < cfg.train_iters
         assert cfg.model_overrides == repro.WIDE_MAMBA["small"]
         # the recipes bind to the model the matrix builds (on the meta device: no memory)
-        model = build_model(model_args(cfg), device="meta")
+        model = build_model(cfg.model_args(), device="meta")
         table = dict(bind_precision(model, cfg)[0])
         out_proj = table["layers.0.mixer.out_proj"]
         assert out_proj.startswith("nvfp4" if "nvfp4-outproj" in case.precision else "mxfp8")
