@@ -124,19 +124,25 @@ def test_a_case_that_overruns_its_time_is_reported_not_waited_for(monkeypatch):
     res = runner.spawn(repro.CASES[0], "tiny", timeout=3)
     assert res.outcome == "timed out after 3 s"  # killed, not left to finish its sleep
     assert res.iteration == 2  # how far it got: the iteration after the last one logged
-    assert res.timeline == [0.1]
+    assert res.timeline == (0.1,)
     assert res.kind is Outcome.OTHER
 
 
 def test_compare_covers_iterations_both_runs_have_and_counts_nan_as_infinite():
     ref = CaseResult(losses=[5.0, 4.9, 4.8, 4.7, 4.6, 4.5, 4.4])
     res = CaseResult(losses=[5.0, 4.9, 4.8, 4.7, 4.6 * (1 + 2e-4), float("nan")])
-    text = compare.compare(res, ref)
-    assert res.rel_diff_before_eval == pytest.approx(2e-4)
-    assert res.rel_diff_after_eval == float("inf")
-    assert "2.0e-04 up to validation, inf after" in text
+    c = compare.compare(res, ref)
+    assert c.before_eval == pytest.approx(2e-4)
+    assert c.after_eval == float("inf")
+    assert "2.0e-04 up to validation, inf after" in c.text
+    compared = compare.add_comparison(res, ref)
+    assert (compared.rel_diff_before_eval, compared.rel_diff_after_eval) == (
+        c.before_eval,
+        c.after_eval,
+    )
+    assert compared.reference_losses == ref.losses and compared.comparison == c.text
     short = CaseResult(losses=[5.0, 4.9])
-    assert compare.compare(short, ref) == "no losses after validation to compare"
+    assert compare.compare(short, ref).text == "no losses after validation to compare"
 
 
 def test_timeline_and_iteration_come_from_the_child_progress_lines():
@@ -267,8 +273,9 @@ def test_a_broken_reference_makes_the_comparison_inconclusive_not_clean():
         CaseResult("timed out after 240 s", losses=[]),
         CaseResult("trained through", losses=[5.0] * (repro.ITERS - 1) + [float("nan")]),
     ):
-        assert compare.compare(res, ref).startswith("inconclusive: the eager reference")
-        assert res.rel_diff_after_eval is None
+        c = compare.compare(res, ref)
+        assert c.text.startswith("inconclusive: the eager reference")
+        assert c.after_eval is None and compare.add_comparison(res, ref).rel_diff_after_eval is None
 
 
 def test_the_result_file_wins_and_a_dead_child_is_named_by_its_signal():
@@ -319,18 +326,18 @@ def test_an_error_the_child_could_not_name_is_named_from_its_log():
         'thread: [80,0,0] Assertion `-sizes[i] <= index && index < sizes[i] && "index out of '
         'bounds"` failed.\n'
     )
-    named = logparse.result_of(json.dumps(res.to_dict()), log, 0)
+    named = logparse.result_of(json.dumps(res.to_json()), log, 0)
     assert (named.outcome, named.iteration, named.symptom) == (
         "device-side assert",
         6,
         "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED",
     )
-    assert logparse.result_of(json.dumps(res.to_dict()), "no kernel message", 0).outcome == "error"
+    assert logparse.result_of(json.dumps(res.to_json()), "no kernel message", 0).outcome == "error"
     # PyTorch's advice under any CUDA error is not a kernel's assertion
     advice = "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
-    assert logparse.result_of(json.dumps(res.to_dict()), advice, 0).outcome == "error"
+    assert logparse.result_of(json.dumps(res.to_json()), advice, 0).outcome == "error"
     other = CaseResult("StaleMemoryError", iteration=6)
-    assert logparse.result_of(json.dumps(other.to_dict()), log, 0).outcome == "StaleMemoryError"
+    assert logparse.result_of(json.dumps(other.to_json()), log, 0).outcome == "StaleMemoryError"
 
 
 def test_a_child_without_a_result_file_is_refused_and_a_result_survives_json(capsys):
@@ -339,7 +346,7 @@ def test_a_child_without_a_result_file_is_refused_and_a_result_survives_json(cap
         "graphsan repro: error: --child needs --result PATH (the file the parent reads)"
     )
     res = CaseResult("StaleMemoryError", iteration=6, finding="x", eval_losses=[[5, 4.5]])
-    assert logparse.result_of(json.dumps(res.to_dict()), "", 0) == res
+    assert logparse.result_of(json.dumps(res.to_json()), "", 0) == res
 
 
 def test_the_child_names_a_stopped_replay_in_one_line():

@@ -67,7 +67,8 @@ class Case:
     about: str = ""  # the expectation in words
     finding_freed_in: str = ""  # a finding must name this free site (graphsan on)
 
-    def to_dict(self) -> dict:
+    def to_json(self) -> dict:
+        """The case as `graphsan repro --list --json` writes it (and the matrix page reads)."""
         return {
             "case": self.n,
             "title": self.title,
@@ -81,6 +82,8 @@ class Case:
             "finding_freed_in": self.finding_freed_in or None,
             "about": self.about,
         }
+
+    to_dict = to_json  # the name tests/test_report_pages.py builds its matrix input with
 
     def expected_values(self) -> list[str]:
         """The expected outcomes as words, in the enum's order."""
