@@ -12,6 +12,7 @@ import pytest
 from graphsan.lab import repro
 from graphsan.lab.repro import CaseResult, RankResult, ResultError, logparse
 from graphsan.lab.repro.result import describe_ranks
+from graphsan.lab.vocab import StatePolicy
 
 # a result with every field set, as the untyped dict of the earlier code wrote it (json.dumps)
 FULL = (
@@ -86,6 +87,11 @@ def test_the_fields_are_typed_and_frozen():
 
 def test_a_case_lists_in_the_same_format():
     assert json.dumps(repro.BY_NUMBER[4].to_json(), indent=1) == CASE_4
+    assert repro.BY_NUMBER[4].state is StatePolicy.TE218
+    written_by_name = dataclasses.replace(repro.BY_NUMBER[6], state="fixed")
+    assert written_by_name.state is StatePolicy.FIXED
+    with pytest.raises(ValueError, match="case 6: state bogus: expected one of fixed, te218"):
+        dataclasses.replace(repro.BY_NUMBER[6], state="bogus")
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,8 @@ import enum
 import os
 from dataclasses import dataclass
 
+from graphsan.lab.vocab import StatePolicy
+
 SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 NO_MAMBA = ("attn", "moe_router", "moe_preprocess")
 # iterations: 1-3 eager warm-up, 4 capture, validation + save + GC at 5, first backward after it
@@ -59,13 +61,17 @@ class Case:
     title: str
     precision: str
     scopes: tuple[str, ...]
-    state: str  # "te218" | "fixed"
+    state: StatePolicy
     graphsan: str  # "off" | "raise" | "record" | "pin"
     empty_cache: bool = True
     compare: bool = False  # compare losses with an eager reference run
     expected: frozenset[Outcome] = TRAINS_THROUGH  # any of these matches
     about: str = ""  # the expectation in words
     finding_freed_in: str = ""  # a finding must name this free site (graphsan on)
+
+    def __post_init__(self):
+        # a case written with the policy's name ("te218") gets the policy itself
+        object.__setattr__(self, "state", StatePolicy.parse(self.state, f"case {self.n}: state"))
 
     def to_json(self) -> dict:
         """The case as `graphsan repro --list --json` writes it (and the matrix page reads)."""
@@ -96,7 +102,7 @@ CASES = [
         "reported failure",
         "super-mixed",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "off",
         expected=STALE_REPLAY,
         about="a crash in the first step after validation (the report: an illegal memory "
@@ -108,7 +114,7 @@ CASES = [
         "control: MXFP8 everywhere",
         "mxfp8-all",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "off",
         about="the override and the ambient recipe agree: nothing is freed",
     ),
@@ -117,7 +123,7 @@ CASES = [
         "control: mamba not graphed",
         "super-mixed",
         NO_MAMBA,
-        "te218",
+        StatePolicy.TE218,
         "off",
         about="out_proj runs eagerly: no graph holds its workspace",
     ),
@@ -126,7 +132,7 @@ CASES = [
         "graphsan raise",
         "super-mixed",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "raise",
         expected=STOPPED,
         about="stopped before the replay, naming out_proj's weight workspace",
@@ -137,7 +143,7 @@ CASES = [
         "no empty_cache",
         "super-mixed",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "record",
         empty_cache=False,
         compare=True,
@@ -151,7 +157,7 @@ CASES = [
         "fixed state policy",
         "super-mixed",
         SCENARIO_SCOPES,
-        "fixed",
+        StatePolicy.FIXED,
         "off",
         compare=True,
         about=f"losses within {LOSS_RTOL:g} (relative) of eager",
@@ -161,7 +167,7 @@ CASES = [
         "graphsan pin",
         "super-mixed",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "pin",
         about="pin keeps the workspace alive, te218 unchanged",
     ),
@@ -170,7 +176,7 @@ CASES = [
         "prediction: MXFP8 base, NVFP4 out_proj",
         "mxfp8-base-nvfp4-outproj",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "off",
         expected=STALE_REPLAY,
         about="fails after validation like case 1",
@@ -180,7 +186,7 @@ CASES = [
         "prediction under graphsan",
         "mxfp8-base-nvfp4-outproj",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "raise",
         expected=STOPPED,
         about="stopped before the replay, naming out_proj's NVFP4 weight workspace",
@@ -216,7 +222,7 @@ def case_config(
         manual_gc_interval=EVAL_AT,
         cuda_graph_modules=() if reference else case.scopes,
         cuda_graph_warmup_steps=WARMUP,
-        state_policy="fixed" if reference else case.state,
+        state_policy=StatePolicy.FIXED if reference else case.state,
         precision_config=case.precision,
         model_overrides=model_overrides(preset, mamba_heads),
         num_layers_at_end_in_bf16=2,
