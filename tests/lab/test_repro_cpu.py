@@ -18,6 +18,7 @@ from graphsan.lab import repro
 from graphsan.lab.models import build_model
 from graphsan.lab.repro import CaseResult, Outcome, child, compare, logparse, runner
 from graphsan.lab.train.recipes import bind_precision
+from graphsan.lab.vocab import StatePolicy
 
 
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
@@ -26,7 +27,7 @@ def test_each_case_builds_the_configuration_it_names(case):
         cfg = dataclasses.replace(repro.case_config(case, "small", reference), device="cpu")
         cfg.validate()
         assert cfg.cuda_graph_modules == (() if reference else case.scopes)
-        assert cfg.state_policy == ("fixed" if reference else case.state)
+        assert cfg.state_policy is (StatePolicy.FIXED if reference else case.state)
         assert cfg.precision_config == case.precision
         assert cfg.empty_cache_on_save == case.empty_cache
         assert cfg.eval_interval == cfg.save_interval == cfg.manual_gc_interval == repro.EVAL_AT
@@ -219,6 +220,8 @@ SEEN = {
 
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
 def test_what_the_h200_showed_matches_and_other_outcomes_do_not(case):
+    if case.n not in SEEN:
+        pytest.skip(f"case {case.n} has not run on the H200 yet: nothing seen to hold it to")
     for res in SEEN[case.n]:
         assert repro.judge(case, CaseResult(**res)) == "", res
     seen = {Outcome(r["outcome"]) for r in SEEN[case.n]}
@@ -248,9 +251,10 @@ def test_the_exit_status_says_whether_every_case_matched(monkeypatch, capsys, tm
     as_seen[5]["losses"] = []  # it crashed: nothing to compare after validation
     monkeypatch.setattr(runner, "spawn", _fake_spawn(as_seen))
     path = tmp_path / "results.json"
-    assert main(["repro", "--json", str(path)]) == 0
+    seen_cases = [arg for n in SEEN for arg in ("--case", str(n))]  # a new case has no SEEN yet
+    assert main(["repro", "--json", str(path), *seen_cases]) == 0
     out = capsys.readouterr().out
-    assert out.count("| yes |") == len(repro.CASES)
+    assert out.count("| yes |") == len(SEEN)
     results = json.loads(path.read_text())
     assert all(r["result"]["matched"] for r in results)
     assert results[0]["case"]["expected"][0] == "illegal memory access"
