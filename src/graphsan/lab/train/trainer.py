@@ -275,6 +275,7 @@ class Trainer:
                 self.dist.all_reduce_sum_(buf)
 
     def evaluate(self, it: int) -> float:
+        """Validate (evaluate.py), keep the loss and print it."""
         cfg = self.cfg
         loss = evaluate(self.model, self.batches, cfg, self.skip, self.dist, it)
         self.result.eval_losses.append((it, loss))
@@ -285,6 +286,7 @@ class Trainer:
         return loss
 
     def save(self, it: int) -> None:
+        """Save a checkpoint of iteration `it` (every rank takes part) and print where."""
         path = self.checkpoints.save(it)
         self.metrics.print(
             f"saved checkpoint {path} at iteration {it}"
