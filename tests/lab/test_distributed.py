@@ -259,7 +259,7 @@ def test_expert_parallel_size_must_divide_ranks_and_experts():
 
 def test_the_memory_check_counts_the_sharded_optimizer():
     """Each of 4 ranks holds a quarter of the fp32 masters and moments (12 of 16 bytes)."""
-    from graphsan.lab.train.trainer import memory_needed
+    from graphsan.lab.train.device import memory_needed
 
     plain = TrainConfig(preset="tiny", world_size=4).validate()
     need, _, trainable = memory_needed(plain)

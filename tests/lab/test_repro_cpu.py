@@ -17,7 +17,8 @@ from graphsan.cli import main
 from graphsan.lab import repro
 from graphsan.lab.models import build_model
 from graphsan.lab.repro import CaseResult, Outcome, child, compare, logparse, runner
-from graphsan.lab.train.trainer import bind_precision, model_args
+from graphsan.lab.train.recipes import bind_precision
+from graphsan.lab.vocab import StatePolicy
 
 
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
@@ -26,14 +27,14 @@ def test_each_case_builds_the_configuration_it_names(case):
         cfg = dataclasses.replace(repro.case_config(case, "small", reference), device="cpu")
         cfg.validate()
         assert cfg.cuda_graph_modules == (() if reference else case.scopes)
-        assert cfg.state_policy == ("fixed" if reference else case.state)
+        assert cfg.state_policy is (StatePolicy.FIXED if reference else case.state)
         assert cfg.precision_config == case.precision
         assert cfg.empty_cache_on_save == case.empty_cache
         assert cfg.eval_interval == cfg.save_interval == cfg.manual_gc_interval == repro.EVAL_AT
         assert cfg.cuda_graph_warmup_steps == repro.WARMUP < repro.EVAL_AT < cfg.train_iters
         assert cfg.model_overrides == repro.WIDE_MAMBA["small"]
         # the recipes bind to the model the matrix builds (on the meta device: no memory)
-        model = build_model(model_args(cfg), device="meta")
+        model = build_model(cfg.model_args(), device="meta")
         table = dict(bind_precision(model, cfg)[0])
         out_proj = table["layers.0.mixer.out_proj"]
         assert out_proj.startswith("nvfp4" if "nvfp4-outproj" in case.precision else "mxfp8")
@@ -124,19 +125,25 @@ def test_a_case_that_overruns_its_time_is_reported_not_waited_for(monkeypatch):
     res = runner.spawn(repro.CASES[0], "tiny", timeout=3)
     assert res.outcome == "timed out after 3 s"  # killed, not left to finish its sleep
     assert res.iteration == 2  # how far it got: the iteration after the last one logged
-    assert res.timeline == [0.1]
+    assert res.timeline == (0.1,)
     assert res.kind is Outcome.OTHER
 
 
 def test_compare_covers_iterations_both_runs_have_and_counts_nan_as_infinite():
     ref = CaseResult(losses=[5.0, 4.9, 4.8, 4.7, 4.6, 4.5, 4.4])
     res = CaseResult(losses=[5.0, 4.9, 4.8, 4.7, 4.6 * (1 + 2e-4), float("nan")])
-    text = compare.compare(res, ref)
-    assert res.rel_diff_before_eval == pytest.approx(2e-4)
-    assert res.rel_diff_after_eval == float("inf")
-    assert "2.0e-04 up to validation, inf after" in text
+    c = compare.compare(res, ref)
+    assert c.before_eval == pytest.approx(2e-4)
+    assert c.after_eval == float("inf")
+    assert "2.0e-04 up to validation, inf after" in c.text
+    compared = compare.add_comparison(res, ref)
+    assert (compared.rel_diff_before_eval, compared.rel_diff_after_eval) == (
+        c.before_eval,
+        c.after_eval,
+    )
+    assert compared.reference_losses == ref.losses and compared.comparison == c.text
     short = CaseResult(losses=[5.0, 4.9])
-    assert compare.compare(short, ref) == "no losses after validation to compare"
+    assert compare.compare(short, ref).text == "no losses after validation to compare"
 
 
 def test_timeline_and_iteration_come_from_the_child_progress_lines():
@@ -213,6 +220,8 @@ SEEN = {
 
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")
 def test_what_the_h200_showed_matches_and_other_outcomes_do_not(case):
+    if case.n not in SEEN:
+        pytest.skip(f"case {case.n} has not run on the H200 yet: nothing seen to hold it to")
     for res in SEEN[case.n]:
         assert repro.judge(case, CaseResult(**res)) == "", res
     seen = {Outcome(r["outcome"]) for r in SEEN[case.n]}
@@ -242,9 +251,10 @@ def test_the_exit_status_says_whether_every_case_matched(monkeypatch, capsys, tm
     as_seen[5]["losses"] = []  # it crashed: nothing to compare after validation
     monkeypatch.setattr(runner, "spawn", _fake_spawn(as_seen))
     path = tmp_path / "results.json"
-    assert main(["repro", "--json", str(path)]) == 0
+    seen_cases = [arg for n in SEEN for arg in ("--case", str(n))]  # a new case has no SEEN yet
+    assert main(["repro", "--json", str(path), *seen_cases]) == 0
     out = capsys.readouterr().out
-    assert out.count("| yes |") == len(repro.CASES)
+    assert out.count("| yes |") == len(SEEN)
     results = json.loads(path.read_text())
     assert all(r["result"]["matched"] for r in results)
     assert results[0]["case"]["expected"][0] == "illegal memory access"
@@ -267,8 +277,9 @@ def test_a_broken_reference_makes_the_comparison_inconclusive_not_clean():
         CaseResult("timed out after 240 s", losses=[]),
         CaseResult("trained through", losses=[5.0] * (repro.ITERS - 1) + [float("nan")]),
     ):
-        assert compare.compare(res, ref).startswith("inconclusive: the eager reference")
-        assert res.rel_diff_after_eval is None
+        c = compare.compare(res, ref)
+        assert c.text.startswith("inconclusive: the eager reference")
+        assert c.after_eval is None and compare.add_comparison(res, ref).rel_diff_after_eval is None
 
 
 def test_the_result_file_wins_and_a_dead_child_is_named_by_its_signal():
@@ -319,18 +330,18 @@ def test_an_error_the_child_could_not_name_is_named_from_its_log():
         'thread: [80,0,0] Assertion `-sizes[i] <= index && index < sizes[i] && "index out of '
         'bounds"` failed.\n'
     )
-    named = logparse.result_of(json.dumps(res.to_dict()), log, 0)
+    named = logparse.result_of(json.dumps(res.to_json()), log, 0)
     assert (named.outcome, named.iteration, named.symptom) == (
         "device-side assert",
         6,
         "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED",
     )
-    assert logparse.result_of(json.dumps(res.to_dict()), "no kernel message", 0).outcome == "error"
+    assert logparse.result_of(json.dumps(res.to_json()), "no kernel message", 0).outcome == "error"
     # PyTorch's advice under any CUDA error is not a kernel's assertion
     advice = "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
-    assert logparse.result_of(json.dumps(res.to_dict()), advice, 0).outcome == "error"
+    assert logparse.result_of(json.dumps(res.to_json()), advice, 0).outcome == "error"
     other = CaseResult("StaleMemoryError", iteration=6)
-    assert logparse.result_of(json.dumps(other.to_dict()), log, 0).outcome == "StaleMemoryError"
+    assert logparse.result_of(json.dumps(other.to_json()), log, 0).outcome == "StaleMemoryError"
 
 
 def test_a_child_without_a_result_file_is_refused_and_a_result_survives_json(capsys):
@@ -339,7 +350,7 @@ def test_a_child_without_a_result_file_is_refused_and_a_result_survives_json(cap
         "graphsan repro: error: --child needs --result PATH (the file the parent reads)"
     )
     res = CaseResult("StaleMemoryError", iteration=6, finding="x", eval_losses=[[5, 4.5]])
-    assert logparse.result_of(json.dumps(res.to_dict()), "", 0) == res
+    assert logparse.result_of(json.dumps(res.to_json()), "", 0) == res
 
 
 def test_the_child_names_a_stopped_replay_in_one_line():

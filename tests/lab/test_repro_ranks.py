@@ -18,7 +18,7 @@ import torch
 
 from graphsan.cli import main
 from graphsan.lab import repro
-from graphsan.lab.repro import CaseResult, Outcome, runner
+from graphsan.lab.repro import CaseResult, Outcome, RankResult, runner
 from graphsan.lab.repro.table import print_results
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -67,9 +67,9 @@ CPU_CHILD = textwrap.dedent(
 
     child.case_config = cpu_config
     res = child.run_child(n, "tiny", reference)
-    res.startup.update(seen)
+    res = res.replace(startup={**res.startup, **seen})
     with open(result, "w") as fh:
-        json.dump(res.to_dict(), fh)
+        json.dump(res.to_json(), fh)
     """
 )
 
@@ -106,7 +106,7 @@ def test_a_case_trains_on_two_ranks_through_the_child_code_and_compares_with_eag
     case = repro.BY_NUMBER[6]
     results = runner.run_matrix([case], "tiny", jobs=2, timeout=240, nproc=2)
     ((_, res),) = results
-    assert [x["outcome"] for x in res.ranks] == ["trained through"] * 2
+    assert [x.outcome for x in res.ranks] == ["trained through"] * 2
     assert res.startup["world size"] == 2  # the case's configuration knew of both ranks
     assert len(res.losses) == repro.ITERS
     assert res.rel_diff_after_eval is not None and res.rel_diff_after_eval < repro.LOSS_RTOL
@@ -118,8 +118,8 @@ def test_a_case_on_two_ranks_gets_torchrun_env_and_merges_what_each_saw(monkeypa
     case = repro.BY_NUMBER[4]
     res = runner.spawn(case, "small", nproc=2, report_dir=str(tmp_path), timeout=60)
     assert res.kind is Outcome.STALE_MEMORY_ERROR and res.iteration == 6
-    assert [x["outcome"] for x in res.ranks] == ["StaleMemoryError"] * 2
-    envs = [json.loads(x["symptom"]) for x in res.ranks]
+    assert [x.outcome for x in res.ranks] == ["StaleMemoryError"] * 2
+    envs = [json.loads(x.symptom) for x in res.ranks]
     assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [
         ("0", "0", "2"),
         ("1", "1", "2"),
@@ -139,18 +139,17 @@ def test_a_rank_left_waiting_for_a_failed_peer_is_stopped_and_named(monkeypatch,
     case = repro.BY_NUMBER[4]
     res = runner.spawn(case, "small", nproc=2, report_dir=str(tmp_path), timeout=60, grace=1)
     assert res.kind is Outcome.STALE_MEMORY_ERROR and res.iteration == 6
-    assert [Outcome.of(x["outcome"]) for x in res.ranks] == [
+    assert [x.kind for x in res.ranks] == [
         Outcome.STALE_MEMORY_ERROR,
         Outcome.PEER_FAILED,
     ]
-    assert res.ranks[1]["iteration"] == 6  # its last progress line said 5 were done
+    assert res.ranks[1].iteration == 6  # its last progress line said 5 were done
     assert res.wall_s < 30
     assert "seen on rank 0:" in res.report  # rank 1 never wrote a report
     assert repro.judge(case, res) == ""
     # the table says what each rank saw
-    res.matched = True
     lines = []
-    print_results([(case, res)], type("Out", (), {"write": lines.append})())
+    print_results([(case, res.replace(matched=True))], type("Out", (), {"write": lines.append})())
     table = "".join(lines)
     assert "what each rank saw" in table
     assert "rank 0: StaleMemoryError @6; rank 1: stopped after a peer rank failed @6" in table
@@ -158,11 +157,13 @@ def test_a_rank_left_waiting_for_a_failed_peer_is_stopped_and_named(monkeypatch,
 
 def test_a_rank_that_fails_otherwise_breaks_the_match():
     case = repro.BY_NUMBER[4]
-    res = CaseResult("StaleMemoryError", iteration=6, finding="x, freed in clear_workspace")
-    res.ranks = [
-        {"rank": 0, "outcome": "StaleMemoryError", "iteration": 6},
-        {"rank": 1, "outcome": "illegal memory access", "iteration": 6},
-    ]
+    ranks = (
+        RankResult(0, "StaleMemoryError", iteration=6),
+        RankResult(1, "illegal memory access", iteration=6),
+    )
+    res = CaseResult(
+        "StaleMemoryError", iteration=6, finding="x, freed in clear_workspace", ranks=ranks
+    )
     assert repro.judge(case, res).startswith("rank 1 ended in illegal memory access")
 
 
@@ -171,10 +172,10 @@ def test_an_error_after_a_peer_failed_counts_as_waiting_for_it():
     peer = CaseResult("died (exit 1)", iteration=7, symptom="Connection closed by peer")
     merged = runner.combine([peer, own])
     assert merged.outcome == "device-side assert" and merged.iteration == 6
-    assert merged.ranks[0]["outcome"] == Outcome.PEER_FAILED.value
-    assert "Connection closed by peer" in merged.ranks[0]["symptom"]
+    assert merged.ranks[0].kind is Outcome.PEER_FAILED
+    assert "Connection closed by peer" in merged.ranks[0].symptom
     clean = runner.combine([CaseResult(losses=[1.0]), CaseResult(losses=[1.0])])
-    assert clean.kind is Outcome.TRAINED_THROUGH and clean.losses == [1.0]
+    assert clean.kind is Outcome.TRAINED_THROUGH and clean.losses == (1.0,)
 
 
 def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch, capsys):

@@ -17,7 +17,8 @@ Each case has a typed expected outcome (a set where runs legitimately showed mor
 docs/te-3316.md); the table says whether each case matched, and the command exits 1 when one did
 not.
 
-Modules: `cases` (the table and each case's training configuration), `result` (`CaseResult`),
+Modules: `cases` (the table and each case's training configuration), `result` (`CaseResult`
+and `RankResult`, frozen, with `to_json`/`from_json`: the `--json` format, checked field by field),
 `child` (one case in this process), `runner` (one process per case, the matrix side by side),
 `logparse` (a dead child's log), `compare` (losses against eager, the verdict), `table`
 (markdown), `cli` (the command).
@@ -39,7 +40,7 @@ from graphsan.lab.repro.cases import (
 )
 from graphsan.lab.repro.cli import add_arguments, build_parser, main, run
 from graphsan.lab.repro.compare import judge
-from graphsan.lab.repro.result import CaseResult
+from graphsan.lab.repro.result import CaseResult, RankResult, ResultError
 from graphsan.lab.repro.runner import run_matrix
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
     "Case",
     "CaseResult",
     "Outcome",
+    "RankResult",
+    "ResultError",
     "add_arguments",
     "build_parser",
     "case_config",

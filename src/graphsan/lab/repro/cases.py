@@ -6,6 +6,8 @@ import enum
 import os
 from dataclasses import dataclass
 
+from graphsan.lab.vocab import StatePolicy
+
 SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 NO_MAMBA = ("attn", "moe_router", "moe_preprocess")
 # iterations: 1-3 eager warm-up, 4 capture, validation + save + GC at 5, first backward after it
@@ -59,7 +61,7 @@ class Case:
     title: str
     precision: str
     scopes: tuple[str, ...]
-    state: str  # "te218" | "fixed"
+    state: StatePolicy
     graphsan: str  # "off" | "raise" | "record" | "pin"
     empty_cache: bool = True
     compare: bool = False  # compare losses with an eager reference run
@@ -67,7 +69,12 @@ class Case:
     about: str = ""  # the expectation in words
     finding_freed_in: str = ""  # a finding must name this free site (graphsan on)
 
-    def to_dict(self) -> dict:
+    def __post_init__(self):
+        # a case written with the policy's name ("te218") gets the policy itself
+        object.__setattr__(self, "state", StatePolicy.parse(self.state, f"case {self.n}: state"))
+
+    def to_json(self) -> dict:
+        """The case as `graphsan repro --list --json` writes it (and the matrix page reads)."""
         return {
             "case": self.n,
             "title": self.title,
@@ -82,6 +89,8 @@ class Case:
             "about": self.about,
         }
 
+    to_dict = to_json  # the name tests/test_report_pages.py builds its matrix input with
+
     def expected_values(self) -> list[str]:
         """The expected outcomes as words, in the enum's order."""
         return [o.value for o in Outcome if o in self.expected]
@@ -93,7 +102,7 @@ CASES = [
         "reported failure",
         "super-mixed",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "off",
         expected=STALE_REPLAY,
         about="a crash in the first step after validation (the report: an illegal memory "
@@ -105,7 +114,7 @@ CASES = [
         "control: MXFP8 everywhere",
         "mxfp8-all",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "off",
         about="the override and the ambient recipe agree: nothing is freed",
     ),
@@ -114,7 +123,7 @@ CASES = [
         "control: mamba not graphed",
         "super-mixed",
         NO_MAMBA,
-        "te218",
+        StatePolicy.TE218,
         "off",
         about="out_proj runs eagerly: no graph holds its workspace",
     ),
@@ -123,7 +132,7 @@ CASES = [
         "graphsan raise",
         "super-mixed",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "raise",
         expected=STOPPED,
         about="stopped before the replay, naming out_proj's weight workspace",
@@ -134,7 +143,7 @@ CASES = [
         "no empty_cache",
         "super-mixed",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "record",
         empty_cache=False,
         compare=True,
@@ -148,7 +157,7 @@ CASES = [
         "fixed state policy",
         "super-mixed",
         SCENARIO_SCOPES,
-        "fixed",
+        StatePolicy.FIXED,
         "off",
         compare=True,
         about=f"losses within {LOSS_RTOL:g} (relative) of eager",
@@ -158,7 +167,7 @@ CASES = [
         "graphsan pin",
         "super-mixed",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "pin",
         about="pin keeps the workspace alive, te218 unchanged",
     ),
@@ -167,7 +176,7 @@ CASES = [
         "prediction: MXFP8 base, NVFP4 out_proj",
         "mxfp8-base-nvfp4-outproj",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "off",
         expected=STALE_REPLAY,
         about="fails after validation like case 1",
@@ -177,7 +186,7 @@ CASES = [
         "prediction under graphsan",
         "mxfp8-base-nvfp4-outproj",
         SCENARIO_SCOPES,
-        "te218",
+        StatePolicy.TE218,
         "raise",
         expected=STOPPED,
         about="stopped before the replay, naming out_proj's NVFP4 weight workspace",
@@ -213,7 +222,7 @@ def case_config(
         manual_gc_interval=EVAL_AT,
         cuda_graph_modules=() if reference else case.scopes,
         cuda_graph_warmup_steps=WARMUP,
-        state_policy="fixed" if reference else case.state,
+        state_policy=StatePolicy.FIXED if reference else case.state,
         precision_config=case.precision,
         model_overrides=model_overrides(preset, mamba_heads),
         num_layers_at_end_in_bf16=2,

@@ -79,34 +79,44 @@ def run_child(
     if case.graphsan != "off" and not reference:
         san = graphsan.enable(policy=case.graphsan)
     cfg = case_config(case, preset, reference, mamba_heads, world_from_env()[1])
-    out = CaseResult(startup=startup)
+    out = CaseResult()
     try:
         result = train(cfg, callbacks=[progress])
-        out.losses = [float(x) for x in result.losses]
-        out.eval_losses = result.eval_losses
+        out = out.replace(losses=result.losses, eval_losses=result.eval_losses)
     except graphsan.StaleMemoryError as err:
         # the iteration whose replay was stopped (the finding's step is the step of the free)
-        out.outcome, out.iteration = Outcome.STALE_MEMORY_ERROR.value, progress.done + 1
-        out.finding, out.report = first_finding(err.findings), str(err)
+        out = out.replace(
+            outcome=Outcome.STALE_MEMORY_ERROR.value,
+            iteration=progress.done + 1,
+            finding=first_finding(err.findings),
+            report=str(err),
+        )
     except TrainingDiverged as err:
-        out.outcome, out.iteration = Outcome.SILENT_CORRUPTION.value, err.iteration
-        out.symptom, out.losses = str(err), list(err.losses)
+        out = out.replace(
+            outcome=Outcome.SILENT_CORRUPTION.value,
+            iteration=err.iteration,
+            symptom=str(err),
+            losses=err.losses,
+        )
     except RuntimeError as err:
         traceback.print_exc()  # where it surfaced (the kernel itself with CUDA_LAUNCH_BLOCKING=1)
         text = str(err).strip()
         crash = logparse.crash_kind(text)
-        out.outcome = crash.value if crash else "error"
-        out.symptom = text.splitlines()[0][:200] if text else type(err).__name__
+        out = out.replace(
+            outcome=crash.value if crash else "error",
+            symptom=text.splitlines()[0][:200] if text else type(err).__name__,
+        )
     if san is not None and san.findings and not out.finding:
-        out.finding = first_finding(san.findings)
-        out.kinds = sorted({getattr(f.kind, "value", f.kind) for f in san.findings})
+        kinds = sorted({getattr(f.kind, "value", f.kind) for f in san.findings})
+        out = out.replace(finding=first_finding(san.findings), kinds=kinds)
     if san is not None and san.pinner is not None:
-        out.pinned = san.pinner.summary()
+        out = out.replace(pinned=san.pinner.summary())
     if san is not None and report:
         san.report().save(report)
     if out.iteration is None and out.kind is not Outcome.TRAINED_THROUGH:
-        out.iteration = progress.done + 1
+        out = out.replace(iteration=progress.done + 1)
     if torch.cuda.is_available():
         with contextlib.suppress(RuntimeError):  # a dead context says so again here
             torch.cuda.synchronize()
-    return out
+    # the start-up phases as the progress callback recorded them, the first steps' included
+    return out.replace(startup=startup)

@@ -130,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
 
         res = run_child(args.child, args.preset, args.reference, args.mamba_heads, args.report_file)
         with open(args.result, "w") as fh:
-            json.dump(res.to_dict(), fh)
+            json.dump(res.to_json(), fh)
         return 0
     unknown = [n for n in args.case or [] if n not in BY_NUMBER]
     if unknown:
@@ -148,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
     if args.list:
         print_cases(cases, out)
         if args.json is not None:
-            _write_json([c.to_dict() for c in cases], args.json)
+            _write_json([c.to_json() for c in cases], args.json)
         return 0
     problem = _check_args(args)
     if problem:
@@ -201,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"\ngraphsan's reports: {args.report} (`graphsan report FILE...` reads them)", file=out
         )
-    rows = [{"case": c.to_dict(), "result": r.to_dict()} for c, r in results]
+    rows = [{"case": c.to_json(), "result": r.to_json()} for c, r in results]
     if args.json is not None:
         _write_json(rows, args.json)
     if args.html and not write_matrix_page(args.html, rows):

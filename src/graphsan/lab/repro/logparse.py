@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 
 from graphsan.lab.repro.cases import Outcome
-from graphsan.lab.repro.result import CaseResult
+from graphsan.lab.repro.result import CaseResult, ResultError
 
 # the progress line a child prints after each optimizer step
 PROGRESS = "ITERATION"
@@ -31,30 +30,45 @@ def crash_kind(text: str) -> Outcome | None:
     return None
 
 
+# the outcome of a child whose result file does not fit CaseResult (its symptom names the field)
+UNREADABLE = "unreadable result"
+
+
 def result_of(result: str, log: str, rc: int) -> CaseResult:
     """The child's own result (JSON it wrote), or what its log and exit status say. A result
     of an error the child could not name is named from the log where the log shows the crash:
     a kernel's assertion makes the CUDA context fail for every later call, so the exception the
     child caught can be the next library's (cuBLAS: "CUBLAS_STATUS_EXECUTION_FAILED") while the
-    kernel's own message went to its stderr."""
+    kernel's own message went to its stderr. A result file cut short (the child died writing
+    it) or one whose fields do not fit counts as no result; the latter, unless the log or the
+    exit status says more, is `UNREADABLE` with the field named in its symptom."""
     crash = crash_kind(log)
+    problem = ""
     if result:
-        with contextlib.suppress(json.JSONDecodeError):
-            res = CaseResult.from_dict(json.loads(result))
+        try:
+            res = CaseResult.from_json(json.loads(result))
+        except json.JSONDecodeError as err:
+            problem = f"the child's result file is not JSON ({err})"
+        except ResultError as err:
+            problem = f"the child's result file: {err}"
+        else:
             if res.outcome == "error" and crash is not None:
-                res.outcome = crash.value
+                res = res.replace(outcome=crash.value)
             return res
     if crash is not None:
         outcome = crash.value
     elif rc < 0:
         outcome = f"killed by signal {-rc}"
+    elif problem:
+        outcome = UNREADABLE
     else:
         outcome = f"died (exit {rc})"
     lines = [ln for ln in log.strip().splitlines() if ln.strip()]
+    symptom = first_error_line(log) or (lines[-1][:200] if lines else "")
     return CaseResult(
         outcome=outcome,
         iteration=last_logged_iteration(log),
-        symptom=first_error_line(log) or (lines[-1][:200] if lines else ""),
+        symptom=problem if outcome == UNREADABLE else symptom,
     )
 
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from graphsan.lab.repro import logparse
 from graphsan.lab.repro.cases import Case, Outcome
 from graphsan.lab.repro.compare import add_comparison, judge
-from graphsan.lab.repro.result import CaseResult
+from graphsan.lab.repro.result import CaseResult, RankResult, describe_ranks
 
 # how long the other ranks may go on after one rank ended (a trained-through job ends within
 # a second on every rank; a rank still running is waiting in a collective for the one that ended)
@@ -117,16 +117,13 @@ def spawn(
             )
         else:
             res = logparse.result_of(text, log, rc)
-        res.wall_s = wall
-        res.timeline = logparse.iteration_times(log)
-        res.log_tail = log[-3000:]
-        results.append(res)
+        timeline = logparse.iteration_times(log)
+        results.append(res.replace(wall_s=wall, timeline=timeline, log_tail=log[-3000:]))
     if nproc == 1:
         return results[0]
     merged = combine(results)
     reports = [report_file(report_dir, case, r) for r in ranks] if want_report else []
-    merged.report = merge_rank_reports(reports) or merged.report
-    return merged
+    return merged.replace(report=merge_rank_reports(reports) or merged.report)
 
 
 def _pump(
@@ -171,31 +168,27 @@ def combine(results: list[CaseResult]) -> CaseResult:
     was stopped) counts as `Outcome.PEER_FAILED`."""
     own = [r for r in results if r.kind not in (Outcome.TRAINED_THROUGH, Outcome.OTHER)]
     own = [r for r in own if r.kind is not Outcome.PEER_FAILED]
-    for r in results:
-        if own and r.kind is Outcome.OTHER:
-            r.symptom = "; ".join(x for x in (r.outcome, r.symptom) if x)
-            r.outcome = Outcome.PEER_FAILED.value
     failed = own or [r for r in results if r.kind is not Outcome.TRAINED_THROUGH]
     base = failed[0] if failed else results[0]
-    merged = CaseResult.from_dict(base.to_dict())
     iterations = [r.iteration for r in failed if r.iteration is not None]
-    merged.iteration = min(iterations) if iterations else base.iteration
-    with_losses = [r for r in results if r.losses]
-    if with_losses:
-        merged.losses, merged.eval_losses = with_losses[0].losses, with_losses[0].eval_losses
-    merged.timeline = results[0].timeline
-    merged.wall_s = max(r.wall_s for r in results)
-    merged.ranks = [
-        {
-            "rank": i,
-            "outcome": r.outcome,
-            "iteration": r.iteration,
-            "finding": r.finding,
-            "symptom": r.symptom,
-        }
-        for i, r in enumerate(results)
-    ]
-    return merged
+    with_losses = [r for r in results if r.losses] or [base]
+    return base.replace(
+        iteration=min(iterations) if iterations else base.iteration,
+        losses=with_losses[0].losses,
+        eval_losses=with_losses[0].eval_losses,
+        timeline=results[0].timeline,
+        wall_s=max(r.wall_s for r in results),
+        ranks=tuple(_rank_result(i, r, peer_failed=bool(own)) for i, r in enumerate(results)),
+    )
+
+
+def _rank_result(rank: int, r: CaseResult, peer_failed: bool) -> RankResult:
+    """What rank `rank` saw; once another rank failed by itself, an error this rank could not
+    name (a collective's, its peer gone) counts as stopping after that peer."""
+    if peer_failed and r.kind is Outcome.OTHER:
+        symptom = "; ".join(x for x in (r.outcome, r.symptom) if x)
+        return RankResult(rank, Outcome.PEER_FAILED.value, r.iteration, r.finding, symptom)
+    return RankResult(rank, r.outcome, r.iteration, r.finding, r.symptom)
 
 
 def merge_rank_reports(paths: list[str]) -> str:
@@ -262,12 +255,13 @@ def run_matrix(
             print(_progress(c, done[c.n]), file=out, flush=True)
         results = [(c, done[c.n]) for c in cases]
         ref = ref_future.result() if ref_future else None
+    judged = []
     for c, res in results:
         if c.compare and ref is not None:
-            add_comparison(res, ref)
-        res.mismatch = judge(c, res)
-        res.matched = not res.mismatch
-    return results
+            res = add_comparison(res, ref)
+        mismatch = judge(c, res)
+        judged.append((c, res.replace(mismatch=mismatch, matched=not mismatch)))
+    return judged
 
 
 def _progress(case: Case, r: CaseResult) -> str:
@@ -278,13 +272,4 @@ def _progress(case: Case, r: CaseResult) -> str:
         f"{r.wall_s:.0f} s (seconds after start: {phases + ', ' if phases else ''}"
         f"first iteration {first})"
     )
-    return line + (f"; {rank_summary(r)}" if r.ranks else "")
-
-
-def rank_summary(r: CaseResult) -> str:
-    """What each rank saw, in one line: `rank 0: StaleMemoryError (iteration 6); rank 1: ...`."""
-    parts = []
-    for x in r.ranks:
-        it = f" (iteration {x['iteration']})" if x.get("iteration") else ""
-        parts.append(f"rank {x['rank']}: {x['outcome']}{it}")
-    return "; ".join(parts)
+    return line + (f"; {describe_ranks(r.ranks)}" if r.ranks else "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from graphsan.lab.repro.cases import Case
-from graphsan.lab.repro.result import CaseResult
+from graphsan.lab.repro.result import CaseResult, describe_ranks
 
 
 def print_cases(cases: list[Case], out=None) -> None:
@@ -46,7 +46,7 @@ def print_results(results: list[tuple[Case, CaseResult]], out=None) -> None:
             f"| {c.n} | {c.precision} | {','.join(c.scopes)} | {c.state} | {c.graphsan} | "
             f"{r.outcome} | {_cell(matched)} | {r.iteration or '-'} | "
             f"{_cell(evidence)} | {_cell(finding)} | "
-            + (f"{_cell(_ranks(r))} | " if ranked else "")
+            + (f"{_cell(describe_ranks(r.ranks, short=True))} | " if ranked else "")
             + f"{r.wall_s:.1f} |",
             file=out,
         )
@@ -54,12 +54,3 @@ def print_results(results: list[tuple[Case, CaseResult]], out=None) -> None:
 
 def _cell(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ") or "-"
-
-
-def _ranks(r: CaseResult) -> str:
-    """`rank 0: StaleMemoryError @6; rank 1: stopped after a peer rank failed @6`."""
-    parts = []
-    for x in r.ranks:
-        at = f" @{x['iteration']}" if x.get("iteration") else ""
-        parts.append(f"rank {x['rank']}: {x['outcome']}{at}")
-    return "; ".join(parts)

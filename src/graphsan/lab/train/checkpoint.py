@@ -7,6 +7,9 @@ pointer into an illegal address).
 The optimizer's state is the full state of every parameter (`MainGradAdamW.state_dict`): with
 the distributed optimizer the ranks' shards are gathered before the write, so one file holds it
 all and loads with or without sharding (each rank then takes its own shard).
+
+`Checkpointer` is the trainer's side: which ranks write, the file of each expert shard, and a
+checkpoint that cannot resume this run as one ConfigError line.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import os
 from pathlib import Path
 
 import torch
+
+from graphsan.lab.train.config import ConfigError, TrainConfig
+from graphsan.lab.train.distributed import Dist
 
 
 class CheckpointError(ValueError):
@@ -87,3 +93,52 @@ def load_checkpoint(directory: str | Path, name: str, model_args: dict) -> dict:
             f"expected {model_args.get(k)!r} (the same --preset and model settings)"
         )
     return state
+
+
+class Checkpointer:
+    """Saves and loads one run's model, optimizer and iteration for --save and --load."""
+
+    def __init__(self, cfg: TrainConfig, dist: Dist, model, opt):
+        self.cfg, self.dist, self.model, self.opt = cfg, dist, model, opt
+
+    @property
+    def name(self) -> str:
+        """This rank's file: one per expert shard, the data-parallel copies share it."""
+        d = self.dist
+        return "latest.pt" if d.ep_size == 1 else f"latest.ep{d.rank % d.ep_size}.pt"
+
+    def save(self, it: int) -> Path:
+        """Every rank calls this; returns the path of this rank's file."""
+        cfg, d = self.cfg, self.dist
+        # data-parallel ranks hold the same weights: the first EP group writes, one file per
+        # expert shard (every rank empties its cache, as every Megatron rank does); a sharded
+        # optimizer's state is gathered first, which every rank of its groups takes part in
+        write = d.rank < d.ep_size
+        state = self.opt.state_dict() if write or self.opt.sharded else None
+        return save_checkpoint(
+            cfg.save,
+            it,
+            self.model,
+            state if write else None,
+            empty_cache=cfg.empty_cache_on_save,
+            name=self.name,
+            write=write,
+            extra={"expert_model_parallel_size": d.ep_size},
+        )
+
+    def load(self, directory: str) -> int:
+        """Restore the model, the optimizer (each rank its shard) and the iteration of a
+        checkpoint in `directory` (--load); returns the iteration it was saved at."""
+        try:
+            state = load_checkpoint(directory, self.name, vars(self.model.args))
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+        except (CheckpointError, RuntimeError, ValueError) as err:
+            raise ConfigError(str(err).splitlines()[0]) from None
+        it = int(state["iteration"])
+        if it >= self.cfg.train_iters:
+            raise ConfigError(
+                f"--load {directory}: the checkpoint is at iteration {it}; expected "
+                f"--train-iters above it (now {self.cfg.train_iters})"
+            )
+        return it

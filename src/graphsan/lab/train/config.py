@@ -9,7 +9,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 
-from graphsan.lab.models.args import PRESETS, get_preset
+from graphsan.lab.models.args import PRESETS, ModelArgs, get_preset
 from graphsan.lab.vocab import SCHEDULES, StatePolicy, check_scopes
 
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
@@ -37,7 +37,7 @@ class TrainConfig:
     empty_cache_on_save: bool = False
     cuda_graph_modules: tuple = ()
     cuda_graph_warmup_steps: int = 3
-    state_policy: str = "fixed"
+    state_policy: StatePolicy = StatePolicy.FIXED  # a string names one too (validate parses it)
     microbatch_schedule: str = "sequential"  # graphsan.lab.vocab.Schedule
     microbatches_in_flight: int = 2  # 1F1B: forwards before the first backward
     capture_schedule: str | None = None  # the graphs' capture order; None: the step's schedule
@@ -131,7 +131,7 @@ class TrainConfig:
                     f"--{name.replace('_', '-')} {value}: expected one of {', '.join(SCHEDULES)}"
                 )
         try:
-            StatePolicy.parse(self.state_policy)
+            self.state_policy = StatePolicy.parse(self.state_policy)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
@@ -148,10 +148,10 @@ class TrainConfig:
                 "--eval-iters >= 1 (--eval-interval 0 turns validation off)"
             )
         try:
-            layers = len(get_preset(self.preset).replace(**self.model_overrides).pattern)
+            args = self.model_args()
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model_overrides {self.model_overrides}: {err}") from None
-        experts = get_preset(self.preset).replace(**self.model_overrides).num_experts
+        layers, experts = len(args.pattern), args.num_experts
         if experts % ep:
             raise ConfigError(
                 f"--expert-model-parallel-size {ep}: the {self.preset} model has {experts} "
@@ -172,6 +172,10 @@ class TrainConfig:
         if self.save_interval and not self.dry_run:
             _check_writable_dir(self.save, "--save")
         return self
+
+    def model_args(self) -> ModelArgs:
+        """The model this run builds: the preset with `model_overrides` applied."""
+        return get_preset(self.preset).replace(**self.model_overrides)
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes).validate()

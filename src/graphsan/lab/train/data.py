@@ -3,6 +3,7 @@
 Samples are addressed by (split, sample index) and each sample has its own generator, so any run
 (eager or graphed, any split of the global batch into microbatches) sees the same tokens for the
 same step. `batch(split, first, n)` returns samples first .. first+n-1. Nothing is downloaded.
+`RankBatches` is one rank's share of every global batch, microbatch by microbatch.
 
 Synthetic: sequences are concatenations of "phrases" (8 tokens each) drawn from a fixed phrase
 book, with 2% of tokens replaced by noise. After a phrase's first token the rest is predictable,
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from graphsan.lab.train.config import TrainConfig
 
 PHRASE_LEN = 8
 NUM_PHRASES = 512
@@ -83,3 +86,27 @@ def build_data(data_path: str | None, vocab_size: int, seq_length: int, seed: in
             f"--data-path needs a vocabulary of >= 256 (bytes); the model has {vocab_size}"
         )
     return ByteFile(data_path, seq_length, seed)
+
+
+class RankBatches:
+    """This rank's microbatches: the global batch of each step is split across the ranks in
+    rank order, each rank's share into its microbatches, so every split of the same global
+    batch (ranks x microbatches x micro batch size) trains on the same samples."""
+
+    def __init__(self, data, cfg: TrainConfig, rank: int, device: torch.device):
+        self.data, self.rank, self.device = data, rank, device
+        self.world, self.per_rank = cfg.world_size, cfg.num_microbatches
+        self.micro_batch_size = cfg.micro_batch_size
+
+    def first_sample(self, step: int, mb: int) -> int:
+        """The first sample of microbatch `mb` of this rank in `step` (0-based)."""
+        index = (step * self.world + self.rank) * self.per_rank + mb
+        return index * self.micro_batch_size
+
+    def get(self, split: str, step: int, mb: int, non_blocking: bool = False):
+        """(tokens, labels) of microbatch `mb` of `step` (0-based) on the device."""
+        tokens, labels = self.data.batch(split, self.first_sample(step, mb), self.micro_batch_size)
+        return (
+            tokens.to(self.device, non_blocking=non_blocking),
+            labels.to(self.device, non_blocking=non_blocking),
+        )

@@ -50,6 +50,7 @@ from torch import nn
 
 import graphsan
 from graphsan.lab.quant import QuantModule
+from graphsan.lab.train.config import TrainConfig
 from graphsan.lab.vocab import (
     Pass,
     Schedule,
@@ -116,7 +117,7 @@ class GraphedStage:
     fn: object
     modules: list
     counter: MicrobatchCounter
-    state_policy: str = "fixed"
+    state_policy: StatePolicy = StatePolicy.FIXED
     ambient_recipe: object = None
     graphs: list = field(default_factory=list)
     keepalive: list = field(default_factory=list)
@@ -179,6 +180,25 @@ def plan_stages(model, scopes, counter, state_policy, ambient_recipe) -> list[Gr
                 add(i, layer, "router", layer.router_stage, [layer.norm, moe.router])
             if "mlp" in scopes:
                 add(i, layer, "shared", layer.shared_stage, [moe.shared_expert])
+    return stages
+
+
+def capture_scopes(model, cfg: TrainConfig, counter, ambient_recipe) -> list[GraphedStage]:
+    """The run's graphed stages (`cfg.cuda_graph_modules`), captured per microbatch in the
+    order of its capture schedule (the step's own unless `--capture-schedule` says otherwise)
+    and installed on their layers."""
+    stages = plan_stages(model, cfg.cuda_graph_modules, counter, cfg.state_policy, ambient_recipe)
+    capture(
+        stages,
+        model,
+        num_microbatches=cfg.num_microbatches,
+        sample_shape=(cfg.micro_batch_size, cfg.seq_length, model.args.hidden_size),
+        order=schedule_order(
+            cfg.capture_schedule or cfg.microbatch_schedule,
+            cfg.num_microbatches,
+            cfg.microbatches_in_flight,
+        ),
+    )
     return stages
 
 

@@ -44,6 +44,12 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def linear_warmup(lr: float, warmup_iters: int, it: int) -> float:
+    """The learning rate of iteration `it` (1-based): rising linearly to `lr` over
+    `warmup_iters` iterations, then constant (no warm-up when 0)."""
+    return lr * min(1.0, it / warmup_iters) if warmup_iters else lr
+
+
 def shard_bounds(numel: int, size: int, rank: int) -> tuple[int, int, int]:
     """(padded length, start, end) of rank `rank`'s shard of a buffer of `numel` elements cut
     into `size` equal contiguous shards (the buffer is padded up to a multiple of `size`)."""
