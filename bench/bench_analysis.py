@@ -201,7 +201,7 @@ def workload(
 
 def child(blocks: int, graphs: int, nodes: int, expandable: bool, eager: int) -> dict:
     """Time the stages with whichever graphsan is on the path."""
-    from graphsan.core.memory_map import AllocatorView
+    from graphsan.core.allocview import AllocatorView
     from graphsan.core.records import GraphInfo, KernelArgs
     from graphsan.core.scan import references, table_candidates
     from graphsan.core.tracker import Tracker

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphsan.context import Context
-from graphsan.core.memory_map import AllocatorView
+from graphsan.core.allocview import AllocatorView
 from graphsan.core.records import DEFAULT_POOL
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import allocator, allocator_log

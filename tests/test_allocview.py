@@ -15,16 +15,9 @@ import random
 import numpy as np
 import pytest
 
-from graphsan.core import memory_map
-from graphsan.core.memory_map import (
-    KEEP_REQUESTED,
-    AllocatorView,
-    MemoryMap,
-    ViewError,
-    ViewSegment,
-    block_size,
-    layout,
-)
+from graphsan.core import allocview
+from graphsan.core.allocview import AllocatorView, ViewError, ViewSegment, block_size
+from graphsan.core.memory_map import KEEP_REQUESTED, MemoryMap, layout
 from graphsan.core.records import DEFAULT_POOL
 
 PAGE = 2 << 20
@@ -305,7 +298,7 @@ def test_the_view_equals_a_snapshot_with_its_blocks_in_many_chunks(
 ):
     """The same, with a segment's blocks split into chunks of a few: inserts that split a
     chunk, frees that empty one, and runs of mapped pages joined and cut chunk by chunk."""
-    monkeypatch.setattr(memory_map, "CHUNK", chunk)
+    monkeypatch.setattr(allocview, "CHUNK", chunk)
     test_the_view_equals_a_snapshot_after_every_event(seed, expandable)
 
 
@@ -313,7 +306,7 @@ def test_the_view_equals_a_snapshot_with_its_blocks_in_many_chunks(
 def test_a_segment_in_chunks_answers_like_a_sorted_list(chunk, monkeypatch):
     """Carving, freeing and cutting a segment whose blocks sit in chunks of a few, checked
     after every step against a plain dict of its blocks."""
-    monkeypatch.setattr(memory_map, "CHUNK", chunk)
+    monkeypatch.setattr(allocview, "CHUNK", chunk)
     rng = random.Random(chunk)
     base, size = 0x7F00_0000_0000, 48 * ALIGN
     seg = ViewSegment(base, size, DEFAULT_POOL, expandable=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from graphsan.core import offset_calc
-from graphsan.core.memory_map import AllocatorView
+from graphsan.core.allocview import AllocatorView
 from graphsan.core.records import KernelArgs
 from graphsan.core.scan import references
 

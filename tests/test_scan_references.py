@@ -10,7 +10,8 @@ import struct
 
 import pytest
 
-from graphsan.core.memory_map import AllocatorView, MemoryMap
+from graphsan.core.allocview import AllocatorView
+from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import CopyArgs, KernelArgs, Reference
 from graphsan.core.scan import FOREIGN_HI, FOREIGN_LO, references
 from tests.test_allocview import STREAM_POOL, ModelAllocator, pool_of

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from graphsan.context import Context
-from graphsan.core.memory_map import AllocatorView, MemoryMap
+from graphsan.core.allocview import AllocatorView
+from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import DEFAULT_POOL
 from graphsan.core.tracker import Tracker, WatchedBlock
 from graphsan.cuda import allocator, allocator_log, tracelog

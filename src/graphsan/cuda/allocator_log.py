@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from graphsan.context import user_frames
-from graphsan.core.memory_map import AllocatorView, MemoryMap, ViewError
+from graphsan.core.allocview import AllocatorView, ViewError
+from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import DEFAULT_POOL, Frame, PoolId
 from graphsan.cuda import tracelog
 from graphsan.cuda.sites import Site
