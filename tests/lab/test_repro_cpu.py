@@ -376,3 +376,20 @@ def test_the_child_names_a_stopped_replay_in_one_line():
     line = first_finding([f])
     assert line.startswith("reowned: layers.0:layer fwd mb0 node 209")
     assert "linear.py:251 in clear_workspace (phase eval, step 5)" in line
+
+
+def test_a_schedule_case_fails_from_its_first_graphed_step_and_names_the_order():
+    """Cases 10 and 11 replay graphs out of capture order from the first graphed step (before
+    validation), and graphsan's first finding must be one of the order's kinds."""
+    by = repro.BY_NUMBER
+    first_graphed = repro.WARMUP + 1
+    assert repro.judge(by[10], CaseResult("device-side assert", iteration=first_graphed)) == ""
+    early = CaseResult("device-side assert", iteration=first_graphed - 1)
+    assert f"expected from iteration {first_graphed}" in repro.judge(by[10], early)
+    order = CaseResult("StaleMemoryError", iteration=first_graphed, finding="replay-order: g")
+    assert repro.judge(by[11], order) == ""
+    freed = CaseResult("StaleMemoryError", iteration=first_graphed, finding="freed: g")
+    assert "live-output or replay-order" in repro.judge(by[11], freed)
+    assert (
+        by[11].to_json()["schedule"] == "1f1b" and by[11].to_json()["captured_in"] == "sequential"
+    )

@@ -39,7 +39,7 @@ EMPTY = (
     '"reference_outcome": "", "reference_timeline": null, "reference_losses": null, '
     '"reference_eval_losses": null, "matched": null, "mismatch": ""}'
 )
-# case 4 as `graphsan repro --list --json` wrote it (indent 1)
+# case 4 as `graphsan repro --list --json` writes it (indent 1)
 CASE_4 = """{
  "case": 4,
  "title": "graphsan raise",
@@ -58,7 +58,10 @@ CASE_4 = """{
   "StaleMemoryError"
  ],
  "finding_freed_in": "clear_workspace",
- "about": "stopped before the replay, naming out_proj's weight workspace"
+ "about": "stopped before the replay, naming out_proj's weight workspace",
+ "schedule": "sequential",
+ "captured_in": null,
+ "finding_kinds": []
 }"""
 
 

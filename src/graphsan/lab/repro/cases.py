@@ -6,7 +6,7 @@ import enum
 import os
 from dataclasses import dataclass
 
-from graphsan.lab.vocab import StatePolicy
+from graphsan.lab.vocab import Schedule, StatePolicy
 
 SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 NO_MAMBA = ("attn", "moe_router", "moe_preprocess")
@@ -68,10 +68,18 @@ class Case:
     expected: frozenset[Outcome] = TRAINS_THROUGH  # any of these matches
     about: str = ""  # the expectation in words
     finding_freed_in: str = ""  # a finding must name this free site (graphsan on)
+    # the step's microbatch order, and the graphs' capture order where it differs from it
+    schedule: Schedule = Schedule.SEQUENTIAL
+    captured_in: Schedule | None = None
+    fails_from: int = EVAL_AT + 1  # an expected failure comes in this iteration or later
+    finding_kinds: frozenset[str] = frozenset()  # the first finding is one of these kinds
 
     def __post_init__(self):
         # a case written with the policy's name ("te218") gets the policy itself
         object.__setattr__(self, "state", StatePolicy.parse(self.state, f"case {self.n}: state"))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.captured_in is not None:
+            object.__setattr__(self, "captured_in", Schedule(self.captured_in))
 
     def to_json(self) -> dict:
         """The case as `graphsan repro --list --json` writes it (and the matrix page reads)."""
@@ -87,6 +95,9 @@ class Case:
             "expected": self.expected_values(),
             "finding_freed_in": self.finding_freed_in or None,
             "about": self.about,
+            "schedule": self.schedule,
+            "captured_in": self.captured_in,
+            "finding_kinds": sorted(self.finding_kinds),
         }
 
     to_dict = to_json  # the name tests/test_report_pages.py builds its matrix input with
@@ -192,6 +203,35 @@ CASES = [
         about="stopped before the replay, naming out_proj's NVFP4 weight workspace",
         finding_freed_in=WORKSPACE_FREE,
     ),
+    Case(
+        10,
+        "pipeline schedule: 1F1B over graphs captured in sequence",
+        "mxfp8-all",
+        SCENARIO_SCOPES,
+        StatePolicy.FIXED,
+        "off",
+        compare=True,
+        expected=STALE_REPLAY,
+        schedule=Schedule.ONE_F_ONE_B,
+        captured_in=Schedule.SEQUENTIAL,
+        fails_from=WARMUP + 1,
+        about="the second forward writes over the first microbatch's saved activations before "
+        "its backward reads them: corrupted training from the first graphed step",
+    ),
+    Case(
+        11,
+        "pipeline schedule under graphsan",
+        "mxfp8-all",
+        SCENARIO_SCOPES,
+        StatePolicy.FIXED,
+        "raise",
+        expected=STOPPED,
+        schedule=Schedule.ONE_F_ONE_B,
+        captured_in=Schedule.SEQUENTIAL,
+        fails_from=WARMUP + 1,
+        finding_kinds=frozenset({"replay-order", "live-output"}),
+        about="stopped before a replay out of capture order, naming both graphs",
+    ),
 ]
 BY_NUMBER = {c.n: c for c in CASES}
 
@@ -221,6 +261,8 @@ def case_config(
         empty_cache_on_save=case.empty_cache,
         manual_gc_interval=EVAL_AT,
         cuda_graph_modules=() if reference else case.scopes,
+        microbatch_schedule=case.schedule,
+        capture_schedule=None if reference else case.captured_in,
         cuda_graph_warmup_steps=WARMUP,
         state_policy=StatePolicy.FIXED if reference else case.state,
         precision_config=case.precision,

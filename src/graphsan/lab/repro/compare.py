@@ -67,10 +67,16 @@ def judge(case: Case, res: CaseResult) -> str:
     if kind not in case.expected:
         return f"expected {expected}"
     it = res.iteration
-    if kind is not Outcome.TRAINED_THROUGH and it is not None and it <= EVAL_AT:
-        return f"ended in iteration {it}; expected after validation (iteration {EVAL_AT})"
+    if kind is not Outcome.TRAINED_THROUGH and it is not None and it < case.fails_from:
+        if case.fails_from == EVAL_AT + 1:
+            return f"ended in iteration {it}; expected after validation (iteration {EVAL_AT})"
+        return f"ended in iteration {it}; expected from iteration {case.fails_from}"
     if case.finding_freed_in and f"in {case.finding_freed_in}" not in res.finding:
         return f"expected graphsan's finding to name memory freed in {case.finding_freed_in}"
+    if case.finding_kinds and not res.finding.startswith(
+        tuple(f"{k}:" for k in case.finding_kinds)
+    ):
+        return f"expected graphsan's first finding to be {' or '.join(sorted(case.finding_kinds))}"
     if case.compare and kind is Outcome.TRAINED_THROUGH and res.rel_diff_after_eval is None:
         return f"expected a comparison with eager; {res.comparison or 'there was none'}"
     # on several ranks, a rank that failed by itself failed as the case expects (one that
