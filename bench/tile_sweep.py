@@ -25,7 +25,7 @@ import argparse
 import torch
 from quant_timing import amax_pass_both, bench_device, same_bytes
 
-from graphsan.lab.quant import kernels
+from graphsan.lab.quant import NVFP4Options, kernels
 
 NVFP4_BYTES = 2 + 0.5 + 1 / 16  # per element: the bf16 read, the nibble and the scale written
 NV_COL_WORDS_TILES = [
@@ -194,6 +194,11 @@ def _reseed() -> None:
     _default_generator().manual_seed(1234)
 
 
+def _sr(rht: bool = False) -> NVFP4Options:
+    """Stochastic rounding on the device's default generator (and the RHT where asked)."""
+    return NVFP4Options(rht=rht, generator=_default_generator())
+
+
 _GIVEN = {}  # the post-RHT amax of the input, taken once in main
 
 
@@ -208,7 +213,7 @@ SWEEPS = {
     "nvfp4 columnwise 2D": (
         "NVFP4_COL_WORDS_TILE",
         NV_COL_WORDS_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax),
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, NVFP4Options(block_2d=True), amax=amax),
         NVFP4_BYTES,
     ),
     "nvfp4 columnwise 1D, strided": (
@@ -227,16 +232,14 @@ SWEEPS = {
     "nvfp4 col RHT+SR fused (wgrad dY)": (
         "NVFP4_COL_FUSED_TILE",
         NV_COL_FUSED_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True, generator=_default_generator()),
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, _sr(rht=True)),
         NVFP4_BYTES,
         _reseed,
     ),
     "nvfp4 col RHT+SR quantize pass, post-RHT amax given": (
         "NVFP4_COL_FUSED_TILE",
         NV_COL_FUSED_TILES + NV_COL_FUSED_CAPPED,
-        lambda tk, x, amax: tk.nvfp4_quantize(
-            x, 0, rht=True, generator=_default_generator(), amax=_GIVEN["post"]
-        ),
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, _sr(rht=True), _GIVEN["post"]),
         NVFP4_BYTES,
         _reseed,
     ),
@@ -249,19 +252,19 @@ SWEEPS = {
     "nvfp4 col RHT fused (wgrad X)": (
         "NVFP4_COL_FUSED_TILE",
         NV_COL_FUSED_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True),
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, NVFP4Options(rht=True)),
         NVFP4_BYTES,
     ),
     "nvfp4 col RHT fused, amax pass tile (wgrad X)": (
         "NVFP4_COL_AMAX_TILE",
         NV_COL_AMAX_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True),
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, NVFP4Options(rht=True)),
         NVFP4_BYTES,
     ),
     "nvfp4 col SR fused": (
         "NVFP4_COL_FUSED_TILE",
         NV_COL_FUSED_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, generator=_default_generator()),
+        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, _sr()),
         NVFP4_BYTES,
         _reseed,
     ),
@@ -301,7 +304,7 @@ def main() -> None:
     dst = torch.empty_like(x)
     copy_bw = 4 * x.numel() / bench_device(lambda: dst.copy_(x), args.iters)
     amax = tk.global_amax(x)
-    _GIVEN["post"] = tk.nvfp4_quantize(x, 0, rht=True).amax
+    _GIVEN["post"] = tk.nvfp4_quantize(x, 0, NVFP4Options(rht=True)).amax
     print(
         f"# {torch.cuda.get_device_name()}, {args.size}x{args.size} bf16, copy {copy_bw / 1e9:.0f} GB/s"
     )

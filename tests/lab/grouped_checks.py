@@ -8,7 +8,7 @@ import zlib
 
 import torch
 
-from graphsan.lab.quant import GroupedQuantLinear, RowGroups, get_recipe
+from graphsan.lab.quant import GroupedQuantLinear, NVFP4Options, RowGroups, get_recipe
 from graphsan.lab.quant import fp8 as fp8_fmt
 from graphsan.lab.quant import mxfp8 as mxfp8_fmt
 from graphsan.lab.quant import nvfp4 as nvfp4_fmt
@@ -184,9 +184,11 @@ def check_nvfp4_grouped_kernels(tk, counts, device, order="current"):
             continue
         g1 = torch.Generator(device=device).manual_seed(4) if sr else None
         g2 = torch.Generator(device=device).manual_seed(4) if sr else None
-        a = tk.nvfp4_quantize_grouped(x, groups.index, n, axis, block_2d, order, use_rht, g1)
+        a = tk.nvfp4_quantize_grouped(
+            x, groups.index, n, axis, NVFP4Options(block_2d, order, use_rht, g1)
+        )
         b = nvfp4_fmt.quantize_grouped_reference(
-            x, groups.index, n, axis, block_2d, order, use_rht, g2
+            x, groups.index, n, axis, NVFP4Options(block_2d, order, use_rht, g2)
         )
         assert a is not None, (axis, block_2d, use_rht, sr)
         assert_same_bytes(a, b)

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from graphsan.lab.quant import mxfp8, nvfp4
+from graphsan.lab.quant import NVFP4Options, mxfp8, nvfp4
 
 # Each kernel test runs twice: the kernels the launcher picks (bf16 words where the input allows)
 # and the strided kernels on the same input.
@@ -74,8 +74,8 @@ def assert_nvfp4_edges_match(tk, order, strided, device):
     for name, x in nvfp4_edge_cases(device).items():
         for axis in (-1, 0):
             for block_2d in (False, True):
-                a = tk.nvfp4_quantize(x, axis, block_2d, order, _strided=strided)
-                b = nvfp4.quantize_reference(x, axis, block_2d, order)
+                a = tk.nvfp4_quantize(x, axis, NVFP4Options(block_2d, order), _strided=strided)
+                b = nvfp4.quantize_reference(x, axis, NVFP4Options(block_2d, order))
                 where = (name, strided, axis, block_2d)
                 assert torch.equal(a.amax, b.amax), where
                 assert torch.equal(a.scale, b.scale), where
@@ -115,8 +115,10 @@ def assert_nvfp4_matches(tk, x, order, seed, strided=False):
         for sr in (False, True):
             g1 = torch.Generator(device=x.device).manual_seed(seed) if sr else None
             g2 = torch.Generator(device=x.device).manual_seed(seed) if sr else None
-            a = tk.nvfp4_quantize(x, axis, block_2d, order, use_rht, g1, _strided=strided)
-            b = nvfp4.quantize_reference(x, axis, block_2d, order, use_rht, g2)
+            a = tk.nvfp4_quantize(
+                x, axis, NVFP4Options(block_2d, order, use_rht, g1), _strided=strided
+            )
+            b = nvfp4.quantize_reference(x, axis, NVFP4Options(block_2d, order, use_rht, g2))
             where = (strided, axis, block_2d, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
@@ -182,7 +184,9 @@ def assert_gemm_operands_match(tk, device, shape):
     ops = []
     for axis, block_2d, use_rht in NVFP4_KINDS:
         g = torch.Generator(device=device).manual_seed(2)
-        ops.append(nvfp4.quantize(x.bfloat16(), axis, block_2d, "current", use_rht, g))
+        ops.append(
+            nvfp4.quantize(x.bfloat16(), axis, NVFP4Options(block_2d, "current", use_rht, g))
+        )
     for fmt in ("e4m3", "e5m2"):
         ops += [mxfp8.quantize(x, -1, fmt), mxfp8.quantize(x, 0, fmt)]
     assert any((q.scale < 3).any() for q in ops[-4:])

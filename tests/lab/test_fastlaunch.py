@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from graphsan.lab.quant import NVFP4Options
 from graphsan.lab.quant.kernels import fastlaunch
 
 
@@ -121,7 +122,7 @@ def test_compiled_launches_equal_tritons_on_aligned_and_misaligned_inputs(monkey
         out = []
         for rep in range(2):  # the second round hits the keys the first one made
             for x in (big[:4096], misaligned, big[1:4097, 64:192]):
-                q = tk.nvfp4_quantize(x, 0, rht=True, generator=g.manual_seed(rep))
+                q = tk.nvfp4_quantize(x, 0, NVFP4Options(rht=True, generator=g.manual_seed(rep)))
                 out += [q.data, q.scale, q.amax, tk.gemm_operand(q)]
                 m = tk.mxfp8_quantize(x, 0)
                 out += [m.data, m.scale]

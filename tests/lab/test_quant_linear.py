@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from graphsan.lab.quant import (
+    NVFP4Options,
     QuantLinear,
     Recipe,
     SkipFlag,
@@ -343,7 +344,7 @@ def test_nvfp4_weight_workspace_uses_2d_blocks_and_no_rht():
     lin(torch.randn(32, 64, dtype=torch.bfloat16))
     ws = lin.workspace
     assert ws.rowwise.block_2d and not ws.rowwise.rht and not ws.columnwise.rht
-    row = nvfp4.quantize(lin.weight.detach(), -1, block_2d=True)
+    row = nvfp4.quantize(lin.weight.detach(), -1, NVFP4Options(block_2d=True))
     assert torch.equal(ws.rowwise.data, row.data) and torch.equal(ws.rowwise.scale, row.scale)
     assert torch.equal(ws.rowwise.scale[::16], ws.columnwise.scale[::16].t())
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from graphsan.lab.quant import QuantLinear, SkipFlag, get_recipe, mxfp8, nvfp4
+from graphsan.lab.quant import NVFP4Options, QuantLinear, SkipFlag, get_recipe, mxfp8, nvfp4
 from tests.lab.kernel_checks import (
     STRIDED,
     assert_gemm_operand_bits,
@@ -124,8 +124,8 @@ def test_nvfp4_words_kernels_edges_and_nan_blocks(tk, order, path, monkeypatch):
             if axis == 0 and x.shape[0] % 16:
                 continue
             for block_2d in (False, True):
-                a = tk.nvfp4_quantize(x, axis, block_2d, order)
-                b = nvfp4.quantize_reference(x, axis, block_2d, order)
+                a = tk.nvfp4_quantize(x, axis, NVFP4Options(block_2d, order))
+                b = nvfp4.quantize_reference(x, axis, NVFP4Options(block_2d, order))
                 where = (name, axis, block_2d)
                 assert torch.equal(a.amax, b.amax), where
                 assert torch.equal(a.scale, b.scale), where
@@ -146,8 +146,8 @@ def test_nvfp4_col_fused_kernel_nan_blocks(tk, order):
         for use_rht, sr in ((True, False), (True, True), (False, True)):
             g1 = torch.Generator(device="cuda").manual_seed(7) if sr else None
             g2 = torch.Generator(device="cuda").manual_seed(7) if sr else None
-            a = tk.nvfp4_quantize(src, 0, False, order, use_rht, g1)
-            b = nvfp4.quantize_reference(src, 0, False, order, use_rht, g2)
+            a = tk.nvfp4_quantize(src, 0, NVFP4Options(False, order, use_rht, g1))
+            b = nvfp4.quantize_reference(src, 0, NVFP4Options(False, order, use_rht, g2))
             where = (name, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
@@ -287,8 +287,8 @@ def test_nvfp4_col_fused_kernel_wide_exponents(tk, tiles, monkeypatch):
         for src, use_rht, sr in runs:
             g1 = torch.Generator(device="cuda").manual_seed(3) if sr else None
             g2 = torch.Generator(device="cuda").manual_seed(3) if sr else None
-            a = tk.nvfp4_quantize(src, 0, False, "current", use_rht, g1)
-            b = nvfp4.quantize_reference(src, 0, False, "current", use_rht, g2)
+            a = tk.nvfp4_quantize(src, 0, NVFP4Options(False, "current", use_rht, g1))
+            b = nvfp4.quantize_reference(src, 0, NVFP4Options(False, "current", use_rht, g2))
             where = (shape, src.dtype, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
@@ -314,9 +314,9 @@ def test_nvfp4_quantize_both_compiled(tk, monkeypatch):
         for sr in (False, True):
             g1 = torch.Generator(device="cuda").manual_seed(4) if sr else None
             g2 = torch.Generator(device="cuda").manual_seed(4) if sr else None
-            row, col = tk.nvfp4_quantize_both(src, False, "current", True, g1)
-            ref_row = nvfp4.quantize_reference(src, -1, False, "current", False, g2)
-            ref_col = nvfp4.quantize_reference(src, 0, False, "current", True, g2)
+            row, col = tk.nvfp4_quantize_both(src, NVFP4Options(False, "current", True, g1))
+            ref_row = nvfp4.quantize_reference(src, -1, NVFP4Options(False, "current", False, g2))
+            ref_col = nvfp4.quantize_reference(src, 0, NVFP4Options(False, "current", True, g2))
             for got, ref, where in ((row, ref_row, "rowwise"), (col, ref_col, "columnwise")):
                 where = (src.shape, src.dtype, sr, where)
                 assert torch.equal(got.amax, ref.amax), where
@@ -329,10 +329,12 @@ def test_nvfp4_quantize_both_compiled(tk, monkeypatch):
     for sr in (False, True):
         g1 = torch.Generator(device="cuda").manual_seed(5) if sr else None
         g2 = torch.Generator(device="cuda").manual_seed(5) if sr else None
-        row, col = tk.nvfp4_quantize_grouped_both(xg, ids, 4, False, "current", True, g1)
+        row, col = tk.nvfp4_quantize_grouped_both(
+            xg, ids, 4, NVFP4Options(False, "current", True, g1)
+        )
         ref = nvfp4.quantize_grouped_reference
-        ref_row = ref(xg, ids, 4, -1, False, "current", False, g2)
-        ref_col = ref(xg, ids, 4, 0, False, "current", True, g2)
+        ref_row = ref(xg, ids, 4, -1, NVFP4Options(False, "current", False, g2))
+        ref_col = ref(xg, ids, 4, 0, NVFP4Options(False, "current", True, g2))
         for got, want, where in ((row, ref_row, "rowwise"), (col, ref_col, "columnwise")):
             assert torch.equal(got.amax, want.amax), (sr, where)
             assert torch.equal(got.scale, want.scale), (sr, where)
@@ -374,13 +376,13 @@ def test_dispatch_uses_triton_on_cuda(tk, monkeypatch):
 def test_quantize_does_not_sync(tk):
     x = inputs((256, 256), 1)
     g = torch.Generator(device="cuda").manual_seed(0)
-    nvfp4.quantize(x, 0, rht=True, generator=g)  # compile first
+    nvfp4.quantize(x, 0, NVFP4Options(rht=True, generator=g))  # compile first
     mxfp8.quantize_both(x)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        nvfp4.quantize(x, 0, rht=True, generator=g)
-        nvfp4.quantize(x, -1, block_2d=True)
+        nvfp4.quantize(x, 0, NVFP4Options(rht=True, generator=g))
+        nvfp4.quantize(x, -1, NVFP4Options(block_2d=True))
         mxfp8.quantize_both(x)
         mxfp8.quantize(x, 0)
     finally:
@@ -393,7 +395,7 @@ def test_sr_graph_replay_gives_identical_bits_with_same_seed(tk):
     out = {}
 
     def step():
-        q = nvfp4.quantize(x, 0, rht=True, generator=gen)
+        q = nvfp4.quantize(x, 0, NVFP4Options(rht=True, generator=gen))
         return q.data, q.scale
 
     s = torch.cuda.Stream()
@@ -415,7 +417,7 @@ def test_sr_graph_replay_gives_identical_bits_with_same_seed(tk):
     # and a replay draws the bits an eager run draws from the same generator state: SR changes
     # the data only (the scales follow from the amax), so the data bytes are what must match
     torch.manual_seed(7)
-    eager = nvfp4.quantize(x, 0, rht=True, generator=gen)
+    eager = nvfp4.quantize(x, 0, NVFP4Options(rht=True, generator=gen))
     assert torch.equal(eager.data, results[0])
     assert torch.equal(eager.scale, out["scale"])
 

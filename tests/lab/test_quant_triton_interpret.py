@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from graphsan.lab.quant import mxfp8, nvfp4
+from graphsan.lab.quant import NVFP4Options, mxfp8, nvfp4
 from tests.lab.grouped_checks import check_nvfp4_grouped_kernels
 from tests.lab.kernel_checks import (
     STRIDED,
@@ -119,17 +119,20 @@ def test_launcher_picks_the_words_kernels_where_they_fit(tk, monkeypatch):
     assert picked(tk.mxfp8_quantize_both, bf16, _strided=True) == "_mxfp8_strided"
     wide = torch.zeros(32, 128, dtype=torch.bfloat16)[:, ::2]
     assert picked(tk.mxfp8_quantize_both, wide) == "_mxfp8_strided"
-    assert picked(tk.nvfp4_quantize, bf16, -1) == "_nvfp4_row_words"
-    assert picked(tk.nvfp4_quantize, bf16, -1, generator=g) == "_nvfp4_row_words"
-    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, generator=g) == "_nvfp4_col_fused"
-    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True) == "_nvfp4_col_fused"
-    assert picked(tk.nvfp4_quantize, wide, 0, generator=g) == "_nvfp4_col_fused"
-    assert picked(tk.nvfp4_quantize, bf16, 0) == "_nvfp4_col_words"
-    assert picked(tk.nvfp4_quantize, bf16, 0, True, generator=g) == "_nvfp4_strided"
-    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, _strided=True) == "_nvfp4_strided"
-    assert picked(tk.nvfp4_quantize, bf16.float(), -1) == "_nvfp4_strided"
-    assert picked(tk.nvfp4_quantize, wide, 0) == "_nvfp4_strided"
-    assert picked(tk.nvfp4_quantize, bf16, -1, _strided=True) == "_nvfp4_strided"
+    nv = tk.nvfp4_quantize
+    rht, sr = NVFP4Options(rht=True), NVFP4Options(generator=g)
+    rht_sr = NVFP4Options(rht=True, generator=g)
+    assert picked(nv, bf16, -1) == "_nvfp4_row_words"
+    assert picked(nv, bf16, -1, sr) == "_nvfp4_row_words"
+    assert picked(nv, bf16, 0, rht_sr) == "_nvfp4_col_fused"
+    assert picked(nv, bf16, 0, rht) == "_nvfp4_col_fused"
+    assert picked(nv, wide, 0, sr) == "_nvfp4_col_fused"
+    assert picked(nv, bf16, 0) == "_nvfp4_col_words"
+    assert picked(nv, bf16, 0, NVFP4Options(block_2d=True, generator=g)) == "_nvfp4_strided"
+    assert picked(nv, bf16, 0, rht, _strided=True) == "_nvfp4_strided"
+    assert picked(nv, bf16.float(), -1) == "_nvfp4_strided"
+    assert picked(nv, wide, 0) == "_nvfp4_strided"
+    assert picked(nv, bf16, -1, _strided=True) == "_nvfp4_strided"
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -162,16 +165,16 @@ def test_nvfp4_row_words_kernel(tk, order):
         for sr in (False, True):
             g1 = torch.Generator().manual_seed(1) if sr else None
             g2 = torch.Generator().manual_seed(1) if sr else None
-            a = tk.nvfp4_quantize(x, -1, block_2d, order, generator=g1)
-            b = nvfp4.quantize_reference(x, -1, block_2d, order, generator=g2)
+            a = tk.nvfp4_quantize(x, -1, NVFP4Options(block_2d, order, generator=g1))
+            b = nvfp4.quantize_reference(x, -1, NVFP4Options(block_2d, order, generator=g2))
             assert torch.equal(a.scale, b.scale), (block_2d, sr)
             assert torch.equal(a.data, b.data), (block_2d, sr)
     for name, x in nvfp4_edge_cases("cpu").items():
         x = x.to(torch.bfloat16)
         amax = nvfp4.global_amax(x.float())
         for block_2d in (False, True):
-            a = tk.nvfp4_quantize(x, -1, block_2d, order, amax=amax)
-            b = nvfp4.quantize_reference(x, -1, block_2d, order)
+            a = tk.nvfp4_quantize(x, -1, NVFP4Options(block_2d, order), amax=amax)
+            b = nvfp4.quantize_reference(x, -1, NVFP4Options(block_2d, order))
             assert torch.equal(a.scale, b.scale), (name, block_2d)
             assert torch.equal(a.data, b.data), (name, block_2d)
 
@@ -191,8 +194,8 @@ def test_nvfp4_col_words_kernel(tk, order):
     for name, x in cases.items():
         amax = nvfp4.global_amax(x.float())
         for block_2d in (False, True):
-            a = tk.nvfp4_quantize(x, 0, block_2d, order, amax=amax)
-            b = nvfp4.quantize_reference(x, 0, block_2d, order)
+            a = tk.nvfp4_quantize(x, 0, NVFP4Options(block_2d, order), amax=amax)
+            b = nvfp4.quantize_reference(x, 0, NVFP4Options(block_2d, order))
             assert torch.equal(a.scale, b.scale), (name, block_2d)
             assert torch.equal(a.data, b.data), (name, block_2d)
 
@@ -219,8 +222,8 @@ def test_nvfp4_col_fused_kernel(tk, order, amax_iters, monkeypatch):
         for use_rht, sr in ((True, False), (True, True), (False, True)):
             g1 = torch.Generator().manual_seed(3) if sr else None
             g2 = torch.Generator().manual_seed(3) if sr else None
-            a = tk.nvfp4_quantize(x, 0, False, order, use_rht, g1)
-            b = nvfp4.quantize_reference(x, 0, False, order, use_rht, g2)
+            a = tk.nvfp4_quantize(x, 0, NVFP4Options(False, order, use_rht, g1))
+            b = nvfp4.quantize_reference(x, 0, NVFP4Options(False, order, use_rht, g2))
             where = (name, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
@@ -260,10 +263,10 @@ def test_nvfp4_quantize_both_reads_both_amaxes_once(tk, order, monkeypatch):
             g1 = torch.Generator().manual_seed(5) if sr else None
             g2 = torch.Generator().manual_seed(5) if sr else None
             passes.clear()
-            row, col = tk.nvfp4_quantize_both(x, False, order, True, g1)
+            row, col = tk.nvfp4_quantize_both(x, NVFP4Options(False, order, True, g1))
             assert passes == [True], (name, sr)
-            ref_row = nvfp4.quantize_reference(x, -1, False, order, False, g2)
-            ref_col = nvfp4.quantize_reference(x, 0, False, order, True, g2)
+            ref_row = nvfp4.quantize_reference(x, -1, NVFP4Options(False, order, False, g2))
+            ref_col = nvfp4.quantize_reference(x, 0, NVFP4Options(False, order, True, g2))
             _same_nvfp4(row, ref_row, (name, sr, "rowwise"))
             _same_nvfp4(col, ref_col, (name, sr, "columnwise"))
             assert row.amax.shape == col.amax.shape == ()
@@ -278,10 +281,14 @@ def test_nvfp4_quantize_both_without_rht_shares_one_amax(tk, monkeypatch):
     x = edge_inputs((64, 96), 15, "cpu")
     for block_2d in (False, True):
         calls.clear()
-        row, col = tk.nvfp4_quantize_both(x, block_2d, "current", False, None)
+        row, col = tk.nvfp4_quantize_both(x, NVFP4Options(block_2d, "current", False, None))
         assert len(calls) == 1, block_2d
-        _same_nvfp4(row, nvfp4.quantize_reference(x, -1, block_2d), ("rowwise", block_2d))
-        _same_nvfp4(col, nvfp4.quantize_reference(x, 0, block_2d), ("columnwise", block_2d))
+        _same_nvfp4(
+            row, nvfp4.quantize_reference(x, -1, NVFP4Options(block_2d)), ("rowwise", block_2d)
+        )
+        _same_nvfp4(
+            col, nvfp4.quantize_reference(x, 0, NVFP4Options(block_2d)), ("columnwise", block_2d)
+        )
 
 
 def test_nvfp4_grouped_both(tk, monkeypatch):
@@ -311,14 +318,16 @@ def test_nvfp4_grouped_both(tk, monkeypatch):
         g2 = torch.Generator().manual_seed(8) if sr else None
         passes.clear()
         group_passes.clear()
-        row, col = tk.nvfp4_quantize_grouped_both(x, ids, count, block_2d, "current", use_rht, g1)
+        row, col = tk.nvfp4_quantize_grouped_both(
+            x, ids, count, NVFP4Options(block_2d, "current", use_rht, g1)
+        )
         assert (len(passes), len(group_passes)) == ((1, 0) if use_rht else (0, 1))
         ref = nvfp4.quantize_grouped_reference
-        ref_row = ref(x, ids, count, -1, block_2d, "current", False, g2)
-        ref_col = ref(x, ids, count, 0, block_2d, "current", use_rht, g2)
+        ref_row = ref(x, ids, count, -1, NVFP4Options(block_2d, "current", False, g2))
+        ref_col = ref(x, ids, count, 0, NVFP4Options(block_2d, "current", use_rht, g2))
         _same_nvfp4(row, ref_row, (use_rht, sr, "rowwise"))
         _same_nvfp4(col, ref_col, (use_rht, sr, "columnwise"))
-    assert tk.nvfp4_quantize_grouped_both(x.float(), ids, count, rht=True) is None
+    assert tk.nvfp4_quantize_grouped_both(x.float(), ids, count, NVFP4Options(rht=True)) is None
 
 
 def test_nvfp4_grouped_kernels(tk, monkeypatch):
@@ -334,9 +343,14 @@ def test_nvfp4_grouped_kernels(tk, monkeypatch):
     x = torch.zeros(32, 64)
     groups = torch.zeros(32, dtype=torch.int64)
     assert tk.nvfp4_quantize_grouped(x, groups, 1, -1) is None
-    assert tk.nvfp4_quantize_grouped(x, groups, 1, 0, rht=True) is not None
+    assert tk.nvfp4_quantize_grouped(x, groups, 1, 0, NVFP4Options(rht=True)) is not None
     g = torch.Generator()
-    assert tk.nvfp4_quantize_grouped(x.bfloat16(), groups, 1, 0, True, generator=g) is None
+    assert (
+        tk.nvfp4_quantize_grouped(
+            x.bfloat16(), groups, 1, 0, NVFP4Options(block_2d=True, generator=g)
+        )
+        is None
+    )
 
 
 def test_sr_code_matches_the_reference_for_every_random_byte(tk):

@@ -32,6 +32,7 @@ from ..formats import (
     NVFP4_BLOCK,
     fp32_reciprocal,
 )
+from ..options import DEFAULT, NVFP4Options
 from ..rht import rht as apply_rht
 from ..tensors import MXFP8Tensor, NVFP4Tensor
 from .fastlaunch import fast
@@ -246,36 +247,40 @@ def global_amax(x: torch.Tensor) -> torch.Tensor:
 def nvfp4_quantize(
     x: torch.Tensor,
     axis: int = -1,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
+    options: NVFP4Options = DEFAULT,
     amax: torch.Tensor | None = None,
     *,
     _strided: bool = False,
 ) -> NVFP4Tensor:
     """NVFP4; `amax` may pass a precomputed global amax buffer (with RHT: the post-RHT one)."""
-    if axis == 0 and (rht or generator is not None) and not block_2d and not _strided:
-        return _nvfp4_col_fused(x, order, rht, generator, amax)
+    rht, sr = options.rht, options.sr
+    if axis == 0 and (rht or sr) and not options.block_2d and not _strided:
+        return _nvfp4_col_fused(x, options, amax)
     src = x.t() if axis == 0 else x
     if rht:
         src = apply_rht(src).contiguous()
         amax = global_amax(src) if amax is None else amax
     elif amax is None:
         amax = global_amax(x)
-    r, c = src.shape
-    dev = x.device
+    data, scale, seed = _nvfp4_outputs(src.shape, options, x.device)
+    if not _strided and (axis != 0 or rht) and words_fit(src):
+        _nvfp4_row_words(x, src, amax, seed, data, scale, options)
+    elif not _strided and axis == 0 and not sr and words_fit(x):
+        _nvfp4_col_words(x, amax, data, scale, options)
+    else:
+        rbits = block_random_bits(seed, *src.shape) if sr else seed
+        _nvfp4_strided(x, src, axis, options, amax, rbits, data, scale)
+    return NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, options.block_2d, rht)
+
+
+def _nvfp4_outputs(shape, options: NVFP4Options, dev):
+    """The data and scale buffers of a copy with `shape` (rows, cols: the blocks along cols) and
+    the SR seed drawn on the options' generator (a placeholder buffer without SR)."""
+    r, c = shape
     data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(r, c // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
-    seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
-    if not _strided and (axis != 0 or rht) and words_fit(src):
-        _nvfp4_row_words(x, src, amax, seed, data, scale, order, block_2d, generator)
-    elif not _strided and axis == 0 and generator is None and words_fit(x):
-        _nvfp4_col_words(x, amax, data, scale, order, block_2d)
-    else:
-        rbits = block_random_bits(seed, r, c) if generator is not None else seed
-        _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator)
-    return NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
+    sr = options.generator is not None
+    return data, scale, random_seed(options.generator, dev) if sr else scale.new_empty(1)
 
 
 def nvfp4_quantize_grouped(
@@ -283,10 +288,7 @@ def nvfp4_quantize_grouped(
     groups: torch.Tensor,
     num_groups: int,
     axis: int = -1,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
+    options: NVFP4Options = DEFAULT,
     _amax: torch.Tensor | None = None,
 ) -> NVFP4Tensor | None:
     """`nvfp4.quantize_grouped` (one global amax per row group) in kernels, no host sync: the
@@ -296,61 +298,49 @@ def nvfp4_quantize_grouped(
     columnwise input with RHT or SR and 1D blocks (the fused kernel); None elsewhere (the caller
     runs the reference). `_amax`: the per-group amaxes already taken ([num_groups + 1], post-RHT
     with RHT: `nvfp4_quantize_grouped_both`)."""
-    m, k = x.shape
-    dev = x.device
-    fused = axis == 0 and (rht or generator is not None) and not block_2d
-    if not fused and (not words_fit(x) or (axis == 0 and generator is not None)):
+    rht = options.rht
+    fused = axis == 0 and (rht or options.sr) and not options.block_2d
+    if not fused and (not words_fit(x) or (axis == 0 and options.sr)):
         return None  # the column words kernel has no SR
     amax = _amax
-    if amax is None:
-        amax = torch.zeros(num_groups + 1, dtype=torch.float32, device=dev)  # the last: no group
+    if amax is None:  # the last: no group
+        amax = torch.zeros(num_groups + 1, dtype=torch.float32, device=x.device)
         if not rht:
             _group_amax(x, groups, num_groups, amax)
     if fused:
         fill = rht and _amax is None
-        q = _nvfp4_col_fused(x, order, rht, generator, amax, (groups, num_groups), fill)
+        q = _nvfp4_col_fused(x, options, amax, (groups, num_groups), fill)
     else:
         row_amax = amax[groups]  # each row's group's amax
         src = x.t() if axis == 0 else x
-        r, c = src.shape
-        data = torch.empty(r, c // 2, dtype=torch.uint8, device=dev)
-        scale = torch.empty(r, c // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
+        data, scale, seed = _nvfp4_outputs(src.shape, options, x.device)
         if axis == 0:
-            _nvfp4_col_words(x, row_amax, data, scale, order, block_2d, per_row=True)
+            _nvfp4_col_words(x, row_amax, data, scale, options, per_row=True)
         else:
-            seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
-            _nvfp4_row_words(
-                x, src, row_amax, seed, data, scale, order, block_2d, generator, per_row=True
-            )
-        q = NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, block_2d, rht)
+            _nvfp4_row_words(x, src, row_amax, seed, data, scale, options, per_row=True)
+        q = NVFP4Tensor(data, scale, amax, 0 if axis == 0 else -1, options.block_2d, rht)
     q.amax = q.amax[:num_groups]
     return q
 
 
 def nvfp4_quantize_grouped_both(
-    x: torch.Tensor,
-    groups: torch.Tensor,
-    num_groups: int,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
+    x: torch.Tensor, groups: torch.Tensor, num_groups: int, options: NVFP4Options = DEFAULT
 ) -> tuple[NVFP4Tensor, NVFP4Tensor] | None:
     """(rowwise, columnwise) grouped copies, byte for byte the two `nvfp4_quantize_grouped`
     calls (rowwise first), with one read of x for both per-group amaxes (`nvfp4_quantize_both`'s
     rule); None where the kernels do not take both copies (the caller quantizes each alone)."""
-    if not words_fit(x) or (generator is not None and block_2d):
+    if not words_fit(x) or (options.sr and options.block_2d):
         return None  # the row words kernel takes bf16 with unit column stride only
     amax = torch.zeros(2, num_groups + 1, dtype=torch.float32, device=x.device)
-    if rht and not block_2d:
+    if options.rht:
         _col_amax_pass(x, amax[0], amax[1], (groups, num_groups))
         col_amax = amax[0]
     else:
         _group_amax(x, groups, num_groups, amax[1])
-        col_amax = None if rht else amax[1]
+        col_amax = amax[1]
     common = (groups, num_groups)
-    row = nvfp4_quantize_grouped(x, *common, -1, block_2d, order, False, generator, amax[1])
-    col = nvfp4_quantize_grouped(x, *common, 0, block_2d, order, rht, generator, col_amax)
+    row = nvfp4_quantize_grouped(x, *common, -1, options.for_rowwise(), amax[1])
+    col = nvfp4_quantize_grouped(x, *common, 0, options, col_amax)
     return row, col
 
 
@@ -378,7 +368,7 @@ def _group_amax(x, groups, num_groups, amax):
     )
 
 
-def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None, fill=None):
+def _nvfp4_col_fused(x, options: NVFP4Options, amax, grouped=None, fill=None):
     """Columnwise with RHT and/or SR in one kernel (`nvfp4_col.py`): where `fill` (by default:
     RHT and no `amax` given), the RHT amax pass runs first and takes the post-RHT global amax
     (`_col_amax_pass`; per group with `grouped` = (groups, num_groups), into the zeroed buffer
@@ -386,21 +376,18 @@ def _nvfp4_col_fused(x, order, rht, generator, amax, grouped=None, fill=None):
     given `amax` is the post-RHT one with RHT (`nvfp4_quantize_both` takes it with the plain
     one, in one pass)."""
     m, k = x.shape
-    dev = x.device
-    data = torch.empty(k, m // 2, dtype=torch.uint8, device=dev)
-    scale = torch.empty(k, m // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
-    seed = random_seed(generator, dev) if generator is not None else scale.new_empty(1)
+    data, scale, seed = _nvfp4_outputs((k, m), options, x.device)
     if fill is None:
-        fill = rht and amax is None
+        fill = options.rht and amax is None
     if fill:
         if amax is None:
-            amax = torch.zeros((), dtype=torch.float32, device=dev)
+            amax = torch.zeros((), dtype=torch.float32, device=x.device)
         _col_amax_pass(x, amax, None, grouped)
     elif amax is None:
         amax = global_amax(x)
     row_amax = amax[grouped[0]] if grouped is not None else amax  # grouped: each row's own
-    _col_fused_launch(x, order, rht, generator, row_amax, seed, data, scale, grouped)
-    return NVFP4Tensor(data, scale, amax, 0, False, rht)
+    _col_fused_launch(x, options, row_amax, seed, data, scale, grouped)
+    return NVFP4Tensor(data, scale, amax, 0, False, options.rht)
 
 
 def _col_amax_pass(x, amax, pre_amax, grouped=None):
@@ -434,7 +421,12 @@ def _col_amax_pass(x, amax, pre_amax, grouped=None):
     )
 
 
-def _col_fused_launch(x, order, rht, generator, amax, seed, data, scale, grouped):
+def _nvfp4_flags(x, options: NVFP4Options) -> dict:
+    """The constexprs every NVFP4 quantize kernel takes: the op order and the FP8 conversion."""
+    return {"INV_6": INV_6, "LEGACY": options.legacy, "HW_FP8": _hw_fp8_for(x)}
+
+
+def _col_fused_launch(x, options: NVFP4Options, amax, seed, data, scale, grouped):
     """One launch of the quantize pass, `nvfp4_col_fused_kernel` (amax: the global amax buffer,
     or with `grouped` each row's; seed: the SR seed buffer)."""
     m, k = x.shape
@@ -451,12 +443,10 @@ def _col_fused_launch(x, order, rht, generator, amax, seed, data, scale, grouped
         seed,
         data.view(torch.int64),
         scale,
-        INV_6=INV_6,
-        LEGACY=order == "legacy",
-        RHT=rht,
-        SR=generator is not None,
+        **_nvfp4_flags(x, options),
+        RHT=options.rht,
+        SR=options.sr,
         BF16_BITS=bits,
-        HW_FP8=_hw_fp8_for(x),
         GROUPED=grouped is not None,
         MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
         PTX=x.is_cuda,  # nor inline PTX or rounding modes
@@ -467,39 +457,34 @@ def _col_fused_launch(x, order, rht, generator, amax, seed, data, scale, grouped
 
 
 def nvfp4_quantize_both(
-    x: torch.Tensor,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
+    x: torch.Tensor, options: NVFP4Options = DEFAULT
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-    """(rowwise, columnwise) copies of x, byte for byte `nvfp4_quantize(x, -1, block_2d, order,
-    False, generator)` then `nvfp4_quantize(x, 0, block_2d, order, rht, generator)` (the
-    generator drawn in that order), with one read of x for both global amaxes: with RHT the
-    fused column kernel's amax pass takes the post-RHT amax and the plain one together (as TE's
-    `hadamard_transform_amax` does), without RHT one global amax serves both copies."""
-    if rht and not block_2d:
+    """(rowwise, columnwise) copies of x, byte for byte `nvfp4_quantize(x, -1,
+    options.for_rowwise())` then `nvfp4_quantize(x, 0, options)` (the generator drawn in that
+    order), with one read of x for both global amaxes: with RHT the fused column kernel's amax
+    pass takes the post-RHT amax and the plain one together (as TE's `hadamard_transform_amax`
+    does), without RHT one global amax serves both copies."""
+    row_options = options.for_rowwise()
+    if options.rht:
         amax = torch.zeros(2, dtype=torch.float32, device=x.device)  # post-RHT, plain
         _col_amax_pass(x, amax[0], amax[1])
-        row = nvfp4_quantize(x, -1, block_2d, order, False, generator, amax[1])
-        return row, _nvfp4_col_fused(x, order, True, generator, amax[0])
-    amax = None if rht else global_amax(x)
-    row = nvfp4_quantize(x, -1, block_2d, order, False, generator, amax)
-    return row, nvfp4_quantize(x, 0, block_2d, order, rht, generator, amax)
+        row = nvfp4_quantize(x, -1, row_options, amax[1])
+        return row, _nvfp4_col_fused(x, options, amax[0])
+    amax = global_amax(x)
+    row = nvfp4_quantize(x, -1, row_options, amax)
+    return row, nvfp4_quantize(x, 0, options, amax)
 
 
-def _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d, generator):
+def _nvfp4_strided(x, src, axis, options: NVFP4Options, amax, rbits, data, scale):
     """The row kernel for rowwise and for the contiguous RHT copy; otherwise the column kernel
     reads x in its own order (blocks down its columns) and writes the transposed layout."""
     common = {
-        "INV_6": INV_6,
-        "LEGACY": order == "legacy",
-        "BLOCK_2D": block_2d,
-        "SR": generator is not None,
-        "HW_FP8": _hw_fp8_for(x),
+        **_nvfp4_flags(x, options),
+        "BLOCK_2D": options.block_2d,
+        "SR": options.sr,
         **_COMPILE_OPTIONS,
     }
-    if axis == 0 and not rht:
+    if axis == 0 and not options.rht:
         m, k = x.shape
         tile = NVFP4_COL_STRIDED_TILE
         grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(k, tile["BK"]))
@@ -515,7 +500,7 @@ def _nvfp4_strided(x, src, axis, rht, amax, rbits, data, scale, order, block_2d,
     )
 
 
-def _nvfp4_row_words(x, src, amax, seed, data, scale, order, block_2d, generator, per_row=False):
+def _nvfp4_row_words(x, src, amax, seed, data, scale, options: NVFP4Options, per_row=False):
     """src as int64 words [R, C/4], data written as int16 words (4 nibbles); SR bits from the
     int64 `seed` (Philox per block, in the kernel)."""
     r, c = src.shape
@@ -530,11 +515,9 @@ def _nvfp4_row_words(x, src, amax, seed, data, scale, order, block_2d, generator
         seed,
         data.view(torch.int16),
         scale,
-        INV_6=INV_6,
-        LEGACY=order == "legacy",
-        BLOCK_2D=block_2d,
-        SR=generator is not None,
-        HW_FP8=_hw_fp8_for(x),
+        **_nvfp4_flags(x, options),
+        BLOCK_2D=options.block_2d,
+        SR=options.sr,
         MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
         PER_ROW=per_row,
         **tile,
@@ -542,7 +525,7 @@ def _nvfp4_row_words(x, src, amax, seed, data, scale, order, block_2d, generator
     )
 
 
-def _nvfp4_col_words(x, amax, data, scale, order, block_2d, per_row=False):
+def _nvfp4_col_words(x, amax, data, scale, options: NVFP4Options, per_row=False):
     """Columnwise, no RHT, no SR: x as int64 words [M, K/4], the transposed data written as
     int64 words [K, M/16] (one per column and 16-row block)."""
     m, k = x.shape
@@ -556,10 +539,8 @@ def _nvfp4_col_words(x, amax, data, scale, order, block_2d, per_row=False):
         amax,
         data.view(torch.int64),
         scale,
-        INV_6=INV_6,
-        LEGACY=order == "legacy",
-        BLOCK_2D=block_2d,
-        HW_FP8=_hw_fp8_for(x),
+        **_nvfp4_flags(x, options),
+        BLOCK_2D=options.block_2d,
         MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
         PER_ROW=per_row,
         **tile,
