@@ -82,7 +82,7 @@ for part in ${*:-tests}; do
         python3 -c 'if 1:
           import torch
           from graphsan.lab.quant import NVFP4Options
-          from graphsan.lab.quant.kernels import launch as tk
+          from graphsan.lab.quant.kernels import launch_nvfp4 as tk
           x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
           g = torch.Generator(device="cuda"); g.manual_seed(0)
           tk.nvfp4_quantize(x, 0, NVFP4Options(rht=True, generator=g))
@@ -100,7 +100,7 @@ for part in ${*:-tests}; do
         python3 -c 'if 1:
           import torch
           from graphsan.lab.quant import NVFP4Options
-          from graphsan.lab.quant.kernels import launch as tk
+          from graphsan.lab.quant.kernels import launch_nvfp4 as tk
           x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
           g = torch.Generator(device="cuda"); g.manual_seed(0)
           tk.nvfp4_quantize_both(x, NVFP4Options(rht=True, generator=g))

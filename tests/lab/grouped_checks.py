@@ -170,7 +170,7 @@ NVFP4_GROUPED_KINDS = [
 
 
 def check_nvfp4_grouped_kernels(tk, counts, device, order="current"):
-    """`tk.nvfp4_quantize_grouped` byte-equal to the torch reference for every operand kind
+    """`tk.nv.nvfp4_quantize_grouped` byte-equal to the torch reference for every operand kind
     (columnwise kinds only where every count is a multiple of 16), SR from equally seeded
     generators; the per-group amax too, including 0 for an empty group."""
     g = torch.Generator().manual_seed(sum(counts))
@@ -184,7 +184,7 @@ def check_nvfp4_grouped_kernels(tk, counts, device, order="current"):
             continue
         g1 = torch.Generator(device=device).manual_seed(4) if sr else None
         g2 = torch.Generator(device=device).manual_seed(4) if sr else None
-        a = tk.nvfp4_quantize_grouped(
+        a = tk.nv.nvfp4_quantize_grouped(
             x, groups.index, n, axis, NVFP4Options(block_2d, order, use_rht, g1)
         )
         b = nvfp4_fmt.quantize_grouped_reference(

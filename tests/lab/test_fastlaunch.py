@@ -12,6 +12,7 @@ import torch
 
 from graphsan.lab.quant import NVFP4Options
 from graphsan.lab.quant.kernels import fastlaunch
+from tests.lab.kernel_checks import launchers
 
 
 def test_the_key_holds_dtype_alignment_and_integer_classes():
@@ -106,10 +107,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.gpu
 def test_compiled_launches_equal_tritons_on_aligned_and_misaligned_inputs(monkeypatch):
     pytest.importorskip("triton")
-    from graphsan.lab.quant import kernels
-
-    assert kernels.available()
-    from graphsan.lab.quant.kernels import launch as tk
+    tk = launchers()
 
     g = torch.Generator(device="cuda")
     big = torch.randn(
@@ -122,11 +120,11 @@ def test_compiled_launches_equal_tritons_on_aligned_and_misaligned_inputs(monkey
         out = []
         for rep in range(2):  # the second round hits the keys the first one made
             for x in (big[:4096], misaligned, big[1:4097, 64:192]):
-                q = tk.nvfp4_quantize(x, 0, NVFP4Options(rht=True, generator=g.manual_seed(rep)))
-                out += [q.data, q.scale, q.amax, tk.gemm_operand(q)]
-                m = tk.mxfp8_quantize(x, 0)
+                q = tk.nv.nvfp4_quantize(x, 0, NVFP4Options(rht=True, generator=g.manual_seed(rep)))
+                out += [q.data, q.scale, q.amax, tk.gemm.gemm_operand(q)]
+                m = tk.mx.mxfp8_quantize(x, 0)
                 out += [m.data, m.scale]
         results[enabled] = out
-    assert len(tk.nvfp4_col_fused_kernel.cache) > 0  # the fast path ran
+    assert len(tk.nv.nvfp4_col_fused_kernel.cache) > 0  # the fast path ran
     for a, b in zip(results[False], results[True], strict=True):
         assert torch.equal(bits(a), bits(b))

@@ -109,8 +109,9 @@ def _skip_state(flag) -> tuple[torch.Tensor | None, int | None]:
 def gemm_operand(q: QTensor) -> torch.Tensor:
     """Exact bf16 values of a quantized operand in its logical [rows, cols] shape, without the
     per-tensor factor (which goes into alpha). On CUDA one Triton pass over the packed MXFP8 or
-    NVFP4 data (`kernels.launch.gemm_operand`); `gemm_operand_reference` is its oracle."""
-    fast = kernels.launcher(q.data)
+    NVFP4 data (`kernels.launch_gemm.gemm_operand`); `gemm_operand_reference` is its
+    oracle."""
+    fast = kernels.launcher(q.data, "gemm")
     if fast is not None:
         values = fast.gemm_operand(q)
         if values is not None:
@@ -145,9 +146,9 @@ def gemm_alpha(a: QTensor, b: QTensor) -> torch.Tensor | None:
 
 
 def alpha_factors(a: QTensor, b: QTensor) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """`gemm_alpha` as the epilogue kernel computes it (`kernels.launch.gemm_epilogue`): the two
-    factors and the mode (2: NVFP4 amaxes, (a * b) / 6^2 448^2; 1: FP8 scale_invs, a * b; 0:
-    none)."""
+    """`gemm_alpha` as the epilogue kernel computes it (`kernels.launch_gemm.gemm_epilogue`):
+    the two factors and the mode (2: NVFP4 amaxes, (a * b) / 6^2 448^2; 1: FP8 scale_invs,
+    a * b; 0: none)."""
     if isinstance(a, NVFP4Tensor):
         return a.amax, b.amax, 2
     if isinstance(a, FP8Tensor):
@@ -187,10 +188,10 @@ def quantized_mm(
     `out_dtype` (the float32 result rounded once); added into the float32 `out` when given (and
     `out` returned). On CUDA each operand is prepared by one Triton pass over its packed data
     (`gemm_operand`), the bf16 GEMM is cuBLAS's and alpha, the rounding and the addition are one
-    Triton pass (`kernels.launch.gemm_epilogue`); with `kernels.launch.FUSED_GEMM` one Triton
-    GEMM reads the packed operands instead (`kernels.launch.quantized_mm`, tested against
-    `quantized_mm_reference`)."""
-    fast = kernels.launcher(a.data)
+    Triton pass (`kernels.launch_gemm.gemm_epilogue`); with `kernels.launch_gemm.FUSED_GEMM`
+    one Triton GEMM reads the packed operands instead (`kernels.launch_gemm.quantized_mm`,
+    tested against `quantized_mm_reference`)."""
+    fast = kernels.launcher(a.data, "gemm")
     if fast is not None and fast.FUSED_GEMM:
         c = fast.quantized_mm(a, b, transpose_a, transpose_b, gemm_alpha(a, b), out)
         if c is not None:
@@ -219,7 +220,7 @@ def _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out, out_dtype, tor
     the addition is a single torch operation anyway)."""
     c = mm_fp32(a_val.t() if transpose_a else a_val, b_val.t() if transpose_b else b_val)
     x, y, mode = alpha_factors(a, b)
-    fast = None if torch_only else kernels.launcher(c)
+    fast = None if torch_only else kernels.launcher(c, "gemm")
     if fast is not None and mode and (out is not None or out_dtype == torch.bfloat16):
         return fast.gemm_epilogue(c, x, y, mode, out=out)
     alpha = gemm_alpha(a, b)

@@ -44,7 +44,8 @@ def spec(value):
 class FastKernel:
     """A `triton.jit` kernel whose launches skip Triton's binding once a key has been seen;
     `kernel[grid](*args, **kwargs)` as for the kernel itself. Constexpr and compile options are
-    passed by keyword, tensors and integers by position (every call site in `launch.py`)."""
+    passed by keyword, tensors and integers by position (every call site in the launchers,
+    `launch_*.py`)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
