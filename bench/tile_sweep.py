@@ -152,7 +152,7 @@ def sweep_dequant(tk, x, copy_bw, iters, names) -> None:
     """`gemm_operand` at each tile of its contiguous kernels and with the strided kernel that
     every operand ran before (`_strided=True`), each checked bit for bit against the torch
     dequantization (`gemm_operand_reference`), not only against the current tile."""
-    from graphsan.lab.quant.linear import gemm_operand_reference
+    from graphsan.lab.quant.gemm import gemm_operand_reference
 
     for name in names:
         key, attr, alts, per_elem = DEQUANT_SWEEPS[name]

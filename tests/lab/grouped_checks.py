@@ -12,7 +12,7 @@ from graphsan.lab.quant import GroupedQuantLinear, NVFP4Options, RowGroups, get_
 from graphsan.lab.quant import fp8 as fp8_fmt
 from graphsan.lab.quant import mxfp8 as mxfp8_fmt
 from graphsan.lab.quant import nvfp4 as nvfp4_fmt
-from graphsan.lab.quant.linear import gemm_alpha, gemm_operand
+from graphsan.lab.quant.gemm import gemm_alpha, gemm_operand
 from tests.lab.quant_oracles import ref_mm, skewed
 
 RECIPES = {

@@ -172,7 +172,7 @@ def assert_quantized_mm_matches(tk, recipe, m, k, n, device, seed=0):
     |C - C64| <= R * 2^-23 * (|A||B|)_ij * alpha, the float32 accumulation bound over the
     reduction length R with a factor 2 to spare; also with accumulation into a float32 output.
     Returns the largest error as a fraction of that bound."""
-    from graphsan.lab.quant.linear import gemm_alpha, gemm_operand
+    from graphsan.lab.quant.gemm import gemm_alpha, gemm_operand
     from tests.lab.quant_oracles import ref_mm
 
     worst = 0.0
@@ -200,7 +200,7 @@ def assert_gemm_operands_match(tk, device, shape):
     bit: NVFP4 of every operand kind, MXFP8 E4M3 and E5M2 in both directions, on `edge_inputs`
     (NaN, -inf, a subnormal, a zero tile) with one block scaled to 2^-130 (scale bytes below 3,
     where the bf16 values round)."""
-    from graphsan.lab.quant.linear import gemm_operand_reference
+    from graphsan.lab.quant.gemm import gemm_operand_reference
 
     x = edge_inputs(shape, 12, device).float()
     x[32:64, 64:96] *= 2.0**-130
@@ -291,7 +291,7 @@ def exhaustive_operands(device):
 def assert_gemm_operand_bits(tk, ops, where=""):
     """`tk.gemm.gemm_operand` of each operand, with the kernel the launcher picks and with the
     strided one, equals `gemm_operand_reference` bit for bit (NaN bits included)."""
-    from graphsan.lab.quant.linear import gemm_operand_reference
+    from graphsan.lab.quant.gemm import gemm_operand_reference
 
     for n, q in enumerate(ops):
         ref = gemm_operand_reference(q)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphsan.lab.quant import get_recipe
-from graphsan.lab.quant.linear import quantized_mm_reference
+from graphsan.lab.quant.gemm import quantized_mm_reference
 from tests.lab.kernel_checks import (
     assert_gemm_operand_bits,
     assert_gemm_operands_match,
@@ -124,7 +124,7 @@ def test_packed_gemm_matches_dequantize_then_gemm(tk, name):
 def test_packed_gemm_is_close_to_the_torch_emulation(tk):
     """Same operands, both accumulating in float32: the kernel and the torch emulation agree to
     2^-18 of the largest output."""
-    from graphsan.lab.quant.linear import gemm_alpha
+    from graphsan.lab.quant.gemm import gemm_alpha
 
     for name, a, b, ta, tb in quantized_gemm_cases(RECIPES["nvfp4"], 64, 96, 160, "cpu"):
         got = tk.gemm.quantized_mm(a, b, ta, tb, gemm_alpha(a, b))

@@ -17,7 +17,7 @@ from graphsan.lab.quant import (
     mxfp8,
     nvfp4,
 )
-from graphsan.lab.quant.linear import gemm_alpha, gemm_operand
+from graphsan.lab.quant.gemm import gemm_alpha, gemm_operand
 from tests.lab.quant_oracles import ref_mm, skewed
 
 RECIPES = {

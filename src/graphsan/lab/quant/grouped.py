@@ -41,15 +41,8 @@ import torch
 from torch import nn
 
 from . import kernels
-from .linear import (
-    BLOCKS,
-    QuantModule,
-    _check_tokens,
-    _Plan,
-    alpha_factors,
-    gemm_alpha,
-    gemm_operand,
-)
+from .gemm import alpha_factors, gemm_alpha, gemm_operand
+from .linear import BLOCKS, QuantModule, _check_tokens, _Plan
 from .recipe import Quantizer, Recipe, RowGroups
 from .tensors import QTensor
 

@@ -6,7 +6,7 @@ applies the per-tensor factor alpha in the epilogue, optionally adding into a fl
 weight gradient's `main_grad`).
 
 Operand preparation (docs/numerics.md, "Triton kernels"): bit for bit the torch dequantization
-(`linear.gemm_operand_reference`: element x scale in float32, then the cast to bf16), edge values
+(`gemm.gemm_operand_reference`: element x scale in float32, then the cast to bf16), edge values
 included. Contiguous operands take one of three kernels whose loads, arithmetic and stores share
 one register layout (no shared memory, 16-byte stores, the block scale loaded and decoded once
 per thread and block):
@@ -231,7 +231,7 @@ def dequant_kernel(
     fallback of the contiguous kernels below): out [P, Q] (bf16 bits as int16, contiguous) from
     data [P, Q] bytes (NVFP4: [P, Q/2], two codes per byte, row stride sd_p, unit column stride)
     and the scale of element (p, q) at s_ptr + (p // SP) * ss_p + (q // SQ) * ss_q. Element x
-    scale, without the per-tensor factor, as `linear.gemm_operand_reference` computes it in
+    scale, without the per-tensor factor, as `gemm.gemm_operand_reference` computes it in
     torch; NaN products as NAN16 (`_bf16_word`)."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None]
     q = tl.program_id(1) * BQ + tl.arange(0, BQ)[None, :]

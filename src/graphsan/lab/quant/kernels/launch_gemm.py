@@ -2,7 +2,7 @@
 (`gemm_operand`), the epilogue (`gemm_epilogue`: alpha, the bf16 rounding, main_grad) and the
 fused packed-operand GEMM (`quantized_mm`, off by default: `FUSED_GEMM`).
 
-Same bits as the torch emulation in `linear.py` (`gemm_operand_reference`, the epilogue's torch
+Same bits as the torch emulation in `gemm.py` (`gemm_operand_reference`, the epilogue's torch
 operations); the callers there check the operands.
 """
 
@@ -69,7 +69,7 @@ def _nan16(device_type: str) -> int:
 def gemm_operand(q, *, _strided: bool = False) -> torch.Tensor | None:
     """The exact bf16 values of an MXFP8 or NVFP4 operand without its per-tensor factor, in its
     logical shape (a transposed view for NVFP4 columnwise), from one pass over the packed data;
-    None for other tensors. The same bits as `linear.gemm_operand_reference`. Contiguous data
+    None for other tensors. The same bits as `gemm.gemm_operand_reference`. Contiguous data
     and scales run `dequant_nvfp4_kernel`, `dequant_mxfp8_rows_kernel` or
     `dequant_mxfp8_cols_kernel`, anything else (or `_strided=True`, for the tests)
     `dequant_kernel`."""
@@ -221,7 +221,7 @@ def quantized_mm(a, b, transpose_a, transpose_b, alpha, out=None):
 def gemm_epilogue(c, a, b, mode, out=None, row_groups=None, offsets=None):
     """A GEMM result c [R, C] (or [G, N, K] with `offsets`) times alpha in one pass: written as
     a new bf16 tensor, or added into the float32 `out` (returned). `mode` and the factors a, b
-    are `linear.alpha_factors`' (0: no alpha; 1: a * b; 2: NVFP4, (a * b) / 6^2 448^2). Rows:
+    are `gemm.alpha_factors`' (0: no alpha; 1: a * b; 2: NVFP4, (a * b) / 6^2 448^2). Rows:
     `row_groups` (a RowGroups) gives each row its group's factors and writes rows in no group as
     zeros; `offsets` (int32 cumulative group rows) reads c as G groups of N rows, each with its
     group's factors, an empty group's rows as zeros (the grouped weight gradient)."""
