@@ -40,6 +40,7 @@ from graphsan.lab.quant.kernels import gemm as gemm_kernels
 from graphsan.lab.quant.kernels import launch_gemm, launch_mxfp8, launch_nvfp4
 from graphsan.lab.quant.kernels import mxfp8 as mx_kernels
 from graphsan.lab.quant.kernels import nvfp4 as nv_kernels
+from graphsan.lab.quant.kernels import nvfp4_words as nv_words
 from graphsan.lab.quant.kernels.nvfp4_col import nvfp4_col_amax_kernel, nvfp4_col_fused_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -266,12 +267,12 @@ def main() -> None:
         fn = nv_kernels.nvfp4_col_strided_kernel
         jobs.append(("strided", f"nvfp4 columnwise {d}", fn, nv_col, flags, p, p["BM"] * p["BK"]))
         p = dict(launch_nvfp4.NVFP4_ROW_WORDS_TILE)
-        fn = nv_kernels.nvfp4_row_words_kernel
+        fn = nv_words.nvfp4_row_words_kernel
         flags = {**flags, "MAXNUM": True, "PER_ROW": False}
         elems = p["BR"] * p["CW"] * 4
         jobs.append(("words", f"nvfp4 rowwise {d}", fn, nv_row_words, flags, p, elems))
         p = dict(launch_nvfp4.NVFP4_COL_WORDS_TILE)
-        fn = nv_kernels.nvfp4_col_words_kernel
+        fn = nv_words.nvfp4_col_words_kernel
         flags = {k: v for k, v in flags.items() if k != "SR"}  # the column kernel has no SR
         elems = p["NB"] * 16 * p["CW"] * 4
         jobs.append(("words", f"nvfp4 columnwise {d}", fn, nv_col_words, flags, p, elems))
@@ -313,7 +314,7 @@ def main() -> None:
     p = dict(launch_nvfp4.NVFP4_ROW_WORDS_TILE)
     flags = {**nv, "SR": True, "BLOCK_2D": False, "MAXNUM": True, "PER_ROW": False}
     elems = p["BR"] * p["CW"] * 4
-    fn = nv_kernels.nvfp4_row_words_kernel
+    fn = nv_words.nvfp4_row_words_kernel
     jobs.append(("fused", "nvfp4 rowwise SR words", fn, nv_row_words, flags, p, elems))
     p = dict(launch_nvfp4.NVFP4_COL_WORDS_TILE)
     flags = {k: v for k, v in nv.items() if k != "SR"} | {
@@ -322,7 +323,7 @@ def main() -> None:
         "PER_ROW": False,
     }
     elems = p["NB"] * 16 * p["CW"] * 4
-    fn = nv_kernels.nvfp4_col_words_kernel
+    fn = nv_words.nvfp4_col_words_kernel
     jobs.append(("fused", "nvfp4 columnwise words (plain)", fn, nv_col_words, flags, p, elems))
 
     if "dequant" in args.kernels:

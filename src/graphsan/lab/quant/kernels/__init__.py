@@ -9,11 +9,14 @@ and the tests compare the two byte for byte (compiled on the GPU, in Triton's in
                           the launchers per format and for the GEMM: which kernel runs for
                           which input, tiles, outputs (launch_common.py: what they share)
     kernels/mxfp8.py      MXFP8 kernels: strided (any input), bf16 words (columnwise, both)
-    kernels/nvfp4.py      global amax; NVFP4 row and column kernels, strided and bf16 words
+    kernels/nvfp4.py      global amax (also per group); NVFP4 row and column strided kernels;
+                          the E2M1 encoders and block scales every NVFP4 kernel shares
+    kernels/nvfp4_words.py NVFP4 row and column kernels for bf16 read as 64-bit words
     kernels/nvfp4_col.py  NVFP4 columnwise with the RHT and stochastic rounding fused; the
                           RHT amax pass (the post-RHT and the plain amax from one read)
     kernels/common.py     FP8 bytes from bit fields, bf16 words, NaN-ignoring block maxima
-    kernels/gemm.py       the GEMM operands' dequantization, the GEMM epilogue, a fused GEMM
+    kernels/gemm.py       the GEMM operands' dequantization and the GEMM epilogue
+    kernels/qgemm.py      the fused packed-operand GEMM (off by default)
     kernels/fastlaunch.py launches without Triton's per-call binding (a seen specialization)
 
 Every kernel has a "strided" form for any floating dtype and strides, and the hot directions

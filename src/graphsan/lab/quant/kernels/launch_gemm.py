@@ -16,6 +16,7 @@ import triton
 from ..formats import MXFP8_BLOCK, NVFP4_ALPHA_DIVISOR, NVFP4_BLOCK
 from ..tensors import MXFP8Tensor, NVFP4Tensor
 from . import gemm as jit
+from . import qgemm as qgemm_jit
 from .launch_common import COMPILE_OPTIONS, fast_kernels, hw_fp8_for
 
 (
@@ -31,7 +32,7 @@ from .launch_common import COMPILE_OPTIONS, fast_kernels, hw_fp8_for
     jit.dequant_mxfp8_rows_kernel,
     jit.dequant_nvfp4_kernel,
     jit.gemm_epilogue_kernel,
-    jit.qgemm_kernel,
+    qgemm_jit.qgemm_kernel,
 )
 
 # gemm_operand's kernels (contiguous operands; DEQUANT_TILE: any strides), the fastest or level

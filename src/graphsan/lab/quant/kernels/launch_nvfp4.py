@@ -26,6 +26,7 @@ from ..rht import rht as apply_rht
 from ..tensors import NVFP4Tensor
 from . import nvfp4 as jit
 from . import nvfp4_col as col_jit
+from . import nvfp4_words as words_jit
 from .launch_common import COMPILE_OPTIONS, fast_kernels, hw_fp8_for, words_fit
 
 (
@@ -41,9 +42,9 @@ from .launch_common import COMPILE_OPTIONS, fast_kernels, hw_fp8_for, words_fit
     jit.amax_kernel,
     jit.group_amax_kernel,
     jit.nvfp4_col_strided_kernel,
-    jit.nvfp4_col_words_kernel,
+    words_jit.nvfp4_col_words_kernel,
     jit.nvfp4_row_strided_kernel,
-    jit.nvfp4_row_words_kernel,
+    words_jit.nvfp4_row_words_kernel,
     col_jit.nvfp4_col_amax_kernel,
     col_jit.nvfp4_col_fused_kernel,
 )
