@@ -41,7 +41,8 @@ class _CountOps(TorchDispatchMode):
 
 class _TritonLaunches:
     """Counts the quantize kernels' launches and the host time inside them (wraps
-    `fastlaunch.FastKernel._run`, through which `kernels.launch` launches every kernel)."""
+    `fastlaunch.FastKernel._run`, through which the `kernels.launch_*` modules launch every
+    kernel)."""
 
     def __init__(self):
         from graphsan.lab.quant.kernels.fastlaunch import FastKernel
@@ -117,7 +118,8 @@ def launch_costs(iters: int) -> str:
     """Host us per launch of a one-program Triton kernel with the quantize kernels' launch
     options, and of a small torch in-place add (the two kinds of launches a call makes)."""
     from graphsan.lab.quant.kernels.gemm import dequant_nvfp4_kernel
-    from graphsan.lab.quant.kernels.launch import _COMPILE_OPTIONS, DEQUANT_NVFP4_TILE
+    from graphsan.lab.quant.kernels.launch_common import COMPILE_OPTIONS
+    from graphsan.lab.quant.kernels.launch_gemm import DEQUANT_NVFP4_TILE
 
     data = torch.zeros(4096, device="cuda", dtype=torch.uint8)
     scale = torch.zeros(512, device="cuda", dtype=torch.uint8)
@@ -125,7 +127,7 @@ def launch_costs(iters: int) -> str:
 
     def triton_launch():
         dequant_nvfp4_kernel[(2,)](
-            data, scale, out, 4096, NAN16=0, EVEN=True, **DEQUANT_NVFP4_TILE, **_COMPILE_OPTIONS
+            data, scale, out, 4096, NAN16=0, EVEN=True, **DEQUANT_NVFP4_TILE, **COMPILE_OPTIONS
         )
 
     result = []

@@ -40,9 +40,9 @@ import datetime
 
 import torch
 from bench_quant_linear import quant_linear_table
-from quant_timing import amax_pass_both, bench, bench_device, same_bytes
+from quant_timing import amax_pass_both, bench, bench_device, launchers, same_bytes
 
-from graphsan.lab.quant import kernels, mxfp8, nvfp4
+from graphsan.lab.quant import NVFP4Options, kernels, mxfp8, nvfp4
 
 STRIDED = {"strided": True, "default": False}  # kernel family -> the launchers' `_strided`
 GROUPS = 8  # experts in the grouped rows
@@ -60,7 +60,7 @@ def main() -> None:
         raise SystemExit("bench_quant: needs Triton")
     import triton
 
-    from graphsan.lab.quant.kernels import launch as tk
+    tk = launchers()
 
     n = args.size
     dev = torch.device("cuda")
@@ -91,7 +91,7 @@ def main() -> None:
         mxfp8.quantize_reference(x, -1)
         mxfp8.quantize_reference(x, 0)
 
-    amax = tk.global_amax(x)
+    amax = tk.nv.global_amax(x)
     row_bytes_mx = 2 * elems + elems + elems // 32
     row_bytes_nv = 2 * elems + elems // 2 + elems // 16
 
@@ -103,21 +103,23 @@ def main() -> None:
             if seed is not None:  # the byte comparison: the same generator state per family
                 torch.cuda.manual_seed(seed)
             g = gen if sr else None
-            return tk.nvfp4_quantize(x, axis, rht=rht, generator=g, _strided=STRIDED[v])
+            options = NVFP4Options(rht=rht, generator=g)
+            return tk.nv.nvfp4_quantize(x, axis, options, _strided=STRIDED[v])
 
         run.seeded = True
         return run
 
     sr_rht = col_fused(True, True)
-    post_amax = tk.nvfp4_quantize(x, 0, rht=True).amax  # the post-RHT amax, taken once
+    rht_only = NVFP4Options(rht=True)
+    post_amax = tk.nv.nvfp4_quantize(x, 0, rht_only).amax  # the post-RHT amax, taken once
 
     def col_given(sr):
         def run(v, seed=None):
             if seed is not None:
                 torch.cuda.manual_seed(seed)
             g = gen if sr else None
-            return tk.nvfp4_quantize(x, 0, rht=True, generator=g, amax=post_amax,
-                                     _strided=STRIDED[v])  # fmt: skip
+            options = NVFP4Options(rht=True, generator=g)
+            return tk.nv.nvfp4_quantize(x, 0, options, post_amax, _strided=STRIDED[v])
 
         run.seeded = True
         return run
@@ -128,17 +130,17 @@ def main() -> None:
                 torch.cuda.manual_seed(seed)
             g = gen if sr else None
             if v == "strided":  # two calls: each copy takes its own amax
-                row = tk.nvfp4_quantize(x, -1, generator=g)
-                return row, tk.nvfp4_quantize(x, 0, rht=True, generator=g)
-            return tk.nvfp4_quantize_both(x, rht=True, generator=g)
+                row = tk.nv.nvfp4_quantize(x, -1, NVFP4Options(generator=g))
+                return row, tk.nv.nvfp4_quantize(x, 0, NVFP4Options(rht=True, generator=g))
+            return tk.nv.nvfp4_quantize_both(x, NVFP4Options(rht=True, generator=g))
 
         run.seeded = True
         return run
 
     def ref_pair(sr):
         g = gen if sr else None
-        nvfp4.quantize_reference(x, -1, generator=g)
-        nvfp4.quantize_reference(x, 0, rht=True, generator=g)
+        nvfp4.quantize_reference(x, -1, NVFP4Options(generator=g))
+        nvfp4.quantize_reference(x, 0, NVFP4Options(rht=True, generator=g))
 
     groups = torch.arange(n, device=dev) // (n // GROUPS)  # GROUPS equal experts
 
@@ -147,55 +149,56 @@ def main() -> None:
             if seed is not None:
                 torch.cuda.manual_seed(seed)
             g = gen if sr else None
+            options = NVFP4Options(rht=rht, generator=g)
             if v == "strided":  # the torch reference: what the experts ran before the kernels
-                return nvfp4.quantize_grouped_reference(
-                    x, groups, GROUPS, axis, rht=rht, generator=g
-                )
-            return nvfp4.quantize_grouped(x, groups, GROUPS, axis, rht=rht, generator=g)
+                return nvfp4.quantize_grouped_reference(x, groups, GROUPS, axis, options)
+            return nvfp4.quantize_grouped(x, groups, GROUPS, axis, options)
 
         run.seeded = True
         return run
 
+    w2d = NVFP4Options(block_2d=True)
+    rht_sr, sr_only = NVFP4Options(rht=True, generator=gen), NVFP4Options(generator=gen)
     rows = [
         # name, triton fn of the family, reference fn, bytes moved, target fraction of copy bw
-        ("mxfp8 row+col (1 pass)", lambda v: tk.mxfp8_quantize_both(x, _strided=STRIDED[v]), ref_both,
+        ("mxfp8 row+col (1 pass)", lambda v: tk.mx.mxfp8_quantize_both(x, _strided=STRIDED[v]), ref_both,
          2 * elems + 2 * elems + 2 * elems // 32, 0.70),
-        ("mxfp8 rowwise", lambda v: tk.mxfp8_quantize(x, -1, _strided=STRIDED[v]),
+        ("mxfp8 rowwise", lambda v: tk.mx.mxfp8_quantize(x, -1, _strided=STRIDED[v]),
          lambda: mxfp8.quantize_reference(x, -1), row_bytes_mx, 0.70),
-        ("mxfp8 columnwise", lambda v: tk.mxfp8_quantize(x, 0, _strided=STRIDED[v]),
+        ("mxfp8 columnwise", lambda v: tk.mx.mxfp8_quantize(x, 0, _strided=STRIDED[v]),
          lambda: mxfp8.quantize_reference(x, 0), row_bytes_mx, 0.70),
-        ("nvfp4 global amax", lambda v: tk.global_amax(x), lambda: x.abs().amax(), 2 * elems, None),
-        ("nvfp4 rowwise 1D", lambda v: tk.nvfp4_quantize(x, -1, amax=amax, _strided=STRIDED[v]),
+        ("nvfp4 global amax", lambda v: tk.nv.global_amax(x), lambda: x.abs().amax(), 2 * elems, None),
+        ("nvfp4 rowwise 1D", lambda v: tk.nv.nvfp4_quantize(x, -1, amax=amax, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, -1), row_bytes_nv, 0.60),
-        ("nvfp4 columnwise 1D", lambda v: tk.nvfp4_quantize(x, 0, amax=amax, _strided=STRIDED[v]),
+        ("nvfp4 columnwise 1D", lambda v: tk.nv.nvfp4_quantize(x, 0, amax=amax, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, 0), row_bytes_nv, 0.60),
         ("nvfp4 rowwise 2D (weights)",
-         lambda v: tk.nvfp4_quantize(x, -1, block_2d=True, amax=amax, _strided=STRIDED[v]),
-         lambda: nvfp4.quantize_reference(x, -1, block_2d=True), row_bytes_nv, 0.60),
+         lambda v: tk.nv.nvfp4_quantize(x, -1, w2d, amax, _strided=STRIDED[v]),
+         lambda: nvfp4.quantize_reference(x, -1, w2d), row_bytes_nv, 0.60),
         ("nvfp4 columnwise 2D (weights)",
-         lambda v: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax, _strided=STRIDED[v]),
-         lambda: nvfp4.quantize_reference(x, 0, block_2d=True), row_bytes_nv, 0.60),
-        ("nvfp4 rowwise 1D end to end", lambda v: tk.nvfp4_quantize(x, -1, _strided=STRIDED[v]),
+         lambda v: tk.nv.nvfp4_quantize(x, 0, w2d, amax, _strided=STRIDED[v]),
+         lambda: nvfp4.quantize_reference(x, 0, w2d), row_bytes_nv, 0.60),
+        ("nvfp4 rowwise 1D end to end", lambda v: tk.nv.nvfp4_quantize(x, -1, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, -1), row_bytes_nv + 2 * elems, None),
-        ("nvfp4 columnwise 1D end to end", lambda v: tk.nvfp4_quantize(x, 0, _strided=STRIDED[v]),
+        ("nvfp4 columnwise 1D end to end", lambda v: tk.nv.nvfp4_quantize(x, 0, _strided=STRIDED[v]),
          lambda: nvfp4.quantize_reference(x, 0), row_bytes_nv + 2 * elems, None),
         ("nvfp4 col RHT+SR (wgrad dY)", col_given(True),
-         lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, 0.50),
+         lambda: nvfp4.quantize_reference(x, 0, rht_sr), row_bytes_nv, 0.50),
         ("nvfp4 col RHT (wgrad X)", col_given(False),
-         lambda: nvfp4.quantize_reference(x, 0, rht=True), row_bytes_nv, 0.50),
+         lambda: nvfp4.quantize_reference(x, 0, rht_only), row_bytes_nv, 0.50),
         ("nvfp4 RHT amax pass (post-RHT and plain amax)", lambda v: amax_pass_both(tk, x), None, 2 * elems, None),
         ("nvfp4 col RHT+SR end to end (wgrad dY)", sr_rht,
-         lambda: nvfp4.quantize_reference(x, 0, rht=True, generator=gen), row_bytes_nv, None),
+         lambda: nvfp4.quantize_reference(x, 0, rht_sr), row_bytes_nv, None),
         ("nvfp4 col RHT end to end (wgrad X)", col_fused(True, False),
-         lambda: nvfp4.quantize_reference(x, 0, rht=True), row_bytes_nv, None),
+         lambda: nvfp4.quantize_reference(x, 0, rht_only), row_bytes_nv, None),
         ("nvfp4 dY both copies (row SR, col RHT+SR) end to end", both_copies(True),
          lambda: ref_pair(True), 2 * row_bytes_nv - 2 * elems, None),
         ("nvfp4 X both copies (row, col RHT) end to end", both_copies(False),
          lambda: ref_pair(False), 2 * row_bytes_nv - 2 * elems, None),
         ("nvfp4 col SR end to end (no RHT)", col_fused(False, True),
-         lambda: nvfp4.quantize_reference(x, 0, generator=gen), row_bytes_nv + 2 * elems, None),
+         lambda: nvfp4.quantize_reference(x, 0, sr_only), row_bytes_nv + 2 * elems, None),
         ("nvfp4 rowwise SR end to end (dgrad dY)", col_fused(False, True, -1),
-         lambda: nvfp4.quantize_reference(x, -1, generator=gen), row_bytes_nv + 2 * elems, None),
+         lambda: nvfp4.quantize_reference(x, -1, sr_only), row_bytes_nv + 2 * elems, None),
         (f"nvfp4 grouped rowwise, {GROUPS} groups, end to end", grouped(-1, False, False),
          None, row_bytes_nv + 2 * elems, None),
         (f"nvfp4 grouped col RHT+SR, {GROUPS} groups, end to end", grouped(0, True, True),

@@ -6,7 +6,7 @@ bf16 `nn.Linear` (CUDA only); prints one ratio table with every GEMM path.
 x [size, size] bf16, weight [size, size]; one eager step (forward, backward into main_grad)
 timed alone between two CUDA events, the median of the runs. Per quantized recipe three GEMM
 paths: "prepared" (the default on CUDA: each operand dequantized to bf16 by one Triton pass over
-its packed data, then cuBLAS), "fused GEMM" (`kernels.launch.FUSED_GEMM`: one Triton GEMM reads
+its packed data, then cuBLAS), "fused GEMM" (`kernels.launch_gemm.FUSED_GEMM`: one Triton GEMM reads
 the packed operands), and "torch" (GRAPHSAN_NO_TRITON=1: the torch reference for quantization and
 dequantization, what the emulation cost before the kernels). Targets (issue 18): NVFP4 at most
 2.5x and MXFP8 at most 1.8x of nn.Linear. The grouped rows run GroupedQuantLinear with GROUPS
@@ -32,9 +32,9 @@ PATHS = ("prepared", "fused GEMM", "torch")
 
 
 def _use_path(path: str) -> None:
-    from graphsan.lab.quant.kernels import launch
+    from graphsan.lab.quant.kernels import launch_gemm
 
-    launch.FUSED_GEMM = path == "fused GEMM"
+    launch_gemm.FUSED_GEMM = path == "fused GEMM"
     if path == "torch":
         os.environ["GRAPHSAN_NO_TRITON"] = "1"
     else:

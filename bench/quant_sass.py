@@ -7,7 +7,7 @@
 Each Triton quantize kernel (the strided family, the bf16-words family, and "fused": the NVFP4
 column kernel with RHT and/or SR, both of its passes, next to the rowwise SR words kernel and the
 plain column words kernel), and with `--kernels dequant` the GEMM-operand dequantization kernels
-(`launch.gemm_operand`: the contiguous NVFP4, MXFP8 rowwise and columnwise kernels next to the
+(`launch_gemm.gemm_operand`: the contiguous NVFP4, MXFP8 rowwise and columnwise kernels next to the
 strided one every operand ran before; "elements" there are output bf16 values), is compiled the way a launch on a size x size bf16 tensor specialises
 it (integer arguments divisible by 16 marked so, a unit stride made a constant, fp contraction off
 as the launcher asks), disassembled with Triton's bundled cuobjdump, and summarised: SASS
@@ -37,9 +37,10 @@ from triton.compiler import ASTSource
 
 from graphsan.lab.quant.formats import FP8_BITS, INV_6, fp32_reciprocal
 from graphsan.lab.quant.kernels import gemm as gemm_kernels
-from graphsan.lab.quant.kernels import launch as tk
+from graphsan.lab.quant.kernels import launch_gemm, launch_mxfp8, launch_nvfp4
 from graphsan.lab.quant.kernels import mxfp8 as mx_kernels
 from graphsan.lab.quant.kernels import nvfp4 as nv_kernels
+from graphsan.lab.quant.kernels import nvfp4_words as nv_words
 from graphsan.lab.quant.kernels.nvfp4_col import nvfp4_col_amax_kernel, nvfp4_col_fused_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -131,7 +132,7 @@ def dequant_jobs(n, sweep=False):
 
     nn = n * n
     jobs = []
-    strided = dict(tk.DEQUANT_TILE)
+    strided = dict(launch_gemm.DEQUANT_TILE)
     out = [("out_ptr", "*i16", 0), ("P", "i32", n), ("Q", "i32", n)]
     kinds = (
         ("nvfp4 rowwise", 0, 1, 16, n // 2, n // 16),
@@ -150,18 +151,18 @@ def dequant_jobs(n, sweep=False):
         jobs.append(("dequant", f"{name}, strided (before)", fn, args, flags, strided, elems))
         io = [("d_ptr", "*u8", 0), ("s_ptr", "*u8", 0)]
         if fmt == 0:
-            tiles = [tk.DEQUANT_NVFP4_TILE] + (DEQUANT_NVFP4_TILES if sweep else [])
+            tiles = [launch_gemm.DEQUANT_NVFP4_TILE] + (DEQUANT_NVFP4_TILES if sweep else [])
             args = [*io, ("out_ptr", "*i32", 0), ("N", "i32", nn // 2)]
             fn, flags = gemm_kernels.dequant_nvfp4_kernel, {"NAN16": 0, "EVEN": True}
             per = [(t, t["BLOCK"] * 2) for t in tiles]
         elif sp == 1:
-            tiles = [tk.DEQUANT_MXFP8_ROW_TILE] + (DEQUANT_ROW_TILES if sweep else [])
+            tiles = [launch_gemm.DEQUANT_MXFP8_ROW_TILE] + (DEQUANT_ROW_TILES if sweep else [])
             args = [*io, ("out_ptr", "*i16", 0), ("N", "i32", nn)]
             fn = gemm_kernels.dequant_mxfp8_rows_kernel
             flags = {"FMT": fmt, "HW": True, "NAN16": 0, "EVEN": True}
             per = [(t, t["BLOCK"]) for t in tiles]
         else:
-            tiles = [tk.DEQUANT_MXFP8_COL_TILE] + (DEQUANT_COL_TILES if sweep else [])
+            tiles = [launch_gemm.DEQUANT_MXFP8_COL_TILE] + (DEQUANT_COL_TILES if sweep else [])
             args = [*io, ("out_ptr", "*i16", 0), ("Q", "i32", n)]
             fn = gemm_kernels.dequant_mxfp8_cols_kernel
             flags = {"FMT": fmt, "HW": True, "NAN16": 0, "EVEN": True}
@@ -246,11 +247,12 @@ def main() -> None:
     directions = [("row+col", True, True), ("rowwise", True, False), ("columnwise", False, True)]
     for name, row, col in directions:
         flags = {**mx, "DO_ROW": row, "DO_COL": col}
-        p = dict(tk.MXFP8_STRIDED_TILE)
+        p = dict(launch_mxfp8.MXFP8_STRIDED_TILE)
         fn = mx_kernels.mxfp8_strided_kernel
         jobs.append(("strided", f"mxfp8 {name}", fn, mx_strided, flags, p, p["BM"] * p["BN"]))
         if col:
-            p = dict(tk.MXFP8_WORDS_BOTH_TILE if row else tk.MXFP8_WORDS_COL_TILE)
+            both, col = launch_mxfp8.MXFP8_WORDS_BOTH_TILE, launch_mxfp8.MXFP8_WORDS_COL_TILE
+            p = dict(both if row else col)
             flags = {**mx, "MAXNUM": True, "DO_ROW": row}
             elems = 32 * p["G"] * p["CW"] * 4
             fn = mx_kernels.mxfp8_words_kernel
@@ -258,25 +260,25 @@ def main() -> None:
     for block_2d in (False, True):
         d = "2D" if block_2d else "1D"
         flags = {**nv, "BLOCK_2D": block_2d}
-        p = dict(tk.NVFP4_ROW_STRIDED_TILE)
+        p = dict(launch_nvfp4.NVFP4_ROW_STRIDED_TILE)
         fn = nv_kernels.nvfp4_row_strided_kernel
         jobs.append(("strided", f"nvfp4 rowwise {d}", fn, nv_row, flags, p, p["BR"] * p["BC"]))
-        p = dict(tk.NVFP4_COL_STRIDED_TILE)
+        p = dict(launch_nvfp4.NVFP4_COL_STRIDED_TILE)
         fn = nv_kernels.nvfp4_col_strided_kernel
         jobs.append(("strided", f"nvfp4 columnwise {d}", fn, nv_col, flags, p, p["BM"] * p["BK"]))
-        p = dict(tk.NVFP4_ROW_WORDS_TILE)
-        fn = nv_kernels.nvfp4_row_words_kernel
+        p = dict(launch_nvfp4.NVFP4_ROW_WORDS_TILE)
+        fn = nv_words.nvfp4_row_words_kernel
         flags = {**flags, "MAXNUM": True, "PER_ROW": False}
         elems = p["BR"] * p["CW"] * 4
         jobs.append(("words", f"nvfp4 rowwise {d}", fn, nv_row_words, flags, p, elems))
-        p = dict(tk.NVFP4_COL_WORDS_TILE)
-        fn = nv_kernels.nvfp4_col_words_kernel
+        p = dict(launch_nvfp4.NVFP4_COL_WORDS_TILE)
+        fn = nv_words.nvfp4_col_words_kernel
         flags = {k: v for k, v in flags.items() if k != "SR"}  # the column kernel has no SR
         elems = p["NB"] * 16 * p["CW"] * 4
         jobs.append(("words", f"nvfp4 columnwise {d}", fn, nv_col_words, flags, p, elems))
 
-    # the fused column kernel's two passes as `launch._nvfp4_col_fused` runs them on bf16 (int16
-    # bits), not grouped: the amax pass (`nvfp4_col_amax_kernel`), then the quantize pass
+    # the fused column kernel's two passes as `launch_nvfp4._nvfp4_col_fused` runs them on bf16
+    # (int16 bits), not grouped: the amax pass (`nvfp4_col_amax_kernel`), then the quantize pass
     head = [("x_ptr", "*i16", 0), ("M", "i32", n), ("K", "i32", n), ("stride_m", "i32", n)]
     head += [("stride_k", "i32", 1), ("amax_ptr", "*fp32", 0)]
     amax_args = head + [("pre_amax_ptr", "*fp32", 0), ("group_ptr", "*i64", 0), ("G", "i32", 0)]
@@ -286,7 +288,7 @@ def main() -> None:
         ("quantize", "NVFP4_COL_FUSED_TILE", args.fused_tile),
         ("amax", "NVFP4_COL_AMAX_TILE", args.amax_tile),
     ):
-        tiles[key] = dict(getattr(tk, attr))
+        tiles[key] = dict(getattr(launch_nvfp4, attr))
         if given:
             if any(v < 1 or v & (v - 1) for v in given):
                 ap.error(f"tile {given}: NB, BK and WARPS must be powers of two")
@@ -309,19 +311,19 @@ def main() -> None:
         flags = {**base, "RHT": rht, "SR": sr}
         fn = nvfp4_col_fused_kernel
         jobs.append(("fused", f"nvfp4 fused col, {name}", fn, fused, flags, p, elems))
-    p = dict(tk.NVFP4_ROW_WORDS_TILE)
+    p = dict(launch_nvfp4.NVFP4_ROW_WORDS_TILE)
     flags = {**nv, "SR": True, "BLOCK_2D": False, "MAXNUM": True, "PER_ROW": False}
     elems = p["BR"] * p["CW"] * 4
-    fn = nv_kernels.nvfp4_row_words_kernel
+    fn = nv_words.nvfp4_row_words_kernel
     jobs.append(("fused", "nvfp4 rowwise SR words", fn, nv_row_words, flags, p, elems))
-    p = dict(tk.NVFP4_COL_WORDS_TILE)
+    p = dict(launch_nvfp4.NVFP4_COL_WORDS_TILE)
     flags = {k: v for k, v in nv.items() if k != "SR"} | {
         "BLOCK_2D": False,
         "MAXNUM": True,
         "PER_ROW": False,
     }
     elems = p["NB"] * 16 * p["CW"] * 4
-    fn = nv_kernels.nvfp4_col_words_kernel
+    fn = nv_words.nvfp4_col_words_kernel
     jobs.append(("fused", "nvfp4 columnwise words (plain)", fn, nv_col_words, flags, p, elems))
 
     if "dequant" in args.kernels:

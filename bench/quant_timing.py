@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
+
+
+def launchers() -> SimpleNamespace:
+    """The launcher modules the quant benchmarks drive: .mx, .nv and .gemm are
+    `graphsan.lab.quant.kernels.launch_mxfp8`, `launch_nvfp4` and `launch_gemm`."""
+    from graphsan.lab.quant.kernels import launch_gemm, launch_mxfp8, launch_nvfp4
+
+    return SimpleNamespace(mx=launch_mxfp8, nv=launch_nvfp4, gemm=launch_gemm)
 
 
 def bench(fn, iters: int, warmup: int = 3) -> float:
@@ -53,10 +63,10 @@ def bench_device(fn, iters: int, reps: int = 20) -> float | None:
 
 
 def amax_pass_both(tk, x):
-    """The RHT amax pass (`launch._col_amax_pass`) taking the post-RHT and the plain amax
+    """The RHT amax pass (`launch_nvfp4._col_amax_pass`) taking the post-RHT and the plain amax
     together, into a fresh [2] buffer (the benches' timed call)."""
     amax = torch.zeros(2, dtype=torch.float32, device=x.device)
-    tk._col_amax_pass(x, amax[0], amax[1])
+    tk.nv._col_amax_pass(x, amax[0], amax[1])
     return amax
 
 

@@ -4,9 +4,9 @@
 
 For the NVFP4 column kernels (bf16 words, strided, and the fused RHT/SR kernel of the wgrad
 operands), the MXFP8 row+col words kernel and the GEMM-operand dequantization kernels
-(`gemm_operand`, the "dequant" rows), the current parameters
-(`kernels.launch.NVFP4_COL_WORDS_TILE`, `MXFP8_WORDS_BOTH_TILE`, `DEQUANT_NVFP4_TILE`, ...) and a
-few alternatives, timed the way bench_quant times them (device time, calls replayed from a CUDA
+(`gemm_operand`, the "dequant" rows), the current parameters (the `kernels.launch_*` modules'
+`NVFP4_COL_WORDS_TILE`, `MXFP8_WORDS_BOTH_TILE`, `DEQUANT_NVFP4_TILE`, ...) and a few
+alternatives, timed the way bench_quant times them (device time, calls replayed from a CUDA
 graph) and checked byte for byte against the current parameters' output; prints the time and the
 fraction of the device copy bandwidth of each, and the ratio to the current parameters. The
 bytes do not depend on the tile (every reduction stays inside one block), so the fastest correct
@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from quant_timing import amax_pass_both, bench_device, same_bytes
+from quant_timing import amax_pass_both, bench_device, launchers, same_bytes
 
-from graphsan.lab.quant import kernels
+from graphsan.lab.quant import NVFP4Options, kernels
 
 NVFP4_BYTES = 2 + 0.5 + 1 / 16  # per element: the bf16 read, the nibble and the scale written
 NV_COL_WORDS_TILES = [
@@ -109,7 +109,7 @@ NVFP4_OPERAND_BYTES = 0.5 + 1 / 16 + 2  # per element: the nibble and scale read
 MXFP8_OPERAND_BYTES = 1 + 1 / 32 + 2
 
 
-# name: (operand, parameter dict in kernels.launch, alternatives, bytes moved per element)
+# name: (operand, parameter dict in kernels.launch_gemm, alternatives, bytes moved per element)
 DEQUANT_SWEEPS = {
     "dequant nvfp4 (every kind)": (
         "nvfp4",
@@ -152,22 +152,22 @@ def sweep_dequant(tk, x, copy_bw, iters, names) -> None:
     """`gemm_operand` at each tile of its contiguous kernels and with the strided kernel that
     every operand ran before (`_strided=True`), each checked bit for bit against the torch
     dequantization (`gemm_operand_reference`), not only against the current tile."""
-    from graphsan.lab.quant.linear import gemm_operand_reference
+    from graphsan.lab.quant.gemm import gemm_operand_reference
 
     for name in names:
         key, attr, alts, per_elem = DEQUANT_SWEEPS[name]
         q = _operand(key, x)
         ref = gemm_operand_reference(q)
-        current = dict(getattr(tk, attr))
+        current = dict(getattr(tk.gemm, attr))
         runs = [(None, current, False), ("strided (before)", current, True)]
         runs += [(None, cfg, False) for cfg in alts if cfg != current]
         t_cur = None
         for label, cfg, strided in runs:
-            setattr(tk, attr, cfg)
+            setattr(tk.gemm, attr, cfg)
             try:
-                out = tk.gemm_operand(q, _strided=strided)
+                out = tk.gemm.gemm_operand(q, _strided=strided)
                 t = bench_device(
-                    lambda q=q, strided=strided: tk.gemm_operand(q, _strided=strided), iters
+                    lambda q=q, strided=strided: tk.gemm.gemm_operand(q, _strided=strided), iters
                 )
             except Exception as err:
                 print(
@@ -175,7 +175,7 @@ def sweep_dequant(tk, x, copy_bw, iters, names) -> None:
                 )
                 continue
             finally:
-                setattr(tk, attr, current)
+                setattr(tk.gemm, attr, current)
             t_cur = t_cur or t
             frac = per_elem * x.numel() / t / copy_bw
             tag = " (current)" if cfg == current and not strided else ""
@@ -194,21 +194,26 @@ def _reseed() -> None:
     _default_generator().manual_seed(1234)
 
 
+def _sr(rht: bool = False) -> NVFP4Options:
+    """Stochastic rounding on the device's default generator (and the RHT where asked)."""
+    return NVFP4Options(rht=rht, generator=_default_generator())
+
+
 _GIVEN = {}  # the post-RHT amax of the input, taken once in main
 
 
 SWEEPS = {
-    # name: (parameter dict in kernels.launch, alternatives, call, bytes moved per element)
+    # name: (parameter dict in a kernels.launch_* module, alternatives, call, bytes per element)
     "nvfp4 columnwise 1D": (
         "NVFP4_COL_WORDS_TILE",
         NV_COL_WORDS_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, amax=amax),
+        lambda tk, x, amax: tk.nv.nvfp4_quantize(x, 0, amax=amax),
         NVFP4_BYTES,
     ),
     "nvfp4 columnwise 2D": (
         "NVFP4_COL_WORDS_TILE",
         NV_COL_WORDS_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, block_2d=True, amax=amax),
+        lambda tk, x, amax: tk.nv.nvfp4_quantize(x, 0, NVFP4Options(block_2d=True), amax=amax),
         NVFP4_BYTES,
     ),
     "nvfp4 columnwise 1D, strided": (
@@ -221,22 +226,20 @@ SWEEPS = {
             {"BM": 512, "BK": 64, "num_warps": 8},
             {"BM": 128, "BK": 128, "num_warps": 4},
         ],
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, amax=amax, _strided=True),
+        lambda tk, x, amax: tk.nv.nvfp4_quantize(x, 0, amax=amax, _strided=True),
         NVFP4_BYTES,
     ),
     "nvfp4 col RHT+SR fused (wgrad dY)": (
         "NVFP4_COL_FUSED_TILE",
         NV_COL_FUSED_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True, generator=_default_generator()),
+        lambda tk, x, amax: tk.nv.nvfp4_quantize(x, 0, _sr(rht=True)),
         NVFP4_BYTES,
         _reseed,
     ),
     "nvfp4 col RHT+SR quantize pass, post-RHT amax given": (
         "NVFP4_COL_FUSED_TILE",
         NV_COL_FUSED_TILES + NV_COL_FUSED_CAPPED,
-        lambda tk, x, amax: tk.nvfp4_quantize(
-            x, 0, rht=True, generator=_default_generator(), amax=_GIVEN["post"]
-        ),
+        lambda tk, x, amax: tk.nv.nvfp4_quantize(x, 0, _sr(rht=True), _GIVEN["post"]),
         NVFP4_BYTES,
         _reseed,
     ),
@@ -249,19 +252,19 @@ SWEEPS = {
     "nvfp4 col RHT fused (wgrad X)": (
         "NVFP4_COL_FUSED_TILE",
         NV_COL_FUSED_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True),
+        lambda tk, x, amax: tk.nv.nvfp4_quantize(x, 0, NVFP4Options(rht=True)),
         NVFP4_BYTES,
     ),
     "nvfp4 col RHT fused, amax pass tile (wgrad X)": (
         "NVFP4_COL_AMAX_TILE",
         NV_COL_AMAX_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, rht=True),
+        lambda tk, x, amax: tk.nv.nvfp4_quantize(x, 0, NVFP4Options(rht=True)),
         NVFP4_BYTES,
     ),
     "nvfp4 col SR fused": (
         "NVFP4_COL_FUSED_TILE",
         NV_COL_FUSED_TILES,
-        lambda tk, x, amax: tk.nvfp4_quantize(x, 0, generator=_default_generator()),
+        lambda tk, x, amax: tk.nv.nvfp4_quantize(x, 0, _sr()),
         NVFP4_BYTES,
         _reseed,
     ),
@@ -273,10 +276,15 @@ SWEEPS = {
             {"SPLIT": 4, "G": 4, "CW": 16, "num_warps": 4},
             {"SPLIT": 2, "G": 2, "CW": 32, "num_warps": 2},
         ],
-        lambda tk, x, amax: tk.mxfp8_quantize_both(x),
+        lambda tk, x, amax: tk.mx.mxfp8_quantize_both(x),
         2 + 2 + 2 / 32,
     ),
 }
+
+
+def _tile_home(tk, attr: str):
+    """The launcher module that holds the launch parameters `attr`."""
+    return next(m for m in (tk.nv, tk.mx, tk.gemm) if hasattr(m, attr))
 
 
 def main() -> None:
@@ -294,14 +302,14 @@ def main() -> None:
         raise SystemExit("tile_sweep: needs CUDA")
     if not kernels.available():
         raise SystemExit("tile_sweep: needs Triton")
-    from graphsan.lab.quant.kernels import launch as tk
+    tk = launchers()
 
     torch.manual_seed(0)
     x = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(x)
     copy_bw = 4 * x.numel() / bench_device(lambda: dst.copy_(x), args.iters)
-    amax = tk.global_amax(x)
-    _GIVEN["post"] = tk.nvfp4_quantize(x, 0, rht=True).amax
+    amax = tk.nv.global_amax(x)
+    _GIVEN["post"] = tk.nv.nvfp4_quantize(x, 0, NVFP4Options(rht=True)).amax
     print(
         f"# {torch.cuda.get_device_name()}, {args.size}x{args.size} bf16, copy {copy_bw / 1e9:.0f} GB/s"
     )
@@ -312,12 +320,13 @@ def main() -> None:
         if not wanted(name):
             continue
         reset = prepare[0] if prepare else (lambda: None)
-        current = dict(getattr(tk, attr))
+        home = _tile_home(tk, attr)
+        current = dict(getattr(home, attr))
         reset()
         ref = call(tk, x, amax)
         t_cur = None
         for cfg in [current] + [c for c in alts if c != current]:
-            setattr(tk, attr, cfg)
+            setattr(home, attr, cfg)
             try:
                 reset()
                 out = call(tk, x, amax)
@@ -326,7 +335,7 @@ def main() -> None:
                 print(f"| {name} | {cfg} | - | - | - | {type(err).__name__}: {str(err)[:80]} |")
                 continue
             finally:
-                setattr(tk, attr, current)
+                setattr(home, attr, current)
             t_cur = t_cur or t
             frac = per_elem * x.numel() / t / copy_bw
             tag = " (current)" if cfg == current else ""

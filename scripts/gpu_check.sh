@@ -81,11 +81,12 @@ for part in ${*:-tests}; do
         --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats \
         python3 -c 'if 1:
           import torch
-          from graphsan.lab.quant.kernels import launch as tk
+          from graphsan.lab.quant import NVFP4Options
+          from graphsan.lab.quant.kernels import launch_nvfp4 as tk
           x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
           g = torch.Generator(device="cuda"); g.manual_seed(0)
-          tk.nvfp4_quantize(x, 0, rht=True, generator=g)
-          tk.nvfp4_quantize(x, 0, generator=g)
+          tk.nvfp4_quantize(x, 0, NVFP4Options(rht=True, generator=g))
+          tk.nvfp4_quantize(x, 0, NVFP4Options(generator=g))
           tk.nvfp4_quantize(x, 0)
           torch.cuda.synchronize()' > "$OUT/ncu-quant.txt" 2>&1
       grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A|Waves Per SM|Block Limit Reg|Stall|Compute \(SM\) Th" "$OUT/ncu-quant.txt" | head -120 ;;
@@ -98,10 +99,11 @@ for part in ${*:-tests}; do
         --section SchedulerStats --section InstructionStats \
         python3 -c 'if 1:
           import torch
-          from graphsan.lab.quant.kernels import launch as tk
+          from graphsan.lab.quant import NVFP4Options
+          from graphsan.lab.quant.kernels import launch_nvfp4 as tk
           x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
           g = torch.Generator(device="cuda"); g.manual_seed(0)
-          tk.nvfp4_quantize_both(x, rht=True, generator=g)
+          tk.nvfp4_quantize_both(x, NVFP4Options(rht=True, generator=g))
           torch.cuda.synchronize()' > "$OUT/ncu-rht.txt" 2>&1
       grep -E "^  [a-z_0-9]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|stall|Executed Ipc A" -i "$OUT/ncu-rht.txt" | head -80 ;;
     host)  # the host cost of one eager quantized module call, per recipe (bench_host.py)

@@ -8,11 +8,11 @@ import zlib
 
 import torch
 
-from graphsan.lab.quant import GroupedQuantLinear, RowGroups, get_recipe
+from graphsan.lab.quant import GroupedQuantLinear, NVFP4Options, RowGroups, get_recipe
 from graphsan.lab.quant import fp8 as fp8_fmt
 from graphsan.lab.quant import mxfp8 as mxfp8_fmt
 from graphsan.lab.quant import nvfp4 as nvfp4_fmt
-from graphsan.lab.quant.linear import gemm_alpha, gemm_operand
+from graphsan.lab.quant.gemm import gemm_alpha, gemm_operand
 from tests.lab.quant_oracles import ref_mm, skewed
 
 RECIPES = {
@@ -170,7 +170,7 @@ NVFP4_GROUPED_KINDS = [
 
 
 def check_nvfp4_grouped_kernels(tk, counts, device, order="current"):
-    """`tk.nvfp4_quantize_grouped` byte-equal to the torch reference for every operand kind
+    """`tk.nv.nvfp4_quantize_grouped` byte-equal to the torch reference for every operand kind
     (columnwise kinds only where every count is a multiple of 16), SR from equally seeded
     generators; the per-group amax too, including 0 for an empty group."""
     g = torch.Generator().manual_seed(sum(counts))
@@ -184,9 +184,11 @@ def check_nvfp4_grouped_kernels(tk, counts, device, order="current"):
             continue
         g1 = torch.Generator(device=device).manual_seed(4) if sr else None
         g2 = torch.Generator(device=device).manual_seed(4) if sr else None
-        a = tk.nvfp4_quantize_grouped(x, groups.index, n, axis, block_2d, order, use_rht, g1)
+        a = tk.nv.nvfp4_quantize_grouped(
+            x, groups.index, n, axis, NVFP4Options(block_2d, order, use_rht, g1)
+        )
         b = nvfp4_fmt.quantize_grouped_reference(
-            x, groups.index, n, axis, block_2d, order, use_rht, g2
+            x, groups.index, n, axis, NVFP4Options(block_2d, order, use_rht, g2)
         )
         assert a is not None, (axis, block_2d, use_rht, sr)
         assert_same_bytes(a, b)

@@ -1,18 +1,21 @@
 """What the quantize-kernel tests check, shared by the compiled kernels on the GPU
 (test_quant_triton_gpu.py) and Triton's interpreter on CPU (test_quant_triton_interpret.py).
 
-`tk` is the launch module (`graphsan.lab.quant.kernels.launch`); `strided=True` runs the strided
-kernels even where the launcher would pick the bf16-word kernels, so both families are checked
-on the same inputs."""
+`tk` holds the launcher modules (`launchers()`: tk.mx, tk.nv and tk.gemm are
+`graphsan.lab.quant.kernels.launch_mxfp8`, `launch_nvfp4` and `launch_gemm`, tk.common their
+`launch_common`); `strided=True` runs the strided kernels even where the launcher would pick the
+bf16-word kernels, so both families are checked on the same inputs."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from types import ModuleType
 
 import pytest
 import torch
 
-from graphsan.lab.quant import mxfp8, nvfp4
+from graphsan.lab.quant import NVFP4Options, mxfp8, nvfp4
 
 # Each kernel test runs twice: the kernels the launcher picks (bf16 words where the input allows)
 # and the strided kernels on the same input.
@@ -22,6 +25,26 @@ STRIDED = pytest.mark.parametrize("strided", [False, True], ids=["picked", "stri
 # and the Hadamard-transformed columnwise wgrad operand
 NVFP4_KINDS = [(-1, False, False), (0, False, False), (-1, True, False), (0, True, False)]
 NVFP4_KINDS += [(0, False, True)]
+
+
+@dataclass(frozen=True)
+class Launchers:
+    """The launcher modules the kernel tests drive (and monkeypatch)."""
+
+    mx: ModuleType
+    nv: ModuleType
+    gemm: ModuleType
+    common: ModuleType
+
+
+def launchers() -> Launchers:
+    """The launcher modules, once the kernels are known to import (`kernels.available()`)."""
+    from graphsan.lab.quant import kernels
+
+    assert kernels.available(), "triton imports but the kernels do not"
+    from graphsan.lab.quant.kernels import launch_common, launch_gemm, launch_mxfp8, launch_nvfp4
+
+    return Launchers(launch_mxfp8, launch_nvfp4, launch_gemm, launch_common)
 
 
 def edge_inputs(shape, seed, device):
@@ -74,8 +97,8 @@ def assert_nvfp4_edges_match(tk, order, strided, device):
     for name, x in nvfp4_edge_cases(device).items():
         for axis in (-1, 0):
             for block_2d in (False, True):
-                a = tk.nvfp4_quantize(x, axis, block_2d, order, _strided=strided)
-                b = nvfp4.quantize_reference(x, axis, block_2d, order)
+                a = tk.nv.nvfp4_quantize(x, axis, NVFP4Options(block_2d, order), _strided=strided)
+                b = nvfp4.quantize_reference(x, axis, NVFP4Options(block_2d, order))
                 where = (name, strided, axis, block_2d)
                 assert torch.equal(a.amax, b.amax), where
                 assert torch.equal(a.scale, b.scale), where
@@ -94,12 +117,12 @@ def mxfp8_inputs(shape, seed, device):
 
 def assert_mxfp8_matches(tk, x, fmt, strided=False):
     """Both directions from one pass, and each alone, equal the reference byte for byte."""
-    row, col = tk.mxfp8_quantize_both(x, fmt, _strided=strided)
+    row, col = tk.mx.mxfp8_quantize_both(x, fmt, _strided=strided)
     for q, axis in ((row, -1), (col, 0)):
         ref = mxfp8.quantize_reference(x, axis, fmt)
         assert torch.equal(q.scale, ref.scale), (strided, axis)
         assert torch.equal(q.data, ref.data), (strided, axis)
-        single = tk.mxfp8_quantize(x, axis, fmt, _strided=strided)
+        single = tk.mx.mxfp8_quantize(x, axis, fmt, _strided=strided)
         assert torch.equal(single.data, ref.data), (strided, axis)
         assert torch.equal(single.scale, ref.scale), (strided, axis)
     return row, col
@@ -108,15 +131,17 @@ def assert_mxfp8_matches(tk, x, fmt, strided=False):
 def assert_nvfp4_matches(tk, x, order, seed, strided=False):
     """Every operand kind, with and without stochastic rounding (same seed, same bits), and the
     global amax kernel alone."""
-    assert torch.equal(tk.global_amax(x), nvfp4.global_amax(x.float()))
+    assert torch.equal(tk.nv.global_amax(x), nvfp4.global_amax(x.float()))
     for axis, block_2d, use_rht in NVFP4_KINDS:
         if use_rht and x.shape[0] % 16:
             continue
         for sr in (False, True):
             g1 = torch.Generator(device=x.device).manual_seed(seed) if sr else None
             g2 = torch.Generator(device=x.device).manual_seed(seed) if sr else None
-            a = tk.nvfp4_quantize(x, axis, block_2d, order, use_rht, g1, _strided=strided)
-            b = nvfp4.quantize_reference(x, axis, block_2d, order, use_rht, g2)
+            a = tk.nv.nvfp4_quantize(
+                x, axis, NVFP4Options(block_2d, order, use_rht, g1), _strided=strided
+            )
+            b = nvfp4.quantize_reference(x, axis, NVFP4Options(block_2d, order, use_rht, g2))
             where = (strided, axis, block_2d, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
@@ -143,11 +168,11 @@ def quantized_gemm_cases(recipe, m, k, n, device, seed=0):
 
 
 def assert_quantized_mm_matches(tk, recipe, m, k, n, device, seed=0):
-    """`tk.quantized_mm` (the packed-operand GEMM) against dequantize-then-GEMM in float64:
+    """`tk.gemm.quantized_mm` (the packed-operand GEMM) against dequantize-then-GEMM in float64:
     |C - C64| <= R * 2^-23 * (|A||B|)_ij * alpha, the float32 accumulation bound over the
     reduction length R with a factor 2 to spare; also with accumulation into a float32 output.
     Returns the largest error as a fraction of that bound."""
-    from graphsan.lab.quant.linear import gemm_alpha, gemm_operand
+    from graphsan.lab.quant.gemm import gemm_alpha, gemm_operand
     from tests.lab.quant_oracles import ref_mm
 
     worst = 0.0
@@ -157,7 +182,7 @@ def assert_quantized_mm_matches(tk, recipe, m, k, n, device, seed=0):
         alpha = gemm_alpha(a, b)
         ref, mag = ref_mm(av, bv, alpha)
         bound = av.shape[1] * 2.0**-23 * mag + 1e-30
-        got = tk.quantized_mm(a, b, ta, tb, alpha)
+        got = tk.gemm.quantized_mm(a, b, ta, tb, alpha)
         assert got is not None and got.dtype == torch.float32, name
         assert got.shape == ref.shape, name
         err = (got.double() - ref).abs()
@@ -165,29 +190,31 @@ def assert_quantized_mm_matches(tk, recipe, m, k, n, device, seed=0):
         worst = max(worst, (err / bound).max().item())
         base = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7)).to(device)
         out = base.clone()
-        assert tk.quantized_mm(a, b, ta, tb, alpha, out) is out
+        assert tk.gemm.quantized_mm(a, b, ta, tb, alpha, out) is out
         assert ((out.double() - base.double() - ref).abs() <= bound + 2.0**-23).all(), name
     return worst
 
 
 def assert_gemm_operands_match(tk, device, shape):
-    """`tk.gemm_operand` (one pass over the packed data) equals the torch dequantization bit for
+    """`tk.gemm.gemm_operand` (one pass over the packed data) equals the torch dequantization bit for
     bit: NVFP4 of every operand kind, MXFP8 E4M3 and E5M2 in both directions, on `edge_inputs`
     (NaN, -inf, a subnormal, a zero tile) with one block scaled to 2^-130 (scale bytes below 3,
     where the bf16 values round)."""
-    from graphsan.lab.quant.linear import gemm_operand_reference
+    from graphsan.lab.quant.gemm import gemm_operand_reference
 
     x = edge_inputs(shape, 12, device).float()
     x[32:64, 64:96] *= 2.0**-130
     ops = []
     for axis, block_2d, use_rht in NVFP4_KINDS:
         g = torch.Generator(device=device).manual_seed(2)
-        ops.append(nvfp4.quantize(x.bfloat16(), axis, block_2d, "current", use_rht, g))
+        ops.append(
+            nvfp4.quantize(x.bfloat16(), axis, NVFP4Options(block_2d, "current", use_rht, g))
+        )
     for fmt in ("e4m3", "e5m2"):
         ops += [mxfp8.quantize(x, -1, fmt), mxfp8.quantize(x, 0, fmt)]
     assert any((q.scale < 3).any() for q in ops[-4:])
     for q in ops:
-        got, ref = tk.gemm_operand(q), gemm_operand_reference(q)
+        got, ref = tk.gemm.gemm_operand(q), gemm_operand_reference(q)
         assert got.dtype == torch.bfloat16 and got.shape == ref.shape
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), type(q).__name__
 
@@ -262,14 +289,14 @@ def exhaustive_operands(device):
 
 
 def assert_gemm_operand_bits(tk, ops, where=""):
-    """`tk.gemm_operand` of each operand, with the kernel the launcher picks and with the
+    """`tk.gemm.gemm_operand` of each operand, with the kernel the launcher picks and with the
     strided one, equals `gemm_operand_reference` bit for bit (NaN bits included)."""
-    from graphsan.lab.quant.linear import gemm_operand_reference
+    from graphsan.lab.quant.gemm import gemm_operand_reference
 
     for n, q in enumerate(ops):
         ref = gemm_operand_reference(q)
         for strided in (False, True):
-            got = tk.gemm_operand(q, _strided=strided)
+            got = tk.gemm.gemm_operand(q, _strided=strided)
             label = (where, n, type(q).__name__, getattr(q, "fmt", "e2m1"), q.axis, strided)
             assert got.dtype == torch.bfloat16 and got.shape == ref.shape, label
             bad = got.view(torch.int16) != ref.view(torch.int16)

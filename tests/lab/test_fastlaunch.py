@@ -1,16 +1,26 @@
 """kernels/fastlaunch.py: the key of a launch holds what Triton specializes on, a key seen before
 launches the compiled kernel with the arguments in parameter order, and anything the key cannot
-pin goes through Triton. On CPU against a stand-in kernel; on the GPU (marked gpu) the quantize
-kernels through both paths, on aligned and misaligned inputs, byte for byte."""
+pin goes through Triton. On CPU against a stand-in kernel; on the installed Triton, a real
+quantize kernel compiled for sm_90 without a GPU, both launch paths reaching a stand-in launcher
+with the same arguments (launch_convention.py); only on the checked Triton versions does the
+fast path run at all; on the GPU (marked gpu) the quantize kernels through both paths, on aligned
+and misaligned inputs, byte for byte."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
+from graphsan.lab.quant import NVFP4Options
 from graphsan.lab.quant.kernels import fastlaunch
+from tests.lab.kernel_checks import launchers
 
 
 def test_the_key_holds_dtype_alignment_and_integer_classes():
@@ -105,10 +115,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.gpu
 def test_compiled_launches_equal_tritons_on_aligned_and_misaligned_inputs(monkeypatch):
     pytest.importorskip("triton")
-    from graphsan.lab.quant import kernels
-
-    assert kernels.available()
-    from graphsan.lab.quant.kernels import launch as tk
+    tk = launchers()
+    assert isinstance(tk.nv.nvfp4_col_fused_kernel, fastlaunch.FastKernel), (
+        "this Triton is outside fastlaunch.CHECKED_TRITON, so the kernels launch through "
+        "Triton's own path and there is no fast path to compare: widen the range to check it"
+    )
 
     g = torch.Generator(device="cuda")
     big = torch.randn(
@@ -121,11 +132,83 @@ def test_compiled_launches_equal_tritons_on_aligned_and_misaligned_inputs(monkey
         out = []
         for rep in range(2):  # the second round hits the keys the first one made
             for x in (big[:4096], misaligned, big[1:4097, 64:192]):
-                q = tk.nvfp4_quantize(x, 0, rht=True, generator=g.manual_seed(rep))
-                out += [q.data, q.scale, q.amax, tk.gemm_operand(q)]
-                m = tk.mxfp8_quantize(x, 0)
+                q = tk.nv.nvfp4_quantize(x, 0, NVFP4Options(rht=True, generator=g.manual_seed(rep)))
+                out += [q.data, q.scale, q.amax, tk.gemm.gemm_operand(q)]
+                m = tk.mx.mxfp8_quantize(x, 0)
                 out += [m.data, m.scale]
         results[enabled] = out
-    assert len(tk.nvfp4_col_fused_kernel.cache) > 0  # the fast path ran
+    assert len(tk.nv.nvfp4_col_fused_kernel.cache) > 0  # the fast path ran
     for a, b in zip(results[False], results[True], strict=True):
         assert torch.equal(bits(a), bits(b))
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_installed_triton_is_a_checked_one():
+    """The fast path runs only on the versions in CHECKED_TRITON; a newer (or older) Triton, as CI
+    installs whatever is newest, falls back to Triton's own launch path, silently slower."""
+    triton = pytest.importorskip("triton")
+    low, high = (".".join(map(str, v)) for v in fastlaunch.CHECKED_TRITON)
+    assert fastlaunch.checked(), (
+        f"Triton {triton.__version__} is outside fastlaunch.CHECKED_TRITON ({low} to {high}), so "
+        "its kernels launch through Triton's own path: run the launch-convention check on it "
+        "(python -m tests.lab.launch_convention, with TRITON_INTERPRET=0) and, on a GPU, "
+        "tests/lab/test_fastlaunch.py -m gpu; where both pass, widen CHECKED_TRITON"
+    )
+
+
+def test_the_fence_reads_versions_and_keeps_unchecked_ones_on_tritons_path(monkeypatch, caplog):
+    pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    assert fastlaunch.triton_version("3.6.0") == (3, 6)
+    assert fastlaunch.triton_version("3.10.0+git1234") == (3, 10)
+    assert fastlaunch.triton_version("nightly") is None
+    low, high = fastlaunch.CHECKED_TRITON
+    assert fastlaunch.checked(f"{low[0]}.{low[1]}.0") and fastlaunch.checked(
+        f"{high[0]}.{high[1]}.1"
+    )
+    assert not fastlaunch.checked(f"{high[0]}.{high[1] + 1}.0")
+    assert not fastlaunch.checked(f"{low[0]}.{low[1] - 1}.0") and not fastlaunch.checked("dev")
+
+    class Jit(JITFunction):  # a JITFunction without a function behind it
+        def __init__(self):
+            self.params = []
+
+    monkeypatch.setattr(fastlaunch, "checked", lambda version=None: False)
+    monkeypatch.setattr(fastlaunch, "_told", False)
+    kernels = [Jit(), Jit()]
+    with caplog.at_level(logging.DEBUG, logger=fastlaunch.__name__):
+        assert [fastlaunch.fast(k) for k in kernels] == kernels  # Triton's own launch path
+    lines = [r for r in caplog.records if r.name == fastlaunch.__name__]
+    assert len(lines) == 1 and lines[0].levelno == logging.DEBUG
+    message = lines[0].getMessage()
+    import triton
+
+    assert triton.__version__ in message and f"{low[0]}.{low[1]} to {high[0]}.{high[1]}" in message
+    monkeypatch.setattr(fastlaunch, "checked", lambda version=None: True)
+    assert isinstance(fastlaunch.fast(Jit()), fastlaunch.FastKernel)
+
+
+@pytest.mark.slow
+def test_the_launch_convention_holds_on_the_installed_triton():
+    """Triton's own launch and FastKernel's reach the launcher with the same grid, stream and
+    every argument in parameter order (launch_convention.py, compiled for sm_90 on CPU, in its
+    own process: the kernels must not be interpreted). A Triton whose internals moved so that
+    the stand-in driver cannot be installed fails here, naming the step."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.lab.launch_convention"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("launch convention:")]
+    assert proc.returncode == 0 and lines and " ok on Triton " in lines[-1], (
+        (lines[-1] if lines else "no verdict") + "\n" + proc.stderr[-3000:]
+    )

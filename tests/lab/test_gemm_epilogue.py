@@ -1,4 +1,4 @@
-"""The emulated GEMM's epilogue kernel (`kernels.launch.gemm_epilogue`) against the torch
+"""The emulated GEMM's epilogue kernel (`kernels.launch_gemm.gemm_epilogue`) against the torch
 operations it replaces, bit for bit: QuantLinear's alpha and rounding to bf16, its addition into
 main_grad, the grouped experts' per-row alpha with padding rows, and the grouped weight gradient
 with an empty expert. On CPU in Triton's interpreter, on the GPU compiled (marked gpu)."""
@@ -13,6 +13,7 @@ import torch
 from graphsan.lab.quant.formats import NVFP4_ALPHA_DIVISOR
 from graphsan.lab.quant.grouped import _groups_out, _nonempty, _rows_out
 from graphsan.lab.quant.recipe import RowGroups
+from tests.lab.kernel_checks import launchers
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA here")),
@@ -25,12 +26,7 @@ def tk():
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET=1 must be set before Triton is imported (tests/conftest.py)")
     pytest.importorskip("triton")
-    from graphsan.lab.quant import kernels
-
-    assert kernels.available(), "triton imports but the kernels do not"
-    from graphsan.lab.quant.kernels import launch
-
-    return launch
+    return launchers()
 
 
 def values(shape, g, device, dtype=torch.float32):
@@ -66,10 +62,10 @@ def test_alpha_then_bf16_and_the_main_grad_addition(tk, device, mode):
         c = values(shape, g, device)
         a, b = factors(1, g, device), factors(1, g, device)
         want = (c * alpha(a, b, mode)).to(torch.bfloat16)
-        assert same_bits(tk.gemm_epilogue(c, a, b, mode), want), shape
+        assert same_bits(tk.gemm.gemm_epilogue(c, a, b, mode), want), shape
         grad = values(shape, g, device)
         want = grad + c * alpha(a, b, mode)
-        got = tk.gemm_epilogue(c, a, b, mode, out=grad.clone())
+        got = tk.gemm.gemm_epilogue(c, a, b, mode, out=grad.clone())
         assert same_bits(got, want), shape
 
 
@@ -85,7 +81,7 @@ def test_grouped_rows_take_their_alpha_and_padding_is_zero(tk, device):
     for mode in (0, 1, 2):
         ab = None if mode == 0 else alpha(a, b, mode)
         want = _rows_out(c, ab, rows).to(torch.bfloat16)
-        got = tk.gemm_epilogue(c, a, b, mode, row_groups=rows)
+        got = tk.gemm.gemm_epilogue(c, a, b, mode, row_groups=rows)
         assert same_bits(got, want), mode
         assert got[-8:].eq(0).all()  # the padding rows, whatever the GEMM left there
 
@@ -98,6 +94,6 @@ def test_grouped_weight_gradient_adds_nothing_for_an_empty_group(tk, device):
     a, b = factors(4, g, device), factors(4, g, device)
     main = values((4, 24, 40), g, device)
     want = main + _groups_out(dw, alpha(a, b, 2), _nonempty(offsets))
-    got = tk.gemm_epilogue(dw, a, b, 2, out=main.clone(), offsets=offsets)
+    got = tk.gemm.gemm_epilogue(dw, a, b, 2, out=main.clone(), offsets=offsets)
     assert same_bits(got, want)
     assert same_bits(got[1], main[1])  # group 1 has no rows

@@ -16,6 +16,7 @@ from tests.lab.grouped_checks import (
     check_nvfp4_grouped_kernels,
     check_stack_equals_groups,
 )
+from tests.lab.kernel_checks import launchers
 
 pytestmark = pytest.mark.gpu
 
@@ -37,16 +38,15 @@ def test_grouped_nvfp4_kernels_match_the_reference_on_cuda(order, monkeypatch):
     """The grouped NVFP4 kernels (per-group amax on the device) byte-equal to the torch reference
     for every operand kind, SR included; and `nvfp4.quantize_grouped` runs them on CUDA."""
     pytest.importorskip("triton")
-    from graphsan.lab.quant import kernels, nvfp4
+    from graphsan.lab.quant import nvfp4
 
-    assert kernels.available()
-    from graphsan.lab.quant.kernels import launch as tk
+    tk = launchers()
 
     assert check_nvfp4_grouped_kernels(tk, (64, 0, 32, 96), "cuda", order) == 8
     assert check_nvfp4_grouped_kernels(tk, (8, 0, 24, 40), "cuda", order) == 3
     calls = []
-    orig = tk.nvfp4_quantize_grouped
-    monkeypatch.setattr(tk, "nvfp4_quantize_grouped", lambda *a: calls.append(1) or orig(*a))
+    orig = tk.nv.nvfp4_quantize_grouped
+    monkeypatch.setattr(tk.nv, "nvfp4_quantize_grouped", lambda *a: calls.append(1) or orig(*a))
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     nvfp4.quantize_grouped(x, torch.zeros(64, dtype=torch.int64, device="cuda"), 1)
     assert calls

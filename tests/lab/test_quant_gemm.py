@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from graphsan.lab.quant import get_recipe
-from graphsan.lab.quant.linear import quantized_mm_reference
+from graphsan.lab.quant.gemm import quantized_mm_reference
 from tests.lab.kernel_checks import (
     assert_gemm_operand_bits,
     assert_gemm_operands_match,
     assert_quantized_mm_matches,
     exhaustive_operands,
+    launchers,
     quantized_gemm_cases,
     random_byte_operands,
 )
@@ -45,12 +46,7 @@ def tk():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET=1 must be set before Triton is imported (tests/conftest.py)")
     pytest.importorskip("triton")
-    from graphsan.lab.quant import kernels
-
-    assert kernels.available(), "triton imports but the kernels do not"
-    from graphsan.lab.quant.kernels import launch
-
-    return launch
+    return launchers()
 
 
 def test_operand_preparation_equals_the_torch_dequantization(tk):
@@ -75,7 +71,7 @@ def test_operand_preparation_on_random_bytes(tk, tiles, shape, monkeypatch):
     kernel, bit for bit."""
     if tiles == "small":
         for name, tile in SMALL_TILES.items():
-            monkeypatch.setattr(tk, name, tile)
+            monkeypatch.setattr(tk.gemm, name, tile)
     seed = int.from_bytes(os.urandom(4), "little")
     assert_gemm_operand_bits(tk, random_byte_operands("cpu", seed, shape), f"seed {seed}")
 
@@ -92,19 +88,19 @@ def test_operand_preparation_picks_the_contiguous_kernels(tk, monkeypatch):
     calls = []
     names = ("dequant_nvfp4_kernel", "dequant_mxfp8_rows_kernel", "dequant_mxfp8_cols_kernel")
     for name in names + ("dequant_kernel",):
-        monkeypatch.setattr(tk, name, _Recorder(name, calls))
+        monkeypatch.setattr(tk.gemm, name, _Recorder(name, calls))
     ops = random_byte_operands("cpu", 0, (64, 128))
     picked = []
     for q in ops:
         calls.clear()
-        tk.gemm_operand(q)
+        tk.gemm.gemm_operand(q)
         picked.append(calls[0])
     assert (
         picked
         == [names[0], names[0], "dequant_kernel"] + [names[1], names[2], "dequant_kernel"] * 2
     )
     calls.clear()
-    tk.gemm_operand(ops[0], _strided=True)
+    tk.gemm.gemm_operand(ops[0], _strided=True)
     assert calls == ["dequant_kernel"]
 
 
@@ -128,10 +124,10 @@ def test_packed_gemm_matches_dequantize_then_gemm(tk, name):
 def test_packed_gemm_is_close_to_the_torch_emulation(tk):
     """Same operands, both accumulating in float32: the kernel and the torch emulation agree to
     2^-18 of the largest output."""
-    from graphsan.lab.quant.linear import gemm_alpha
+    from graphsan.lab.quant.gemm import gemm_alpha
 
     for name, a, b, ta, tb in quantized_gemm_cases(RECIPES["nvfp4"], 64, 96, 160, "cpu"):
-        got = tk.quantized_mm(a, b, ta, tb, gemm_alpha(a, b))
+        got = tk.gemm.quantized_mm(a, b, ta, tb, gemm_alpha(a, b))
         ref = quantized_mm_reference(a, b, ta, tb)
         scale = ref.abs().max()
         assert ((got - ref).abs() <= scale * 2.0**-18).all(), name
@@ -142,8 +138,8 @@ def test_layouts_left_to_the_emulation(tk):
     give None (the caller's torch emulation runs)."""
     cases = quantized_gemm_cases(RECIPES["nvfp4"], 64, 96, 160, "cpu")
     _, x_row, w_row, _, _ = cases[0]
-    assert tk.quantized_mm(x_row, w_row, False, False, None) is None  # W's blocks along N
+    assert tk.gemm.quantized_mm(x_row, w_row, False, False, None) is None  # W's blocks along N
     m_cases = quantized_gemm_cases(RECIPES["mxfp8"], 64, 96, 160, "cpu")
-    assert tk.quantized_mm(x_row, m_cases[0][2], False, True, None) is None
+    assert tk.gemm.quantized_mm(x_row, m_cases[0][2], False, True, None) is None
     f_cases = quantized_gemm_cases(get_recipe("fp8"), 64, 96, 160, "cpu")
-    assert tk.quantized_mm(f_cases[0][1], f_cases[0][2], False, True, None) is None
+    assert tk.gemm.quantized_mm(f_cases[0][1], f_cases[0][2], False, True, None) is None

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from graphsan.lab.quant import (
+    NVFP4Options,
     QuantLinear,
     Recipe,
     SkipFlag,
@@ -16,7 +17,7 @@ from graphsan.lab.quant import (
     mxfp8,
     nvfp4,
 )
-from graphsan.lab.quant.linear import gemm_alpha, gemm_operand
+from graphsan.lab.quant.gemm import gemm_alpha, gemm_operand
 from tests.lab.quant_oracles import ref_mm, skewed
 
 RECIPES = {
@@ -343,7 +344,7 @@ def test_nvfp4_weight_workspace_uses_2d_blocks_and_no_rht():
     lin(torch.randn(32, 64, dtype=torch.bfloat16))
     ws = lin.workspace
     assert ws.rowwise.block_2d and not ws.rowwise.rht and not ws.columnwise.rht
-    row = nvfp4.quantize(lin.weight.detach(), -1, block_2d=True)
+    row = nvfp4.quantize(lin.weight.detach(), -1, NVFP4Options(block_2d=True))
     assert torch.equal(ws.rowwise.data, row.data) and torch.equal(ws.rowwise.scale, row.scale)
     assert torch.equal(ws.rowwise.scale[::16], ws.columnwise.scale[::16].t())
 

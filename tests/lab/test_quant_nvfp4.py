@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphsan.lab.quant import nvfp4, rht
+from graphsan.lab.quant import NVFP4Options, nvfp4, rht
 from graphsan.lab.quant.elements import unpack_nibbles
 from tests.lab.quant_oracles import nvfp4_block_oracle
 
@@ -61,7 +61,7 @@ def _codes_with_scale(blk, s_byte, amax):
 
 
 def assert_matches_oracle(x, axis=-1, order="current", block_2d=False):
-    q = nvfp4.quantize(x, axis=axis, order=order, block_2d=block_2d)
+    q = nvfp4.quantize(x, axis, NVFP4Options(order=order, block_2d=block_2d))
     scales, codes, amax = oracle(x, axis, order, block_2d)
     assert torch.equal(q.scale, scales)
     assert torch.equal(codes_of(q), codes)
@@ -75,7 +75,7 @@ def assert_matches_oracle(x, axis=-1, order="current", block_2d=False):
 @pytest.mark.parametrize("block_2d", [False, True])
 def test_all_zero(order, axis, block_2d):
     x = torch.zeros(32, 48, dtype=torch.bfloat16)
-    q = nvfp4.quantize(x, axis=axis, order=order, block_2d=block_2d)
+    q = nvfp4.quantize(x, axis, NVFP4Options(order=order, block_2d=block_2d))
     assert q.amax.item() == 0 and q.scale.eq(0).all() and q.data.eq(0).all()
     s_enc, _ = nvfp4.global_scales(q.amax)
     assert s_enc.item() == 1.0
@@ -216,8 +216,8 @@ def test_op_orders_differ_on_a_regression_set():
     x[0, 20] = amax
     for order in ORDERS:
         assert_matches_oracle(x, order=order)
-    a = nvfp4.quantize(x, order="current").scale[:, 0]
-    b = nvfp4.quantize(x, order="legacy").scale[:, 0]
+    a = nvfp4.quantize(x, -1, NVFP4Options(order="current")).scale[:, 0]
+    b = nvfp4.quantize(x, -1, NVFP4Options(order="legacy")).scale[:, 0]
     assert (a != b).sum() >= 3
 
 
@@ -229,8 +229,8 @@ def test_2d_blocks_are_transposes_and_pad_with_zeros(order, shape):
         torch.bfloat16
     )
     if shape[0] % 16 == 0:
-        row = nvfp4.quantize(x, -1, block_2d=True, order=order)
-        col = nvfp4.quantize(x, 0, block_2d=True, order=order)
+        row = nvfp4.quantize(x, -1, NVFP4Options(block_2d=True, order=order))
+        col = nvfp4.quantize(x, 0, NVFP4Options(block_2d=True, order=order))
         assert torch.equal(codes_of(row), codes_of(col).t())
         assert torch.equal(row.scale[::16], col.scale[::16].t())
         assert torch.equal(row.amax, col.amax)
@@ -265,7 +265,7 @@ def test_rht_quantize_uses_post_rht_amax_and_transposed_layout():
     g = torch.Generator().manual_seed(9)
     x = torch.randn(64, 32, generator=g).to(torch.bfloat16)
     x[3, 7] = 40.0  # an outlier: RHT spreads it over its 16-token block
-    q = nvfp4.quantize(x, axis=0, rht=True)
+    q = nvfp4.quantize(x, 0, NVFP4Options(rht=True))
     t = rht.rht(x.t())
     assert q.amax.item() == t.float().abs().max().item()
     assert q.amax.item() < 40.0
@@ -282,8 +282,8 @@ def test_wgrad_with_rht_close_to_without():
     exact = dy.double().t() @ xx.double()
 
     def wgrad(use_rht):
-        a = nvfp4.dequantize(nvfp4.quantize(dy, 0, rht=use_rht)).double()
-        b = nvfp4.dequantize(nvfp4.quantize(xx, 0, rht=use_rht)).double()
+        a = nvfp4.dequantize(nvfp4.quantize(dy, 0, NVFP4Options(rht=use_rht))).double()
+        b = nvfp4.dequantize(nvfp4.quantize(xx, 0, NVFP4Options(rht=use_rht))).double()
         return a.t() @ b
 
     e_rht = (wgrad(True) - exact).norm() / exact.norm()
@@ -307,7 +307,7 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(axis):
         return out.t() if axis == 0 else out
 
     gen = torch.Generator().manual_seed(1)
-    q = nvfp4.quantize(x, axis, generator=gen)
+    q = nvfp4.quantize(x, axis, NVFP4Options(generator=gen))
     sr = values(q)
     rn = values(nvfp4.quantize(x, axis))[0]
     target = v.double()
@@ -319,9 +319,9 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(axis):
     codes = codes_of(q)  # one row per draw either way: columnwise stores the copy of x.t()
     assert all(codes[:, j].unique().numel() <= 2 for j in range(32))
 
-    a = nvfp4.quantize(x, axis, generator=torch.Generator().manual_seed(5))
-    b = nvfp4.quantize(x, axis, generator=torch.Generator().manual_seed(5))
-    c = nvfp4.quantize(x, axis, generator=torch.Generator().manual_seed(6))
+    a = nvfp4.quantize(x, axis, NVFP4Options(generator=torch.Generator().manual_seed(5)))
+    b = nvfp4.quantize(x, axis, NVFP4Options(generator=torch.Generator().manual_seed(5)))
+    c = nvfp4.quantize(x, axis, NVFP4Options(generator=torch.Generator().manual_seed(6)))
     assert torch.equal(a.data, b.data) and not torch.equal(a.data, c.data)
 
 
@@ -349,7 +349,7 @@ def test_sr_bits_are_philox_per_block():
     assert abs(many.mean().item() - 127.5) < 1.0  # 65536 bytes: standard error 0.29
 
     x = torch.randn(64, 48) * 3  # columnwise: the source is x^T [48, 64], 4 blocks per row
-    q = nvfp4.quantize_reference(x, 0, generator=torch.Generator().manual_seed(9))
+    q = nvfp4.quantize_reference(x, 0, NVFP4Options(generator=torch.Generator().manual_seed(9)))
     r = block_random_bits(random_seed(torch.Generator().manual_seed(9), "cpu"), 48, 64)
     plain = nvfp4.quantize_reference(x, 0)  # the same scales; only the rounding differs
     s_dec = nvfp4.global_scales(plain.amax)[1]
@@ -357,7 +357,7 @@ def test_sr_bits_are_philox_per_block():
     codes = e2m1_stochastic(v.reshape(48, 64).clamp(-6, 6), r)
     assert torch.equal(q.scale, plain.scale)
     assert torch.equal(codes_of(q), codes)
-    q = nvfp4.quantize_reference(x, -1, generator=torch.Generator().manual_seed(9))
+    q = nvfp4.quantize_reference(x, -1, NVFP4Options(generator=torch.Generator().manual_seed(9)))
     r = block_random_bits(random_seed(torch.Generator().manual_seed(9), "cpu"), 64, 48)
     plain = nvfp4.quantize_reference(x, -1)
     s_dec = nvfp4.global_scales(plain.amax)[1]
@@ -397,8 +397,9 @@ def test_stochastic_rounding_formula():
     ],
 )
 def test_bad_inputs_raise_clear_errors(kwargs, shape, msg):
+    axis = kwargs.pop("axis", -1)
     with pytest.raises(ValueError, match=msg):
-        nvfp4.quantize(torch.randn(shape), **kwargs)
+        nvfp4.quantize(torch.randn(shape), axis, NVFP4Options(**kwargs))
 
 
 def test_arguments_are_checked_once_per_call(monkeypatch):
@@ -406,7 +407,7 @@ def test_arguments_are_checked_once_per_call(monkeypatch):
     check = nvfp4.check_blocked
     monkeypatch.setattr(nvfp4, "check_blocked", lambda *a: calls.append(a[1]) or check(*a))
     x = torch.randn(32, 32)
-    nvfp4.quantize(x, 0, rht=True, generator=torch.Generator().manual_seed(0))
+    nvfp4.quantize(x, 0, NVFP4Options(rht=True, generator=torch.Generator().manual_seed(0)))
     nvfp4.quantize_reference(x, -1)
     assert calls == [0, -1]
 
@@ -423,7 +424,7 @@ def test_round_trip_error_bound(seed, log_scale, axis, block_2d, order):
     """|x - deq| <= vec_max / 6 * (1 + 2^-4) + tiny: one E2M1 half-step at the block scale."""
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(32, 64, generator=g) * 2.0**log_scale).to(torch.bfloat16)
-    q = nvfp4.quantize(x, axis, block_2d=block_2d, order=order)
+    q = nvfp4.quantize(x, axis, NVFP4Options(block_2d=block_2d, order=order))
     y = nvfp4.dequantize(q)
     src = (x.float() if axis == -1 else x.float().t()).contiguous()
     vec = nvfp4.block_amax(src, block_2d).repeat_interleave(16, dim=1)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from graphsan.lab.quant import QuantLinear, SkipFlag, get_recipe, mxfp8, nvfp4
+from graphsan.lab.quant import NVFP4Options, QuantLinear, SkipFlag, get_recipe, mxfp8, nvfp4
 from tests.lab.kernel_checks import (
     STRIDED,
     assert_gemm_operand_bits,
@@ -20,6 +20,7 @@ from tests.lab.kernel_checks import (
     assert_quantized_mm_matches,
     edge_inputs,
     exhaustive_operands,
+    launchers,
     mxfp8_inputs,
     nvfp4_edge_cases,
     random_byte_operands,
@@ -48,12 +49,7 @@ SHAPES = [(32, 32), (96, 160), (1024, 4096), (4096, 96)]
 @pytest.fixture(scope="module")
 def tk():
     pytest.importorskip("triton")
-    from graphsan.lab.quant import kernels
-
-    assert kernels.available(), "triton imports but the kernels do not"
-    from graphsan.lab.quant.kernels import launch
-
-    return launch
+    return launchers()
 
 
 def inputs(shape, seed):
@@ -68,8 +64,8 @@ def use_fp8_path(tk, path, monkeypatch):
     """Force the bit-field FP8 encoding (used before sm_90), or skip where the hardware one is not
     used; MXFP8 elements and NVFP4 block scales take this path."""
     if path == "bit fields":
-        monkeypatch.setattr(tk, "hw_fp8", lambda index: False)
-    elif not tk.hw_fp8(torch.cuda.current_device()):
+        monkeypatch.setattr(tk.common, "hw_fp8", lambda index: False)
+    elif not tk.common.hw_fp8(torch.cuda.current_device()):
         pytest.skip("the hardware FP8 conversion is used from sm_90 on")
 
 
@@ -124,8 +120,8 @@ def test_nvfp4_words_kernels_edges_and_nan_blocks(tk, order, path, monkeypatch):
             if axis == 0 and x.shape[0] % 16:
                 continue
             for block_2d in (False, True):
-                a = tk.nvfp4_quantize(x, axis, block_2d, order)
-                b = nvfp4.quantize_reference(x, axis, block_2d, order)
+                a = tk.nv.nvfp4_quantize(x, axis, NVFP4Options(block_2d, order))
+                b = nvfp4.quantize_reference(x, axis, NVFP4Options(block_2d, order))
                 where = (name, axis, block_2d)
                 assert torch.equal(a.amax, b.amax), where
                 assert torch.equal(a.scale, b.scale), where
@@ -146,8 +142,8 @@ def test_nvfp4_col_fused_kernel_nan_blocks(tk, order):
         for use_rht, sr in ((True, False), (True, True), (False, True)):
             g1 = torch.Generator(device="cuda").manual_seed(7) if sr else None
             g2 = torch.Generator(device="cuda").manual_seed(7) if sr else None
-            a = tk.nvfp4_quantize(src, 0, False, order, use_rht, g1)
-            b = nvfp4.quantize_reference(src, 0, False, order, use_rht, g2)
+            a = tk.nv.nvfp4_quantize(src, 0, NVFP4Options(False, order, use_rht, g1))
+            b = nvfp4.quantize_reference(src, 0, NVFP4Options(False, order, use_rht, g2))
             where = (name, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
@@ -264,8 +260,8 @@ def test_nvfp4_col_fused_kernel_wide_exponents(tk, tiles, monkeypatch):
     reference's for RHT, RHT+SR and SR (float32: RHT+SR), the SR bits from equally seeded
     generators. Each case is a few compilations, so the other tile gets the covering shape."""
     if tiles is not None:
-        monkeypatch.setattr(tk, "NVFP4_COL_FUSED_TILE", tiles[0])
-        monkeypatch.setattr(tk, "NVFP4_COL_AMAX_TILE", tiles[1])
+        monkeypatch.setattr(tk.nv, "NVFP4_COL_FUSED_TILE", tiles[0])
+        monkeypatch.setattr(tk.nv, "NVFP4_COL_AMAX_TILE", tiles[1])
     g = torch.Generator(device="cuda").manual_seed(11)
     modes = ((True, False), (True, True), (False, True))
     # the first without inf (a finite global amax), the second up to bf16's overflow, with inf
@@ -287,8 +283,8 @@ def test_nvfp4_col_fused_kernel_wide_exponents(tk, tiles, monkeypatch):
         for src, use_rht, sr in runs:
             g1 = torch.Generator(device="cuda").manual_seed(3) if sr else None
             g2 = torch.Generator(device="cuda").manual_seed(3) if sr else None
-            a = tk.nvfp4_quantize(src, 0, False, "current", use_rht, g1)
-            b = nvfp4.quantize_reference(src, 0, False, "current", use_rht, g2)
+            a = tk.nv.nvfp4_quantize(src, 0, NVFP4Options(False, "current", use_rht, g1))
+            b = nvfp4.quantize_reference(src, 0, NVFP4Options(False, "current", use_rht, g2))
             where = (shape, src.dtype, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
@@ -300,7 +296,7 @@ def test_nvfp4_quantize_both_compiled(tk, monkeypatch):
     every exponent bf16 has, NaN, +-inf, +-0.0, partial tiles; each copy's bytes and amax as the
     reference's two calls (the SR seed drawn for the row copy first), and with RHT the global
     amax kernel never runs."""
-    monkeypatch.setattr(tk, "global_amax", lambda t: pytest.fail("a second amax read"))
+    monkeypatch.setattr(tk.nv, "global_amax", lambda t: pytest.fail("a second amax read"))
     g = torch.Generator(device="cuda").manual_seed(21)
     x = torch.randn(272, 1040, device="cuda", generator=g)
     e = torch.randint(-140, 126, x.shape, device="cuda", generator=g).float()
@@ -314,9 +310,9 @@ def test_nvfp4_quantize_both_compiled(tk, monkeypatch):
         for sr in (False, True):
             g1 = torch.Generator(device="cuda").manual_seed(4) if sr else None
             g2 = torch.Generator(device="cuda").manual_seed(4) if sr else None
-            row, col = tk.nvfp4_quantize_both(src, False, "current", True, g1)
-            ref_row = nvfp4.quantize_reference(src, -1, False, "current", False, g2)
-            ref_col = nvfp4.quantize_reference(src, 0, False, "current", True, g2)
+            row, col = tk.nv.nvfp4_quantize_both(src, NVFP4Options(False, "current", True, g1))
+            ref_row = nvfp4.quantize_reference(src, -1, NVFP4Options(False, "current", False, g2))
+            ref_col = nvfp4.quantize_reference(src, 0, NVFP4Options(False, "current", True, g2))
             for got, ref, where in ((row, ref_row, "rowwise"), (col, ref_col, "columnwise")):
                 where = (src.shape, src.dtype, sr, where)
                 assert torch.equal(got.amax, ref.amax), where
@@ -329,10 +325,12 @@ def test_nvfp4_quantize_both_compiled(tk, monkeypatch):
     for sr in (False, True):
         g1 = torch.Generator(device="cuda").manual_seed(5) if sr else None
         g2 = torch.Generator(device="cuda").manual_seed(5) if sr else None
-        row, col = tk.nvfp4_quantize_grouped_both(xg, ids, 4, False, "current", True, g1)
+        row, col = tk.nv.nvfp4_quantize_grouped_both(
+            xg, ids, 4, NVFP4Options(False, "current", True, g1)
+        )
         ref = nvfp4.quantize_grouped_reference
-        ref_row = ref(xg, ids, 4, -1, False, "current", False, g2)
-        ref_col = ref(xg, ids, 4, 0, False, "current", True, g2)
+        ref_row = ref(xg, ids, 4, -1, NVFP4Options(False, "current", False, g2))
+        ref_col = ref(xg, ids, 4, 0, NVFP4Options(False, "current", True, g2))
         for got, want, where in ((row, ref_row, "rowwise"), (col, ref_col, "columnwise")):
             assert torch.equal(got.amax, want.amax), (sr, where)
             assert torch.equal(got.scale, want.scale), (sr, where)
@@ -361,8 +359,8 @@ def test_nvfp4_kernel_edge_inputs(tk, order, path, strided, monkeypatch):
 def test_dispatch_uses_triton_on_cuda(tk, monkeypatch):
     x = inputs((64, 64), 0)
     calls = []
-    orig = tk.nvfp4_quantize
-    monkeypatch.setattr(tk, "nvfp4_quantize", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = tk.nv.nvfp4_quantize
+    monkeypatch.setattr(tk.nv, "nvfp4_quantize", lambda *a, **k: calls.append(1) or orig(*a, **k))
     nvfp4.quantize(x)
     assert calls
     monkeypatch.setenv("GRAPHSAN_NO_TRITON", "1")
@@ -374,13 +372,13 @@ def test_dispatch_uses_triton_on_cuda(tk, monkeypatch):
 def test_quantize_does_not_sync(tk):
     x = inputs((256, 256), 1)
     g = torch.Generator(device="cuda").manual_seed(0)
-    nvfp4.quantize(x, 0, rht=True, generator=g)  # compile first
+    nvfp4.quantize(x, 0, NVFP4Options(rht=True, generator=g))  # compile first
     mxfp8.quantize_both(x)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        nvfp4.quantize(x, 0, rht=True, generator=g)
-        nvfp4.quantize(x, -1, block_2d=True)
+        nvfp4.quantize(x, 0, NVFP4Options(rht=True, generator=g))
+        nvfp4.quantize(x, -1, NVFP4Options(block_2d=True))
         mxfp8.quantize_both(x)
         mxfp8.quantize(x, 0)
     finally:
@@ -393,7 +391,7 @@ def test_sr_graph_replay_gives_identical_bits_with_same_seed(tk):
     out = {}
 
     def step():
-        q = nvfp4.quantize(x, 0, rht=True, generator=gen)
+        q = nvfp4.quantize(x, 0, NVFP4Options(rht=True, generator=gen))
         return q.data, q.scale
 
     s = torch.cuda.Stream()
@@ -415,7 +413,7 @@ def test_sr_graph_replay_gives_identical_bits_with_same_seed(tk):
     # and a replay draws the bits an eager run draws from the same generator state: SR changes
     # the data only (the scales follow from the amax), so the data bytes are what must match
     torch.manual_seed(7)
-    eager = nvfp4.quantize(x, 0, rht=True, generator=gen)
+    eager = nvfp4.quantize(x, 0, NVFP4Options(rht=True, generator=gen))
     assert torch.equal(eager.data, results[0])
     assert torch.equal(eager.scale, out["scale"])
 
@@ -428,7 +426,7 @@ def test_quantlinear_graph_capture_with_skip_flag(tk, name, fused, flag, monkeyp
     re-quantized, with no re-allocation. Both GEMM paths (operand preparation + cuBLAS, and the
     fused packed-operand GEMM); a `SkipFlag`, whose host value eager forwards read, records the
     same masked copy when captured."""
-    monkeypatch.setattr(tk, "FUSED_GEMM", fused)
+    monkeypatch.setattr(tk.gemm, "FUSED_GEMM", fused)
     torch.manual_seed(0)
     lin = QuantLinear(256, 128, device="cuda")
     lin.set_recipe(get_recipe(name))
@@ -541,7 +539,7 @@ def test_quantlinear_fused_gemm_close_to_prepared_operands(tk, name, monkeypatch
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     results = []
     for fused in (False, True):
-        monkeypatch.setattr(tk, "FUSED_GEMM", fused)
+        monkeypatch.setattr(tk.gemm, "FUSED_GEMM", fused)
         x.grad = None
         lin.weight.main_grad.zero_()
         y = lin(x)

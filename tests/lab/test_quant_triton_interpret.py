@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from graphsan.lab.quant import mxfp8, nvfp4
+from graphsan.lab.quant import NVFP4Options, mxfp8, nvfp4
 from tests.lab.grouped_checks import check_nvfp4_grouped_kernels
 from tests.lab.kernel_checks import (
     STRIDED,
@@ -19,6 +19,7 @@ from tests.lab.kernel_checks import (
     assert_nvfp4_edges_match,
     assert_nvfp4_matches,
     edge_inputs,
+    launchers,
     mxfp8_inputs,
     nvfp4_edge_cases,
 )
@@ -64,12 +65,7 @@ def tk():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET=1 must be set before Triton is imported (tests/conftest.py)")
     pytest.importorskip("triton")
-    from graphsan.lab.quant import kernels
-
-    assert kernels.available(), "triton imports but the kernels do not"
-    from graphsan.lab.quant.kernels import launch
-
-    return launch
+    return launchers()
 
 
 @STRIDED
@@ -99,11 +95,16 @@ def test_launcher_picks_the_words_kernels_where_they_fit(tk, monkeypatch):
     to the fused column kernel, any stride; float32, a column stride of 2, 2D blocks with SR,
     MXFP8 rowwise alone and `_strided=True` go to the strided kernels."""
     calls = []
-    names = ("_mxfp8_words", "_mxfp8_strided", "_nvfp4_row_words", "_nvfp4_col_words")
-    for name in names + ("_nvfp4_col_fused",):
-        monkeypatch.setattr(tk, name, lambda *a, name=name: calls.append(name))
-    monkeypatch.setattr(tk, "_nvfp4_strided", lambda *a: calls.append("_nvfp4_strided"))
-    monkeypatch.setattr(tk, "global_amax", lambda x: torch.zeros(()))
+    for home, name in (
+        (tk.mx, "_mxfp8_words"),
+        (tk.mx, "_mxfp8_strided"),
+        (tk.nv, "_nvfp4_row_words"),
+        (tk.nv, "_nvfp4_col_words"),
+        (tk.nv, "_nvfp4_col_fused"),
+    ):
+        monkeypatch.setattr(home, name, lambda *a, name=name: calls.append(name))
+    monkeypatch.setattr(tk.nv, "_nvfp4_strided", lambda *a: calls.append("_nvfp4_strided"))
+    monkeypatch.setattr(tk.nv, "global_amax", lambda x: torch.zeros(()))
     bf16 = torch.zeros(32, 64, dtype=torch.bfloat16)
     g = torch.Generator()
 
@@ -112,24 +113,27 @@ def test_launcher_picks_the_words_kernels_where_they_fit(tk, monkeypatch):
         fn(*args, **kwargs)
         return calls[0]
 
-    assert picked(tk.mxfp8_quantize_both, bf16) == "_mxfp8_words"
-    assert picked(tk.mxfp8_quantize, bf16, 0) == "_mxfp8_words"
-    assert picked(tk.mxfp8_quantize, bf16, -1) == "_mxfp8_strided"
-    assert picked(tk.mxfp8_quantize_both, bf16.float()) == "_mxfp8_strided"
-    assert picked(tk.mxfp8_quantize_both, bf16, _strided=True) == "_mxfp8_strided"
+    assert picked(tk.mx.mxfp8_quantize_both, bf16) == "_mxfp8_words"
+    assert picked(tk.mx.mxfp8_quantize, bf16, 0) == "_mxfp8_words"
+    assert picked(tk.mx.mxfp8_quantize, bf16, -1) == "_mxfp8_strided"
+    assert picked(tk.mx.mxfp8_quantize_both, bf16.float()) == "_mxfp8_strided"
+    assert picked(tk.mx.mxfp8_quantize_both, bf16, _strided=True) == "_mxfp8_strided"
     wide = torch.zeros(32, 128, dtype=torch.bfloat16)[:, ::2]
-    assert picked(tk.mxfp8_quantize_both, wide) == "_mxfp8_strided"
-    assert picked(tk.nvfp4_quantize, bf16, -1) == "_nvfp4_row_words"
-    assert picked(tk.nvfp4_quantize, bf16, -1, generator=g) == "_nvfp4_row_words"
-    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, generator=g) == "_nvfp4_col_fused"
-    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True) == "_nvfp4_col_fused"
-    assert picked(tk.nvfp4_quantize, wide, 0, generator=g) == "_nvfp4_col_fused"
-    assert picked(tk.nvfp4_quantize, bf16, 0) == "_nvfp4_col_words"
-    assert picked(tk.nvfp4_quantize, bf16, 0, True, generator=g) == "_nvfp4_strided"
-    assert picked(tk.nvfp4_quantize, bf16, 0, rht=True, _strided=True) == "_nvfp4_strided"
-    assert picked(tk.nvfp4_quantize, bf16.float(), -1) == "_nvfp4_strided"
-    assert picked(tk.nvfp4_quantize, wide, 0) == "_nvfp4_strided"
-    assert picked(tk.nvfp4_quantize, bf16, -1, _strided=True) == "_nvfp4_strided"
+    assert picked(tk.mx.mxfp8_quantize_both, wide) == "_mxfp8_strided"
+    nv = tk.nv.nvfp4_quantize
+    rht, sr = NVFP4Options(rht=True), NVFP4Options(generator=g)
+    rht_sr = NVFP4Options(rht=True, generator=g)
+    assert picked(nv, bf16, -1) == "_nvfp4_row_words"
+    assert picked(nv, bf16, -1, sr) == "_nvfp4_row_words"
+    assert picked(nv, bf16, 0, rht_sr) == "_nvfp4_col_fused"
+    assert picked(nv, bf16, 0, rht) == "_nvfp4_col_fused"
+    assert picked(nv, wide, 0, sr) == "_nvfp4_col_fused"
+    assert picked(nv, bf16, 0) == "_nvfp4_col_words"
+    assert picked(nv, bf16, 0, NVFP4Options(block_2d=True, generator=g)) == "_nvfp4_strided"
+    assert picked(nv, bf16, 0, rht, _strided=True) == "_nvfp4_strided"
+    assert picked(nv, bf16.float(), -1) == "_nvfp4_strided"
+    assert picked(nv, wide, 0) == "_nvfp4_strided"
+    assert picked(nv, bf16, -1, _strided=True) == "_nvfp4_strided"
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -144,7 +148,7 @@ def test_mxfp8_words_kernel_tiles_and_fallbacks(tk, fmt):
     assert_mxfp8_matches(tk, x, fmt)
     assert_mxfp8_matches(tk, mxfp8_inputs((64, 256), 0, "cpu")[:, 32:160], fmt)
     x = mxfp8_inputs((64, 100), 1, "cpu")
-    q, ref = tk.mxfp8_quantize(x, 0, fmt), mxfp8.quantize_reference(x, 0, fmt)
+    q, ref = tk.mx.mxfp8_quantize(x, 0, fmt), mxfp8.quantize_reference(x, 0, fmt)
     assert torch.equal(q.data, ref.data) and torch.equal(q.scale, ref.scale)
     assert_mxfp8_matches(tk, mxfp8_inputs((64, 96), 2, "cpu"), fmt)  # float32
     assert_mxfp8_matches(tk, mxfp8_inputs((64, 192), 0, "cpu")[:, ::2], fmt)
@@ -162,16 +166,16 @@ def test_nvfp4_row_words_kernel(tk, order):
         for sr in (False, True):
             g1 = torch.Generator().manual_seed(1) if sr else None
             g2 = torch.Generator().manual_seed(1) if sr else None
-            a = tk.nvfp4_quantize(x, -1, block_2d, order, generator=g1)
-            b = nvfp4.quantize_reference(x, -1, block_2d, order, generator=g2)
+            a = tk.nv.nvfp4_quantize(x, -1, NVFP4Options(block_2d, order, generator=g1))
+            b = nvfp4.quantize_reference(x, -1, NVFP4Options(block_2d, order, generator=g2))
             assert torch.equal(a.scale, b.scale), (block_2d, sr)
             assert torch.equal(a.data, b.data), (block_2d, sr)
     for name, x in nvfp4_edge_cases("cpu").items():
         x = x.to(torch.bfloat16)
         amax = nvfp4.global_amax(x.float())
         for block_2d in (False, True):
-            a = tk.nvfp4_quantize(x, -1, block_2d, order, amax=amax)
-            b = nvfp4.quantize_reference(x, -1, block_2d, order)
+            a = tk.nv.nvfp4_quantize(x, -1, NVFP4Options(block_2d, order), amax=amax)
+            b = nvfp4.quantize_reference(x, -1, NVFP4Options(block_2d, order))
             assert torch.equal(a.scale, b.scale), (name, block_2d)
             assert torch.equal(a.data, b.data), (name, block_2d)
 
@@ -191,8 +195,8 @@ def test_nvfp4_col_words_kernel(tk, order):
     for name, x in cases.items():
         amax = nvfp4.global_amax(x.float())
         for block_2d in (False, True):
-            a = tk.nvfp4_quantize(x, 0, block_2d, order, amax=amax)
-            b = nvfp4.quantize_reference(x, 0, block_2d, order)
+            a = tk.nv.nvfp4_quantize(x, 0, NVFP4Options(block_2d, order), amax=amax)
+            b = nvfp4.quantize_reference(x, 0, NVFP4Options(block_2d, order))
             assert torch.equal(a.scale, b.scale), (name, block_2d)
             assert torch.equal(a.data, b.data), (name, block_2d)
 
@@ -208,7 +212,7 @@ def test_nvfp4_col_fused_kernel(tk, order, amax_iters, monkeypatch):
     past the end)."""
     if amax_iters > 1:
         tile = {"NB": 2, "BK": 64, "ITERS": amax_iters, "num_warps": 1}
-        monkeypatch.setattr(tk, "NVFP4_COL_AMAX_TILE", tile)
+        monkeypatch.setattr(tk.nv, "NVFP4_COL_AMAX_TILE", tile)
     x = edge_inputs((144, 160), 9, "cpu")
     x[16:32, 7] = math.nan
     x[40, 9] = math.nan
@@ -219,8 +223,8 @@ def test_nvfp4_col_fused_kernel(tk, order, amax_iters, monkeypatch):
         for use_rht, sr in ((True, False), (True, True), (False, True)):
             g1 = torch.Generator().manual_seed(3) if sr else None
             g2 = torch.Generator().manual_seed(3) if sr else None
-            a = tk.nvfp4_quantize(x, 0, False, order, use_rht, g1)
-            b = nvfp4.quantize_reference(x, 0, False, order, use_rht, g2)
+            a = tk.nv.nvfp4_quantize(x, 0, NVFP4Options(False, order, use_rht, g1))
+            b = nvfp4.quantize_reference(x, 0, NVFP4Options(False, order, use_rht, g2))
             where = (name, use_rht, sr)
             assert torch.equal(a.amax, b.amax), where
             assert torch.equal(a.scale, b.scale), where
@@ -247,23 +251,23 @@ def test_nvfp4_quantize_both_reads_both_amaxes_once(tk, order, monkeypatch):
     cases["slice"] = edge_inputs((32, 320), 13, "cpu")[:, 64:256]
     cases["stride2"] = edge_inputs((32, 256), 14, "cpu")[:, ::2]
     passes = []
-    real_pass = tk._col_amax_pass
+    real_pass = tk.nv._col_amax_pass
 
     def counted(*args, **kw):
         passes.append(args[2] is not None)  # whether the plain amax was asked for too
         return real_pass(*args, **kw)
 
-    monkeypatch.setattr(tk, "_col_amax_pass", counted)
-    monkeypatch.setattr(tk, "global_amax", lambda t: pytest.fail("a second amax read"))
+    monkeypatch.setattr(tk.nv, "_col_amax_pass", counted)
+    monkeypatch.setattr(tk.nv, "global_amax", lambda t: pytest.fail("a second amax read"))
     for name, x in cases.items():
         for sr in (False, True):
             g1 = torch.Generator().manual_seed(5) if sr else None
             g2 = torch.Generator().manual_seed(5) if sr else None
             passes.clear()
-            row, col = tk.nvfp4_quantize_both(x, False, order, True, g1)
+            row, col = tk.nv.nvfp4_quantize_both(x, NVFP4Options(False, order, True, g1))
             assert passes == [True], (name, sr)
-            ref_row = nvfp4.quantize_reference(x, -1, False, order, False, g2)
-            ref_col = nvfp4.quantize_reference(x, 0, False, order, True, g2)
+            ref_row = nvfp4.quantize_reference(x, -1, NVFP4Options(False, order, False, g2))
+            ref_col = nvfp4.quantize_reference(x, 0, NVFP4Options(False, order, True, g2))
             _same_nvfp4(row, ref_row, (name, sr, "rowwise"))
             _same_nvfp4(col, ref_col, (name, sr, "columnwise"))
             assert row.amax.shape == col.amax.shape == ()
@@ -273,15 +277,19 @@ def test_nvfp4_quantize_both_without_rht_shares_one_amax(tk, monkeypatch):
     """Without RHT both copies (2-D weight blocks too) take one global amax, and equal the
     reference's two calls."""
     calls = []
-    real = tk.global_amax
-    monkeypatch.setattr(tk, "global_amax", lambda t: calls.append(1) or real(t))
+    real = tk.nv.global_amax
+    monkeypatch.setattr(tk.nv, "global_amax", lambda t: calls.append(1) or real(t))
     x = edge_inputs((64, 96), 15, "cpu")
     for block_2d in (False, True):
         calls.clear()
-        row, col = tk.nvfp4_quantize_both(x, block_2d, "current", False, None)
+        row, col = tk.nv.nvfp4_quantize_both(x, NVFP4Options(block_2d, "current", False, None))
         assert len(calls) == 1, block_2d
-        _same_nvfp4(row, nvfp4.quantize_reference(x, -1, block_2d), ("rowwise", block_2d))
-        _same_nvfp4(col, nvfp4.quantize_reference(x, 0, block_2d), ("columnwise", block_2d))
+        _same_nvfp4(
+            row, nvfp4.quantize_reference(x, -1, NVFP4Options(block_2d)), ("rowwise", block_2d)
+        )
+        _same_nvfp4(
+            col, nvfp4.quantize_reference(x, 0, NVFP4Options(block_2d)), ("columnwise", block_2d)
+        )
 
 
 def test_nvfp4_grouped_both(tk, monkeypatch):
@@ -297,28 +305,32 @@ def test_nvfp4_grouped_both(tk, monkeypatch):
     groups = row_groups(counts, x.shape[0])
     ids, count = groups.index.to(torch.int64), groups.count
     passes, group_passes = [], []
-    real_pass, real_group = tk._col_amax_pass, tk._group_amax
+    real_pass, real_group = tk.nv._col_amax_pass, tk.nv._group_amax
     monkeypatch.setattr(
-        tk, "_col_amax_pass", lambda *a, **k: passes.append(1) or real_pass(*a, **k)
+        tk.nv, "_col_amax_pass", lambda *a, **k: passes.append(1) or real_pass(*a, **k)
     )
     monkeypatch.setattr(
-        tk, "_group_amax", lambda *a, **k: group_passes.append(1) or real_group(*a, **k)
+        tk.nv, "_group_amax", lambda *a, **k: group_passes.append(1) or real_group(*a, **k)
     )
-    monkeypatch.setattr(tk, "NVFP4_COL_AMAX_TILE", {"NB": 2, "BK": 32, "ITERS": 2, "num_warps": 1})
+    monkeypatch.setattr(
+        tk.nv, "NVFP4_COL_AMAX_TILE", {"NB": 2, "BK": 32, "ITERS": 2, "num_warps": 1}
+    )
     modes = [(True, False, False), (True, True, False), (False, False, False), (False, True, False)]
     for use_rht, sr, block_2d in [*modes, (False, False, True)]:
         g1 = torch.Generator().manual_seed(8) if sr else None
         g2 = torch.Generator().manual_seed(8) if sr else None
         passes.clear()
         group_passes.clear()
-        row, col = tk.nvfp4_quantize_grouped_both(x, ids, count, block_2d, "current", use_rht, g1)
+        row, col = tk.nv.nvfp4_quantize_grouped_both(
+            x, ids, count, NVFP4Options(block_2d, "current", use_rht, g1)
+        )
         assert (len(passes), len(group_passes)) == ((1, 0) if use_rht else (0, 1))
         ref = nvfp4.quantize_grouped_reference
-        ref_row = ref(x, ids, count, -1, block_2d, "current", False, g2)
-        ref_col = ref(x, ids, count, 0, block_2d, "current", use_rht, g2)
+        ref_row = ref(x, ids, count, -1, NVFP4Options(block_2d, "current", False, g2))
+        ref_col = ref(x, ids, count, 0, NVFP4Options(block_2d, "current", use_rht, g2))
         _same_nvfp4(row, ref_row, (use_rht, sr, "rowwise"))
         _same_nvfp4(col, ref_col, (use_rht, sr, "columnwise"))
-    assert tk.nvfp4_quantize_grouped_both(x.float(), ids, count, rht=True) is None
+    assert tk.nv.nvfp4_quantize_grouped_both(x.float(), ids, count, NVFP4Options(rht=True)) is None
 
 
 def test_nvfp4_grouped_kernels(tk, monkeypatch):
@@ -327,16 +339,21 @@ def test_nvfp4_grouped_kernels(tk, monkeypatch):
     programs along the columns, tiles whose rows span groups (rowwise counts not multiples of
     16) and tiles within one group; inputs the kernels do not take (float32 rowwise, columnwise
     SR with 2D blocks) left to the reference."""
-    monkeypatch.setitem(tk.GROUP_AMAX_TILE, "BC", 32)
-    monkeypatch.setitem(tk.GROUP_AMAX_TILE, "ITERS", 2)
+    monkeypatch.setitem(tk.nv.GROUP_AMAX_TILE, "BC", 32)
+    monkeypatch.setitem(tk.nv.GROUP_AMAX_TILE, "ITERS", 2)
     assert check_nvfp4_grouped_kernels(tk, (32, 0, 16, 48), "cpu") == 8
     assert check_nvfp4_grouped_kernels(tk, (8, 0, 24, 40), "cpu", "legacy") == 3
     x = torch.zeros(32, 64)
     groups = torch.zeros(32, dtype=torch.int64)
-    assert tk.nvfp4_quantize_grouped(x, groups, 1, -1) is None
-    assert tk.nvfp4_quantize_grouped(x, groups, 1, 0, rht=True) is not None
+    assert tk.nv.nvfp4_quantize_grouped(x, groups, 1, -1) is None
+    assert tk.nv.nvfp4_quantize_grouped(x, groups, 1, 0, NVFP4Options(rht=True)) is not None
     g = torch.Generator()
-    assert tk.nvfp4_quantize_grouped(x.bfloat16(), groups, 1, 0, True, generator=g) is None
+    assert (
+        tk.nv.nvfp4_quantize_grouped(
+            x.bfloat16(), groups, 1, 0, NVFP4Options(block_2d=True, generator=g)
+        )
+        is None
+    )
 
 
 def test_sr_code_matches_the_reference_for_every_random_byte(tk):

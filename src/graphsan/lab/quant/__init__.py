@@ -5,7 +5,7 @@ Formats (plain torch, bit-exact to docs/numerics.md on CPU and CUDA; Triton kern
 
     from graphsan.lab.quant import mxfp8, nvfp4
     q = mxfp8.quantize(x, axis=-1, fmt="e4m3");  mxfp8.dequantize(q)
-    q = nvfp4.quantize(x, axis=0, block_2d=False, order="current", rht=True, generator=g)
+    q = nvfp4.quantize(x, axis=0, options=NVFP4Options(rht=True, generator=g))
     fp8.quantize(x, axis=-1)          # per-tensor current scaling, E4M3 (control recipe)
 
 Recipes and the quantized Linear:
@@ -35,6 +35,7 @@ GroupedQuantLinear each, all experts), MTP under `mtp.`, layers at `layers.{i}.`
 from . import fp8, mxfp8, nvfp4, rht
 from .grouped import GroupedQuantLinear
 from .linear import QuantLinear, QuantModule, SkipFlag, WeightWorkspace
+from .options import NVFP4Options
 from .precision import (
     PrecisionConfig,
     PrecisionConfigError,
@@ -48,6 +49,7 @@ __all__ = [
     "PrecisionConfig",
     "PrecisionConfigError",
     "GroupedQuantLinear",
+    "NVFP4Options",
     "QuantLinear",
     "QuantModule",
     "Quantizer",

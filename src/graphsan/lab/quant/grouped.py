@@ -41,15 +41,8 @@ import torch
 from torch import nn
 
 from . import kernels
-from .linear import (
-    BLOCKS,
-    QuantModule,
-    _check_tokens,
-    _Plan,
-    alpha_factors,
-    gemm_alpha,
-    gemm_operand,
-)
+from .gemm import alpha_factors, gemm_alpha, gemm_operand
+from .linear import BLOCKS, QuantModule, _check_tokens, _Plan
 from .recipe import Quantizer, Recipe, RowGroups
 from .tensors import QTensor
 
@@ -110,8 +103,9 @@ def _grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
 
 def _rows_epilogue(y, a: QTensor, b: QTensor, groups: RowGroups, dtype) -> torch.Tensor:
     """A quantized GEMM's rows times their group's alpha, padding rows zero, in `dtype`: one
-    epilogue kernel on CUDA (`kernels.launch.gemm_epilogue`), the torch operations elsewhere."""
-    fast = kernels.launcher(y)
+    epilogue kernel on CUDA (`kernels.launch_gemm.gemm_epilogue`), the torch operations
+    elsewhere."""
+    fast = kernels.launcher(y, "gemm")
     if fast is not None and dtype == torch.bfloat16:
         return fast.gemm_epilogue(y, *alpha_factors(a, b), row_groups=groups)
     return _rows_out(y, gemm_alpha(a, b), groups).to(dtype)
@@ -120,7 +114,7 @@ def _rows_epilogue(y, a: QTensor, b: QTensor, groups: RowGroups, dtype) -> torch
 def _groups_epilogue(dw, a: QTensor, b: QTensor, offsets, main_grad) -> None:
     """main_grad += each group's weight gradient times its alpha, an empty group's adding zero:
     one epilogue kernel on CUDA, the torch operations elsewhere."""
-    fast = kernels.launcher(dw)
+    fast = kernels.launcher(dw, "gemm")
     if fast is not None:
         fast.gemm_epilogue(dw, *alpha_factors(a, b), out=main_grad, offsets=offsets)
         return

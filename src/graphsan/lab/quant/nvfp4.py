@@ -11,15 +11,16 @@ Plain torch, following docs/numerics.md step by step (all arithmetic in float32,
 6. Dequantize: q * (fp32(s_e4m3) * amax * fl(1/2688)).
 
 Directions: axis -1 (rowwise) blocks along the last dim; axis 0 (columnwise) blocks along the
-first dim and stores everything transposed ([K, M/2] data, [K, M/16] scales). The random Hadamard
-transform (`rht=True`, columnwise wgrad copies only) is applied along the token dim and rounded to
-bf16 before the global amax and the quantization; `amax` is then the post-RHT amax.
+first dim and stores everything transposed ([K, M/2] data, [K, M/16] scales). How a copy is
+quantized is one `NVFP4Options` (block_2d, order, rht, generator; options.py). The random
+Hadamard transform (`rht=True`, columnwise wgrad copies only) is applied along the token dim and
+rounded to bf16 before the global amax and the quantization; `amax` is then the post-RHT amax.
 
-    q = quantize(x, axis=-1, block_2d=False, order="current", rht=False, generator=None)
+    q = quantize(x, axis=-1, options=NVFP4Options(block_2d=False, order="current"))
     q.data; q.scale; q.amax; dequantize(q)
-    row, col = quantize_both(x, rht=True)  # both copies, both global amaxes from one read
+    row, col = quantize_both(x, NVFP4Options(rht=True))  # both global amaxes from one read
 
-`generator` set means stochastic rounding (one seed drawn from that generator, then Philox bytes
+A `generator` means stochastic rounding (one seed drawn from that generator, then Philox bytes
 per 16-element block, `elements.sr_bits`: graph-capturable, no host sync, no data-dependent
 shapes). With `block_2d` each 16x16 tile's scale byte is repeated over its 16 rows; rows beyond
 the tensor count as zeros.
@@ -51,77 +52,57 @@ from .elements import (
     unpack_nibbles,
 )
 from .formats import E2M1_MAX, FLT_MAX, INV_6, NVFP4_BLOCK, NVFP4_GLOBAL_MAX
+from .options import DEFAULT, NVFP4Options
 from .rht import rht as apply_rht
 from .tensors import NVFP4Tensor
 
 BLOCK = NVFP4_BLOCK
-ORDERS = ("current", "legacy")
 
 
-def quantize(
-    x: torch.Tensor,
-    axis: int = -1,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
-) -> NVFP4Tensor:
+def quantize(x: torch.Tensor, axis: int = -1, options: NVFP4Options = DEFAULT) -> NVFP4Tensor:
     """Quantize a 2-D tensor to NVFP4 along `axis`; Triton on CUDA, the reference elsewhere."""
-    _check_args(x, axis, block_2d, order, rht, generator)
-    fast = kernels.launcher(x)
+    _check_args(x, axis, options)
+    fast = kernels.launcher(x, "nvfp4")
     if fast is not None:
-        return fast.nvfp4_quantize(x, axis, block_2d, order, rht, generator)
-    return _reference(x, axis, block_2d, order, rht, generator)
+        return fast.nvfp4_quantize(x, axis, options)
+    return _reference(x, axis, options)
 
 
 def quantize_both(
-    x: torch.Tensor,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
+    x: torch.Tensor, options: NVFP4Options = DEFAULT
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-    """The (rowwise, columnwise) copies: `quantize(x, -1, block_2d, order, False, generator)`
-    and `quantize(x, 0, block_2d, order, rht, generator)`, byte for byte, the generator drawn in
-    that order. On CUDA one read of x takes both global amaxes (with `rht` the post-RHT one and
-    the plain one together, as TE's quantizer takes them for its two copies), so the copies read
-    x three times where two calls read it four times."""
-    _check_args(x, -1, block_2d, order, False, generator)
-    _check_args(x, 0, block_2d, order, rht, generator)
-    fast = kernels.launcher(x)
+    """The (rowwise, columnwise) copies: `quantize(x, -1, options.for_rowwise())` and
+    `quantize(x, 0, options)`, byte for byte, the generator drawn in that order. On CUDA one read
+    of x takes both global amaxes (with `rht` the post-RHT one and the plain one together, as
+    TE's quantizer takes them for its two copies), so the copies read x three times where two
+    calls read it four times."""
+    _check_args(x, -1, options.for_rowwise())
+    _check_args(x, 0, options)
+    fast = kernels.launcher(x, "nvfp4")
     if fast is not None:
-        return fast.nvfp4_quantize_both(x, block_2d, order, rht, generator)
-    row = _reference(x, -1, block_2d, order, False, generator)
-    return row, _reference(x, 0, block_2d, order, rht, generator)
+        return fast.nvfp4_quantize_both(x, options)
+    row = _reference(x, -1, options.for_rowwise())
+    return row, _reference(x, 0, options)
 
 
 def quantize_reference(
-    x: torch.Tensor,
-    axis: int = -1,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
+    x: torch.Tensor, axis: int = -1, options: NVFP4Options = DEFAULT
 ) -> NVFP4Tensor:
     """The torch reference on any device."""
-    _check_args(x, axis, block_2d, order, rht, generator)
-    return _reference(x, axis, block_2d, order, rht, generator)
+    _check_args(x, axis, options)
+    return _reference(x, axis, options)
 
 
-def _reference(x, axis, block_2d, order, rht, generator) -> NVFP4Tensor:
+def _reference(x, axis, options: NVFP4Options) -> NVFP4Tensor:
     """Blocks run along the last dim of `src` (x, or x transposed); arguments already checked."""
     src = x.t() if axis == 0 else x
-    if rht:
+    if options.rht:
         src = apply_rht(src)  # bf16, along the token dim (the last dim of the transposed copy)
     x32 = src.to(torch.float32)
 
     amax = global_amax(x32)
     s_enc, s_dec = global_scales(amax)
-    vec_max = block_amax(x32, block_2d)
-    scale = block_scale(vec_max, s_enc, order)
-    enc = encode_factor(scale, s_dec)
-    codes = encode_elements(x32, enc, sr_bits(x32.shape, generator, x32.device))
-    return NVFP4Tensor(pack_nibbles(codes), scale, amax, -1 if axis != 0 else 0, block_2d, rht)
+    return _encode(x32, axis, options, s_enc, s_dec, amax)
 
 
 def quantize_grouped(
@@ -129,10 +110,7 @@ def quantize_grouped(
     groups: torch.Tensor,
     num_groups: int,
     axis: int = -1,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
+    options: NVFP4Options = DEFAULT,
 ) -> NVFP4Tensor:
     """NVFP4 of a tensor whose rows form consecutive groups (experts), each with its own global
     amax (step 1 per group): the bytes equal quantizing each group's rows alone and stacking the
@@ -145,46 +123,35 @@ def quantize_grouped(
     (post-RHT with `rht`). Stochastic rounding draws the same number of bits as `quantize`, in one
     call, so it is reproducible but does not repeat a per-group loop's bits.
 
-    On CUDA the kernels run (`kernels.launch.nvfp4_quantize_grouped`: the same bytes, the
-    per-group amax reduced on the device); `quantize_grouped_reference` is their oracle.
+    On CUDA the kernels run (`kernels.launch_nvfp4.nvfp4_quantize_grouped`: the same bytes,
+    the per-group amax reduced on the device); `quantize_grouped_reference` is their oracle.
     """
-    _check_args(x, axis, block_2d, order, rht, generator)
+    _check_args(x, axis, options)
     check_groups(x, groups, "NVFP4")
-    fast = kernels.launcher(x)
+    fast = kernels.launcher(x, "nvfp4")
     if fast is not None:
-        q = fast.nvfp4_quantize_grouped(
-            x, groups, num_groups, axis, block_2d, order, rht, generator
-        )
+        q = fast.nvfp4_quantize_grouped(x, groups, num_groups, axis, options)
         if q is not None:
             return q
-    return _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator)
+    return _grouped_reference(x, groups, num_groups, axis, options)
 
 
 def quantize_grouped_both(
-    x: torch.Tensor,
-    groups: torch.Tensor,
-    num_groups: int,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
+    x: torch.Tensor, groups: torch.Tensor, num_groups: int, options: NVFP4Options = DEFAULT
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """`quantize_grouped`'s (rowwise, columnwise) copies, as `quantize_both` gives them: byte for
     byte the two calls (rowwise first), on CUDA with one read of x for both per-group amaxes
     where the kernels take both copies."""
-    _check_args(x, -1, block_2d, order, False, generator)
-    _check_args(x, 0, block_2d, order, rht, generator)
+    _check_args(x, -1, options.for_rowwise())
+    _check_args(x, 0, options)
     check_groups(x, groups, "NVFP4")
-    fast = kernels.launcher(x)
+    fast = kernels.launcher(x, "nvfp4")
     if fast is not None:
-        both = fast.nvfp4_quantize_grouped_both(
-            x, groups, num_groups, block_2d, order, rht, generator
-        )
+        both = fast.nvfp4_quantize_grouped_both(x, groups, num_groups, options)
         if both is not None:
             return both
-    common = (x, groups, num_groups)
-    row = quantize_grouped(*common, -1, block_2d, order, False, generator)
-    return row, quantize_grouped(*common, 0, block_2d, order, rht, generator)
+    row = quantize_grouped(x, groups, num_groups, -1, options.for_rowwise())
+    return row, quantize_grouped(x, groups, num_groups, 0, options)
 
 
 def quantize_grouped_reference(
@@ -192,20 +159,17 @@ def quantize_grouped_reference(
     groups: torch.Tensor,
     num_groups: int,
     axis: int = -1,
-    block_2d: bool = False,
-    order: str = "current",
-    rht: bool = False,
-    generator: torch.Generator | None = None,
+    options: NVFP4Options = DEFAULT,
 ) -> NVFP4Tensor:
     """`quantize_grouped` in torch on any device."""
-    _check_args(x, axis, block_2d, order, rht, generator)
+    _check_args(x, axis, options)
     check_groups(x, groups, "NVFP4")
-    return _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator)
+    return _grouped_reference(x, groups, num_groups, axis, options)
 
 
-def _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, generator):
+def _grouped_reference(x, groups, num_groups, axis, options: NVFP4Options):
     src = x.t() if axis == 0 else x  # rows (the groups) run along the last dim when axis == 0
-    if rht:
+    if options.rht:
         src = apply_rht(src)
     x32 = src.to(torch.float32)
     line_amax = nan_to_zero_abs(x32).amax(dim=0 if axis == 0 else 1)
@@ -215,13 +179,18 @@ def _grouped_reference(x, groups, num_groups, axis, block_2d, order, rht, genera
         s_enc, s_dec = s_enc[groups[::BLOCK]].unsqueeze(0), s_dec[groups[::BLOCK]].unsqueeze(0)
     else:
         s_enc, s_dec = s_enc[groups].unsqueeze(1), s_dec[groups].unsqueeze(1)
-    vec_max = block_amax(x32, block_2d)
-    scale = block_scale(vec_max, s_enc, order)
+    return _encode(x32, axis, options, s_enc, s_dec, amax[:num_groups])
+
+
+def _encode(x32, axis, options: NVFP4Options, s_enc, s_dec, amax) -> NVFP4Tensor:
+    """Steps 2-5 of the float32 source, whose global scales are known (one, or one per row or
+    column where the rows are grouped)."""
+    vec_max = block_amax(x32, options.block_2d)
+    scale = block_scale(vec_max, s_enc, options.order)
     enc = encode_factor(scale, s_dec)
-    codes = encode_elements(x32, enc, sr_bits(x32.shape, generator, x32.device))
-    return NVFP4Tensor(
-        pack_nibbles(codes), scale, amax[:num_groups], -1 if axis != 0 else 0, block_2d, rht
-    )
+    codes = encode_elements(x32, enc, sr_bits(x32.shape, options.generator, x32.device))
+    axis = -1 if axis != 0 else 0
+    return NVFP4Tensor(pack_nibbles(codes), scale, amax, axis, options.block_2d, options.rht)
 
 
 # --- the steps, one function each -----------------------------------------------------------
@@ -288,16 +257,13 @@ def block_values(q: NVFP4Tensor) -> torch.Tensor:
     return values * fp8_decode(q.scale, "e4m3").repeat_interleave(BLOCK, dim=1)
 
 
-def _check_args(x, axis, block_2d, order, rht, generator) -> None:
-    if order not in ORDERS:
-        raise ValueError(f"NVFP4: order={order!r}; expected one of {ORDERS}")
+def _check_args(x, axis, options: NVFP4Options) -> None:
+    """What the options cannot check alone: the tensor, the axis RHT applies to, and the
+    generator's device."""
     check_blocked(x, axis, BLOCK, "NVFP4")
-    if rht and axis != 0:
+    if options.rht and axis != 0:
         raise ValueError("NVFP4: rht=True applies to columnwise (axis=0) wgrad copies only")
-    if rht and block_2d:
-        raise ValueError("NVFP4: rht=True with block_2d=True; RHT is never used on 2-D weights")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"NVFP4: generator must be a torch.Generator or None, got {generator!r}")
+    generator = options.generator
     if generator is not None and torch.device(generator.device).type != x.device.type:
         raise ValueError(
             f"NVFP4: generator is on {generator.device}, the tensor on {x.device}; expected the same"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from . import fp8, mxfp8, nvfp4
+from .options import ORDERS, NVFP4Options
 from .tensors import QTensor
 
 KINDS = ("bf16", "fp8", "mxfp8", "nvfp4")
@@ -35,7 +36,7 @@ OPTIONS = {
 }
 _CHOICES = {
     "fp8_format": ("e4m3", "hybrid"),
-    "order": nvfp4.ORDERS,
+    "order": ORDERS,
 }
 
 
@@ -160,10 +161,11 @@ class Quantizer:
             fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
             return mxfp8.quantize(x, axis=axis, fmt=fmt)
         if r.kind == "nvfp4":
-            options = self._nvfp4_options(generator, rht=axis == 0)
+            options = self.nvfp4_options(generator)
+            options = options if axis == 0 else options.for_rowwise()
             if groups is not None:
-                return nvfp4.quantize_grouped(x, groups.index, groups.count, axis, **options)
-            return nvfp4.quantize(x, axis, **options)
+                return nvfp4.quantize_grouped(x, groups.index, groups.count, axis, options)
+            return nvfp4.quantize(x, axis, options)
         raise RecipeError(f"recipe {r.kind} does not quantize")
 
     def quantize_both(
@@ -179,10 +181,10 @@ class Quantizer:
             fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
             return mxfp8.quantize_both(x, fmt=fmt)
         if r.kind == "nvfp4":
-            options = self._nvfp4_options(generator, rht=True)
+            options = self.nvfp4_options(generator)
             if groups is not None:
-                return nvfp4.quantize_grouped_both(x, groups.index, groups.count, **options)
-            return nvfp4.quantize_both(x, **options)
+                return nvfp4.quantize_grouped_both(x, groups.index, groups.count, options)
+            return nvfp4.quantize_both(x, options)
         return self.quantize(x, -1, generator, groups), self.quantize(x, 0, generator, groups)
 
     def quantize_copies(
@@ -200,13 +202,14 @@ class Quantizer:
         row = self.quantize(x, -1, generator, groups) if rowwise else None
         return row, self.quantize(x, 0, generator, groups) if columnwise else None
 
-    def _nvfp4_options(self, generator: torch.Generator | None, rht: bool) -> dict:
-        """NVFP4's treatment of this slot (`rht`: whether the copy is a columnwise one)."""
+    def nvfp4_options(self, generator: torch.Generator | None = None) -> NVFP4Options:
+        """NVFP4's treatment of this slot's columnwise copy (`for_rowwise()` gives the rowwise
+        one's: no RHT); `generator` is used where the slot is stochastically rounded."""
         r = self.recipe
         weight = self.role == "weight"
-        return dict(
+        return NVFP4Options(
             block_2d=weight and r.weight_2d,
             order=r.order,
-            rht=r.rht and not weight and rht,
+            rht=r.rht and not weight,
             generator=generator if (r.sr and self.role == "grad_output") else None,
         )

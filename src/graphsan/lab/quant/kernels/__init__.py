@@ -4,14 +4,19 @@
 GRAPHSAN_NO_TRITON does not turn them off; the torch reference stays the fallback and the oracle,
 and the tests compare the two byte for byte (compiled on the GPU, in Triton's interpreter on CPU).
 
-    kernels/__init__.py   this switch: `available()`, `launcher(x)`; imports no Triton
-    kernels/launch.py     the launchers: which kernel runs for which input, tiles, outputs
+    kernels/__init__.py   this switch: `available()`, `launcher(x, name)`; imports no Triton
+    kernels/launch_mxfp8.py, launch_nvfp4.py, launch_gemm.py
+                          the launchers per format and for the GEMM: which kernel runs for
+                          which input, tiles, outputs (launch_common.py: what they share)
     kernels/mxfp8.py      MXFP8 kernels: strided (any input), bf16 words (columnwise, both)
-    kernels/nvfp4.py      global amax; NVFP4 row and column kernels, strided and bf16 words
+    kernels/nvfp4.py      global amax (also per group); NVFP4 row and column strided kernels;
+                          the E2M1 encoders and block scales every NVFP4 kernel shares
+    kernels/nvfp4_words.py NVFP4 row and column kernels for bf16 read as 64-bit words
     kernels/nvfp4_col.py  NVFP4 columnwise with the RHT and stochastic rounding fused; the
                           RHT amax pass (the post-RHT and the plain amax from one read)
     kernels/common.py     FP8 bytes from bit fields, bf16 words, NaN-ignoring block maxima
-    kernels/gemm.py       the GEMM operands' dequantization, the GEMM epilogue, a fused GEMM
+    kernels/gemm.py       the GEMM operands' dequantization and the GEMM epilogue
+    kernels/qgemm.py      the fused packed-operand GEMM (off by default)
     kernels/fastlaunch.py launches without Triton's per-call binding (a seen specialization)
 
 Every kernel has a "strided" form for any floating dtype and strides, and the hot directions
@@ -36,7 +41,8 @@ import os
 
 import torch
 
-_LAUNCH = None  # the launch module, once Triton imports
+LAUNCHERS = ("mxfp8", "nvfp4", "gemm")  # the launcher modules: kernels/launch_<name>.py
+_LAUNCH: dict = {}  # name -> launcher module, once Triton imports
 _AVAILABLE: bool | None = None
 
 _TRUE = ("1", "true", "yes", "on")
@@ -64,21 +70,24 @@ def triton_disabled() -> bool:
 
 def available() -> bool:
     """True when Triton can be imported and GRAPHSAN_NO_TRITON does not turn it off."""
-    global _AVAILABLE, _LAUNCH
+    global _AVAILABLE
     if triton_disabled():
         return False
     if _AVAILABLE is None:
         try:
-            _LAUNCH = importlib.import_module(".launch", __name__)
+            for name in LAUNCHERS:
+                _LAUNCH[name] = importlib.import_module(f".launch_{name}", __name__)
             _AVAILABLE = True
         except Exception:  # ImportError, or a Triton without a usable backend
             _AVAILABLE = False
     return _AVAILABLE
 
 
-def launcher(x: torch.Tensor):
-    """The launch module (`kernels.launch`) where x is a CUDA tensor and the kernels are
-    available, else None (the caller runs the torch reference)."""
+def launcher(x: torch.Tensor, name: str):
+    """The launcher module `kernels.launch_<name>` (`name` one of LAUNCHERS) where x is a CUDA
+    tensor and the kernels are available, else None (the caller runs the torch reference)."""
+    if name not in LAUNCHERS:
+        raise ValueError(f"kernels.launcher: {name!r}; expected one of {LAUNCHERS}")
     if not x.is_cuda or not available():
         return None
-    return _LAUNCH
+    return _LAUNCH[name]

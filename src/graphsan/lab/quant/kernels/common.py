@@ -72,3 +72,13 @@ def nan_to_0(amax, MAXNUM: tl.constexpr):
     if MAXNUM:
         amax = tl.maximum(amax, 0.0)
     return amax
+
+
+@triton.jit
+def load_or_0(ptr, mask):
+    """tl.load(ptr), masked with 0 where `mask` is given; None (whole tiles) loads unmasked."""
+    if mask is None:
+        v = tl.load(ptr)
+    else:
+        v = tl.load(ptr, mask=mask, other=0)
+    return v

@@ -10,13 +10,48 @@ the current device), and, for a key seen before, launches the `CompiledKernel` T
 the same arguments in parameter order. A key seen for the first time goes through Triton as
 before (which compiles if needed), so a new alignment or divisibility still gets its own
 specialization. Under Triton's interpreter (CPU tests) the kernel is returned as it is.
+
+This leans on Triton internals: `JITFunction.params` (`.is_constexpr`, `.name`, `.default`) and
+`CompiledKernel[grid](*args)` taking every argument, constexprs included, in parameter order. So
+it is fenced to the Triton versions where that was checked (`CHECKED_TRITON`): on any other
+version `fast(kernel)` returns the kernel itself (Triton's own launch path) and says so once at
+debug level. A version is checked by tests/lab/launch_convention.py (on CPU: Triton's path and
+`FastKernel`'s reach a stand-in launcher with the same arguments) and, on a GPU, by
+tests/lab/test_fastlaunch.py (compiled launches through both paths, byte for byte).
 """
 
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
 
 ENABLED = True  # False: every launch goes through Triton's binding (the tests compare the two)
+
+# (major, minor) of the oldest and the newest Triton whose launch convention was checked: 3.6
+# on the H200 (GPU test) and by the CPU check, 3.7 to 3.9 by the CPU check.
+CHECKED_TRITON = ((3, 6), (3, 9))
+
+log = logging.getLogger(__name__)
+_told = False  # whether the one debug line about an unchecked Triton was logged
+
+
+def triton_version(version: str | None = None) -> tuple[int, int] | None:
+    """(major, minor) of Triton's version string (the installed one by default); None where it
+    does not start with two numbers."""
+    if version is None:
+        import triton
+
+        version = triton.__version__
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def checked(version: str | None = None) -> bool:
+    """Whether the Triton version (the installed one by default) lies in CHECKED_TRITON."""
+    v = triton_version(version)
+    return v is not None and CHECKED_TRITON[0] <= v <= CHECKED_TRITON[1]
 
 
 def current_device() -> int:
@@ -44,7 +79,8 @@ def spec(value):
 class FastKernel:
     """A `triton.jit` kernel whose launches skip Triton's binding once a key has been seen;
     `kernel[grid](*args, **kwargs)` as for the kernel itself. Constexpr and compile options are
-    passed by keyword, tensors and integers by position (every call site in `launch.py`)."""
+    passed by keyword, tensors and integers by position (every call site in the launchers,
+    `launch_*.py`)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -85,8 +121,25 @@ class FastKernel:
 
 
 def fast(kernel):
-    """`kernel` wrapped in a `FastKernel` where it is compiled (a JITFunction), else itself
-    (Triton's interpreter has no compiled kernels)."""
+    """`kernel` wrapped in a `FastKernel` where it is compiled (a JITFunction) and the installed
+    Triton is a checked one, else itself (Triton's interpreter has no compiled kernels)."""
+    global _told
     from triton.runtime.jit import JITFunction
 
-    return FastKernel(kernel) if isinstance(kernel, JITFunction) else kernel
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    if not checked():
+        if not _told:
+            import triton
+
+            low, high = (".".join(map(str, v)) for v in CHECKED_TRITON)
+            log.debug(
+                "fastlaunch: Triton %s is outside the checked versions %s to %s; the kernels "
+                "launch through Triton's own path",
+                triton.__version__,
+                low,
+                high,
+            )
+            _told = True
+        return kernel
+    return FastKernel(kernel)

@@ -1,12 +1,11 @@
-"""The emulated low-precision GEMM's Triton kernels: the one-pass operand preparation that
-`launch.gemm_operand` runs before cuBLAS (packed MXFP8 or NVFP4 operand -> its exact bf16 values),
-and a fused GEMM that reads the packed operands tile by tile (`qgemm_kernel`: dequantizes each
-tile in registers to the same bf16 values, multiplies with float32 accumulation (`tl.dot`), and
-applies the per-tensor factor alpha in the epilogue, optionally adding into a float32 output, the
-weight gradient's `main_grad`).
+"""The emulated low-precision GEMM's Triton kernels besides cuBLAS: the one-pass operand
+preparation that `launch_gemm.gemm_operand` runs first (packed MXFP8 or NVFP4 operand -> its
+exact bf16 values) and the epilogue after it (`gemm_epilogue_kernel`: alpha, the bf16 rounding
+or the addition into main_grad); the element decoders they share with the fused GEMM
+(`qgemm.py`).
 
 Operand preparation (docs/numerics.md, "Triton kernels"): bit for bit the torch dequantization
-(`linear.gemm_operand_reference`: element x scale in float32, then the cast to bf16), edge values
+(`gemm.gemm_operand_reference`: element x scale in float32, then the cast to bf16), edge values
 included. Contiguous operands take one of three kernels whose loads, arithmetic and stores share
 one register layout (no shared memory, 16-byte stores, the block scale loaded and decoded once
 per thread and block):
@@ -29,18 +28,14 @@ value from its code, E4M3 and E5M2 bytes (subnormals, NaN, E5M2 inf), E8M0 scale
 2^-127, 0xFF NaN). The product element x scale is exact in float32; its bf16 rounding (nearest
 even, by bits) is exact for NVFP4 and for MXFP8 scale bytes >= 3 (E4M3) or 10 (E5M2), and
 otherwise rounds as the torch emulation's cast does.
-
-The fused GEMM: C[i, j] = alpha * sum_r A(i, r) B(j, r): both operands are addressed as [rows,
-reduction] with their blocks along the reduction dim, which every GEMM of the quantized Linear has
-(the launcher maps each operand's stored layout to strides). The result equals
-dequantize-then-GEMM up to the order of the float32 accumulation (docs/numerics.md states the
-tolerance).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .common import load_or_0
 
 FMT_NVFP4 = tl.constexpr(0)
 FMT_E4M3 = tl.constexpr(1)
@@ -96,121 +91,6 @@ def _bf16_bits(v):
 
 
 @triton.jit
-def _operand_tile(
-    ptr,
-    sptr,
-    rows,
-    r0,
-    X,
-    R,
-    sx,
-    sr,
-    ssx,
-    ssr,
-    FMT: tl.constexpr,
-    BX: tl.constexpr,
-    BR: tl.constexpr,
-):
-    """The bf16 values of rows `rows` ([BX]) and reduction indices r0 .. r0 + BR of an operand:
-    NVFP4 bytes at ptr + x * sx + (r // 2) * sr (element r even in the low nibble), E4M3 scales
-    at sptr + x * ssx + (r // 16) * ssr; MXFP8 bytes at ptr + x * sx + r * sr, E8M0 scales at
-    sptr + x * ssx + (r // 32) * ssr. Out-of-range entries are 0."""
-    xm = (rows < X)[:, None]
-    x64 = rows.to(tl.int64)[:, None]
-    if FMT == 0:
-        half = r0 // 2 + tl.arange(0, BR // 2)[None, :]
-        b = tl.load(ptr + x64 * sx + half * sr, mask=xm & (half < R // 2), other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(b & 15, b >> 4), (BX, BR))
-        blk = r0 // 16 + tl.arange(0, BR // 16)[None, :]
-        s = tl.load(sptr + x64 * ssx + blk * ssr, mask=xm & (blk < R // 16), other=0)
-        scale = _fp8_value(s.to(tl.int32), 4, 3)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BX, BR // 16, 16)), (BX, BR))
-        v = _e2m1_value(codes) * scale
-    else:
-        r = r0 + tl.arange(0, BR)[None, :]
-        b = tl.load(ptr + x64 * sx + r * sr, mask=xm & (r < R), other=0).to(tl.int32)
-        if FMT == 1:
-            elem = _fp8_value(b, 4, 3)
-        else:
-            elem = _fp8_value(b, 5, 2)
-        blk = r0 // 32 + tl.arange(0, BR // 32)[None, :]
-        s = tl.load(sptr + x64 * ssx + blk * ssr, mask=xm & (blk < R // 32), other=0)
-        scale = _e8m0_value(s.to(tl.int32))
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BX, BR // 32, 32)), (BX, BR))
-        v = elem * scale
-    return _bf16_bits(v).to(tl.float32, bitcast=True)  # bf16 values
-
-
-@triton.jit
-def qgemm_kernel(
-    a_ptr,
-    as_ptr,
-    b_ptr,
-    bs_ptr,
-    c_ptr,
-    alpha_ptr,
-    NI,
-    NJ,
-    NR,
-    sa_x,
-    sa_r,
-    sas_x,
-    sas_r,
-    sb_x,
-    sb_r,
-    sbs_x,
-    sbs_r,
-    sc_i,
-    sc_j,
-    FMT_A: tl.constexpr,
-    FMT_B: tl.constexpr,
-    ALPHA: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    BI: tl.constexpr,
-    BJ: tl.constexpr,
-    BR: tl.constexpr,
-    GROUP: tl.constexpr,
-    BF16_DOT: tl.constexpr,
-):
-    """C [NI, NJ] (float32, strides sc_i, sc_j) = alpha * A B^T over NR, or C += that with
-    ACCUMULATE; alpha is the float32 at alpha_ptr where ALPHA. Programs run in groups of GROUP
-    row tiles so that neighbouring programs share B tiles in L2. BF16_DOT: the tensor cores'
-    bf16 product (compiled kernels); Triton's interpreter multiplies bf16 tiles wrongly, so there
-    the tiles stay float32 (holding the same bf16 values)."""
-    pid = tl.program_id(0)
-    tiles_i = tl.cdiv(NI, BI)
-    tiles_j = tl.cdiv(NJ, BJ)
-    per_group = GROUP * tiles_j
-    first_i = (pid // per_group) * GROUP
-    size = tl.minimum(tiles_i - first_i, GROUP)
-    pid_i = first_i + (pid % per_group) % size
-    pid_j = (pid % per_group) // size
-    rows_i = pid_i * BI + tl.arange(0, BI)
-    rows_j = pid_j * BJ + tl.arange(0, BJ)
-    acc = tl.zeros((BI, BJ), dtype=tl.float32)
-    for r0 in range(0, NR, BR):
-        a = _operand_tile(
-            a_ptr, as_ptr, rows_i, r0, NI, NR, sa_x, sa_r, sas_x, sas_r, FMT_A, BI, BR
-        )
-        b = _operand_tile(
-            b_ptr, bs_ptr, rows_j, r0, NJ, NR, sb_x, sb_r, sbs_x, sbs_r, FMT_B, BJ, BR
-        )
-        if BF16_DOT:  # exact: a and b hold bf16 values
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
-        else:  # the same exact products, float32 accumulation
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-    if ALPHA:
-        acc = acc * tl.load(alpha_ptr)
-    ci = rows_i.to(tl.int64)[:, None]
-    cj = rows_j.to(tl.int64)[None, :]
-    cmask = (ci < NI) & (cj < NJ)
-    cptr = c_ptr + ci * sc_i + cj * sc_j
-    if ACCUMULATE:
-        acc = tl.load(cptr, mask=cmask, other=0.0) + acc
-    tl.store(cptr, acc, mask=cmask)
-
-
-@triton.jit
 def dequant_kernel(
     d_ptr,
     s_ptr,
@@ -231,7 +111,7 @@ def dequant_kernel(
     fallback of the contiguous kernels below): out [P, Q] (bf16 bits as int16, contiguous) from
     data [P, Q] bytes (NVFP4: [P, Q/2], two codes per byte, row stride sd_p, unit column stride)
     and the scale of element (p, q) at s_ptr + (p // SP) * ss_p + (q // SQ) * ss_q. Element x
-    scale, without the per-tensor factor, as `linear.gemm_operand_reference` computes it in
+    scale, without the per-tensor factor, as `gemm.gemm_operand_reference` computes it in
     torch; NaN products as NAN16 (`_bf16_word`)."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)[:, None]
     q = tl.program_id(1) * BQ + tl.arange(0, BQ)[None, :]
@@ -315,13 +195,9 @@ def dequant_nvfp4_kernel(
     base = tl.program_id(0).to(tl.int64) * BLOCK
     j = tl.arange(0, BLOCK)
     jd = (j // 4) * 4 + j % 4
-    if EVEN:
-        b = tl.load(d_ptr + base + jd)
-        s = tl.load(s_ptr + (base >> 3) + j // 8)
-    else:
-        mask = j < N - base
-        b = tl.load(d_ptr + base + jd, mask=mask, other=0)
-        s = tl.load(s_ptr + (base >> 3) + j // 8, mask=mask, other=0)
+    mask = None if EVEN else j < N - base
+    b = load_or_0(d_ptr + base + jd, mask)
+    s = load_or_0(s_ptr + (base >> 3) + j // 8, mask)
     b = b.to(tl.int32)
     scale = _e4m3_scale(s.to(tl.int32))
     lo = _e2m1_times(b, 0, scale).to(tl.int32, bitcast=True)
@@ -329,10 +205,7 @@ def dequant_nvfp4_kernel(
     word = ((lo >> 16) & 0xFFFF) | (hi & -65536)
     if NAN16 != 0:  # a NaN scale is the only NaN product
         word = tl.where(scale != scale, (NAN16 & 0xFFFF) | (NAN16 << 16), word)
-    if EVEN:
-        tl.store(out_ptr + base + j, word)
-    else:
-        tl.store(out_ptr + base + j, word, mask=mask)
+    tl.store(out_ptr + base + j, word, mask=mask)
 
 
 @triton.jit
@@ -373,18 +246,11 @@ def dequant_mxfp8_rows_kernel(
     base = tl.program_id(0).to(tl.int64) * BLOCK
     i = tl.arange(0, BLOCK)
     idx = (i // 8) * 8 + i % 8
-    if EVEN:
-        b = tl.load(d_ptr + base + idx)
-        s = tl.load(s_ptr + (base >> 5) + i // 32)
-    else:
-        mask = i < N - base
-        b = tl.load(d_ptr + base + idx, mask=mask, other=0)
-        s = tl.load(s_ptr + (base >> 5) + i // 32, mask=mask, other=0)
+    mask = None if EVEN else i < N - base
+    b = load_or_0(d_ptr + base + idx, mask)
+    s = load_or_0(s_ptr + (base >> 5) + i // 32, mask)
     out = _mxfp8_bf16(b, _e8m0_value(s.to(tl.int32)), FMT, HW, NAN16)
-    if EVEN:
-        tl.store(out_ptr + base + i, out)
-    else:
-        tl.store(out_ptr + base + i, out, mask=mask)
+    tl.store(out_ptr + base + i, out, mask=mask)
 
 
 @triton.jit
@@ -412,18 +278,11 @@ def dequant_mxfp8_cols_kernel(
     qi = (q // 8) * 8 + q % 8
     srow = s_ptr + (r0 // 32).to(tl.int64) * Q + q0
     off = (r0 + tl.arange(0, R)[:, None]).to(tl.int64) * Q + q0
-    if EVEN:
-        s = tl.load(srow + qi)
-        b = tl.load(d_ptr + off + qi)
-    else:
-        cmask = q < Q - q0
-        s = tl.load(srow + qi, mask=cmask, other=0)
-        b = tl.load(d_ptr + off + qi, mask=cmask, other=0)
+    cmask = None if EVEN else q < Q - q0
+    s = load_or_0(srow + qi, cmask)
+    b = load_or_0(d_ptr + off + qi, cmask)
     out = _mxfp8_bf16(b, _e8m0_value(s.to(tl.int32)), FMT, HW, NAN16)
-    if EVEN:
-        tl.store(out_ptr + off + q, out)
-    else:
-        tl.store(out_ptr + off + q, out, mask=cmask)
+    tl.store(out_ptr + off + q, out, mask=cmask)
 
 
 @triton.jit

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import abs_for_max, nan_to_0
+from .common import abs_for_max, load_or_0, nan_to_0
 from .nvfp4 import _block_scale, _e2m1_lane, _e2m1_rne_field, _e2m1_sr_field, _global_scales
 
 
@@ -29,10 +29,7 @@ def _load_row(ptr, mask, BF16_BITS: tl.constexpr, PTX: tl.constexpr = False):
     """One row of every block in the tile as float32 (exact). PTX: two neighbouring bf16 of a
     register at a time, one instruction each (a shift for the low half, a mask for the high
     one), where the int16 path extracts and sign-extends the high half first."""
-    if mask is None:
-        v = tl.load(ptr)
-    else:
-        v = tl.load(ptr, mask=mask, other=0)
+    v = load_or_0(ptr, mask)
     if BF16_BITS:
         if PTX:
             v = tl.inline_asm_elementwise(
