@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from graphsan.cli import main, report_path_for
+from graphsan.cli import main
+from graphsan.commands.run import report_path_for
 from graphsan.report import (
     SCHEMA_VERSION,
     Finding,

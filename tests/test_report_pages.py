@@ -20,7 +20,8 @@ from graphsan.cli import main
 from graphsan.report import SCHEMA_VERSION, Finding, GraphInfo, Report, short_kernel
 from graphsan.report.pages import check_output
 from graphsan.report.pages.matrix import matrix_view, render_matrix
-from graphsan.report.pages.report_page import kernel_signature, render_report, report_view
+from graphsan.report.pages.report_finding import kernel_signature
+from graphsan.report.pages.report_page import render_report, report_view
 from tests.browser import find_chromium, open_page
 
 T0 = 1_780_000_000.0  # a fixed wall-clock start, so pages render the same every run

@@ -42,6 +42,7 @@ TORCH_FREE = {
     "graphsan": False,
     "graphsan.policies": False,
     "graphsan.cli": False,
+    "graphsan.commands": True,
     "graphsan.command_line": False,
     "graphsan.pytest_plugin": False,
     "graphsan.environment": False,

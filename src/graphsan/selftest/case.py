@@ -79,13 +79,15 @@ class Case:
             storage = t.untyped_storage()
             self.victims.append((storage.data_ptr(), max(storage.nbytes(), 1)))
 
-    def drop_if_broken(self, inputs: dict, name: str) -> None:
-        """The twin's usual mistake: the tensor `inputs[name]` is dropped after the capture
-        (the dict held the only reference) and new tensors take its memory."""
+    def drop_and_replay(self, g: torch.cuda.CUDAGraph, inputs: dict, name: str) -> None:
+        """The twin's usual mistake, then the replay it must be stopped at: the tensor
+        `inputs[name]` is dropped after the capture (the dict held the only reference) and new
+        tensors take its memory. The correct program only replays."""
         if self.broken:
             self.victim(inputs[name])
             del inputs[name]
             self.churn()
+        self.replay(g)
 
     def expect(self, kind: str) -> None:
         """A finding of this kind names the twin's mistake wherever it points (the replay-order

@@ -38,8 +38,7 @@ def _run(case: Case, inputs: dict[str, torch.Tensor], fn, victim: str, tol: floa
                 case.check(torch.equal(got, want), f"output {i} equals eager")
             else:
                 case.close(got, want, f"output {i} equals eager", tol)
-        case.drop_if_broken(inputs, victim)
-        case.replay(g)
+        case.drop_and_replay(g, inputs, victim)
 
 
 @program(

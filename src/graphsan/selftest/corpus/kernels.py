@@ -35,11 +35,6 @@ def _graph_and_check(case: Case, inputs: dict, fn, tol: float = 1e-4):
     return g
 
 
-def _drop_and_replay(case: Case, g, inputs: dict, name: str) -> None:
-    case.drop_if_broken(inputs, name)
-    case.replay(g)
-
-
 @program(
     "kernels/cat-stack-many",
     pattern="torch.cat of 300 tensors of odd sizes (batched copies with per-launch metadata), "
@@ -62,7 +57,7 @@ def cat_stack_many(case: Case) -> None:
         ]
 
     g = _graph_and_check(case, inputs, fn)
-    _drop_and_replay(case, g, inputs, "p137")
+    case.drop_and_replay(g, inputs, "p137")
 
 
 @program(
@@ -100,7 +95,7 @@ def index_gather_scatter(case: Case) -> None:
         ]
 
     g = _graph_and_check(case, inputs, fn, 1e-4)
-    _drop_and_replay(case, g, inputs, "idx")
+    case.drop_and_replay(g, inputs, "idx")
 
 
 @program(
@@ -185,7 +180,7 @@ def sort_topk_scan(case: Case) -> None:
         ]
 
     g = _graph_and_check(case, inputs, fn, 1e-4)
-    _drop_and_replay(case, g, inputs, "x")
+    case.drop_and_replay(g, inputs, "x")
 
 
 @program(
@@ -210,7 +205,7 @@ def fft(case: Case) -> None:
         ]
 
     g = _graph_and_check(case, inputs, fn, 1e-4)
-    _drop_and_replay(case, g, inputs, "x")
+    case.drop_and_replay(g, inputs, "x")
 
 
 @program(
@@ -297,7 +292,7 @@ def loss_dropout_rng(case: Case) -> None:
     first = float(loss)
     case.replay(g)
     case.check(first != float(loss), "each replay draws new random numbers")
-    _drop_and_replay(case, g, inputs, "target")
+    case.drop_and_replay(g, inputs, "target")
 
 
 @program(
@@ -333,7 +328,7 @@ def foreach_scalar_lists(case: Case) -> None:
         return [torch.stack(norms), grads[0].clone(), grads[-1].clone(), total, found_inf.clone()]
 
     g = _graph_and_check(case, inputs, fn, 1e-4)
-    _drop_and_replay(case, g, inputs, "t211")
+    case.drop_and_replay(g, inputs, "t211")
 
 
 @program(
@@ -387,7 +382,7 @@ def sdpa_attention(case: Case) -> None:
     case.replay(g, 2)
     torch.cuda.synchronize()
     case.check(bool(torch.isfinite(total)), "attention's sum is finite")
-    _drop_and_replay(case, g, inputs, "q")
+    case.drop_and_replay(g, inputs, "q")
 
 
 @program(
@@ -450,4 +445,4 @@ def grouped_mm(case: Case) -> None:
         return [torch._grouped_mm(x, w, offs=offs)]
 
     g = _graph_and_check(case, inputs, fn, 2e-2)
-    _drop_and_replay(case, g, inputs, "w")
+    case.drop_and_replay(g, inputs, "w")

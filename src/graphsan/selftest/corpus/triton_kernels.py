@@ -70,8 +70,7 @@ def _capture_and_break(case: Case, inputs: dict, launch, want, victim: str) -> N
     case.replay(g)
     torch.cuda.synchronize()
     case.close(out, want(), "the Triton kernel's output equals torch's")
-    case.drop_if_broken(inputs, victim)
-    case.replay(g)
+    case.drop_and_replay(g, inputs, victim)
 
 
 @program(

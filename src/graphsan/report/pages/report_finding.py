@@ -1,0 +1,136 @@
+"""One finding's block on the HTML report page: what it names (graph, node, kernel and the
+parameter marked in its signature, argument, tensor, stacks), the other graphs that use the
+memory, the graph's nodes around the offending one, and the block's life (report_life)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from graphsan.core.records import Finding, OtherUse, frame_text
+from graphsan.report.pages.report_common import human_bytes, rel
+from graphsan.report.pages.report_life import life
+from graphsan.report.text import no_free_stack, short_kernel, when
+
+NODE_WINDOW = 6  # nodes shown either side of the offending one (the rest fold away)
+
+
+def finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict[str, Any]:
+    free_site = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
+    head, params, tail = kernel_signature(f.kernel)
+    return {
+        "n": n,
+        "anchor": f"finding-{n}",
+        "kind": f.kind,
+        "graph_id": f.graph.id,
+        "label": f.graph.label,
+        "capture_site": frame_text(f.graph.capture_site[-1]) if f.graph.capture_site else "",
+        "node": f.node,
+        "kernel": f.kernel,
+        "kernel_short": short_kernel(f.kernel),
+        "signature": {"head": head, "params": params, "tail": tail},
+        "param": f.param,
+        "offset": f.offset,
+        "address": f"{f.address:#x}",
+        "block": f"{f.block_address:#x}",
+        "nbytes": f.nbytes,
+        "size": human_bytes(f.nbytes),
+        "pool": f.pool,
+        "other_nodes": f.other_nodes,
+        "now": f.now,
+        "cause": f.likely_cause,
+        "phase": f.phase,
+        "step": f.step,
+        "when": when(f.phase, f.step).strip(" ()"),
+        "free_op": f.free_op,
+        "free_site": free_site,
+        "alloc_site": frame_text(f.alloc_stack[-1]) if f.alloc_stack else "not recorded",
+        "alloc_stack": [frame_text(x) for x in f.alloc_stack],
+        "free_stack": [frame_text(x) for x in f.free_stack],
+        "capture_stack": [frame_text(x) for x in f.graph.capture_site],
+        "also": [_also_view(u, src, t0) for u in f.also_used_by],
+        "ranks": list(seen),
+        "nodes": _nodes_view(f, src["graphs"].get(f.graph.id)),
+        "life": life(f, src, t0),
+    }
+
+
+def _also_view(u: OtherUse, src, t0) -> dict[str, Any]:
+    g = src["graphs"].get(u.graph, {})
+    return {
+        "graph": u.graph,
+        "label": u.label,
+        "node": u.node,
+        "kernel": u.kernel,
+        "kernel_short": short_kernel(u.kernel),
+        "param": u.param,
+        "offset": u.offset,
+        "captured": rel(g.get("captured_at"), t0),
+    }
+
+
+def _nodes_view(f: Finding, stats: dict[str, Any] | None) -> dict[str, Any]:
+    """The graph's nodes around the offending one, from the report's node summary (graphs
+    captured before report schema v3 have none: only the referencing node is known)."""
+    summary = (stats or {}).get("node_summary")
+    if not summary or not summary.get("nodes"):
+        row = {"index": f.node, "short": short_kernel(f.kernel), "full": f.kernel, "hit": True}
+        return {"known": False, "window": [row], "all": [], "total": None, "shown": 0}
+    names = summary.get("names", [])
+    rows = []
+    for i, k in enumerate(summary["nodes"]):
+        full = names[k] if 0 <= k < len(names) else "?"
+        rows.append({"index": i, "short": short_kernel(full), "full": full, "hit": i == f.node})
+    total = summary.get("total", len(rows))
+    if f.node < len(rows):
+        lo, hi = max(f.node - NODE_WINDOW, 0), min(f.node + NODE_WINDOW + 1, len(rows))
+        window = rows[lo:hi]
+    else:  # beyond the summary's bound: show the node on its own after the first ones
+        window = [
+            *rows[: NODE_WINDOW * 2],
+            {"index": f.node, "short": short_kernel(f.kernel), "full": f.kernel, "hit": True},
+        ]
+    return {
+        "known": True,
+        "window": window,
+        "all": rows,
+        "total": total,
+        "shown": len(rows),
+        "before": window[0]["index"] if window else 0,
+        "after": max(total - 1 - window[-1]["index"], 0) if window else 0,
+    }
+
+
+def kernel_signature(name: str) -> tuple[str, list[str], str]:
+    """Split a demangled kernel name into (what comes before its parameter list, the
+    parameters, what follows), so a page can mark one parameter; ("name", [], "") when the
+    name has no parameter list (Triton kernels, memcpy)."""
+    end, open_at = len(name.rstrip()) - 1, -1
+    for i, ch in _outside_brackets(name):
+        if ch == "(":
+            open_at = i
+        elif ch == ")" and open_at >= 0 and i == end:
+            return name[: open_at + 1], _split_params(name[open_at + 1 : i]), name[i:]
+    return name, [], ""
+
+
+def _split_params(inner: str) -> list[str]:
+    """`inner` cut at its top-level commas, each part stripped; no empty last part."""
+    cuts = [i for i, ch in _outside_brackets(inner) if ch == ","]
+    parts = [
+        inner[a + 1 : b].strip() for a, b in zip([-1, *cuts], [*cuts, len(inner)], strict=True)
+    ]
+    return parts if parts[-1] else parts[:-1]
+
+
+def _outside_brackets(text: str) -> Iterator[tuple[int, str]]:
+    """(index, character) of each character outside every <>, () and [] pair, a bracket counting
+    as outside the pair it opens or closes; a closer without its opener is passed over."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in ">)]":
+            depth = max(depth - 1, 0)
+        if depth == 0:
+            yield i, ch
+        if ch in "<([":
+            depth += 1
