@@ -278,6 +278,21 @@ class Finding:
     # argument struct whose layout could not be confirmed ("unconfirmed layout (...)")
     caveat: str | None = None
 
+    @classmethod
+    def at(cls, kind: Kind | str, graph: GraphInfo, ref: Reference, **fields) -> Finding:
+        """A finding about the memory `ref` names: the node, kernel, parameter, offset and
+        address come from the reference, the rest from `fields`."""
+        return cls(
+            kind=kind,
+            graph=graph,
+            node=ref.node,
+            kernel=ref.kernel,
+            param=ref.param,
+            offset=ref.offset,
+            address=ref.address,
+            **fields,
+        )
+
     def __post_init__(self) -> None:
         # callers may hand lists; the evidence is kept as tuples so nobody can change it
         object.__setattr__(self, "kind", Kind(self.kind))

@@ -187,14 +187,10 @@ class ReplayOrders:
     ) -> Finding:
         """A finding of the pool's order: `ref` is the graph's argument, `block` (start, size)
         the range, `site` the producer's carve site."""
-        return Finding(
-            kind=kind,
-            graph=info,
-            node=ref.node,
-            kernel=ref.kernel,
-            param=ref.param,
-            offset=ref.offset,
-            address=ref.address,
+        return Finding.at(
+            kind,
+            info,
+            ref,
             nbytes=block[1],
             block_address=block[0],
             pool=pool_name(info.pool, info.pool),

@@ -351,14 +351,10 @@ class Tracker:
                 continue  # handed over meanwhile
             first = refs[0]
             findings.append(
-                Finding(
-                    kind=kind,
-                    graph=state.info,
-                    node=first.node,
-                    kernel=first.kernel,
-                    param=first.param,
-                    offset=first.offset,
-                    address=first.address,
+                Finding.at(
+                    kind,
+                    state.info,
+                    first,
                     nbytes=wb.size,
                     block_address=wb.address,
                     pool=pool_name(wb.pool, state.info.pool),
