@@ -146,6 +146,7 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(name, two_rank_run
     assert ranks[0]["params"]["embedding.weight"] == ranks[1]["params"]["embedding.weight"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [4])
 def test_distributed_optimizer_steps_as_the_all_reduce_one(nproc, tmp_path):
     """A toy model of odd sizes (the buffers are padded to a multiple of the ranks), every
@@ -188,6 +189,7 @@ def test_a_resumed_sharded_run_continues_identically(two_rank_runs, tmp_path):
         assert resumed[r]["params"] == whole[r]["params"]
 
 
+@pytest.mark.slow
 def test_only_rank_0_prints_and_the_global_batch_is_split(tmp_path):
     proc = torchrun(
         [
@@ -222,6 +224,7 @@ def test_only_rank_0_prints_and_the_global_batch_is_split(tmp_path):
     assert "global batch 8 = 2 x 2 microbatch(es) x 2 ranks" in out
 
 
+@pytest.mark.slow
 def test_a_bad_split_is_one_line_from_each_rank_that_reports(tmp_path):
     proc = torchrun(
         [

@@ -151,6 +151,7 @@ def test_mxfp8_words_kernel_tiles_and_fallbacks(tk, fmt):
     assert_mxfp8_matches(tk, mxfp8_inputs((64, 192), 0, "cpu")[:, ::2], fmt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["current", "legacy"])
 def test_nvfp4_row_words_kernel(tk, order):
     """The row words kernel (bf16, unit column stride): several programs along the row, a
@@ -225,6 +226,7 @@ def _assert_col_fused_matches(tk, cases, order, modes):
             assert torch.equal(a.data, b.data), where
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["current", "legacy"])
 def test_nvfp4_col_fused_kernel(tk, order):
     """The fused columnwise kernel (RHT and/or SR): two programs down the rows (the second
@@ -235,6 +237,7 @@ def test_nvfp4_col_fused_kernel(tk, order):
     _assert_col_fused_matches(tk, _col_fused_cases(9), order, modes)
 
 
+@pytest.mark.slow
 def test_nvfp4_col_amax_pass_with_two_tiles_a_program(tk, monkeypatch):
     """The RHT amax pass with two tiles a program (its running maximum; 9 block rows: the last
     program's second tile past the end) on the fused kernel's cases: the post-RHT amax and the
@@ -251,6 +254,7 @@ def _same_nvfp4(a, b, where):
     assert torch.equal(a.data, b.data), where
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["current", "legacy"])
 def test_nvfp4_quantize_both_reads_both_amaxes_once(tk, order, monkeypatch):
     """`nvfp4_quantize_both`: the rowwise and columnwise copies equal the reference's two calls
@@ -340,6 +344,7 @@ def test_nvfp4_grouped_both(tk, monkeypatch):
     assert tk.nvfp4_quantize_grouped_both(x.float(), ids, count, rht=True) is None
 
 
+@pytest.mark.slow
 def test_nvfp4_grouped_kernels(tk, monkeypatch):
     """Grouped NVFP4 (one amax per row group, from device-side groups): every operand kind
     against the reference, with an empty group and padding rows; the group amax over several
