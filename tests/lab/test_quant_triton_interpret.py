@@ -200,15 +200,17 @@ def test_nvfp4_col_words_kernel(tk, order):
             assert torch.equal(a.data, b.data), (name, block_2d)
 
 
-def _col_fused_cases(seed):
+def _col_fused_cases(seed, small=True):
     """bf16 over 2 x 3 programs of the default tiles (8 blocks x 64 columns; the second row and
     the third column program partial) with NaN in a block and an all-NaN block, float32, a
-    column slice and a column stride of 2."""
+    column slice and a column stride of 2. `small`: float32 and the slice over one program down
+    and two across (each partial), as the index arithmetic is bf16's."""
     x = edge_inputs((144, 160), seed, "cpu")
     x[16:32, 7] = math.nan
     x[40, 9] = math.nan
-    cases = {"bf16": x, "float32": x.float()}
-    cases["slice"] = edge_inputs((32, 320), seed + 1, "cpu")[:, 64:256]
+    cases = {"bf16": x, "float32": (x[:48, :96] if small else x).float()}
+    wide = edge_inputs((32, 160 if small else 320), seed + 1, "cpu")
+    cases["slice"] = wide[:, 64:160] if small else wide[:, 64:256]
     cases["stride2"] = edge_inputs((32, 256), seed + 2, "cpu")[:, ::2]
     return cases
 
@@ -230,9 +232,9 @@ def _assert_col_fused_matches(tk, cases, order, modes):
 @pytest.mark.parametrize("order", ["current", "legacy"])
 def test_nvfp4_col_fused_kernel(tk, order):
     """The fused columnwise kernel (RHT and/or SR): two programs down the rows (the second
-    partial), three across the columns (the last partial), bf16 and float32, a column slice and a
-    column stride of 2, NaN in a block and an all-NaN block; bytes and the post-RHT amax equal
-    the reference's, the SR bits drawn from equally seeded generators."""
+    partial), three across the columns (the last partial), float32 (a partial program each way),
+    a column slice and a column stride of 2, NaN in a block and an all-NaN block; bytes and the
+    post-RHT amax equal the reference's, the SR bits drawn from equally seeded generators."""
     modes = ((True, False), (True, True), (False, True))
     _assert_col_fused_matches(tk, _col_fused_cases(9), order, modes)
 
@@ -240,12 +242,14 @@ def test_nvfp4_col_fused_kernel(tk, order):
 @pytest.mark.slow
 def test_nvfp4_col_amax_pass_with_two_tiles_a_program(tk, monkeypatch):
     """The RHT amax pass with two tiles a program (its running maximum; 9 block rows: the last
-    program's second tile past the end) on the fused kernel's cases: the post-RHT amax and the
-    bytes equal the reference's. RHT without SR alone: SR and the order do not reach the amax
-    pass, and test_nvfp4_col_fused_kernel runs them with the default tile."""
+    program's second tile past the end) on the fused kernel's cases, float32 and the slice at
+    full size too: the post-RHT amax and the bytes equal the reference's. RHT without SR alone:
+    SR and the order do not reach the amax pass, and test_nvfp4_col_fused_kernel runs them with
+    the default tile."""
     tile = {"NB": 2, "BK": 64, "ITERS": 2, "num_warps": 1}
     monkeypatch.setattr(tk, "NVFP4_COL_AMAX_TILE", tile)
-    _assert_col_fused_matches(tk, _col_fused_cases(9), "current", ((True, False),))
+    cases = _col_fused_cases(9, small=False)
+    _assert_col_fused_matches(tk, cases, "current", ((True, False),))
 
 
 def _same_nvfp4(a, b, where):
