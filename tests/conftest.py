@@ -1,5 +1,6 @@
 """Shared test configuration: the `gpu` marker is skipped, with a reason, where CUDA is absent,
-and there Triton runs its interpreter, so the quantize kernels' logic is tested on CPU too."""
+and there Triton runs its interpreter, so the quantize kernels' logic is tested on CPU too; the
+`slow` tests run first."""
 
 import os
 
@@ -12,6 +13,15 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    # The `slow` tests first (xdist hands tests out in this order), so that none starts near the
+    # end while the other workers run out of work. Tests of an xdist_group stay in place: they
+    # share a module fixture, and xdist sends each group to one worker ahead of the rest.
+    def later(item):
+        return item.get_closest_marker("slow") is None or bool(
+            item.get_closest_marker("xdist_group")
+        )
+
+    items.sort(key=later)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

@@ -40,6 +40,7 @@ def test_the_sanitizer_bench_says_it_needs_a_gpu():
     )
 
 
+@pytest.mark.slow
 def test_the_dispatch_model_prints_its_rows_and_a_step_estimate():
     proc = bench("bench_trace_dispatch.py", "--batch", "500", "--rounds", "2", "--allocs", "10")
     assert proc.returncode == 0, proc.stderr

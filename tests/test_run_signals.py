@@ -48,6 +48,7 @@ def test_a_stop_signal_writes_the_report_then_ends_by_the_signal(tmp_path, name)
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_failed_rank_and_a_terminated_one_both_write_their_reports(tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(

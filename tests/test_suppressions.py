@@ -106,6 +106,7 @@ def test_suppressed_findings_round_trip_through_the_report(tmp_path):
         Report.load(str(path))
 
 
+@pytest.mark.slow
 def test_the_plugin_takes_suppressions_and_writes_a_report(pytester, tmp_path):
     pytester.makepyfile("def test_ok():\n    assert True\n")
     sfile = write(tmp_path)

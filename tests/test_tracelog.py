@@ -232,6 +232,11 @@ def test_sync_waits_while_the_current_stream_captures(monkeypatch):
 
 
 # -- the compiled tracker -----------------------------------------------------------------------
+# The tests of the compiled library (`compiled`, `traced`) share one xdist worker (`--dist
+# loadgroup`, pyproject.toml), so that the module's build runs once, not once a worker.
+BUILT_ONCE = pytest.mark.xdist_group("test_tracelog-compiled")
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """tracelog.cpp built against this torch (linked to libc10 only, not attached)."""
@@ -253,6 +258,7 @@ def feed_all(log: tracelog.TraceLog, entries: list[dict]) -> list[dict]:
     return per_device.get(0, [])
 
 
+@BUILT_ONCE
 @pytest.mark.slow
 @pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
 def test_the_compiled_tracker_keeps_the_view_equal_to_a_snapshot(compiled, expandable):
@@ -264,6 +270,7 @@ def test_the_compiled_tracker_keeps_the_view_equal_to_a_snapshot(compiled, expan
         compiled.enable(False)
 
 
+@BUILT_ONCE
 @pytest.mark.slow
 def test_the_compiled_tracker_drops_past_its_cap_and_says_so(compiled):
     compiled.enable(True)
@@ -293,6 +300,7 @@ def test_the_compiled_tracker_drops_past_its_cap_and_says_so(compiled):
         compiled.enable(False)
 
 
+@BUILT_ONCE
 @pytest.mark.slow
 def test_the_compiled_tracker_names_why_it_cannot_attach(compiled):
     import ctypes
@@ -712,6 +720,7 @@ def free_in_user_code(trace: GpuTrace, addr: int) -> None:
     trace.fire("free", addr)
 
 
+@BUILT_ONCE
 def test_the_trace_records_each_allocations_site_in_cpp(traced):
     trace = traced.trace
     allocate_in_user_code(trace, 0x7000_0000)
@@ -727,6 +736,7 @@ def test_the_trace_records_each_allocations_site_in_cpp(traced):
     assert traced._site_at(0x7000_0000) is None
 
 
+@BUILT_ONCE
 def test_the_trace_calls_python_only_for_watched_frees_and_names_the_freeing_code(traced):
     trace, tracker = traced.trace, traced.tracker
     before = trace.python_calls()
@@ -753,6 +763,7 @@ def test_the_trace_calls_python_only_for_watched_frees_and_names_the_freeing_cod
     assert tracker.graphs[1].dirty and trace.python_calls() == before + 2
 
 
+@BUILT_ONCE
 def test_the_trace_falls_back_with_one_warning_when_replaced(traced):
     from torch.cuda import _gpu_trace
 
@@ -767,6 +778,7 @@ def test_the_trace_falls_back_with_one_warning_when_replaced(traced):
     traced.check_trace()  # once only: no second warning
 
 
+@BUILT_ONCE
 def test_a_stopped_trace_forgets_its_sites_and_callbacks(compiled, traced):
     trace = compiled.gpu_trace
     allocate_in_user_code(trace, 0x7400_0000)
@@ -776,6 +788,7 @@ def test_a_stopped_trace_forgets_its_sites_and_callbacks(compiled, traced):
     assert not trace.current() and trace.watched_count() == 0
 
 
+@BUILT_ONCE
 def test_the_trace_is_not_taken_from_another_listener(compiled):
     import ctypes
 
@@ -793,6 +806,7 @@ def test_the_trace_is_not_taken_from_another_listener(compiled):
         have.value, state.value = saved
 
 
+@BUILT_ONCE
 def test_the_trace_keeps_count_under_threads(traced):
     """Four threads allocate and free at once (the library runs without the GIL between its
     Python calls): every watched free reaches Python exactly once, and no site outlives its
@@ -836,6 +850,7 @@ def test_the_trace_keeps_count_under_threads(traced):
     )
 
 
+@BUILT_ONCE
 def test_a_block_freed_while_its_capture_is_added_stays_watched(traced):
     """A free can reach Python between the library learning of a block and the block entering
     `Tracker.live`: the address stays watched, so the next free there is judged; an address no
@@ -861,6 +876,7 @@ def test_a_block_freed_while_its_capture_is_added_stays_watched(traced):
     assert trace.python_calls() == before + 3 and trace.watched_count() == 0
 
 
+@BUILT_ONCE
 def test_a_second_sanitizer_does_not_take_the_trace_from_the_first(compiled, traced, monkeypatch):
     other = AllocatorWatch(Tracker(), Context(), _raise, alloc_stacks=True)
     other.log = compiled

@@ -3,6 +3,10 @@
 distributed_program.py CONFIG_JSON OUT   train the configuration on every rank; each rank
                                          writes its losses, norms, captured main_grads and
                                          parameters to OUT.rank{N}.json
+distributed_program.py --each JSON OUT   JSON maps names to configurations: each trained in
+                                         turn, into OUT.{name}.rank{N}.json (one job for
+                                         several tests: a job's start costs more than a tiny
+                                         run)
 distributed_program.py optimizer OUT     the distributed optimizer against the all-reduce
                                          one on a toy model of odd sizes, for every expert-
                                          parallel size dividing the ranks; OUT.rank{N}.json
@@ -128,5 +132,13 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
 if __name__ == "__main__":
     if sys.argv[1] == "optimizer":
         optimizer_program(sys.argv[2])
+    elif sys.argv[1] == "--each":
+        # one group for every run (each run's own would be made and destroyed in turn, and gloo
+        # does not always connect a second time); each run makes its EP groups in it
+        torch.distributed.init_process_group("gloo")
+        for name, cfg in json.loads(sys.argv[2]).items():
+            print(f"distributed_program: training {name}", file=sys.stderr, flush=True)
+            train_program(json.dumps(cfg), f"{sys.argv[3]}.{name}")
+        torch.distributed.destroy_process_group()
     else:
         train_program(sys.argv[1], sys.argv[2])

@@ -25,6 +25,7 @@ STRIDED = pytest.mark.parametrize("strided", [False, True], ids=["picked", "stri
 # and the Hadamard-transformed columnwise wgrad operand
 NVFP4_KINDS = [(-1, False, False), (0, False, False), (-1, True, False), (0, True, False)]
 NVFP4_KINDS += [(0, False, True)]
+ROWWISE_KINDS = [kind for kind in NVFP4_KINDS if kind[0] != 0]
 
 
 @dataclass(frozen=True)
@@ -128,11 +129,11 @@ def assert_mxfp8_matches(tk, x, fmt, strided=False):
     return row, col
 
 
-def assert_nvfp4_matches(tk, x, order, seed, strided=False):
-    """Every operand kind, with and without stochastic rounding (same seed, same bits), and the
-    global amax kernel alone."""
+def assert_nvfp4_matches(tk, x, order, seed, strided=False, kinds=NVFP4_KINDS):
+    """Every operand kind (or those of `kinds`), with and without stochastic rounding (same seed,
+    same bits), and the global amax kernel alone."""
     assert torch.equal(tk.nv.global_amax(x), nvfp4.global_amax(x.float()))
-    for axis, block_2d, use_rht in NVFP4_KINDS:
+    for axis, block_2d, use_rht in kinds:
         if use_rht and x.shape[0] % 16:
             continue
         for sr in (False, True):

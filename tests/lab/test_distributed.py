@@ -72,19 +72,61 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize(
-    "ep, sharded",
-    [(1, False), (2, False), (1, True), (2, True)],
-    ids=["data-parallel", "expert-parallel", "dist-opt", "dist-opt-expert-parallel"],
-)
-def test_two_ranks_match_one_process_on_the_same_global_batch(ep, sharded, tmp_path):
+# (expert_model_parallel_size, use_distributed_optimizer) of the runs matched with one process
+MATCHED = {
+    "data-parallel": (1, False),
+    "expert-parallel": (2, False),
+    "dist-opt": (1, True),
+    "dist-opt-expert-parallel": (2, True),
+}
+# the resumed run's settings: the experts split, the distributed optimizer
+RESUMED = dict(expert_model_parallel_size=2, use_distributed_optimizer=True, eval_interval=0)
+# The two-rank runs of the tests marked with this group are trained in one torchrun job
+# (`two_rank_runs`): starting a job costs more than a tiny run. The group keeps those tests on
+# one xdist worker (`--dist loadgroup`, pyproject.toml), so the job runs once.
+ONE_JOB = pytest.mark.xdist_group("test_distributed-two-rank-runs")
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Each MATCHED configuration, then the resumed test's uninterrupted 4 iterations ("whole")
+    and its first 2 saved ("first"), trained in turn by every rank of one job. Returns the
+    job's folder and `ranks(name)`: the two ranks' results for one run (failing the test that
+    asks where the job failed)."""
+    folder = tmp_path_factory.mktemp("two-rank-runs")
+    runs = {
+        name: tiny(expert_model_parallel_size=ep, use_distributed_optimizer=sharded)
+        for name, (ep, sharded) in MATCHED.items()
+    }
+    common = dict(RESUMED, capture_grads=(), save=str(folder / "ckpt"))
+    runs["whole"] = tiny(train_iters=4, **common)
+    runs["first"] = tiny(train_iters=2, save_interval=2, **common)  # saved after "whole"'s save
+    out = folder / "result"
+    proc = torchrun([str(PROGRAM), "--each", json.dumps(runs), str(out)])
+
+    def ranks(name: str) -> list[dict]:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(Path(f"{out}.{name}.rank{r}.json").read_text()) for r in range(2)]
+
+    return folder, ranks
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The MATCHED runs' reference: the same global batch in one process, and its model."""
+    one = train(TrainConfig(**tiny(), world_size=1), callbacks=[keep := KeepModel()])
+    return one, keep.model
+
+
+@ONE_JOB
+@pytest.mark.parametrize("name", MATCHED)
+def test_two_ranks_match_one_process_on_the_same_global_batch(name, two_rank_runs, one_process):
     """2 ranks x 2 microbatches x 2 sequences = one process's 4 microbatches x 2: the losses,
     the validation loss, a router gradient (reduced over the ranks) and the parameters agree,
     with the optimizer replicated or sharded (--use-distributed-optimizer)."""
-    one = train(TrainConfig(**tiny(), world_size=1), callbacks=[keep := KeepModel()])
-    ranks = run_ranks(
-        tiny(expert_model_parallel_size=ep, use_distributed_optimizer=sharded), tmp_path
-    )
+    ep, _ = MATCHED[name]
+    one, model = one_process
+    ranks = two_rank_runs[1](name)
     for rank, r in enumerate(ranks):
         assert close(r["losses"], one.losses), (r["losses"], one.losses)
         assert close(r["mtp_losses"], one.mtp_losses)
@@ -93,17 +135,18 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(ep, sharded, tmp_p
         grad = torch.tensor(r["main_grads"]["layers.2.mixer.router.weight"])
         ref = one.main_grads[-1]["layers.2.mixer.router.weight"]
         assert (grad - ref).norm() <= 1e-2 * ref.norm()
-        for name, p in keep.model.named_parameters():
-            got, want = torch.tensor(r["params"][name]), p.detach().float().reshape(-1)
+        for pname, p in model.named_parameters():
+            got, want = torch.tensor(r["params"][pname]), p.detach().float().reshape(-1)
             if got.numel() != want.numel():  # experts split: this rank holds its share of them
                 want = want.reshape(ep, -1)[rank % ep]
-            assert (got - want).norm() <= 1e-2 * want.norm(), name
+            assert (got - want).norm() <= 1e-2 * want.norm(), pname
     # every rank took the same steps, so they report the same (all-reduced) losses and hold the
     # same dense parameters
     assert ranks[0]["losses"] == ranks[1]["losses"]
     assert ranks[0]["params"]["embedding.weight"] == ranks[1]["params"]["embedding.weight"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [4])
 def test_distributed_optimizer_steps_as_the_all_reduce_one(nproc, tmp_path):
     """A toy model of odd sizes (the buffers are padded to a multiple of the ranks), every
@@ -127,25 +170,26 @@ def test_distributed_optimizer_steps_as_the_all_reduce_one(nproc, tmp_path):
             assert max(row["norm_rel"]) <= 1e-6, (r, case, row)
 
 
-def test_a_resumed_sharded_run_continues_identically(tmp_path):
+@ONE_JOB
+def test_a_resumed_sharded_run_continues_identically(two_rank_runs, tmp_path):
     """Two ranks with the distributed optimizer and the experts split: 2 iterations saved (one
-    file per expert shard, the shards' states gathered), then --load and 2 more, give the
-    losses and parameters of 4 iterations in one go, exactly."""
-    common = dict(expert_model_parallel_size=2, use_distributed_optimizer=True, eval_interval=0)
-    common.update(capture_grads=(), save=str(tmp_path / "ckpt"))
-    whole = run_ranks(tiny(train_iters=4, **common), tmp_path / "whole")
-    run_ranks(tiny(train_iters=2, save_interval=2, **common), tmp_path / "first")
-    names = sorted((tmp_path / "ckpt").iterdir())
-    assert [p.name for p in names] == ["latest.ep0.pt", "latest.ep1.pt"]
-    resumed = run_ranks(
-        tiny(train_iters=4, load=str(tmp_path / "ckpt"), **common), tmp_path / "rest"
-    )
+    file per expert shard, the shards' states gathered), then --load and 2 more in a job of its
+    own, give the losses and parameters of 4 iterations in one go, exactly."""
+    folder, ranks = two_rank_runs
+    whole = ranks("whole")
+    ranks("first")
+    ckpt = folder / "ckpt"
+    assert [p.name for p in sorted(ckpt.iterdir())] == ["latest.ep0.pt", "latest.ep1.pt"]
+    # the rest resumes in fresh processes, as a real resumed run does
+    rest = dict(RESUMED, capture_grads=(), save=str(ckpt), load=str(ckpt))
+    resumed = run_ranks(tiny(train_iters=4, **rest), tmp_path / "rest")
     for r in range(2):
         assert resumed[r]["losses"] == whole[r]["losses"][2:]
         assert resumed[r]["grad_norms"] == whole[r]["grad_norms"][2:]
         assert resumed[r]["params"] == whole[r]["params"]
 
 
+@pytest.mark.slow
 def test_only_rank_0_prints_and_the_global_batch_is_split(tmp_path):
     proc = torchrun(
         [
@@ -180,6 +224,7 @@ def test_only_rank_0_prints_and_the_global_batch_is_split(tmp_path):
     assert "global batch 8 = 2 x 2 microbatch(es) x 2 ranks" in out
 
 
+@pytest.mark.slow
 def test_a_bad_split_is_one_line_from_each_rank_that_reports(tmp_path):
     proc = torchrun(
         [

@@ -63,6 +63,7 @@ SMALL_TILES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tiles", ["launch", "small"])
 @pytest.mark.parametrize("shape", [(64, 128), (96, 160)])
 def test_operand_preparation_on_random_bytes(tk, tiles, shape, monkeypatch):
@@ -76,6 +77,7 @@ def test_operand_preparation_on_random_bytes(tk, tiles, shape, monkeypatch):
     assert_gemm_operand_bits(tk, random_byte_operands("cpu", seed, shape), f"seed {seed}")
 
 
+@pytest.mark.slow
 def test_operand_preparation_every_element_and_scale_byte(tk):
     """All 256 element bytes (NVFP4: code pairs) against all 256 scale bytes, each format and
     direction."""

@@ -185,6 +185,7 @@ def test_spike_changes_one_block_only(axis):
             assert (changed[:, 1] == 3).all() and (changed[:, 0] // 32 == block).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("axis", AXES)
 def test_random_1e7_matches_numpy_reference(fmt, axis):

@@ -14,6 +14,7 @@ import torch
 from graphsan.lab.quant import NVFP4Options, mxfp8, nvfp4
 from tests.lab.grouped_checks import check_nvfp4_grouped_kernels
 from tests.lab.kernel_checks import (
+    ROWWISE_KINDS,
     STRIDED,
     assert_mxfp8_matches,
     assert_nvfp4_edges_match,
@@ -154,13 +155,15 @@ def test_mxfp8_words_kernel_tiles_and_fallbacks(tk, fmt):
     assert_mxfp8_matches(tk, mxfp8_inputs((64, 192), 0, "cpu")[:, ::2], fmt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["current", "legacy"])
 def test_nvfp4_row_words_kernel(tk, order):
     """The row words kernel (bf16, unit column stride): several programs along the row, a
     partial row tile (1D and 2D blocks, with and without SR), and the named edge cases rounded
     to bf16 (given the reference global amax: the interpreter loads bf16 subnormals inexactly in
     the amax kernel)."""
-    assert_nvfp4_matches(tk, edge_inputs((48, 544), 3, "cpu"), order, 5)
+    # the rowwise kinds alone: the columnwise kernels' tiles are the column tests' below
+    assert_nvfp4_matches(tk, edge_inputs((48, 544), 3, "cpu"), order, 5, kinds=ROWWISE_KINDS)
     x = edge_inputs((40, 288), 4, "cpu")
     for block_2d in (False, True):
         for sr in (False, True):
@@ -187,10 +190,10 @@ def test_nvfp4_col_words_kernel(tk, order):
     wider tensor, 1D and 2D blocks, NaN in a block and an all-NaN block (given the reference
     global amax, as above); and the input it leaves to the strided kernel (a column stride of
     2)."""
-    x = edge_inputs((144, 288), 6, "cpu")
+    x = edge_inputs((144, 160), 6, "cpu")  # 2 x 3 programs of 8 blocks x 16 words
     x[16:32, 7] = math.nan
     x[40, 9] = math.nan
-    cases = {"random": x, "slice": edge_inputs((32, 640), 7, "cpu")[:, 128:544]}
+    cases = {"random": x, "slice": edge_inputs((32, 320), 7, "cpu")[:, 64:256]}
     cases["strided"] = edge_inputs((32, 256), 8, "cpu")[:, ::2]
     for name, x in cases.items():
         amax = nvfp4.global_amax(x.float())
@@ -201,26 +204,24 @@ def test_nvfp4_col_words_kernel(tk, order):
             assert torch.equal(a.data, b.data), (name, block_2d)
 
 
-@pytest.mark.parametrize("order", ["current", "legacy"])
-@pytest.mark.parametrize("amax_iters", [1, 2])
-def test_nvfp4_col_fused_kernel(tk, order, amax_iters, monkeypatch):
-    """The fused columnwise kernel (RHT and/or SR): two programs down the rows (the second
-    partial), three across the columns (the last partial), bf16 and float32, a column slice and a
-    column stride of 2, NaN in a block and an all-NaN block; bytes and the post-RHT amax equal
-    the reference's, the SR bits drawn from equally seeded generators. The amax pass also with
-    two tiles a program (its running maximum; 9 block rows: the last program's second tile
-    past the end)."""
-    if amax_iters > 1:
-        tile = {"NB": 2, "BK": 64, "ITERS": amax_iters, "num_warps": 1}
-        monkeypatch.setattr(tk.nv, "NVFP4_COL_AMAX_TILE", tile)
-    x = edge_inputs((144, 160), 9, "cpu")
+def _col_fused_cases(seed, small=True):
+    """bf16 over 2 x 3 programs of the default tiles (8 blocks x 64 columns; the second row and
+    the third column program partial) with NaN in a block and an all-NaN block, float32, a
+    column slice and a column stride of 2. `small`: float32 and the slice over one program down
+    and two across (each partial), as the index arithmetic is bf16's."""
+    x = edge_inputs((144, 160), seed, "cpu")
     x[16:32, 7] = math.nan
     x[40, 9] = math.nan
-    cases = {"bf16": x, "float32": x.float()}
-    cases["slice"] = edge_inputs((32, 320), 10, "cpu")[:, 64:256]
-    cases["stride2"] = edge_inputs((32, 256), 11, "cpu")[:, ::2]
+    cases = {"bf16": x, "float32": (x[:48, :96] if small else x).float()}
+    wide = edge_inputs((32, 160 if small else 320), seed + 1, "cpu")
+    cases["slice"] = wide[:, 64:160] if small else wide[:, 64:256]
+    cases["stride2"] = edge_inputs((32, 256), seed + 2, "cpu")[:, ::2]
+    return cases
+
+
+def _assert_col_fused_matches(tk, cases, order, modes):
     for name, x in cases.items():
-        for use_rht, sr in ((True, False), (True, True), (False, True)):
+        for use_rht, sr in modes:
             g1 = torch.Generator().manual_seed(3) if sr else None
             g2 = torch.Generator().manual_seed(3) if sr else None
             a = tk.nv.nvfp4_quantize(x, 0, NVFP4Options(False, order, use_rht, g1))
@@ -231,19 +232,45 @@ def test_nvfp4_col_fused_kernel(tk, order, amax_iters, monkeypatch):
             assert torch.equal(a.data, b.data), where
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["current", "legacy"])
+def test_nvfp4_col_fused_kernel(tk, order):
+    """The fused columnwise kernel (RHT and/or SR): two programs down the rows (the second
+    partial), three across the columns (the last partial), float32 (a partial program each way),
+    a column slice and a column stride of 2, NaN in a block and an all-NaN block; bytes and the
+    post-RHT amax equal the reference's, the SR bits drawn from equally seeded generators."""
+    modes = ((True, False), (True, True), (False, True))
+    _assert_col_fused_matches(tk, _col_fused_cases(9), order, modes)
+
+
+@pytest.mark.slow
+def test_nvfp4_col_amax_pass_with_two_tiles_a_program(tk, monkeypatch):
+    """The RHT amax pass with two tiles a program (its running maximum; 9 block rows: the last
+    program's second tile past the end) on the fused kernel's cases, float32 and the slice at
+    full size too: the post-RHT amax and the bytes equal the reference's. RHT without SR alone:
+    SR and the order do not reach the amax pass, and test_nvfp4_col_fused_kernel runs them with
+    the default tile."""
+    tile = {"NB": 2, "BK": 64, "ITERS": 2, "num_warps": 1}
+    monkeypatch.setattr(tk.nv, "NVFP4_COL_AMAX_TILE", tile)
+    cases = _col_fused_cases(9, small=False)
+    _assert_col_fused_matches(tk, cases, "current", ((True, False),))
+
+
 def _same_nvfp4(a, b, where):
     assert torch.equal(a.amax, b.amax), where
     assert torch.equal(a.scale, b.scale), where
     assert torch.equal(a.data, b.data), where
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["current", "legacy"])
 def test_nvfp4_quantize_both_reads_both_amaxes_once(tk, order, monkeypatch):
     """`nvfp4_quantize_both`: the rowwise and columnwise copies equal the reference's two calls
     (the SR seed drawn for the row copy first), with RHT both amaxes from the amax pass alone:
     neither the global amax kernel nor a second amax pass runs. NaN in a block, an all-NaN
-    block, -0.0, bf16 and float32, a column slice and a column stride of 2."""
-    x = edge_inputs((144, 160), 12, "cpu")
+    block, -0.0, bf16 and float32 (two programs down the rows, two across, each second one
+    partial), a column slice and a column stride of 2."""
+    x = edge_inputs((144, 96), 12, "cpu")
     x[16:32, 7] = math.nan
     x[40, 9] = math.nan
     x[64:80, 3] = -0.0
@@ -333,6 +360,7 @@ def test_nvfp4_grouped_both(tk, monkeypatch):
     assert tk.nv.nvfp4_quantize_grouped_both(x.float(), ids, count, NVFP4Options(rht=True)) is None
 
 
+@pytest.mark.slow
 def test_nvfp4_grouped_kernels(tk, monkeypatch):
     """Grouped NVFP4 (one amax per row group, from device-side groups): every operand kind
     against the reference, with an empty group and padding rows; the group amax over several

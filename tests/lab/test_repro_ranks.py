@@ -89,6 +89,7 @@ def fake_ranks(monkeypatch, tmp_path, hang: bool):
         monkeypatch.delenv("FAKE_HANG", raising=False)
 
 
+@pytest.mark.slow
 def test_a_case_trains_on_two_ranks_through_the_child_code_and_compares_with_eager(
     monkeypatch, tmp_path
 ):

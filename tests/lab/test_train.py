@@ -15,6 +15,7 @@ from graphsan.lab.train.data import SyntheticTokens
 TINY = {"preset": "tiny", "quiet": True, "device": "cpu"}
 
 
+@pytest.mark.slow
 def test_loss_falls_on_synthetic_data():
     r = train(TrainConfig(**TINY, train_iters=60, lr=1e-2, micro_batch_size=4, seq_length=64))
     assert len(r.losses) == 60

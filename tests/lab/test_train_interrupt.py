@@ -8,9 +8,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.gpu_programs import ROOT
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_stops_in_one_line(tmp_path):
     save = tmp_path / "ckpt"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), PYTHONUNBUFFERED="1")
