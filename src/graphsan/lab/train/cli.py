@@ -202,7 +202,9 @@ def _error(msg: str, status: int = 2) -> int:
 
     rank = rank_from_env()
     who = f" [rank {rank}]" if rank is not None else ""
-    print(f"graphsan train{who}: error: {msg}", file=sys.stderr)
+    # one write of the whole line: ranks sharing torchrun's stderr never join two lines
+    sys.stderr.write(f"graphsan train{who}: error: {msg}\n")
+    sys.stderr.flush()
     return status
 
 
