@@ -215,6 +215,16 @@ SEEN = {
     7: [{"outcome": "trained through"}],
     8: [{"outcome": "silent corruption", "iteration": 7}],
     9: [{"outcome": "StaleMemoryError", "iteration": 6, "finding": FINDING}],
+    10: [{"outcome": "device-side assert", "iteration": 4}],
+    11: [
+        {
+            "outcome": "StaleMemoryError",
+            "iteration": 4,
+            "finding": "replay-order: layers.11:front bwd mb0 node 18 "
+            "at::native::vectorized_elementwise_kernel<> param 2+8 -> 28160 B block, "
+            "written by graph #12, overwritten by graph #31 (phase train (no_grad), step 6)",
+        }
+    ],
 }
 
 
