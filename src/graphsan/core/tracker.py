@@ -124,11 +124,8 @@ class Tracker:
         self._freed_seg_keys: list[tuple[DataPtr, int]] = []  # sorted by start
         self._freed_seg_starts: list[DataPtr] = []
         self.free_seq = 0  # watched frees recorded so far (see judge's as_of)
-        # (start, end) -> the live pinned host block overlapping it (address, size, frames)
-        self.host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None
-        # whether the pool's replay order (graphsan.core.order) judges every graph that reads
-        # the block: then a free outside a capture hands it over, like one inside a capture
-        self.order_reads: Callable[[WatchedBlock], bool] | None = None
+        self.host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None  # consult
+        self.order_reads: Callable[[WatchedBlock], bool] | None = None  # consult
         # told the addresses newly watched, and the freed segments whenever they change (an
         # adapter that filters allocator events outside Python mirrors them)
         self.on_watch: Callable[[list[DataPtr]], None] | None = None
@@ -139,9 +136,11 @@ class Tracker:
         host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None,
         order_reads: Callable[[WatchedBlock], bool] | None = None,
     ) -> None:
-        """The two questions the tracker asks of its neighbours, which need the tracker
-        themselves: who owns pinned host memory now, and whether the pool's replay order judges
-        a block's readers."""
+        """The two questions the tracker asks of neighbours that need the tracker themselves:
+        `host_owner(start, end)`, the live pinned host block overlapping the range (address,
+        size, frames), and `order_reads(block)`, whether the pool's replay order
+        (`core.order`) judges every graph that reads the block: then a free outside a capture
+        hands it over, like one inside a capture."""
         self.host_owner = host_owner
         self.order_reads = order_reads
 
