@@ -11,13 +11,25 @@ from graphsan.lab.train import TrainConfig, train
 from graphsan.report import one_line
 
 run_s, cap_s, in_flight, microbatches, mode = sys.argv[1:6]
-cfg = dict(preset="tiny", quiet=True, device="cuda", train_iters=6, seq_length=64,
-           micro_batch_size=1, global_batch_size=int(microbatches), cuda_graph_warmup_steps=2,
-           precision_config="mxfp8-all", capture_grads=(), microbatch_schedule=run_s,
-           microbatches_in_flight=int(in_flight))
+cfg = dict(
+    preset="tiny",
+    quiet=True,
+    device="cuda",
+    train_iters=6,
+    seq_length=64,
+    micro_batch_size=1,
+    global_batch_size=int(microbatches),
+    cuda_graph_warmup_steps=2,
+    precision_config="mxfp8-all",
+    capture_grads=(),
+    microbatch_schedule=run_s,
+    microbatches_in_flight=int(in_flight),
+)
 if mode != "eager":
-    cfg.update(cuda_graph_modules=("attn", "mamba", "moe_router", "moe_preprocess", "mlp"),
-               capture_schedule=cap_s)
+    cfg.update(
+        cuda_graph_modules=("attn", "mamba", "moe_router", "moe_preprocess", "mlp"),
+        capture_schedule=cap_s,
+    )
 out = {}
 if mode == "record":
     with graphsan.watch(policy="record") as san:
