@@ -64,13 +64,10 @@ class Seams:
     @classmethod
     def detect(cls) -> Seams:
         graphs = getattr(torch.cuda, "graphs", None)
-        hook = lambda name: getattr(graphs, name, None)  # noqa: E731
-        start, end = (
-            hook("register_graph_replay_start_hook"),
-            hook("register_graph_replay_end_hook"),
-        )
+        start = getattr(graphs, "register_graph_replay_start_hook", None)
+        end = getattr(graphs, "register_graph_replay_end_hook", None)
         return cls(
-            capture_end=hook("register_graph_capture_end_hook"),
+            capture_end=getattr(graphs, "register_graph_capture_end_hook", None),
             # the judgement needs both: the start aborts a stale replay, the end stamps the order
             replay_start=start if end is not None else None,
             replay_end=end if start is not None else None,
