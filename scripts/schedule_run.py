@@ -1,5 +1,6 @@
 """One run of the lab's step in a microbatch order (scripts/investigations.sh schedules):
-`RUN_SCHEDULE CAPTURE_SCHEDULE IN_FLIGHT MICROBATCHES eager|off|record`; prints one RESULT line
+`RUN_SCHEDULE CAPTURE_SCHEDULE IN_FLIGHT MICROBATCHES eager|off|record [reuse]` (reuse: TE's
+graph buffer reuse, `--reuse-graph-buffers`); prints one RESULT line
 with the losses and, under record, the kinds graphsan found and its first finding."""
 
 import collections
@@ -11,6 +12,7 @@ from graphsan.lab.train import TrainConfig, train
 from graphsan.report import one_line
 
 run_s, cap_s, in_flight, microbatches, mode = sys.argv[1:6]
+reuse = sys.argv[6:7] == ["reuse"]
 cfg = dict(
     preset="tiny",
     quiet=True,
@@ -29,6 +31,7 @@ if mode != "eager":
     cfg.update(
         cuda_graph_modules=("attn", "mamba", "moe_router", "moe_preprocess", "mlp"),
         capture_schedule=cap_s,
+        reuse_graph_buffers=reuse,
     )
 out = {}
 if mode == "record":

@@ -99,7 +99,11 @@ class Sanitizer:
         self.host = HostWatch(self.tracker, self.memory.free_event, self._internal_error)
         self.pool_orders = ReplayOrders(self.tracker, self.memory.site_frames)
         # the tracker asks these two about a block; both need the tracker themselves
-        self.tracker.consult(host_owner=self.host.owner, order_reads=self.pool_orders.judges)
+        self.tracker.consult(
+            host_owner=self.host.owner,
+            order_reads=self.pool_orders.judges,
+            handed_over=self.pool_orders.released,
+        )
         self.capture = CaptureAnalysis(
             self.memory, self.tracker, self.host, self.pool_orders, self.timeline
         )

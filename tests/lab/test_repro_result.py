@@ -61,7 +61,8 @@ CASE_4 = """{
  "about": "stopped before the replay, naming out_proj's weight workspace",
  "schedule": "sequential",
  "captured_in": null,
- "finding_kinds": []
+ "finding_kinds": [],
+ "reuse_graph_buffers": false
 }"""
 
 

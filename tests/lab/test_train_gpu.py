@@ -80,15 +80,30 @@ elif spec["kind"] == "schedule":
     out["schedule"] = compare(eager, graphed, 0)
     out["findings"] = [str(f) for f in san.findings]
     out["graphs_watched"] = len(san.graph_stats)
+elif spec["kind"] == "reuse":
+    # TE's buffer reuse, each schedule over graphs captured in its own order, under graphsan
+    import graphsan
+    for schedule in ("sequential", "1f1b"):
+        kw = dict(micro_batch_size=1, global_batch_size=4, microbatch_schedule=schedule,
+                  precision_config="mxfp8-all")
+        eager = run(**kw)
+        with graphsan.watch(policy="raise") as san:
+            graphed = run(cuda_graph_modules=("attn", "mamba", "moe_router", "moe_preprocess",
+                                              "mlp"), reuse_graph_buffers=True, **kw)
+        out[schedule] = compare(eager, graphed, 0)
+        out[schedule]["findings"] = [str(f) for f in san.findings]
 elif spec["kind"] == "mismatch":
     # the step runs 1F1B over graphs captured in sequence: out of capture order
     import graphsan
     kw = dict(micro_batch_size=1, global_batch_size=2, microbatch_schedule="1f1b",
               capture_schedule="sequential", precision_config="mxfp8-all", capture_grads=(),
-              cuda_graph_modules=("attn", "mamba", "moe_router", "moe_preprocess"))
+              cuda_graph_modules=tuple(spec.get("scopes", ("attn", "mamba", "moe_router",
+                                                           "moe_preprocess"))),
+              reuse_graph_buffers=spec.get("reuse", False))
     if spec["graphsan"] == "off":
         eager = run(**{k: v for k, v in kw.items() if k not in ("cuda_graph_modules",
-                                                               "capture_schedule")})
+                                                               "capture_schedule",
+                                                               "reuse_graph_buffers")})
         graphed = run(**kw)
         out["eager"], out["graphed"] = eager.losses, graphed.losses
     else:
@@ -98,6 +113,7 @@ elif spec["kind"] == "mismatch":
             out["raised"] = None
         except graphsan.StaleMemoryError as err:
             out["raised"] = sorted({f.kind for f in err.findings})
+            out["first"] = err.findings[0].kind
             out["text"] = str(err)[:3000]
 elif spec["kind"] == "resume":
     # graphed: the resumed run captures its graphs after its own warm-up steps
@@ -211,3 +227,31 @@ def test_1f1b_over_graphs_captured_in_sequence_is_stopped_by_graphsan():
     res = _run({"kind": "mismatch", "graphsan": "raise"})
     assert res["raised"], res
     assert set(res["raised"]) <= {"replay-order", "live-output"}, res["text"]
+
+
+def test_reused_graph_buffers_are_quiet_and_correct_in_capture_order():
+    """TE's buffer reuse hands forward outputs back to the pool at capture; both schedules,
+    each replaying its graphs in capture order, train as eager does with no finding."""
+    res = _run({"kind": "reuse"})
+    for schedule in ("sequential", "1f1b"):
+        r = res[schedule]
+        assert r["stages"] and r["findings"] == [], (schedule, r["findings"])
+        assert r["loss"] < 1e-3, (schedule, r)
+        for name, err in r["grads"].items():
+            assert err < 1e-2, (schedule, name, err)
+
+
+REUSED_MISMATCH = {"kind": "mismatch", "reuse": True, "scopes": ["attn", "mamba"]}
+
+
+def test_1f1b_over_reused_buffers_captured_in_sequence_corrupts_silently():
+    """Outputs the pool got back are carved by the next forward: the losses leave eager's with
+    no error, since these graphs hold no index a kernel could trip on."""
+    res = _run(dict(REUSED_MISMATCH, graphsan="off"))
+    worst = max(abs(a - b) / abs(a) for a, b in zip(res["eager"], res["graphed"], strict=True))
+    assert worst > 1e-3 or any(x != x for x in res["graphed"]), res
+
+
+def test_1f1b_over_reused_buffers_is_stopped_as_a_live_output():
+    res = _run(dict(REUSED_MISMATCH, graphsan="raise"))
+    assert res["raised"] and res["first"] == "live-output", res

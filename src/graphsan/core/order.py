@@ -18,17 +18,7 @@ as they replay in capture order. The model, per pool:
   order since the last restart, and how far: a reader whose producers all ran in this pass,
   and that comes before the next carver, is clean without looking at its ranges.
 
-The caller is a reader too. A capture can carve memory an earlier graph of the pool used as
-scratch and hand it out as an output the caller keeps (a backward's input gradient in a pipeline
-schedule). Replaying the earlier graph then writes over that output. In capture order, and at a
-restart, that output belongs to a finished pass; out of capture order, when the output's producer
-ran after the earlier graph last did, the caller has not read it yet. That `Overwrite` is judged
-only in pools where graphs pass data to each other (some graph reads another's range): graphs of
-one pool that never do (one graph per batch size, replayed in any order) each hand their output to
-the caller before the next replay. An output that graphs of the pool read is consumed once every
-one of them replayed after its producer did (a schedule's activations and gradients, handed from
-graph to graph): the model cannot see eager code read it, and stays quiet there rather than
-guess.
+The caller is a reader too: `core.outputs` judges the outputs a replay would write over.
 
 A replay costs a clock tick and that order bookkeeping, whatever the graph's size; a reader out
 of order is checked per range it reads (its own footprint, never the number of graphs). A
@@ -41,6 +31,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from graphsan.core.outputs import CallerReads
 from graphsan.core.records import DataPtr, GraphId, Reference
 
 NEVER_IN_ORDER = 1 << 62  # a reader's producer place that no pass reaches
@@ -70,18 +61,6 @@ class Conflict:
     site: object = None  # the producer's allocation stack of the range
 
 
-@dataclass(frozen=True)
-class Overwrite:
-    """A replay of `writer` writes [start, end): memory `producer`, captured later, carved from
-    `writer`'s scratch; `site` is the producer's allocation stack of its carve."""
-
-    writer: GraphId
-    start: DataPtr
-    end: DataPtr
-    producer: GraphId
-    site: object = None
-
-
 @dataclass(eq=False)
 class Watched:
     """A range one graph writes and others read."""
@@ -95,7 +74,7 @@ class Watched:
 
 
 @dataclass
-class PoolOrder:
+class PoolOrder(CallerReads):
     """One pool's capture sequence, its carves, the ranges read across graphs and who wrote
     each last. A replay of a graph stamps the ranges it writes; a reader checks its ranges."""
 
@@ -200,6 +179,7 @@ class PoolOrder:
                         self._newly_carved_over.append(g)
         if carves:
             self._carves_of[gid] = [(c.start, c.end) for c in carves]
+        reused = [r for c in carves for r in self._released_under(gid, c.start, c.end)]
         for c in carves:
             key = (c.start, c.end)
             if key not in self._carved_by:
@@ -223,6 +203,7 @@ class PoolOrder:
                 self._producers_up_to[gid] = place
             if len(w.writers) > 1:
                 readers.add(gid)
+        self._add_reuses(gid, reused)
         return readers
 
     def _watch(self, p: Carve) -> Watched:
@@ -288,6 +269,7 @@ class PoolOrder:
             w.readers.discard(gid)
         self._carves_of.pop(gid, None)
         self._first_refs.pop(gid, None)
+        self._forget_reuses(gid)
         self._carved_over.discard(gid)
         # its readers read what no replay rewrites now: capture order no longer clears them
         for w in self._watched_by_key.values():
@@ -336,76 +318,6 @@ class PoolOrder:
             if owner is not None and owner != w.producer:
                 out.append(Conflict(gid, w.start, w.end, w.producer, owner, ref, w.site))
         return out
-
-    def new_overwriters(self) -> list[GraphId]:
-        """The graphs whose replays can now write over a later graph's output, each once, from
-        when graphs of the pool pass data to each other (see the module docstring)."""
-        if not self.reads:
-            return []
-        new, self._newly_carved_over = self._newly_carved_over, []
-        return [g for g in new if g in self._carved_over]
-
-    def first_ref(self, gid: GraphId, start: DataPtr, end: DataPtr) -> Reference | None:
-        """`gid`'s first reference into its carves that overlap [start, end)."""
-        refs = self._first_refs.get(gid, {})
-        hits = [
-            refs[s] for s, e in self._carves_of.get(gid, ()) if s < end and e > start and s in refs
-        ]
-        return min(hits, key=lambda r: r.node) if hits else None
-
-    def overwritten(self, gid: GraphId) -> list[Overwrite]:
-        """The ranges a replay of `gid` now would write that hold the latest carve of a graph
-        captured later, which ran in this pass after `gid` last did (and nothing wrote there
-        since): outputs the caller has not read yet, if
-        the caller still holds them (that is the caller's to check). Judged out of capture
-        order, in pools whose graphs pass data to each other."""
-        if gid not in self._carved_over or not self.reads or self.in_order(gid):
-            return []
-        # outputs of an earlier pass were the caller's to read before the restart
-        mine, place, last = (
-            max(self.last.get(gid, 0), self._pass_start),
-            self._place[gid],
-            self.last,
-        )
-        out = []
-        for start, end in self._carves_of.get(gid, ()):
-            i = max(bisect.bisect_right(self._starts, start) - 1, 0)
-            while i < len(self._latest) and self._latest[i].start < end:
-                c = self._latest[i]
-                i += 1
-                if c.end <= start or c.graph == gid:
-                    continue
-                theirs = last.get(c.graph, 0)
-                if self._place.get(c.graph, -1) <= place or theirs <= mine:
-                    continue
-                lo, hi = max(start, c.start), min(end, c.end)
-                if self._written_since(lo, hi, c.graph, theirs):
-                    continue  # its data there is gone already (found at that replay)
-                if self._consumed(lo, hi, c.graph, theirs):
-                    continue
-                out.append(Overwrite(gid, lo, hi, c.graph, c.site))
-        return out
-
-    def _consumed(self, lo: DataPtr, hi: DataPtr, producer: GraphId, clock: int) -> bool:
-        """Whether `producer`'s output in [lo, hi) went to graphs of the pool that have all read
-        it since `clock` (its last replay): a pipeline's activation or gradient, handed on."""
-        readers = [
-            w.readers
-            for _, _, _, w in self._overlapping(self._watched, lo, hi)
-            if w.producer == producer
-        ]
-        last = self.last
-        return bool(readers) and all(r and all(last.get(g, 0) > clock for g in r) for r in readers)
-
-    def _written_since(self, lo: DataPtr, hi: DataPtr, producer: GraphId, clock: int) -> bool:
-        """Whether a graph other than `producer` that carved memory in [lo, hi) replayed after
-        `clock`."""
-        last = self.last
-        return any(
-            g != producer and last.get(g, 0) > clock
-            for key in self._overlapping(self._ranges, lo, hi)
-            for g in self._carved_by[key]
-        )
 
     def producer_at(self, addr: DataPtr) -> GraphId | None:
         """The graph that carved `addr` last (None: no capture of the pool did)."""

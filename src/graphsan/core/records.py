@@ -383,3 +383,14 @@ class GraphStats:
             "captured_at": self.captured_at,
             "node_summary": self.node_summary,
         }
+
+
+def pool_name(pool: PoolId, own: PoolId | None) -> str:
+    """A pool as a finding names it; `own` is the graph's own pool."""
+    if pool == HOST_POOL:
+        return "pinned host memory"
+    if pool == DEFAULT_POOL:
+        return "default pool"
+    if own is not None and pool == own:
+        return f"graph's own private pool {pool}"
+    return f"private pool {pool} of another graph"

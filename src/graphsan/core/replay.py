@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from graphsan.core.memory_map import SegmentIndex
-from graphsan.core.order import Conflict, Overwrite, PoolOrder, first_refs_into
+from graphsan.core.order import Conflict, PoolOrder, first_refs_into
+from graphsan.core.outputs import Overwrite
 from graphsan.core.records import (
     DataPtr,
     Finding,
@@ -23,8 +24,9 @@ from graphsan.core.records import (
     Kind,
     PoolId,
     Reference,
+    pool_name,
 )
-from graphsan.core.tracker import GraphState, Tracker, WatchedBlock, pool_name
+from graphsan.core.tracker import GraphState, Tracker, WatchedBlock
 
 # a capture's carves: (address, requested size, allocation site as the adapter recorded it)
 Carves = list[tuple[DataPtr, int, object]]
@@ -96,6 +98,19 @@ class ReplayOrders:
                 return False
         return True
 
+    def released(self, wb: WatchedBlock, in_capture: bool) -> None:
+        """A block of a pool went back to it while graphs watched it (the tracker handed it to
+        the order): the pool's order remembers after which capture (`PoolOrder.release`)."""
+        if not self.enabled:
+            return
+        for gid in wb.graphs:
+            g = self.tracker.graphs.get(gid)
+            if g is not None and g.info.pool == wb.pool:
+                order = self.orders.get((g.info.device, wb.pool))
+                if order is not None:
+                    order.release(wb.address, wb.size, in_capture)
+                return
+
     # -- replay -------------------------------------------------------------------------------
     def hazards(self, state: GraphState) -> list[Conflict]:
         """The ranges a replay of the graph now would read from the wrong writer."""
@@ -127,6 +142,10 @@ class ReplayOrders:
         out: list[Finding] = []
         seen: set[DataPtr] = set()
         for o in overs:
+            if o.pending is not None:  # the pool has it back: the caller's tensor owns nothing
+                block = (o.start, o.end - o.start)
+                out.append(self._live_output(info, order, o, block, phase, step, judged))
+                continue
             for seg in view.segments_in(o.start, o.end):
                 if seg.pool != info.pool:
                     continue
@@ -136,7 +155,8 @@ class ReplayOrders:
                 if order.producer_at(max(blk.address, o.start)) != o.producer:
                     continue  # another capture carved it since, or eager code allocated it
                 seen.add(blk.address)
-                out.append(self._live_output(info, order, o, blk, phase, step, judged))
+                block = (blk.address, blk.size)
+                out.append(self._live_output(info, order, o, block, phase, step, judged))
         return out
 
     def _live_output(
@@ -144,7 +164,7 @@ class ReplayOrders:
         info: GraphInfo,
         order: PoolOrder,
         o: Overwrite,
-        blk,
+        block: tuple[DataPtr, int],
         phase: str | None,
         step: int | None,
         judged: Judged,
@@ -153,16 +173,22 @@ class ReplayOrders:
         ref = order.first_ref(o.writer, o.start, o.end) or Reference(-1, "", "", 0, o.start)
         last_mine = order.last.get(o.writer)
         mine = f"#{last_mine}" if last_mine else "none since capture"
+        held = (
+            "still held by the caller"
+            if o.pending is None
+            else f"which the pool got back at capture only after {self._who(o.pending)} was "
+            "captured, and that graph has not replayed since"
+        )
         now = (
             f"holds the output of {self._who(o.producer)} from the pool's replay "
-            f"#{order.last.get(o.producer)}, still held by the caller; this replay would be "
+            f"#{order.last.get(o.producer)}, {held}; this replay would be "
             f"#{order.clock + 1} and writes over it (this graph's last replay: {mine})"
         )
         return self._order_finding(
             Kind.LIVE_OUTPUT,
             info,
             ref,
-            (blk.address, blk.size),
+            block,
             o.site,
             now,
             phase,

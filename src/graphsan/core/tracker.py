@@ -47,6 +47,7 @@ from graphsan.core.records import (
     ReferenceCounts,
     Release,
     display_path,
+    pool_name,
 )
 
 
@@ -104,16 +105,6 @@ def _all_mapped(
     return True
 
 
-def pool_name(pool: PoolId, own: PoolId | None) -> str:
-    if pool == HOST_POOL:
-        return "pinned host memory"
-    if pool == DEFAULT_POOL:
-        return "default pool"
-    if own is not None and pool == own:
-        return f"graph's own private pool {pool}"
-    return f"private pool {pool} of another graph"
-
-
 class Tracker:
     """Holds the watched blocks of all live graphs and judges graphs on request."""
 
@@ -126,6 +117,7 @@ class Tracker:
         self.free_seq = 0  # watched frees recorded so far (see judge's as_of)
         self.host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None  # consult
         self.order_reads: Callable[[WatchedBlock], bool] | None = None  # consult
+        self.handed_over: Callable[[WatchedBlock, bool], None] | None = None  # consult
         # told the addresses newly watched, and the freed segments whenever they change (an
         # adapter that filters allocator events outside Python mirrors them)
         self.on_watch: Callable[[list[DataPtr]], None] | None = None
@@ -135,14 +127,17 @@ class Tracker:
         self,
         host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None,
         order_reads: Callable[[WatchedBlock], bool] | None = None,
+        handed_over: Callable[[WatchedBlock, bool], None] | None = None,
     ) -> None:
-        """The two questions the tracker asks of neighbours that need the tracker themselves:
+        """What the tracker asks of neighbours that need the tracker themselves:
         `host_owner(start, end)`, the live pinned host block overlapping the range (address,
-        size, frames), and `order_reads(block)`, whether the pool's replay order
-        (`core.order`) judges every graph that reads the block: then a free outside a capture
-        hands it over, like one inside a capture."""
+        size, frames); `order_reads(block)`, whether the pool's replay order (`core.order`)
+        judges every graph that reads the block: then a free outside a capture hands it over,
+        like one inside a capture; and `handed_over(block, in_capture)`, told of each such
+        hand-over."""
         self.host_owner = host_owner
         self.order_reads = order_reads
+        self.handed_over = handed_over
 
     # -- capture -----------------------------------------------------------------------------
     def add_graph(
@@ -241,11 +236,11 @@ class Tracker:
         self.free_seq += 1
         wb.freed = event_factory()
         wb.freed.seq = self.free_seq
+        in_capture = wb.freed.capture_pool == wb.pool
         if wb.pool != DEFAULT_POOL and (
-            wb.freed.capture_pool == wb.pool
-            or (self.order_reads is not None and self.order_reads(wb))
+            in_capture or (self.order_reads is not None and self.order_reads(wb))
         ):
-            self._hand_over(wb)
+            self._hand_over(wb, in_capture)
             return True
         for gid in wb.graphs:
             g = self.graphs.get(gid)
@@ -254,7 +249,7 @@ class Tracker:
         self._note_freed_segment(wb)
         return True
 
-    def _hand_over(self, wb: WatchedBlock) -> None:
+    def _hand_over(self, wb: WatchedBlock, in_capture: bool) -> None:
         """A capture into the block's own pool consumed it (autograd freeing saved activations
         while the backward graph is captured, as make_graphed_callables and TE do): the pool is
         shared by design, graphs replay in capture order, and the block is no longer watched."""
@@ -264,6 +259,8 @@ class Tracker:
                 g.blocks.pop(wb.address, None)
                 g.refs.pop(wb.address, None)
                 g.handed_over += 1
+        if self.handed_over is not None:
+            self.handed_over(wb, in_capture)
 
     def retain(self, graph_id: GraphId, address: DataPtr, refs: list[Reference]) -> None:
         """Keep only `refs` of the graph's references to the block at `address` (a pointer table

@@ -10,6 +10,8 @@ from graphsan.lab.vocab import Schedule, StatePolicy
 
 SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 NO_MAMBA = ("attn", "moe_router", "moe_preprocess")
+# graphs that hold no index tensors: an overwrite there corrupts numbers, not routing
+DENSE_SCOPES = ("attn", "mamba")
 # iterations: 1-3 eager warm-up, 4 capture, validation + save + GC at 5, first backward after it
 # at 6, and one more step to see whether training goes on
 WARMUP, EVAL_AT, ITERS = 3, 5, 7
@@ -73,6 +75,7 @@ class Case:
     captured_in: Schedule | None = None
     fails_from: int = EVAL_AT + 1  # an expected failure comes in this iteration or later
     finding_kinds: frozenset[str] = frozenset()  # the first finding is one of these kinds
+    reuse_buffers: bool = False  # TE's _reuse_graph_input_output_buffers (train/graphs.py)
 
     def __post_init__(self):
         # a case written with the policy's name ("te218") gets the policy itself
@@ -98,6 +101,7 @@ class Case:
             "schedule": self.schedule,
             "captured_in": self.captured_in,
             "finding_kinds": sorted(self.finding_kinds),
+            "reuse_graph_buffers": self.reuse_buffers,
         }
 
     to_dict = to_json  # the name tests/test_report_pages.py builds its matrix input with
@@ -232,6 +236,38 @@ CASES = [
         finding_kinds=frozenset({"replay-order", "live-output"}),
         about="stopped before a replay out of capture order, naming both graphs",
     ),
+    Case(
+        12,
+        "pipeline schedule, graph buffers reused: 1F1B over graphs captured in sequence",
+        "mxfp8-all",
+        DENSE_SCOPES,
+        StatePolicy.FIXED,
+        "off",
+        compare=True,
+        expected=frozenset({Outcome.SILENT_CORRUPTION}),
+        schedule=Schedule.ONE_F_ONE_B,
+        captured_in=Schedule.SEQUENTIAL,
+        fails_from=WARMUP + 1,
+        reuse_buffers=True,
+        about="the second forward writes over outputs of the first that the pool got back at "
+        "capture and eager code still holds: losses drift from the eager run's, no error",
+    ),
+    Case(
+        13,
+        "pipeline schedule, graph buffers reused, under graphsan",
+        "mxfp8-all",
+        DENSE_SCOPES,
+        StatePolicy.FIXED,
+        "raise",
+        expected=STOPPED,
+        schedule=Schedule.ONE_F_ONE_B,
+        captured_in=Schedule.SEQUENTIAL,
+        fails_from=WARMUP + 1,
+        reuse_buffers=True,
+        finding_kinds=frozenset({"live-output"}),
+        about="stopped before the second forward's launch, naming the first forward's output "
+        "and the backward graph whose capture came before the pool got it back",
+    ),
 ]
 BY_NUMBER = {c.n: c for c in CASES}
 
@@ -263,6 +299,7 @@ def case_config(
         cuda_graph_modules=() if reference else case.scopes,
         microbatch_schedule=case.schedule,
         capture_schedule=None if reference else case.captured_in,
+        reuse_graph_buffers=case.reuse_buffers and not reference,
         cuda_graph_warmup_steps=WARMUP,
         state_policy=StatePolicy.FIXED if reference else case.state,
         precision_config=case.precision,

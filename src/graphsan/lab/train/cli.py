@@ -112,6 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "does not match the graphs' order does",
     )
     a(
+        "--reuse-graph-buffers",
+        action="store_true",
+        help="a forward graph's static outputs go back to the pool once its backward graph is "
+        "captured, as Transformer Engine's make_graphed_callables does with "
+        "_reuse_graph_input_output_buffers (Megatron sets it on TE 2.7 and later); safe only "
+        "when the step replays the graphs in their capture order",
+    )
+    a(
         "--precision-config",
         default=None,
         metavar="FILE",
@@ -181,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         microbatch_schedule=args.microbatch_schedule,
         microbatches_in_flight=args.microbatches_in_flight,
         capture_schedule=args.capture_schedule,
+        reuse_graph_buffers=args.reuse_graph_buffers,
         precision_config=args.precision_config,
         num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
         num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16,

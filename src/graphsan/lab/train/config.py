@@ -41,6 +41,7 @@ class TrainConfig:
     microbatch_schedule: str = "sequential"  # graphsan.lab.vocab.Schedule
     microbatches_in_flight: int = 2  # 1F1B: forwards before the first backward
     capture_schedule: str | None = None  # the graphs' capture order; None: the step's schedule
+    reuse_graph_buffers: bool = False  # TE's _reuse_graph_input_output_buffers (graphs.py)
     precision_config: str | None = None  # file or built-in name; None: BF16 everywhere
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0

@@ -18,6 +18,12 @@ Capture, for every graphed stage:
    (every stage's forward in layer order, then every backward in reverse) so replays follow the
    capture order that the pool sharing relies on;
 3. main_grads and router counters touched by the warm-up are zeroed afterwards.
+With `reuse_buffers` (TE's `_reuse_graph_input_output_buffers`, which Megatron passes with its
+pipeline `_order`), once a microbatch's backward graphs are captured the stages keep only views
+that own nothing of its forwards' static outputs, of the parameter gradients they clone and of
+every input gradient but the first stage's: the pool may carve that memory for later captures,
+which is safe while the step replays the graphs in capture order. (TE also shares static inputs
+between microbatches; the lab's static inputs stay one per graph.)
 
 Replay (`GraphedStage.__call__`, an autograd.Function): inputs are copied into the static input,
 the forward graph replays; in backward, incoming grads are copied into the static grad-outputs and
@@ -198,12 +204,35 @@ def capture_scopes(model, cfg: TrainConfig, counter, ambient_recipe) -> list[Gra
             cfg.num_microbatches,
             cfg.microbatches_in_flight,
         ),
+        reuse_buffers=cfg.reuse_graph_buffers,
     )
     return stages
 
 
 def _flat(outs):
     return outs if isinstance(outs, tuple) else (outs,)
+
+
+def _unowned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A view of `t`'s memory that keeps none of it allocated (what TE's `make_weak_ref`
+    returns): the pool may carve it again while the graph still writes it at each replay."""
+    if t is None:
+        return None
+    s = t.untyped_storage()
+    storage = torch._C._construct_storage_from_data_pointer(s.data_ptr(), t.device, s.nbytes())
+    view = torch.empty(0, dtype=t.dtype, device=t.device)
+    return view.set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
+def _release_buffers(graphs: list[_Graphs]) -> None:
+    """A microbatch's captured stages (in backward order) let go of the memory TE's buffer
+    reuse gives back: forward outputs, cloned parameter gradients, and each input gradient the
+    next backward has consumed (all but the last one's, which the embedding's backward reads)."""
+    for i, g in enumerate(graphs):
+        g.static_out = tuple(_unowned(o) for o in g.static_out)
+        gx, *gparams = g.static_grad_in
+        keep_gx = gx if i == len(graphs) - 1 else _unowned(gx)
+        g.static_grad_in = (keep_gx, *(_unowned(p) for p in gparams))
 
 
 def capture(
@@ -215,9 +244,11 @@ def capture(
     dtype=torch.bfloat16,
     warmup_iters: int = 2,
     order: list[Pass] | None = None,
+    reuse_buffers: bool = False,
 ) -> None:
     """Warm up, capture every stage's forward and backward graphs per microbatch in `order`
-    (`graphsan.lab.vocab.schedule_order`; default: sequential), install them."""
+    (`graphsan.lab.vocab.schedule_order`; default: sequential), install them; `reuse_buffers`:
+    give the pool back what TE's buffer reuse does (the module docstring)."""
     device = next(model.parameters()).device
     pool = torch.cuda.graph_pool_handle()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -294,6 +325,8 @@ def capture(
                         tuple(grads),
                     )
                 )
+            if reuse_buffers:
+                _release_buffers(captured[mb])
             # the forward's saved activations go with its autograd graph, as in training
             del x, g, outs, douts, grads
     finally:

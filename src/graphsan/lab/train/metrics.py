@@ -96,13 +96,15 @@ class Metrics:
 
 def _schedule_text(cfg: TrainConfig) -> str:
     captured = cfg.capture_schedule or cfg.microbatch_schedule
-    if cfg.microbatch_schedule == captured == Schedule.SEQUENTIAL:
+    if cfg.microbatch_schedule == captured == Schedule.SEQUENTIAL and not cfg.reuse_graph_buffers:
         return ""
     text = f", schedule {cfg.microbatch_schedule}"
     if cfg.microbatch_schedule == Schedule.ONE_F_ONE_B:
         text += f" ({cfg.microbatches_in_flight} in flight)"
     if captured != cfg.microbatch_schedule:
         text += f", graphs captured {captured}"
+    if cfg.reuse_graph_buffers:
+        text += ", graph buffers reused"
     return text
 
 
