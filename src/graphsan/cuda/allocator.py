@@ -27,7 +27,7 @@ from graphsan.context import Context, python_stack
 from graphsan.core.patches import Patches
 from graphsan.core.records import Frame, FreeEvent, PoolId, Release
 from graphsan.core.tracker import Tracker
-from graphsan.cuda import storage_ops, tracelog
+from graphsan.cuda import storage_ops, tracebuild, tracelog
 from graphsan.cuda.allocator_log import MAX_ENTRIES, AllocatorLog
 from graphsan.cuda.gputrace import GpuTrace
 from graphsan.cuda.graphwalk import GraphWalk
@@ -40,7 +40,7 @@ _SAID: list[str] = []
 
 def _say_fallback(reason: str | None) -> None:
     """A fallback the user did not ask for is said once per process, in one line."""
-    if reason is None or reason in (f"{tracelog.ENV}=0", tracelog.BUILDING) or _SAID:
+    if reason is None or reason in (f"{tracebuild.ENV}=0", tracebuild.BUILDING) or _SAID:
         return
     _SAID.append(reason)
     sys.stderr.write(
