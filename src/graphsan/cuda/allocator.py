@@ -141,8 +141,8 @@ class AllocatorWatch(AllocatorLog):
         return ev
 
     def _on_alloc_judged(self, ptr: int) -> None:
-        """An allocation in a segment holding freed watched memory (from the compiled trace,
-        which keeps the site itself)."""
+        """An allocation in a segment holding freed watched memory: from the compiled trace,
+        which keeps the site itself, or from `_on_alloc` once it kept the site."""
         if not self._active:
             return
         try:
@@ -180,12 +180,8 @@ class AllocatorWatch(AllocatorLog):
             fresh.append(ptr)
             if len(fresh) >= INTERN_BATCH:
                 sites.intern_fresh()
-        if not self._freed_segments:
-            return
-        try:
-            self.tracker.on_alloc(ptr)
-        except Exception as err:
-            self.on_error(err)
+        if self._freed_segments:
+            self._on_alloc_judged(ptr)
 
     # -- start / stop --------------------------------------------------------------------------
     def start(self) -> None:
