@@ -154,10 +154,10 @@ void pad8() {
   g_out.resize((g_out.size() + 7) & ~size_t(7), 0);
 }
 
-// A node's parameters as the driver's getter fills them, zeroed first so that a field it does
-// not fill reads as zero; false where the getter is missing (an older driver) or fails.
-template <typename Params>
-bool get_params(CUresult (*getter)(CUgraphNode, Params*), CUgraphNode node, Params& p) {
+// A node's parameters, zeroed, then filled by the driver's getter; false where the getter is
+// missing (an older driver) or fails.
+template <typename Getter, typename Params>
+bool get_params(Getter getter, CUgraphNode node, Params& p) {
   std::memset(&p, 0, sizeof(p));
   return getter != nullptr && getter(node, &p) == CUDA_SUCCESS;
 }
@@ -338,9 +338,7 @@ bool walk_graph(CUgraph graph, int depth, std::string& why) {
 #if CUDA_VERSION >= 12030
       case CU_GRAPH_NODE_TYPE_CONDITIONAL: {
         CUgraphNodeParams params;
-        std::memset(&params, 0, sizeof(params));
-        if (g_driver.node_get_params == nullptr ||
-            g_driver.node_get_params(node, &params) != CUDA_SUCCESS) {
+        if (!get_params(g_driver.node_get_params, node, params)) {
           ++g_stats[ST_UNREADABLE];
           break;
         }
