@@ -15,10 +15,11 @@ import random
 import numpy as np
 import pytest
 
-from graphsan.core import allocview
-from graphsan.core.allocview import AllocatorView, ViewError, ViewSegment, block_size
+from graphsan.core import viewsegment
+from graphsan.core.allocview import AllocatorView
 from graphsan.core.memory_map import KEEP_REQUESTED, MemoryMap, layout
 from graphsan.core.records import DEFAULT_POOL
+from graphsan.core.viewsegment import ViewError, ViewSegment, block_size
 
 PAGE = 2 << 20
 ALIGN = 512
@@ -298,7 +299,7 @@ def test_the_view_equals_a_snapshot_with_its_blocks_in_many_chunks(
 ):
     """The same, with a segment's blocks split into chunks of a few: inserts that split a
     chunk, frees that empty one, and runs of mapped pages joined and cut chunk by chunk."""
-    monkeypatch.setattr(allocview, "CHUNK", chunk)
+    monkeypatch.setattr(viewsegment, "CHUNK", chunk)
     test_the_view_equals_a_snapshot_after_every_event(seed, expandable)
 
 
@@ -306,7 +307,7 @@ def test_the_view_equals_a_snapshot_with_its_blocks_in_many_chunks(
 def test_a_segment_in_chunks_answers_like_a_sorted_list(chunk, monkeypatch):
     """Carving, freeing and cutting a segment whose blocks sit in chunks of a few, checked
     after every step against a plain dict of its blocks."""
-    monkeypatch.setattr(allocview, "CHUNK", chunk)
+    monkeypatch.setattr(viewsegment, "CHUNK", chunk)
     rng = random.Random(chunk)
     base, size = 0x7F00_0000_0000, 48 * ALIGN
     seg = ViewSegment(base, size, DEFAULT_POOL, expandable=True)

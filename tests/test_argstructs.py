@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from graphsan.core import argstructs as A
+from graphsan.core import kernel_names, mta
 from graphsan.core.calibration import Probe, solve, solve_closure, solve_mta
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import KernelArgs
@@ -107,8 +108,8 @@ def test_a_multi_tensor_launch_reads_the_slots_its_blocks_name(h200, key):
     n = node_of(rec)
     (index, _, type_name), *_ = A.plan(n.name)
     data = n.buffer[n.offsets[index] : n.offsets[index + 1]]
-    shape = A.mta_shape(*A.mta_kind(type_name), len(data), H200.mta)
-    live = set(A.launch_tensors(data, shape, n.grid[0], CHUNK))
+    shape = mta.mta_shape(*mta.mta_kind(type_name), len(data), H200.mta)
+    live = set(mta.launch_tensors(data, shape, n.grid[0], CHUNK))
     b2t = np.frombuffer(data, "<u1", n.grid[0], shape.block_to_tensor)
     assert live == set(b2t.tolist()) and len(live) < shape.tensors
     out, kept = dropped(rec)
@@ -161,7 +162,7 @@ def test_unconfirmed_layouts_keep_every_word_with_a_caveat(h200):
 def test_bytes_that_contradict_the_layout_are_scanned_with_a_caveat(h200):
     rec = dict(h200["mta:TensorListMetadata2"])
     n = node_of(rec)
-    shape = A.mta_shape(*A.mta_kind(A.plan(n.name)[0][2]), n.offsets[1], H200.mta)
+    shape = mta.mta_shape(*mta.mta_kind(A.plan(n.name)[0][2]), n.offsets[1], H200.mta)
     buf = bytearray(n.buffer)
     buf[shape.block_to_tensor] = 7  # the first block must start at slot 0
     d = A.decode(n.name, bytes(buf), n.offsets, n.grid, H200)
@@ -359,18 +360,23 @@ def test_a_probe_whose_bytes_do_not_fit_says_why():
 
 
 def test_parameter_types_of_demangled_names():
-    assert A.parameter_types("void k<a, b<c, d> >(int, b<c, d>, float*)") == [
+    assert kernel_names.parameter_types("void k<a, b<c, d> >(int, b<c, d>, float*)") == [
         "int",
         "b<c, d>",
         "float*",
     ]
     lam = "at::native::gpu_kernel_impl_nocast<F<(anonymous namespace)::G> >(at::TensorIteratorBase&, F const&)::{lambda(int)#1}"
-    assert A.parameter_types(f"void at::native::elementwise_kernel<128, 2, {lam}>(int, {lam})") == [
+    assert kernel_names.parameter_types(
+        f"void at::native::elementwise_kernel<128, 2, {lam}>(int, {lam})"
+    ) == [
         "int",
         lam,
     ]
-    assert A.parameter_types("nvjet_sm90_tst_32x64") == []
-    assert A.template_args("x::CatArrInputTensorMetadata<float, unsigned int, 128, 4>")[2] == "128"
+    assert kernel_names.parameter_types("nvjet_sm90_tst_32x64") == []
+    assert (
+        kernel_names.template_args("x::CatArrInputTensorMetadata<float, unsigned int, 128, 4>")[2]
+        == "128"
+    )
 
 
 # ----------------------------------------------------------------------------- the H200's probe

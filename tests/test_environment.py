@@ -14,7 +14,7 @@ import torch
 
 from graphsan import sanitizer
 from graphsan.core.records import FREED_UNSEEN, AllocArgs, KernelArgs
-from graphsan.cuda import allocator, allocator_log, driver, driverwatch, tracelog
+from graphsan.cuda import allocator, allocator_log, driver, driverwatch, tracebuild, tracelog
 from graphsan.report import StaleMemoryError, format_finding
 from tests import fake_cuda
 
@@ -172,13 +172,13 @@ def cuda_torch(monkeypatch, tmp_path):
 
 
 def test_no_compiler_is_a_reason_not_an_error(cuda_torch, monkeypatch):
-    monkeypatch.setattr(tracelog, "find_compiler", lambda: None)
+    monkeypatch.setattr(tracebuild, "find_compiler", lambda: None)
     assert tracelog.open_log() == (None, "no C++ compiler ($CXX, c++ or g++)")
 
 
 def test_a_read_only_cache_is_a_reason_not_an_error(cuda_torch, monkeypatch, tmp_path):
-    monkeypatch.setattr(tracelog, "find_compiler", lambda: "/usr/bin/c++")
-    monkeypatch.setattr(tracelog, "cuda_include_dirs", lambda: ["/cuda/include"])
+    monkeypatch.setattr(tracebuild, "find_compiler", lambda: "/usr/bin/c++")
+    monkeypatch.setattr(tracebuild, "cuda_include_dirs", lambda: ["/cuda/include"])
     real = os.makedirs
 
     def read_only(path, *args, **kwargs):

@@ -13,7 +13,7 @@ import struct
 import pytest
 
 from graphsan.core.records import AllocArgs, CopyArgs, KernelArgs, WalkStats
-from graphsan.cuda import graphwalk, tracelog
+from graphsan.cuda import graphwalk, tracebuild
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = {
@@ -26,13 +26,15 @@ NAMES = {
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     """graphwalk.cpp alone, and the stand-in driver, compiled here."""
-    cxx, cuda = tracelog.find_compiler(), tracelog.cuda_include_dirs()
+    cxx, cuda = tracebuild.find_compiler(), tracebuild.cuda_include_dirs()
     if cxx is None or not cuda or not os.path.isfile(os.path.join(cuda[0], "cuda.h")):
         pytest.skip("needs a C++ compiler and the CUDA headers (cuda.h)")
     folder = tmp_path_factory.mktemp("graphwalk")
     walk, fake = str(folder / "graphwalk.so"), str(folder / "fake-driver.so")
-    tracelog.build(walk, cxx, cuda, str(folder), [], sources=[tracelog.SOURCES[1]])
-    tracelog.build(fake, cxx, cuda, str(folder), [], sources=[f"{HERE}/native/fake_cuda_driver.c"])
+    tracebuild.build(walk, cxx, cuda, str(folder), [], sources=[tracebuild.SOURCES[1]])
+    tracebuild.build(
+        fake, cxx, cuda, str(folder), [], sources=[f"{HERE}/native/fake_cuda_driver.c"]
+    )
     lib = ctypes.CDLL(walk)
     return lib, ctypes.CDLL(fake), graphwalk.bind(lib)  # before any stand-in driver is set
 

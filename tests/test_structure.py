@@ -23,6 +23,8 @@ ALLOWED = {
         "graphsan.context",
         "graphsan.report.timeline",
         "graphsan.cuda.tracelog",  # the allocator watch's compiled event source
+        "graphsan.cuda.tracelib",  # the same library loaded: its records, on and off, drains
+        "graphsan.cuda.tracebuild",  # the same library compiled and cached
         "graphsan.cuda.gputrace",  # the same library's GPU-trace interpreter
         "graphsan.cuda.graphwalk",  # the same library's walk of a graph being captured
         # the allocator watch's parts: its event log's views, allocation sites, wrapped ops

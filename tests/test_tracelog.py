@@ -28,7 +28,7 @@ from graphsan.core.allocview import AllocatorView
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import DEFAULT_POOL
 from graphsan.core.tracker import Tracker, WatchedBlock
-from graphsan.cuda import allocator, allocator_log, tracelog
+from graphsan.cuda import allocator, allocator_log, tracebuild, tracelib, tracelog
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.gputrace import GpuTrace
 from tests.test_allocview import STREAM_POOL, ModelAllocator, random_event, same_answers
@@ -50,21 +50,21 @@ def pack(log: list[dict]) -> tuple[bytes, list[str]]:
     """The model's log as tracelog.cpp would record it: the kept actions only, tags interned."""
     raw, tags = [], []
     for e in log:
-        if e["action"] not in tracelog.ACTIONS:
+        if e["action"] not in tracelib.ACTIONS:
             continue
         meta = e.get("user_metadata", "")
         if meta and meta not in tags:
             tags.append(meta)
         pool = pool_of_entry(e)
         raw.append(
-            tracelog.RECORD.pack(
+            tracelib.RECORD.pack(
                 e["addr"],
                 e["size"],
                 e["stream"],
                 1_700_000_000_000_000,
                 pool[0],
                 pool[1],
-                tracelog.ACTIONS.index(e["action"]),
+                tracelib.ACTIONS.index(e["action"]),
                 0,
                 tags.index(meta) if meta else -1,
                 0,
@@ -75,7 +75,7 @@ def pack(log: list[dict]) -> tuple[bytes, list[str]]:
 
 def converted(log: list[dict]) -> list[dict]:
     raw, tags = pack(log)
-    return tracelog.entries_from_records(raw, tags).get(0, [])
+    return tracelib.entries_from_records(raw, tags).get(0, [])
 
 
 def drive(seed: int, expandable: bool, to_entries) -> None:
@@ -101,7 +101,7 @@ def drive(seed: int, expandable: bool, to_entries) -> None:
             e["user_metadata"] = tag
         if rng.random() < 0.3:
             entries = to_entries(model.log)
-            kept = [e for e in model.log if e["action"] in tracelog.ACTIONS]
+            kept = [e for e in model.log if e["action"] in tracelib.ACTIONS]
             assert [
                 (e["action"], e["addr"], e["size"], e["stream"], e["user_metadata"]) for e in kept
             ] == [
@@ -125,9 +125,9 @@ def test_converted_records_keep_the_view_equal_to_a_snapshot(seed, expandable):
 
 def test_records_become_snapshot_shaped_entries_per_device():
     tags = ["graphsan capture 3"]
-    raw = tracelog.RECORD.pack(0x7000, 4096, 11, 5, 0, 0, 0, 1, 0, 0)
-    raw += tracelog.RECORD.pack(0x8000, 2 << 20, 22, 6, 1, 0, 2, 0, -1, 0)
-    out = tracelog.entries_from_records(raw, tags)
+    raw = tracelib.RECORD.pack(0x7000, 4096, 11, 5, 0, 0, 0, 1, 0, 0)
+    raw += tracelib.RECORD.pack(0x8000, 2 << 20, 22, 6, 1, 0, 2, 0, -1, 0)
+    out = tracelib.entries_from_records(raw, tags)
     assert out == {
         1: [
             {
@@ -248,7 +248,7 @@ def compiled(tmp_path_factory):
         raise
 
 
-def feed_all(log: tracelog.TraceLog, entries: list[dict]) -> list[dict]:
+def feed_all(log: tracelib.TraceLog, entries: list[dict]) -> list[dict]:
     for e in entries:
         log.feed(
             e["action"], e["addr"], e["size"], e["stream"], pool_of_entry(e), e["user_metadata"]
@@ -346,7 +346,7 @@ def fake_cxx(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(path))
     monkeypatch.setenv("FAKE_CXX_CALLS", str(calls))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(tracelog, "cuda_include_dirs", lambda: ["/cuda/include"])
+    monkeypatch.setattr(tracebuild, "cuda_include_dirs", lambda: ["/cuda/include"])
     # the build's include dirs, without importing torch's extension builder
     stub = types.ModuleType("torch.utils.cpp_extension")
     stub.include_paths = lambda: ["/torch/include"]
@@ -356,7 +356,7 @@ def fake_cxx(tmp_path, monkeypatch):
 
 def test_build_writes_a_temporary_file_next_to_the_target_then_renames_it(tmp_path, fake_cxx):
     target = tmp_path / "out" / "tracelog-x.so"
-    tracelog.build(str(target), os.environ["CXX"], ["/i"], "/torch/lib", ["c10"])
+    tracebuild.build(str(target), os.environ["CXX"], ["/i"], "/torch/lib", ["c10"])
     (written,) = fake_cxx()
     assert written != str(target) and os.path.dirname(written) == str(target.parent)
     assert target.read_text() == "fake library"
@@ -367,7 +367,7 @@ def test_two_builds_at_once_leave_one_whole_library(tmp_path, fake_cxx, monkeypa
     target = tmp_path / "tracelog-x.so"
     monkeypatch.setenv("FAKE_CXX_MODE", "race")
     monkeypatch.setenv("FAKE_CXX_TARGET", str(target))
-    tracelog.build(str(target), os.environ["CXX"], [], "/torch/lib", [])
+    tracebuild.build(str(target), os.environ["CXX"], [], "/torch/lib", [])
     assert target.read_text() == "fake library"
     assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
 
@@ -376,7 +376,7 @@ def test_a_failed_build_is_one_line_and_leaves_nothing(tmp_path, fake_cxx, monke
     monkeypatch.setenv("FAKE_CXX_MODE", "fail")
     target = tmp_path / "lib" / "tracelog-x.so"
     with pytest.raises(tracelog.BuildError) as err:
-        tracelog.build(str(target), os.environ["CXX"], [], "/torch/lib", [])
+        tracebuild.build(str(target), os.environ["CXX"], [], "/torch/lib", [])
     assert str(err.value) == (
         "fake-c++ failed: tracelog.cpp:9:10: fatal error: "
         "c10/cuda/CUDACachingAllocator.h: no such file"
@@ -385,21 +385,21 @@ def test_a_failed_build_is_one_line_and_leaves_nothing(tmp_path, fake_cxx, monke
 
 
 def test_the_cache_is_keyed_by_the_torch_build_and_the_source(tmp_path, fake_cxx):
-    name = tracelog.library_name(b"source", "2.11.0+cu130 abc abi1")
+    name = tracebuild.library_name(b"source", "2.11.0+cu130 abc abi1")
     assert name.startswith("tracelog-2.11.0+cu130-") and name.endswith(".so")
-    assert tracelog.library_name(b"source", "2.11.0+cu130 abc abi1") == name
-    assert tracelog.library_name(b"source2", "2.11.0+cu130 abc abi1") != name
-    assert tracelog.library_name(b"source", "2.11.0+cu130 abd abi1") != name
-    assert tracelog.library_name(b"source", "2.11.0+cu130 abc abi0") != name
+    assert tracebuild.library_name(b"source", "2.11.0+cu130 abc abi1") == name
+    assert tracebuild.library_name(b"source2", "2.11.0+cu130 abc abi1") != name
+    assert tracebuild.library_name(b"source", "2.11.0+cu130 abd abi1") != name
+    assert tracebuild.library_name(b"source", "2.11.0+cu130 abc abi0") != name
 
     # obtain builds into $XDG_CACHE_HOME/graphsan once per key; the fake library does not load
     for _ in range(2):
         with pytest.raises(tracelog.BuildError, match=r"^cannot load tracelog-2\.11\.0.*\.so: "):
-            tracelog.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
+            tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
     (built,) = fake_cxx()
     assert os.path.dirname(built) == str(tmp_path / "cache" / "graphsan")
     with pytest.raises(tracelog.BuildError, match="cannot load"):
-        tracelog.obtain("2.13.0+cu130 def abi1", "/torch/lib", 1)
+        tracebuild.obtain("2.13.0+cu130 def abi1", "/torch/lib", 1)
     assert len(fake_cxx()) == 2
     cached = sorted(os.listdir(tmp_path / "cache" / "graphsan"))
     assert len([f for f in cached if f.endswith(".so")]) == 2
@@ -412,10 +412,10 @@ def test_a_build_without_the_gpu_trace_keeps_the_tracker_and_says_why(
     monkeypatch.setenv("FAKE_CXX_MODE", "no-trace")
     loaded = []
     monkeypatch.setattr(
-        tracelog, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
+        tracelib, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
     )
     for _ in range(2):  # the second process finds the partial library and its reason cached
-        tracelog.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
+        tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
     full, partial = fake_cxx()
     assert partial.endswith(".tmp") and "-notrace.so" in partial and "-notrace" not in full
     why = "fake-c++ failed: gputrace.cpp:470:3: error: no member named trace_gpu_event_record"
@@ -424,12 +424,12 @@ def test_a_build_without_the_gpu_trace_keeps_the_tracker_and_says_why(
 
 
 def test_before_python_3_11_the_library_is_the_tracker_alone(tmp_path, fake_cxx, monkeypatch):
-    monkeypatch.setattr(tracelog.sys, "version_info", (3, 10, 14))
+    monkeypatch.setattr(tracebuild.sys, "version_info", (3, 10, 14))
     loaded = []
     monkeypatch.setattr(
-        tracelog, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
+        tracelib, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
     )
-    tracelog.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
+    tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
     (built,) = fake_cxx()  # one compile: the tracker and the walk, without the GPU trace
     assert "-notrace.so" in built
     assert loaded[0][1] == "the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)"
@@ -447,9 +447,9 @@ def test_the_prebuild_names_the_library_or_says_why(tmp_path, fake_cxx, monkeypa
     assert capsys.readouterr().err == f"graphsan tracelog: error: no libc10_cuda.so in {lib}\n"
     (lib / "libc10_cuda.so").write_text("")
     monkeypatch.setattr(
-        tracelog,
+        tracelib,
         "load",
-        lambda path, without_trace=None: tracelog.TraceLog(
+        lambda path, without_trace=None: tracelib.TraceLog(
             None, without_trace or object.__new__(GpuTrace), path
         ),
     )
@@ -464,11 +464,11 @@ def test_no_compiler_or_no_cuda_headers_is_a_reason(tmp_path, fake_cxx, monkeypa
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(tracelog.BuildError, match=r"^no C\+\+ compiler \(\$CXX, c\+\+ or g\+\+\)$"):
-        tracelog.obtain("2.11.0 abc abi1", "/torch/lib", 1)
+        tracebuild.obtain("2.11.0 abc abi1", "/torch/lib", 1)
     monkeypatch.setenv("CXX", str(tmp_path / "fake-c++"))
-    monkeypatch.setattr(tracelog, "cuda_include_dirs", lambda: [])
+    monkeypatch.setattr(tracebuild, "cuda_include_dirs", lambda: [])
     with pytest.raises(tracelog.BuildError, match=r"^no CUDA headers"):
-        tracelog.obtain("2.11.0 abc abi1", "/torch/lib", 1)
+        tracebuild.obtain("2.11.0 abc abi1", "/torch/lib", 1)
     assert fake_cxx() == []
 
 
@@ -549,7 +549,7 @@ def fake_python(tmp_path, monkeypatch):
     calls = tmp_path / "python-calls"
     monkeypatch.setenv("FAKE_PYTHON_CALLS", str(calls))
     monkeypatch.setattr(sys, "executable", str(path))
-    monkeypatch.setattr(tracelog, "_BACKGROUND", [])
+    monkeypatch.setattr(tracebuild, "_BACKGROUND", [])
 
     def started(expected: int) -> list[dict]:
         deadline = time.monotonic() + 30  # the starts are detached: wait for their lines
@@ -569,8 +569,8 @@ def test_a_cold_cache_starts_one_background_build_and_the_run_reads_snapshots(
     key = "2.11.0+cu130 abc abi1 py3.11"
     for _ in range(2):  # the second run (or rank) finds the first one's build under way
         with pytest.raises(tracelog.BuildError) as err:
-            tracelog.obtain(key, "/torch/lib", 1, wait=False)
-        assert str(err.value) == tracelog.BUILDING
+            tracebuild.obtain(key, "/torch/lib", 1, wait=False)
+        assert str(err.value) == tracebuild.BUILDING
     assert fake_cxx() == [], "the run itself compiles nothing"
     (started,) = fake_python(1)
     marker = started["argv"][-1]
@@ -580,24 +580,24 @@ def test_a_cold_cache_starts_one_background_build_and_the_run_reads_snapshots(
     assert started["session"], "a Ctrl-C for the run does not reach the build"
     src = os.path.dirname(os.path.dirname(os.path.dirname(tracelog.__file__)))
     assert started["pythonpath"].split(os.pathsep)[0] == src
-    allocator._say_fallback(tracelog.BUILDING)
+    allocator._say_fallback(tracebuild.BUILDING)
     assert capsys.readouterr().err == "", "a build under way fixes itself: it is not announced"
 
-    old = os.path.getmtime(marker) - tracelog.BUILD_TIMEOUT_S - 120
+    old = os.path.getmtime(marker) - tracebuild.BUILD_TIMEOUT_S - 120
     os.utime(marker, (old, old))  # its builder died without removing it
     with pytest.raises(tracelog.BuildError, match="being built"):
-        tracelog.obtain(key, "/torch/lib", 1, wait=False)
+        tracebuild.obtain(key, "/torch/lib", 1, wait=False)
     assert len(fake_python(2)) == 2
 
     # the builder's turn (what the background process runs), then a run finds the library
     loaded = []
     monkeypatch.setattr(
-        tracelog, "load", lambda path, without_trace=None: loaded.append(path) or "the log"
+        tracelib, "load", lambda path, without_trace=None: loaded.append(path) or "the log"
     )
     assert tracelog.main(["--marker", marker]) == 1  # torch here is the CPU build
     assert not os.path.exists(marker), "the builder removes its marker, failed or not"
-    tracelog.obtain(key, "/torch/lib", 1)
-    assert tracelog.obtain(key, "/torch/lib", 1, wait=False) == "the log"
+    tracebuild.obtain(key, "/torch/lib", 1)
+    assert tracebuild.obtain(key, "/torch/lib", 1, wait=False) == "the log"
     assert len(fake_cxx()) == 1 and len(fake_python(2)) == 2 and len(set(loaded)) == 1
 
 
@@ -607,19 +607,19 @@ def test_a_failed_build_is_remembered_and_said_instead_of_compiling_again(
     monkeypatch.setenv("FAKE_CXX_MODE", "fail")
     key = "2.11.0+cu130 abc abi1 py3.11"
     with pytest.raises(tracelog.BuildError, match="^fake-c\\+\\+ failed: "):
-        tracelog.obtain(key, "/torch/lib", 1)
+        tracebuild.obtain(key, "/torch/lib", 1)
     for _ in range(2):
         with pytest.raises(tracelog.BuildError) as err:
-            tracelog.obtain(key, "/torch/lib", 1, wait=False)
+            tracebuild.obtain(key, "/torch/lib", 1, wait=False)
         assert str(err.value) == (
             "the compiled tracker's build failed: fake-c++ failed: tracelog.cpp:9:10: fatal "
             "error: c10/cuda/CUDACachingAllocator.h: no such file "
             "(python -m graphsan.cuda.tracelog tries again)"
         )
-    assert tracelog._BACKGROUND == [] and len(fake_cxx()) == 1
+    assert tracebuild._BACKGROUND == [] and len(fake_cxx()) == 1
     monkeypatch.setenv("FAKE_CXX_MODE", "ok")
-    monkeypatch.setattr(tracelog, "load", lambda path, without_trace=None: "the log")
-    assert tracelog.obtain(key, "/torch/lib", 1) == "the log"  # what the prebuild runs
+    monkeypatch.setattr(tracelib, "load", lambda path, without_trace=None: "the log")
+    assert tracebuild.obtain(key, "/torch/lib", 1) == "the log"  # what the prebuild runs
     cached = os.listdir(tmp_path / "cache" / "graphsan")
     assert [f for f in cached if f.endswith(".failed")] == [], "a good build forgets the failure"
 

@@ -73,6 +73,20 @@ def _driver():
     return driver
 
 
+class _PartSetting:
+    """A setting of the sanitizer that one of its parts keeps: read and set as `part.name`, so
+    the part reads it where it works without asking the sanitizer."""
+
+    def __init__(self, part: str, name: str, doc: str) -> None:
+        self.part, self.name, self.__doc__ = part, name, doc
+
+    def __get__(self, obj: object, owner: type | None = None):
+        return self if obj is None else getattr(getattr(obj, self.part), self.name)
+
+    def __set__(self, obj: object, value) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
+
+
 class Sanitizer:
     """One per process (see `graphsan.enable`)."""
 
@@ -135,37 +149,24 @@ class Sanitizer:
             self.pinner = None
 
     # -- replay orders and pointer tables (a change applies to graphs captured from now on) ---
-    @property
-    def replay_order(self) -> bool:
-        """Follow the replay order of graphs sharing a pool."""
-        return self.pool_orders.enabled
-
-    @replay_order.setter
-    def replay_order(self, value: bool) -> None:
-        self.pool_orders.enabled = value
+    replay_order = _PartSetting(
+        "pool_orders", "enabled", "Follow the replay order of graphs sharing a pool."
+    )
+    table_block = _PartSetting(
+        "capture",
+        "table_block",
+        "Pointer tables read at capture end are blocks up to this many bytes.",
+    )
+    table_budget = _PartSetting(
+        "capture",
+        "table_budget",
+        "Bytes of pointer tables read per graph (0 turns the reading off).",
+    )
 
     @property
     def orders(self) -> dict[tuple, PoolOrder]:
         """(device, pool) -> the pool's replay order."""
         return self.pool_orders.orders
-
-    @property
-    def table_block(self) -> int:
-        """Pointer tables read at capture end are blocks up to this many bytes."""
-        return self.capture.table_block
-
-    @table_block.setter
-    def table_block(self, value: int) -> None:
-        self.capture.table_block = value
-
-    @property
-    def table_budget(self) -> int:
-        """Bytes of pointer tables read per graph (0 turns the reading off)."""
-        return self.capture.table_budget
-
-    @table_budget.setter
-    def table_budget(self, value: int) -> None:
-        self.capture.table_budget = value
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Sanitizer:

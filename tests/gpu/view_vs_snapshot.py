@@ -15,13 +15,13 @@ import sys
 import torch
 
 import graphsan
-from graphsan.core import allocview
+from graphsan.core import viewsegment
 from graphsan.core.memory_map import layout
 from graphsan.cuda.allocator_log import snapshot_map
 
 rng = random.Random(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 if len(sys.argv) > 2:
-    allocview.CHUNK = int(sys.argv[2])
+    viewsegment.CHUNK = int(sys.argv[2])
 pre = [torch.empty(rng.choice([256, 4096, 1 << 20]), device="cuda") for _ in range(300)]
 san = graphsan.enable(policy="record")
 dev = torch.cuda.current_device()

@@ -23,6 +23,9 @@ numbers: each family's parameters come from a `Layouts` record that `graphsan.cu
 confirms on the running torch, against launches whose contents it knows. A family the record
 does not confirm is scanned as before, word by word, and its references carry the caveat
 "unconfirmed layout". A launch whose bytes contradict its confirmed layout is treated the same.
+
+multi_tensor_apply's metadata, the largest family, is read in `core.mta`; the demangled names
+are cut into parameter types in `core.kernel_names`.
 """
 
 from __future__ import annotations
@@ -32,46 +35,14 @@ import re
 import struct
 from dataclasses import dataclass, field
 
-import numpy as np
+from graphsan.core.kernel_names import parameter_tuple, template_args
+from graphsan.core.mta import METADATA, MtaLayout, Range, mta_unread
 
-Range = tuple[int, int]  # [start, end) bytes of a node's parameter buffer
-
-MTA_KINDS = (
-    "TensorListMetadata",
-    "TensorListScalarListMetadata",
-    "FusedOptimizerTensorListMetadata",
-)
 FAMILIES = ("multi_tensor_apply", "closure", "reduce", "cat", "pointer_list", "tensor_info")
 UNCONFIRMED = "unconfirmed layout"
-# the opmath types of scalar lists, and their sizes
-SCALAR_BYTES = {
-    "float": 4,
-    "double": 8,
-    "long": 8,
-    "int": 4,
-    "bool": 1,
-    "c10::complex<float>": 8,
-    "c10::complex<double>": 16,
-}
 
 
 # ----------------------------------------------------------------------------- confirmed layouts
-@dataclass(frozen=True)
-class MtaLayout:
-    """multi_tensor_apply's metadata as the running torch builds it: the width of a
-    `block_to_tensor` entry, the block count of the tables, the elements a block handles, and
-    which struct kinds end with `start_tensor_this_launch`. The tensor count of a struct
-    follows from its size (`mta_tensors`)."""
-
-    index_bytes: int
-    max_blocks: int
-    chunk: int
-    start_field: tuple[tuple[str, bool], ...]  # (kind, has the field) of each confirmed kind
-
-    def has_start(self, kind: str) -> bool | None:
-        return dict(self.start_field).get(kind)
-
-
 @dataclass(frozen=True)
 class Layouts:
     """What `graphsan.cuda.calibrate` confirmed on this torch (None or False: unconfirmed, with
@@ -115,61 +86,6 @@ class Decoded:
     caveat: str | None = None
 
 
-def parameter_types(name: str) -> list[str]:
-    """The top-level parameter types of a demangled kernel name ("void f<...>(A, B<C, D>)" ->
-    ["A", "B<C, D>"]); empty when the name has no parameter list."""
-    return list(_parameter_types(name))
-
-
-@functools.lru_cache(maxsize=8192)
-def _parameter_types(name: str) -> tuple[str, ...]:
-    end = name.rstrip().rfind(")")
-    if end < 0:
-        return ()
-    depth, start = 0, -1
-    for i in range(end, -1, -1):
-        c = name[i]
-        if c in ")>}":
-            depth += 1
-        elif c in "(<{":
-            depth -= 1
-            if depth == 0:
-                start = i
-                break
-    if start < 0 or name[start] != "(":
-        return ()
-    return tuple(_split(name[start + 1 : end]))
-
-
-def template_args(type_name: str) -> list[str]:
-    """The template arguments of `T<a, b<c>, d>` -> ["a", "b<c>", "d"]."""
-    start = type_name.find("<")
-    if start < 0 or not type_name.endswith(">"):
-        return []
-    return _split(type_name[start + 1 : -1])
-
-
-def _split(text: str) -> list[str]:
-    """`text` cut at its top-level commas (outside <>, () and {}), each part stripped; no
-    empty last part."""
-    out, depth, cur = [], 0, []
-    for c in text:
-        if c in "(<{":
-            depth += 1
-        elif c in ")>}":
-            depth -= 1
-        if c == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(c)
-    last = "".join(cur).strip()
-    if last:
-        out.append(last)
-    return out
-
-
-_MTA = re.compile(r"(?:^|::)(" + "|".join(MTA_KINDS) + r")<.*>$")
 _CAT = re.compile(r"(?:^|::)CatArrInputTensorMetadata<.*>$")
 _POINTER_LIST = re.compile(r"(?:^|::)TensorListAddresses$")
 _TENSOR_INFO = re.compile(
@@ -188,7 +104,7 @@ _CLOSURE_KERNELS = (
 
 def family_of(type_name: str, kernel: str) -> str | None:
     """The family of one parameter type of `kernel`, or None."""
-    if _MTA.search(type_name):
+    if METADATA.search(type_name):
         return "multi_tensor_apply"
     if _CAT.search(type_name):
         return "cat"
@@ -208,7 +124,7 @@ def plan(name: str) -> tuple[tuple[int, str, str], ...]:
     """(parameter index, family, type) of every parameter of the kernel `name` that is a known
     struct; cached per name (a graph launches the same kernels many times)."""
     out = []
-    for i, t in enumerate(_parameter_types(name)):
+    for i, t in enumerate(parameter_tuple(name)):
         fam = family_of(t, name)
         if fam is not None:
             out.append((i, fam, t))
@@ -250,123 +166,8 @@ def _short(type_name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- multi_tensor_apply
-@dataclass(frozen=True)
-class MtaShape:
-    """Where the fields of one metadata struct sit (byte offsets inside the struct)."""
-
-    kind: str
-    depth: int
-    tensors: int  # address slots per list
-    extra: int  # where scalar_vals[] or state_steps_addresses[] start (0: none)
-    block_to_tensor: int
-    block_to_chunk: int
-    index_bytes: int
-
-    def address(self, d: int, t: int) -> int:
-        return 8 * (d * self.tensors + t)
-
-    @property
-    def numel(self) -> int:
-        return 8 * self.depth * self.tensors
-
-
-def mta_kind(type_name: str) -> tuple[str, int, int] | None:
-    """(kind, depth, scalar bytes) of a metadata struct type, None for one this module cannot
-    size (a scalar type it does not know)."""
-    m = _MTA.search(type_name)
-    if m is None:
-        return None
-    kind = m.group(1)
-    args = template_args(type_name[m.start(1) :])
-    try:
-        if kind == "TensorListScalarListMetadata":
-            scalar = SCALAR_BYTES.get(args[0].replace("const ", "").strip())
-            return (kind, int(args[1]), scalar) if scalar else None
-        return kind, int(args[0]), 0
-    except (IndexError, ValueError):
-        return None
-
-
-def _up(n: int, align: int) -> int:
-    return -(-n // align) * align
-
-
-@functools.lru_cache(maxsize=1024)
-def mta_shape(kind: str, depth: int, scalar_bytes: int, size: int, m: MtaLayout) -> MtaShape | None:
-    """The field offsets of a struct of `size` bytes, its tensor count T solved from the size:
-    addresses[depth][T], numel_for_tensor[T] (int64), then scalar_vals[T] (scalar lists) or
-    state_steps_addresses[T] (fused optimizers), block_to_tensor[B], block_to_chunk[B] (int32)
-    and, for some kinds, start_tensor_this_launch. None where no T gives exactly that size."""
-    start = m.has_start(kind)
-    if start is None or depth < 1:
-        return None
-    if kind == "TensorListScalarListMetadata":
-        extra_bytes, extra_align = scalar_bytes, max(min(scalar_bytes, 16), 1)
-    elif kind == "FusedOptimizerTensorListMetadata":
-        extra_bytes, extra_align = 8, 8
-    else:
-        extra_bytes, extra_align = 0, 1
-    align = max(8, extra_align)
-    tail = m.index_bytes * m.max_blocks + 4 * m.max_blocks + (4 if start else 0)
-    guess = (size - tail) // (8 * depth + 8 + extra_bytes)
-    for tensors in range(max(guess - 2, 1), guess + 3):
-        extra = _up(8 * (depth + 1) * tensors, extra_align) if extra_bytes else 0
-        b2t = extra + extra_bytes * tensors if extra_bytes else 8 * (depth + 1) * tensors
-        b2c = _up(b2t + m.index_bytes * m.max_blocks, 4)
-        end = b2c + 4 * m.max_blocks + (4 if start else 0)
-        if _up(end, align) == size:
-            return MtaShape(kind, depth, tensors, extra, b2t, b2c, m.index_bytes)
-    return None
-
-
 def _decode_mta(type_name: str, data: bytes, grid, layouts: Layouts) -> list[Range] | None:
-    m = layouts.mta
-    k = mta_kind(type_name)
-    if m is None or k is None:
-        return None
-    shape = mta_shape(*k, len(data), m)
-    blocks = grid[0]
-    if shape is None or not 1 <= blocks <= m.max_blocks:
-        return None
-    live = launch_tensors(data, shape, blocks, m.chunk)
-    if live is None:
-        return None
-    keep = [
-        (shape.address(d, t), shape.address(d, t) + 8) for d in range(shape.depth) for t in live
-    ]
-    if shape.kind == "FusedOptimizerTensorListMetadata":  # the step tensors' addresses
-        keep += [(shape.extra + 8 * t, shape.extra + 8 * t + 8) for t in live]
-    return complement(sorted(keep), len(data))
-
-
-def launch_tensors(data: bytes, shape: MtaShape, blocks: int, chunk: int) -> list[int] | None:
-    """The tensor slots the launch's blocks handle, or None where the block tables contradict
-    the layout (the first block on slot 0, each next block on the same slot and the next chunk,
-    or on the next slot and chunk 0; every slot's element count covers its chunks)."""
-    dtype = {1: "<u1", 2: "<u2", 4: "<u4"}.get(shape.index_bytes)
-    if dtype is None:
-        return None
-    b2t_end = shape.block_to_tensor + shape.index_bytes * blocks
-    b2c_end = shape.block_to_chunk + 4 * blocks
-    if b2t_end > len(data) or b2c_end > len(data):
-        return None
-    b2t = np.frombuffer(data, dtype, blocks, shape.block_to_tensor).astype(np.int64)
-    b2c = np.frombuffer(data, "<i4", blocks, shape.block_to_chunk).astype(np.int64)
-    if b2t[0] != 0 or b2t[-1] >= shape.tensors or (b2c < 0).any():
-        return None
-    step = np.diff(b2t)
-    same = step == 0
-    if not ((step == 0) | (step == 1)).all():
-        return None
-    if not (np.where(same, b2c[1:] == b2c[:-1] + 1, b2c[1:] == 0)).all():
-        return None
-    slots = np.unique(b2t)
-    numel = np.frombuffer(data, "<i8", shape.tensors, shape.numel)[slots]
-    last = np.zeros(len(slots), dtype=np.int64)
-    np.maximum.at(last, np.searchsorted(slots, b2t), b2c)
-    if (numel <= last * chunk).any():
-        return None
-    return slots.tolist()
+    return mta_unread(type_name, data, grid[0], layouts.mta)
 
 
 # ----------------------------------------------------------------------------- OffsetCalculator
@@ -500,16 +301,3 @@ _DECODERS = {
     "pointer_list": _decode_pointer_list,
     "tensor_info": _decode_tensor_info,
 }
-
-
-# ----------------------------------------------------------------------------- ranges
-def complement(keep: list[Range], size: int) -> list[Range]:
-    """[0, size) minus the sorted, disjoint ranges in `keep`."""
-    out, at = [], 0
-    for a, b in keep:
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-    if at < size:
-        out.append((at, size))
-    return out

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphsan.core import argstructs as A
+from graphsan.core.kernel_names import template_args
+from graphsan.core.mta import MtaLayout, launch_tensors, mta_kind, mta_shape
 from graphsan.core.records import KernelArgs
 
 
@@ -68,14 +70,14 @@ def _struct_param(node: KernelArgs, family: str) -> tuple[int, str] | None:
 
 
 # ----------------------------------------------------------------------------- multi_tensor_apply
-def solve_mta(probe: Probe) -> tuple[A.MtaLayout | None, str]:
+def solve_mta(probe: Probe) -> tuple[MtaLayout | None, str]:
     """The block-index width, block count and chunk of one probed metadata struct, and whether
     its kind ends with start_tensor_this_launch; (None, why) where the bytes do not show them."""
     found = _struct_param(probe.node, "multi_tensor_apply")
     if found is None:
         return None, f"the probe's kernel has no metadata struct ({probe.node.name[:80]})"
     index, type_name = found
-    kind_depth = A.mta_kind(type_name)
+    kind_depth = mta_kind(type_name)
     if kind_depth is None:
         return None, f"cannot size {type_name}"
     kind, depth, scalar_bytes = kind_depth
@@ -153,17 +155,17 @@ def solve_mta(probe: Probe) -> tuple[A.MtaLayout | None, str]:
         if -(-(after + width * max_blocks) // 4) * 4 != q:
             break
         for start in (True, False):
-            layout = A.MtaLayout(width, max_blocks, chunk, ((kind, start),))
-            shape = A.mta_shape(kind, depth, scalar_bytes, size, layout)
+            layout = MtaLayout(width, max_blocks, chunk, ((kind, start),))
+            shape = mta_shape(kind, depth, scalar_bytes, size, layout)
             if shape is None or shape.tensors != tensors or shape.block_to_chunk != q:
                 continue
-            if A.launch_tensors(data, shape, len(b2t), chunk) != list(range(len(numel))):
+            if launch_tensors(data, shape, len(b2t), chunk) != list(range(len(numel))):
                 return None, "the block tables do not name the probe's tensors"
             return layout, ""
     return None, f"no layout gives the struct's {size} bytes"
 
 
-def merge_mta(solved: list[A.MtaLayout]) -> tuple[A.MtaLayout | None, str]:
+def merge_mta(solved: list[MtaLayout]) -> tuple[MtaLayout | None, str]:
     """One layout from the kinds probed: they must agree on the tables they share."""
     if not solved:
         return None, "no metadata struct could be probed"
@@ -173,7 +175,7 @@ def merge_mta(solved: list[A.MtaLayout]) -> tuple[A.MtaLayout | None, str]:
         if same != (first.index_bytes, first.max_blocks, first.chunk):
             return None, "the probed kinds disagree on the block tables"
     kinds = tuple(sorted({kv for s in solved for kv in s.start_field}))
-    return A.MtaLayout(first.index_bytes, first.max_blocks, first.chunk, kinds), ""
+    return MtaLayout(first.index_bytes, first.max_blocks, first.chunk, kinds), ""
 
 
 # ----------------------------------------------------------------------------- calculators
@@ -245,7 +247,7 @@ def solve_cat(probes: list[Probe]) -> tuple[bool, str]:
         got = [int(w) for w in _words(data)[:count]]
         if at < 0 or got != inputs[at : at + count]:
             return False, "the batch's inputs are not input[0 .. grid.y-1]"
-        batch = int(A.template_args(type_name[type_name.find("CatArrInputTensorMetadata") :])[2])
+        batch = int(template_args(type_name[type_name.find("CatArrInputTensorMetadata") :])[2])
         short |= count < batch
     return (True, "") if short else (False, "no probed launch had a short batch")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import operator
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -99,6 +100,31 @@ def _copy_references(node: CopyArgs) -> list[Reference]:
     return [Reference(node.index, node.kind, side, 0, a) for side, a in node.addresses]
 
 
+@dataclass
+class _Joined:
+    """The kernels' parameter buffers joined into one array of 64-bit words, and where each
+    buffer's words start in it."""
+
+    nodes: list[KernelArgs | CopyArgs]
+    bufs: list[tuple[int, bytes]]  # (node position, its buffer cut to whole words)
+    counts: np.ndarray  # words per buffer
+    starts: np.ndarray  # each buffer's first word
+    words: np.ndarray
+
+    @classmethod
+    def of(cls, nodes: list[KernelArgs | CopyArgs]) -> _Joined:
+        """The kernels among `nodes` with at least one word."""
+        bufs = [
+            (i, n.buffer[: len(n.buffer) // 8 * 8])
+            for i, n in enumerate(nodes)
+            if isinstance(n, KernelArgs) and len(n.buffer) >= 8
+        ]
+        counts = np.array([len(b) // 8 for _, b in bufs])
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        words = np.frombuffer(b"".join(b for _, b in bufs), dtype="<u8")
+        return cls(nodes, bufs, counts, starts, words)
+
+
 def _aligned_hits(
     nodes: list[KernelArgs | CopyArgs],
     memmap: MemoryMap,
@@ -108,17 +134,11 @@ def _aligned_hits(
     """Node position, offset, value and caveat of each confirmed 8-byte-aligned word, in node
     and offset order: inside the map, or (with `foreign`) confirmed by it; never in a slot the
     launch does not fill."""
-    bufs = [
-        (i, n.buffer[: len(n.buffer) // 8 * 8])
-        for i, n in enumerate(nodes)
-        if isinstance(n, KernelArgs) and len(n.buffer) >= 8
-    ]
-    if not bufs:
+    joined = _Joined.of(nodes)
+    if not joined.bufs:
         return [], [], [], []
     lo, hi = memmap.bounds()
-    counts = np.array([len(b) // 8 for _, b in bufs])
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))  # each buffer's first word
-    words = np.frombuffer(b"".join(b for _, b in bufs), dtype="<u8")
+    starts, words = joined.starts, joined.words
     mask = (words >= lo) & (words < hi)
     if foreign is not None:
         mask |= (words >= FOREIGN_LO) & (words < FOREIGN_HI)
@@ -134,11 +154,11 @@ def _aligned_hits(
     hits, values = hits[ok], values[ok]
     caveats: list[str | None] = []
     if len(hits):
-        drop, caveats = _unread(nodes, bufs, starts, counts, words, hits, layouts)
+        drop, caveats = _unread(joined, hits, layouts)
         hits, values = hits[~drop], values[~drop]
         caveats = [c for c, d in zip(caveats, drop.tolist(), strict=True) if not d]
     which = np.searchsorted(starts, hits, side="right") - 1
-    positions = np.array([i for i, _ in bufs])
+    positions = np.array([i for i, _ in joined.bufs])
     return (
         positions[which].tolist(),
         (8 * (hits - starts[which])).tolist(),
@@ -148,19 +168,14 @@ def _aligned_hits(
 
 
 def _unread(
-    nodes: list[KernelArgs | CopyArgs],
-    bufs: list[tuple[int, bytes]],
-    starts: np.ndarray,
-    counts: np.ndarray,
-    words: np.ndarray,
-    hits: np.ndarray,
-    layouts: Layouts,
+    joined: _Joined, hits: np.ndarray, layouts: Layouts
 ) -> tuple[np.ndarray, list[str | None]]:
     """Which hits (indexes of 64-bit words in the kernels' joined buffers) the kernel never
     reads, and the caveat of each: slots of PyTorch's argument structs the launch does not fill
     (`argstructs`), and the certain part of offset calculators found in PyTorch's other kernels
     (`offset_calc`)."""
-    drop = _in_calculators(nodes, bufs, starts, counts, words, hits)
+    nodes, bufs, starts = joined.nodes, joined.bufs, joined.starts
+    drop = _in_calculators(joined, hits)
     caveats: list[str | None] = [None] * len(hits)
     which = np.searchsorted(starts, hits, side="right") - 1
     for k in np.unique(which).tolist():
@@ -180,17 +195,11 @@ def _unread(
     return drop, caveats
 
 
-def _in_calculators(
-    nodes: list[KernelArgs | CopyArgs],
-    bufs: list[tuple[int, bytes]],
-    starts: np.ndarray,
-    counts: np.ndarray,
-    words: np.ndarray,
-    hits: np.ndarray,
-) -> np.ndarray:
+def _in_calculators(joined: _Joined, hits: np.ndarray) -> np.ndarray:
     """Which hits (indexes of 64-bit words in the kernels' joined buffers) lie inside an offset
     calculator of a PyTorch kernel (`graphsan.core.offset_calc`)."""
-    byte_starts = 8 * starts
+    nodes, bufs, counts = joined.nodes, joined.bufs, joined.counts
+    byte_starts = 8 * joined.starts
 
     def end_of(at: np.ndarray) -> np.ndarray:
         """Where the parameter holding each byte offset ends; -1 outside PyTorch's kernels."""
@@ -205,7 +214,7 @@ def _in_calculators(
             out.append(base + min(later[0], size) if later else base + size)
         return np.array(out, dtype=np.int64)
 
-    ranges = offset_calc.calculators(words.view("<u4"), end_of)
+    ranges = offset_calc.calculators(joined.words.view("<u4"), end_of)
     return offset_calc.inside(ranges, 8 * hits.astype(np.int64))
 
 

@@ -27,7 +27,7 @@ from graphsan.context import Context, python_stack
 from graphsan.core.patches import Patches
 from graphsan.core.records import Frame, FreeEvent, PoolId, Release
 from graphsan.core.tracker import Tracker
-from graphsan.cuda import storage_ops, tracelog
+from graphsan.cuda import storage_ops, tracebuild, tracelog
 from graphsan.cuda.allocator_log import MAX_ENTRIES, AllocatorLog
 from graphsan.cuda.gputrace import GpuTrace
 from graphsan.cuda.graphwalk import GraphWalk
@@ -40,7 +40,7 @@ _SAID: list[str] = []
 
 def _say_fallback(reason: str | None) -> None:
     """A fallback the user did not ask for is said once per process, in one line."""
-    if reason is None or reason in (f"{tracelog.ENV}=0", tracelog.BUILDING) or _SAID:
+    if reason is None or reason in (f"{tracebuild.ENV}=0", tracebuild.BUILDING) or _SAID:
         return
     _SAID.append(reason)
     sys.stderr.write(
@@ -141,8 +141,8 @@ class AllocatorWatch(AllocatorLog):
         return ev
 
     def _on_alloc_judged(self, ptr: int) -> None:
-        """An allocation in a segment holding freed watched memory (from the compiled trace,
-        which keeps the site itself)."""
+        """An allocation in a segment holding freed watched memory: from the compiled trace,
+        which keeps the site itself, or from `_on_alloc` once it kept the site."""
         if not self._active:
             return
         try:
@@ -180,12 +180,8 @@ class AllocatorWatch(AllocatorLog):
             fresh.append(ptr)
             if len(fresh) >= INTERN_BATCH:
                 sites.intern_fresh()
-        if not self._freed_segments:
-            return
-        try:
-            self.tracker.on_alloc(ptr)
-        except Exception as err:
-            self.on_error(err)
+        if self._freed_segments:
+            self._on_alloc_judged(ptr)
 
     # -- start / stop --------------------------------------------------------------------------
     def start(self) -> None:

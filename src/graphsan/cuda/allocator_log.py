@@ -31,7 +31,7 @@ from graphsan.context import user_frames
 from graphsan.core.allocview import AllocatorView, ViewError
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import DEFAULT_POOL, Frame, PoolId
-from graphsan.cuda import tracelog
+from graphsan.cuda import tracelib
 from graphsan.cuda.sites import Site
 
 # Trace entries kept between two drains; more than this and the history overwrites the oldest (the
@@ -97,7 +97,7 @@ class AllocatorLog:
     (`_before_drain`)."""
 
     def __init__(self) -> None:
-        self.log: tracelog.TraceLog | None = None  # the compiled tracker, when it could be used
+        self.log: tracelib.TraceLog | None = None  # the compiled tracker, when it could be used
         self.views: dict[int, AllocatorView] = {}
         # streams whose new segments belong to a pool: [stream or None (every stream), pool]
         self.routes: list[list] = []
@@ -131,11 +131,11 @@ class AllocatorLog:
         self._before_drain()
         if self.log is not None:
             raw, tags, lost = self.log.drain_raw()
-            n = len(raw) // tracelog.RECORD.size
+            n = len(raw) // tracelib.RECORD.size
             # a batch this big reseeds every view, so only the captures' allocations (carves)
             # are worth converting
             reseed_all = lost or any(n >= _reseed_limit(v) for v in self.views.values())
-            per_device = tracelog.entries_from_records(raw, tags, reseed_all)
+            per_device = tracelib.entries_from_records(raw, tags, reseed_all)
         elif not self.views and not self.captures:
             self._clear_log()
             return

@@ -1,5 +1,5 @@
-// graphsan's own GPU-trace interpreter, built into the same library as tracelog.cpp (tracelog.py
-// builds both and loads them with ctypes; gputrace.py drives this part).
+// graphsan's own GPU-trace interpreter, built into the same library as tracelog.cpp (tracebuild.py
+// builds both, tracelib.py loads them with ctypes; gputrace.py drives this part).
 //
 // Once PyTorch's GPU trace is on (graphsan needs to see frees outside the allocator's lock, with
 // the freeing thread's Python stack), every allocation, free, event and synchronization calls
@@ -13,7 +13,7 @@
 // PyTorch offers no C++ base class with the other entries, so the interpreter's table is built
 // here: every slot traps except the trace entries, whose positions come from their member
 // pointers (Itanium C++ ABI), and whose signatures are those of the headers it is built against.
-// Where those headers do not fit, tracelog.py builds tracelog.cpp alone: the tracker still
+// Where those headers do not fit, tracebuild.py builds tracelog.cpp alone: the tracker still
 // works, and the reason is kept beside the library.
 
 #include <c10/core/impl/GPUTrace.h>

@@ -154,6 +154,14 @@ void pad8() {
   g_out.resize((g_out.size() + 7) & ~size_t(7), 0);
 }
 
+// A node's parameters, zeroed, then filled by the driver's getter; false where the getter is
+// missing (an older driver) or fails.
+template <typename Getter, typename Params>
+bool get_params(Getter getter, CUgraphNode node, Params& p) {
+  std::memset(&p, 0, sizeof(p));
+  return getter != nullptr && getter(node, &p) == CUDA_SUCCESS;
+}
+
 const std::vector<std::pair<size_t, size_t>>* layout_of(uint64_t handle, bool is_kernel) {
   auto& cache = g_layouts[is_kernel ? 1 : 0];
   auto it = cache.find(handle);
@@ -192,8 +200,7 @@ bool put_extra(void** extra, uint32_t kind, uint64_t handle, const CUDA_KERNEL_N
 
 bool read_kernel(CUgraphNode node) {
   CUDA_KERNEL_NODE_PARAMS p;
-  std::memset(&p, 0, sizeof(p));
-  if (g_driver.kernel_node_get_params(node, &p) != CUDA_SUCCESS) return false;
+  if (!get_params(g_driver.kernel_node_get_params, node, p)) return false;
   uint64_t handle = reinterpret_cast<uint64_t>(p.func);
   bool is_kernel = false;
   if (handle == 0) {
@@ -245,8 +252,7 @@ void put_side(uint32_t side, CUmemorytype type, CUdeviceptr device, const void* 
 
 bool read_memcpy(CUgraphNode node) {
   CUDA_MEMCPY3D p;
-  std::memset(&p, 0, sizeof(p));
-  if (g_driver.memcpy_node_get_params(node, &p) != CUDA_SUCCESS) return false;
+  if (!get_params(g_driver.memcpy_node_get_params, node, p)) return false;
   size_t head = g_out.size();
   put_head(KIND_MEMCPY, 0, 0);
   uint32_t count = 0, zero = 0;
@@ -263,8 +269,7 @@ bool read_memcpy(CUgraphNode node) {
 
 bool read_memset(CUgraphNode node) {
   CUDA_MEMSET_NODE_PARAMS p;
-  std::memset(&p, 0, sizeof(p));
-  if (g_driver.memset_node_get_params(node, &p) != CUDA_SUCCESS) return false;
+  if (!get_params(g_driver.memset_node_get_params, node, p)) return false;
   uint64_t dst = static_cast<uint64_t>(p.dst);
   put_head(KIND_MEMSET, 8, 0);
   put(&dst, 8);
@@ -272,10 +277,8 @@ bool read_memset(CUgraphNode node) {
 }
 
 bool read_mem_alloc(CUgraphNode node) {
-  if (g_driver.mem_alloc_node_get_params == nullptr) return false;
   CUDA_MEM_ALLOC_NODE_PARAMS p;
-  std::memset(&p, 0, sizeof(p));
-  if (g_driver.mem_alloc_node_get_params(node, &p) != CUDA_SUCCESS) return false;
+  if (!get_params(g_driver.mem_alloc_node_get_params, node, p)) return false;
   const uint64_t range[2] = {static_cast<uint64_t>(p.dptr), static_cast<uint64_t>(p.bytesize)};
   put_head(KIND_MEM_ALLOC, sizeof(range), 0);
   put(range, sizeof(range));
@@ -335,9 +338,7 @@ bool walk_graph(CUgraph graph, int depth, std::string& why) {
 #if CUDA_VERSION >= 12030
       case CU_GRAPH_NODE_TYPE_CONDITIONAL: {
         CUgraphNodeParams params;
-        std::memset(&params, 0, sizeof(params));
-        if (g_driver.node_get_params == nullptr ||
-            g_driver.node_get_params(node, &params) != CUDA_SUCCESS) {
+        if (!get_params(g_driver.node_get_params, node, params)) {
           ++g_stats[ST_UNREADABLE];
           break;
         }

@@ -1,5 +1,5 @@
 """The walk of a graph being captured through the compiled library (graphwalk.cpp, built into
-the tracker's library by tracelog.py): the same records as `cuda.driver.walk`, without a Python
+the tracker's library by tracebuild.py): the same records as `cuda.driver.walk`, without a Python
 object per driver call. The driver walk through cuda-bindings stays the fallback.
 
 The library hands one packed buffer per walk (its layout is described at the top of

@@ -1,6 +1,6 @@
 // graphsan's view of PyTorch's CUDA caching allocator: a trace tracker that keeps the allocator's
 // events (allocations, frees, segments made, returned, mapped and unmapped) in a buffer that
-// Python drains (graphsan/cuda/tracelog.py builds this file and loads it with ctypes).
+// Python drains (graphsan/cuda/tracebuild.py builds this file, tracelib.py loads it with ctypes).
 //
 // The allocator calls the tracker with its per-device lock held, memory history on or off; the
 // tracker takes no lock but its own and calls nothing in PyTorch or Python. Trackers cannot be
@@ -29,7 +29,7 @@ namespace {
 namespace cca = c10::cuda::CUDACachingAllocator;
 using Entry = cca::TraceEntry;
 
-// One event; tracelog.py reads it with the struct format "<QQQqQQiiii".
+// One event; tracelib.py reads it with the struct format "<QQQqQQiiii".
 struct Record {
   uint64_t addr;
   uint64_t size;
@@ -37,7 +37,7 @@ struct Record {
   int64_t time_us;
   uint64_t pool_a;
   uint64_t pool_b;
-  int32_t action; // graphsan's code: an index into tracelog.py's ACTIONS
+  int32_t action; // graphsan's code: an index into tracelib.py's ACTIONS
   int32_t device;
   int32_t tag; // index into the batch's tags; -1: no user metadata
   int32_t unused;
@@ -61,7 +61,7 @@ Log* const g_log = new Log;
 std::atomic<bool> g_enabled{false};
 std::atomic<bool> g_attached{false};
 
-// The events the view needs, in tracelog.py's ACTIONS order; -1 for the others.
+// The events the view needs, in tracelib.py's ACTIONS order; -1 for the others.
 int32_t action_code(Entry::Action action) {
   switch (action) {
     case Entry::ALLOC:
