@@ -13,7 +13,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from graphsan.lab.repro.cases import Outcome
 
@@ -144,39 +144,18 @@ def _read(cls, readers: Readers, data: Any, where: str, required: tuple[str, ...
     return {k: readers[k](where + k, data[k]) for k in names if k in data}
 
 
-@dataclass(frozen=True)
-class RankResult:
-    """What one rank of a case run on several (`--nproc`) saw: its outcome, the iteration it
-    ended in, graphsan's first finding and the error's first line."""
+class _Checked:
+    """What both results share: every field checked by its reader (`_READERS`, a field without
+    one fails with a KeyError) on construction, and the kind of its outcome."""
 
-    rank: int
-    outcome: str
-    iteration: int | None = None
-    finding: str = ""
-    symptom: str = ""
+    _READERS: ClassVar[Readers]
 
     def __post_init__(self):
-        _check_fields(self, _RANK_READERS, "")
+        _check_fields(self, self._READERS, "")
 
     @property
     def kind(self) -> Outcome:
         return Outcome.of(self.outcome)
-
-    def describe(self, short: bool = False) -> str:
-        """`rank 1: StaleMemoryError (iteration 6)`; short: `rank 1: StaleMemoryError @6`."""
-        if not self.iteration:
-            return f"rank {self.rank}: {self.outcome}"
-        at = f" @{self.iteration}" if short else f" (iteration {self.iteration})"
-        return f"rank {self.rank}: {self.outcome}{at}"
-
-    def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_json(cls, data: Any, where: str = "") -> RankResult:
-        """One rank's result as `to_json` wrote it; `where` prefixes the field names in an
-        error ("ranks[1].")."""
-        return cls(**_read(cls, _RANK_READERS, data, where, required=("rank", "outcome")))
 
 
 def _rank(name: str, v: Any) -> int:
@@ -194,6 +173,36 @@ _RANK_READERS = {
 }
 
 
+@dataclass(frozen=True)
+class RankResult(_Checked):
+    """What one rank of a case run on several (`--nproc`) saw: its outcome, the iteration it
+    ended in, graphsan's first finding and the error's first line."""
+
+    rank: int
+    outcome: str
+    iteration: int | None = None
+    finding: str = ""
+    symptom: str = ""
+
+    _READERS: ClassVar[Readers] = _RANK_READERS
+
+    def describe(self, short: bool = False) -> str:
+        """`rank 1: StaleMemoryError (iteration 6)`; short: `rank 1: StaleMemoryError @6`."""
+        if not self.iteration:
+            return f"rank {self.rank}: {self.outcome}"
+        at = f" @{self.iteration}" if short else f" (iteration {self.iteration})"
+        return f"rank {self.rank}: {self.outcome}{at}"
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "") -> RankResult:
+        """One rank's result as `to_json` wrote it; `where` prefixes the field names in an
+        error ("ranks[1].")."""
+        return cls(**_read(cls, cls._READERS, data, where, required=("rank", "outcome")))
+
+
 def _ranks(name: str, v: Any) -> tuple[RankResult, ...]:
     def one(where: str, x: Any) -> RankResult:
         return x if isinstance(x, RankResult) else RankResult.from_json(x, f"{where}.")
@@ -206,8 +215,36 @@ def describe_ranks(ranks: tuple[RankResult, ...], short: bool = False) -> str:
     return "; ".join(r.describe(short) for r in ranks)
 
 
+_CASE_READERS = {
+    "outcome": _text,
+    "iteration": _count_or_none,
+    "finding": _text,
+    "symptom": _text,
+    "losses": _numbers,
+    "eval_losses": _eval_points,
+    "kinds": _texts,
+    "report": _text,
+    "pinned": _object_or_none,
+    "startup": _seconds_by_phase,
+    "ranks": _ranks,
+    "wall_s": _number,
+    "timeline": _numbers,
+    "log_tail": _text,
+    "comparison": _text,
+    "rel_diff": _numbers,
+    "rel_diff_before_eval": _number_or_none,
+    "rel_diff_after_eval": _number_or_none,
+    "reference_outcome": _text,
+    "reference_timeline": _numbers_or_none,
+    "reference_losses": _numbers_or_none,
+    "reference_eval_losses": _eval_points_or_none,
+    "matched": _flag_or_none,
+    "mismatch": _text,
+}
+
+
 @dataclass(frozen=True)
-class CaseResult:
+class CaseResult(_Checked):
     """One case's run. `outcome` is an `Outcome` value or a description of how the process died
     ("timed out after 300 s", "killed by signal 9"), which classifies as `Outcome.OTHER`.
     Sequences are tuples (a list given is turned into one); every field is checked on
@@ -241,12 +278,7 @@ class CaseResult:
     matched: bool | None = None
     mismatch: str = ""
 
-    def __post_init__(self):
-        _check_fields(self, _CASE_READERS, "")
-
-    @property
-    def kind(self) -> Outcome:
-        return Outcome.of(self.outcome)
+    _READERS: ClassVar[Readers] = _CASE_READERS
 
     def replace(self, **changes) -> CaseResult:
         return dataclasses.replace(self, **changes)
@@ -259,33 +291,4 @@ class CaseResult:
     def from_json(cls, data: Any) -> CaseResult:
         """A result as `to_json` wrote it; fields left out take their defaults and unknown
         keys are ignored. A field of the wrong type raises ResultError naming it."""
-        return cls(**_read(cls, _CASE_READERS, data, ""))
-
-
-# every field's check, which construction runs (a field without one fails with a KeyError)
-_CASE_READERS = {
-    "outcome": _text,
-    "iteration": _count_or_none,
-    "finding": _text,
-    "symptom": _text,
-    "losses": _numbers,
-    "eval_losses": _eval_points,
-    "kinds": _texts,
-    "report": _text,
-    "pinned": _object_or_none,
-    "startup": _seconds_by_phase,
-    "ranks": _ranks,
-    "wall_s": _number,
-    "timeline": _numbers,
-    "log_tail": _text,
-    "comparison": _text,
-    "rel_diff": _numbers,
-    "rel_diff_before_eval": _number_or_none,
-    "rel_diff_after_eval": _number_or_none,
-    "reference_outcome": _text,
-    "reference_timeline": _numbers_or_none,
-    "reference_losses": _numbers_or_none,
-    "reference_eval_losses": _eval_points_or_none,
-    "matched": _flag_or_none,
-    "mismatch": _text,
-}
+        return cls(**_read(cls, cls._READERS, data, ""))

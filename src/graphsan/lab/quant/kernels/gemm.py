@@ -173,6 +173,17 @@ def _e2m1_times(b, SHIFT: tl.constexpr, scale):
 
 
 @triton.jit
+def _contiguous_load(d_ptr, s_ptr, j, mask, VEC: tl.constexpr, PER_SCALE: tl.constexpr):
+    """Data bytes j of a contiguous operand and the scale byte of each (one per PER_SCALE data
+    bytes), the pointers at the program's first ones. Each thread holds VEC consecutive bytes:
+    the load's index `(j // VEC) * VEC + j % VEC` is j, written so that Triton's alignment
+    analysis gives the load the VEC elements per thread of the kernels' 16-byte stores instead
+    of 16, which would need a shared-memory exchange."""
+    b = load_or_0(d_ptr + (j // VEC) * VEC + j % VEC, mask)
+    return b, load_or_0(s_ptr + j // PER_SCALE, mask)
+
+
+@triton.jit
 def dequant_nvfp4_kernel(
     d_ptr,
     s_ptr,
@@ -187,17 +198,13 @@ def dequant_nvfp4_kernel(
     words [P, Q/2] (byte j's two bf16, element 2j in the low half). BLOCK bytes a program; EVEN:
     N is a multiple of BLOCK (no masks).
 
-    Each thread holds 4 consecutive bytes (one 32-bit load: `(j // 4) * 4 + j % 4` is j, written
-    so that Triton's alignment analysis gives the load the 4 elements per thread of the 16-byte
-    store instead of 16, which would need a shared-memory exchange), so one scale byte serves a
-    thread's 8 elements. The products are exact (module docstring): the bf16 is the float32's
-    high half, no rounding step."""
+    Each thread holds 4 consecutive bytes (one 32-bit load, `_contiguous_load`), so one scale
+    byte serves a thread's 8 elements. The products are exact (module docstring): the bf16 is
+    the float32's high half, no rounding step."""
     base = tl.program_id(0).to(tl.int64) * BLOCK
     j = tl.arange(0, BLOCK)
-    jd = (j // 4) * 4 + j % 4
     mask = None if EVEN else j < N - base
-    b = load_or_0(d_ptr + base + jd, mask)
-    s = load_or_0(s_ptr + (base >> 3) + j // 8, mask)
+    b, s = _contiguous_load(d_ptr + base, s_ptr + (base >> 3), j, mask, 4, 8)
     b = b.to(tl.int32)
     scale = _e4m3_scale(s.to(tl.int32))
     lo = _e2m1_times(b, 0, scale).to(tl.int32, bitcast=True)
@@ -241,14 +248,11 @@ def dequant_mxfp8_rows_kernel(
     """A contiguous rowwise MXFP8 operand's bf16 values: element bytes [P, Q] (N of them), E8M0
     scales [P, Q/32] contiguous (scale of element i: byte i // 32), out bf16 bits [P, Q] (int16).
     BLOCK elements a program; EVEN: N is a multiple of BLOCK. Each thread holds 8 consecutive
-    elements (an 8-byte load, written as `(i // 8) * 8 + i % 8` for Triton's alignment analysis,
-    as in `dequant_nvfp4_kernel`; one 16-byte store) and one scale."""
+    elements (an 8-byte load, `_contiguous_load`; one 16-byte store) and one scale."""
     base = tl.program_id(0).to(tl.int64) * BLOCK
     i = tl.arange(0, BLOCK)
-    idx = (i // 8) * 8 + i % 8
     mask = None if EVEN else i < N - base
-    b = load_or_0(d_ptr + base + idx, mask)
-    s = load_or_0(s_ptr + (base >> 5) + i // 32, mask)
+    b, s = _contiguous_load(d_ptr + base, s_ptr + (base >> 5), i, mask, 8, 32)
     out = _mxfp8_bf16(b, _e8m0_value(s.to(tl.int32)), FMT, HW, NAN16)
     tl.store(out_ptr + base + i, out, mask=mask)
 
