@@ -38,6 +38,15 @@ def test_the_twin_drops_its_victim_before_the_replay_and_the_correct_program_onl
     assert churned == [True]
 
 
+def test_warmup_and_capture_warms_up_the_function_it_then_captures(monkeypatch):
+    calls = []
+    monkeypatch.setattr(Case, "warmup", staticmethod(lambda fn: calls.append(("warmup", fn))))
+    monkeypatch.setattr(Case, "capture", lambda self, fn: calls.append(("capture", fn)) or "g")
+    step = object()
+    assert Case(False).warmup_and_capture(step) == "g"
+    assert calls == [("warmup", step), ("capture", step)]
+
+
 def test_every_program_is_listed_with_its_twin_and_the_json_says_the_same(tmp_path, capsys):
     listing = runs()
     names = [r["name"] for r in listing]

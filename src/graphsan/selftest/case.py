@@ -66,6 +66,12 @@ class Case:
             out = fn()
         return g, out
 
+    def warmup_and_capture(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """`warmup(fn)` then `capture(fn)`, for a function that needs nothing reset between the
+        two (no gradients to clear, no state to rewind)."""
+        self.warmup(fn)
+        return self.capture(fn)
+
     def replay(self, g: torch.cuda.CUDAGraph, times: int = 1) -> None:
         for _ in range(times):
             g.replay()

@@ -23,8 +23,7 @@ def _run(case: Case, inputs: dict[str, torch.Tensor], fn, victim: str, tol: floa
     """Capture `fn(**inputs)` (a list of tensors), replay it, compare with eager; the twin then
     drops `inputs[victim]` (and every view of it) and replays."""
     with torch.no_grad():
-        case.warmup(lambda: fn(**inputs))
-        g, outs = case.capture(lambda: fn(**inputs))
+        g, outs = case.warmup_and_capture(lambda: fn(**inputs))
         for t in inputs.values():  # new values, same memory: the replay must see them
             if t.is_floating_point() or t.is_complex():
                 t.mul_(1.5)

@@ -117,8 +117,7 @@ def compile_train_eval_train(case: Case) -> None:
         return compiled(static_x).square().mean()
 
     with torch.no_grad():
-        case.warmup(fwd)
-        g, _ = case.capture(fwd)
+        g, _ = case.warmup_and_capture(fwd)
         case.replay(g, 2)
         # the next pass builds its batch as a new tensor instead of copying into the static one
         case.victim(static_x)

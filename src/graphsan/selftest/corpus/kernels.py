@@ -14,12 +14,16 @@ from graphsan.selftest.case import Case, Skip
 TESTS = "pytorch test/test_cuda.py (graph tests)"
 
 
-def _graph_and_check(case: Case, inputs: dict, fn, tol: float = 1e-4):
+def _graph_and_check(case: Case, inputs: dict, fn, victim: str, tol: float = 1e-4) -> None:
     """Capture `fn(**inputs)` (a list of tensors) after a warm-up, replay it on new values and
-    compare it with eager; returns the graph."""
+    compare it with eager; the twin then drops `inputs[victim]` and replays."""
+    # the outputs die with _checked_graph's frame: the twin's drop finds only the inputs alive
+    case.drop_and_replay(_checked_graph(case, inputs, fn, tol), inputs, victim)
+
+
+def _checked_graph(case: Case, inputs: dict, fn, tol: float) -> torch.cuda.CUDAGraph:
     with torch.no_grad():
-        case.warmup(lambda: fn(**inputs))
-        g, outs = case.capture(lambda: fn(**inputs))
+        g, outs = case.warmup_and_capture(lambda: fn(**inputs))
         for t in inputs.values():
             if t.is_floating_point():
                 t.mul_(0.5)
@@ -56,8 +60,7 @@ def cat_stack_many(case: Case) -> None:
             torch.cat([t.t() for t in same[:40]], dim=1),
         ]
 
-    g = _graph_and_check(case, inputs, fn)
-    case.drop_and_replay(g, inputs, "p137")
+    _graph_and_check(case, inputs, fn, "p137")
 
 
 @program(
@@ -94,8 +97,7 @@ def index_gather_scatter(case: Case) -> None:
             torch.take_along_dim(x, cols, dim=1),
         ]
 
-    g = _graph_and_check(case, inputs, fn, 1e-4)
-    case.drop_and_replay(g, inputs, "idx")
+    _graph_and_check(case, inputs, fn, "idx")
 
 
 @program(
@@ -179,8 +181,7 @@ def sort_topk_scan(case: Case) -> None:
             torch.bucketize(x[:4], edges),
         ]
 
-    g = _graph_and_check(case, inputs, fn, 1e-4)
-    case.drop_and_replay(g, inputs, "x")
+    _graph_and_check(case, inputs, fn, "x")
 
 
 @program(
@@ -204,8 +205,7 @@ def fft(case: Case) -> None:
             torch.view_as_real(torch.fft.fft2(img)),
         ]
 
-    g = _graph_and_check(case, inputs, fn, 1e-4)
-    case.drop_and_replay(g, inputs, "x")
+    _graph_and_check(case, inputs, fn, "x")
 
 
 @program(
@@ -327,8 +327,7 @@ def foreach_scalar_lists(case: Case) -> None:
         total = torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         return [torch.stack(norms), grads[0].clone(), grads[-1].clone(), total, found_inf.clone()]
 
-    g = _graph_and_check(case, inputs, fn, 1e-4)
-    case.drop_and_replay(g, inputs, "t211")
+    _graph_and_check(case, inputs, fn, "t211")
 
 
 @program(
@@ -406,8 +405,7 @@ def transformer_layer(case: Case) -> None:
     g_train, _ = case.capture(train_step)
     layer.eval()
     with torch.no_grad():
-        case.warmup(lambda: layer(x))
-        g_eval, out = case.capture(lambda: layer(x))
+        g_eval, out = case.warmup_and_capture(lambda: layer(x))
         case.replay(g_eval)
         torch.cuda.synchronize()
         case.close(out, layer(x), "eval output equals eager", 1e-3)
@@ -444,5 +442,4 @@ def grouped_mm(case: Case) -> None:
     def fn(x, w, offs):
         return [torch._grouped_mm(x, w, offs=offs)]
 
-    g = _graph_and_check(case, inputs, fn, 2e-2)
-    case.drop_and_replay(g, inputs, "w")
+    _graph_and_check(case, inputs, fn, "w", 2e-2)

@@ -222,8 +222,7 @@ def pinned_prefetch(case: Case) -> None:
         dev.copy_(stage["batch"], non_blocking=True)
         result.copy_(dev @ w, non_blocking=True)
 
-    case.warmup(step)
-    g, _ = case.capture(step)
+    g, _ = case.warmup_and_capture(step)
     for _ in range(3):
         stage["batch"].copy_(torch.randn(64, 256))
         case.replay(g)
@@ -267,8 +266,7 @@ def side_streams(case: Case) -> None:
         return a + b
 
     with torch.no_grad():
-        case.warmup(step)
-        g, out = case.capture(step)
+        g, out = case.warmup_and_capture(step)
         case.replay(g)
         torch.cuda.synchronize()
         case.close(out, inputs["x"] @ inputs["x"] + torch.relu(inputs["y"]).sum(0), "joined result")
@@ -296,8 +294,7 @@ def memset_fill(case: Case) -> None:
         return bufs["acc"].sum()
 
     with torch.no_grad():
-        case.warmup(step)
-        g, total = case.capture(step)
+        g, total = case.warmup_and_capture(step)
         case.replay(g, 2)
         torch.cuda.synchronize()
         case.close(total, src.sum(), "sum after the memset", 1e-4)

@@ -62,8 +62,7 @@ def _needs_hopper():
 
 
 def _capture_and_break(case: Case, inputs: dict, launch, want, victim: str) -> None:
-    case.warmup(launch)
-    g, out = case.capture(launch)
+    g, out = case.warmup_and_capture(launch)
     for t in inputs.values():
         t.mul_(0.5)
     del t  # the loop's name would keep the last input alive
@@ -126,8 +125,7 @@ def tma_host_descriptor(case: Case) -> None:
 
 
 def _capture_and_drop_descriptor(case: Case, inputs, descs, launch, want) -> None:
-    case.warmup(launch)
-    g, out = case.capture(launch)
+    g, out = case.warmup_and_capture(launch)
     case.replay(g)
     torch.cuda.synchronize()
     case.victim(inputs["x"])
