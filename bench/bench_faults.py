@@ -27,6 +27,11 @@ control trials, nothing:
     live-output   four graphs of one pool captured in a 1F1B order (forward mb0, forward mb1,
                   backward mb1, backward mb0) replay forward mb0, backward mb0, forward mb1:
                   forward mb1 writes over backward mb0's gradient, which the caller holds
+    released-output
+                  four graphs of one pool captured in sequence with Transformer Engine's buffer
+                  reuse (forward mb0's output goes back to the pool once backward mb0 is
+                  captured, and forward mb1 carves it) replay forward mb0, forward mb1: forward
+                  mb1 writes over the output the caller still holds a view of
     mgc-data-rebind
                   `p.data = p.data.clone()` on a weight of the make_graphed_callables model: its
                   graphed callables keep the Parameter and replay against its old storage
@@ -64,7 +69,7 @@ from collections import Counter, defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_FAULTS = ("free", "free-reuse", "resize", "data-rebind", "set", "empty-cache")
-OTHER_FAULTS = ("host-free", "table-free", "replay-order", "live-output")
+OTHER_FAULTS = ("host-free", "table-free", "replay-order", "live-output", "released-output")
 MGC_FAULTS = ("mgc-data-rebind", "mgc-input-rebind")
 INTERNAL = ("internal-driver", "internal-node")
 KINDS = ("control", *DEVICE_FAULTS, *OTHER_FAULTS, *MGC_FAULTS, *INTERNAL)
@@ -211,6 +216,7 @@ class SideGraphs:
             self.c = self.x * 3
         self.recarved = self.c.data_ptr() == a_ptr
         self.pipeline = Pipeline(torch)
+        self.reused = ReusedPipeline(torch)
         self.keep = []
         self.mgc = GraphedBlocks(torch)
 
@@ -220,6 +226,7 @@ class SideGraphs:
         for i in order:
             self.g[i].replay()
         self.pipeline.replay()
+        self.reused.replay()
 
     def step(self, iteration: int) -> None:
         self.replay()
@@ -254,6 +261,39 @@ class Pipeline:
     def replay(self, order=ORDER) -> None:
         for name in order:
             self.g[name].replay()
+
+
+class ReusedPipeline(Pipeline):
+    """Four graphs of one pool captured in sequence with TE's buffer reuse: forward mb0's output
+    goes back to the pool once backward mb0 is captured (the caller keeps a view that owns
+    nothing), and forward mb1's capture carves that memory."""
+
+    ORDER = ("f0", "b0", "f1", "b1")
+
+    def __init__(self, torch):
+        from graphsan.lab.train.graphs import unowned
+
+        n = 1 << 16
+        pool = torch.cuda.graph_pool_handle()
+        self.x = [torch.randn(n, device="cuda") for _ in range(2)]
+        self.g = {name: torch.cuda.CUDAGraph() for name in self.ORDER}
+        with torch.cuda.graph(self.g["f0"], pool=pool):
+            act0 = (self.x[0] * 3).sin()
+            out0 = act0 + 1
+        with torch.cuda.graph(self.g["b0"], pool=pool):
+            self.grad0 = act0 * 2
+        out0_ptr = out0.data_ptr()
+        self.out0 = unowned(out0)
+        del out0
+        with torch.cuda.graph(self.g["f1"], pool=pool):
+            act1 = (self.x[1] * 3).sin()
+            self.out1 = act1 + 1
+        with torch.cuda.graph(self.g["b1"], pool=pool):
+            self.grad1 = act1 * 2
+        self.recarved = out0_ptr in (act1.data_ptr(), self.out1.data_ptr())
+
+    def replay(self, order=ORDER) -> None:
+        super().replay(order)
 
 
 class Injector:
@@ -360,6 +400,12 @@ class Injector:
                 return
             self.injected = "replayed forward mb0, backward mb0, forward mb1"
             self.side.pipeline.replay(order=("f0", "b0", "f1"))
+        elif kind == "released-output":
+            if not self.side.reused.recarved:
+                self.injected = "no-hazard"  # forward mb1 carved memory of its own
+                return
+            self.injected = "replayed forward mb0, forward mb1 (buffers reused)"
+            self.side.reused.replay(order=("f0", "f1"))
         elif kind == "mgc-data-rebind":
             self.injected = self.side.mgc.rebind_weight(self.rng)
         elif kind == "mgc-input-rebind":

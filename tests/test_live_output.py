@@ -97,6 +97,28 @@ def test_an_output_the_pools_graphs_have_all_read_since_is_handed_on():
     assert run(one_f_one_b(captures), [F0, B0, 6, B0, F1]) == [(F1, B0)]
 
 
+def test_an_output_another_graph_ran_after_is_handed_on():
+    """Per-layer graphs of one microbatch's backward captured in a 1F1B order: backward layer 1
+    carves its input gradient from forward mb1's scratch, and backward layer 0 runs next, so the
+    caller has copied that gradient on by the time forward mb1 replays (the lab's step replayed
+    sequentially over graphs captured 1F1B, whose losses equal eager's). Only forward mb1 right
+    after backward layer 1 is the hazard."""
+    o = PoolOrder()
+    captures = [
+        (0, carve(0), [ref(0)]),  # forward mb0 (layer 0 and 1 in one graph here)
+        (1, carve(1, 4), [ref(1), ref(4, 1)]),  # forward mb1: activation 1, scratch 4
+        (2, carve(4), [ref(0), ref(4, 1)]),  # backward mb0, layer 1: gradient carved from 4
+        (3, carve(5), [ref(0), ref(5, 1)]),  # backward mb0, layer 0
+    ]
+    for gid, carved, refs in captures:
+        o.add_graph(gid, carved, refs, first_refs_into(carved, refs))
+    assert run(o, [0, 2, 3, 1]) == []
+    o = PoolOrder()
+    for gid, carved, refs in captures:
+        o.add_graph(gid, carved, refs, first_refs_into(carved, refs))
+    assert run(o, [0, 3, 2, 1]) == [(1, 2)]
+
+
 def test_graphs_that_pass_no_data_are_never_judged():
     """One graph per batch size in one pool, each output read before the next replay: a later
     capture's output sits in an earlier one's scratch, and any order is correct."""
@@ -283,9 +305,13 @@ def reuse_order() -> PoolOrder:
 
 
 def run_all(o: PoolOrder, sequence) -> list[tuple[int, int, int | None]]:
+    """As `run`, and every replay with a finding is one the hooks ask about (`in_order` is
+    their shortcut past the judgement)."""
     hits = []
     for g in sequence:
-        hits += [(w.writer, w.producer, w.pending) for w in o.overwritten(g)]
+        found = [(w.writer, w.producer, w.pending) for w in o.overwritten(g)]
+        assert not (found and o.in_order(g)), (g, found)
+        hits += found
         o.replayed(g)
     return hits
 
@@ -316,6 +342,31 @@ def test_out_of_capture_order_the_window_having_replayed_since_is_quiet():
     forward mb0: the caller was done with the output when forward mb1 carves it again."""
     assert run_all(reuse_order(), [R0, RB0, RB1, R1]) == []
     assert run_all(reuse_order(), [R0, RB1, R1]) == [(R1, R0, RB0)]
+
+
+def test_only_the_capture_the_release_followed_is_waited_for():
+    """Captured 1F1B with reuse (forward mb1's output goes back after backward mb1, with
+    backward mb0 between them) and replayed sequentially: backward mb0 ran before forward mb1,
+    yet the caller waited for backward mb1 only, which ran; so forward mb2 may carve it."""
+
+    def built():
+        o = PoolOrder()
+        for gid, slots, reads, released in [
+            (0, (0, 6), (), ()),  # forward mb0: output 0, activation 6
+            (1, (1, 7), (), ()),  # forward mb1: output 1, activation 7
+            (2, (4,), (6,), (0,)),  # backward mb0; output 0 goes back after it
+            (3, (5,), (7,), (1,)),  # backward mb1; output 1 goes back after it
+            (4, (1,), (), ()),  # forward mb2 carves output 1's memory
+        ]:
+            refs = [ref(s, i) for i, s in enumerate(slots + reads)]
+            o.add_graph(gid, carve(*slots), refs, first_refs_into(carve(*slots), refs))
+            for s in released:
+                o.release(at(s), SLOT, in_capture=False)
+        return o
+
+    assert [r.window for r in built().reuses[4]] == [(2, 3)]
+    assert run_all(built(), [0, 2, 1, 3, 4]) == []
+    assert run_all(built(), [0, 1, 2, 4]) == [(4, 1, 3)]
 
 
 def test_a_release_before_any_other_capture_is_the_callers_own_business():
@@ -445,8 +496,8 @@ def test_capture_order_cycles_with_released_outputs_are_quiet(program, cycles):
 @given(released_programs())
 def test_every_released_output_found_is_fresh_and_its_window_unfinished(program):
     """Simulated memory: each slot holds the graph that wrote it last. A finding on a released
-    output means the slot holds the producer's data from after the writer last ran, and a graph
-    captured between the producer and the release has not run since the producer did."""
+    output means the slot holds the producer's data from after the writer last ran, and the
+    capture the release came right after has not run since the producer did."""
     captures, sequence = program
     o, _, _ = build_released(captures)
     owner: dict[int, int] = {}

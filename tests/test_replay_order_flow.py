@@ -164,3 +164,30 @@ def test_a_pool_block_no_graph_carved_is_still_judged_when_freed(env, uninstall)
         g1.replay()
     assert [f.kind for f in err.value.findings] == ["pool-reuse"]
     assert g2.launched == 0
+
+
+def test_an_output_the_pool_got_back_between_captures_is_protected(env, uninstall):
+    """TE's buffer reuse: forward mb0's output (c) goes back to the pool once backward mb0 is
+    captured, and forward mb1 carves it; forward mb1 right after forward mb0 is stopped."""
+    san = sanitizer.Sanitizer("raise")
+    san.active = True
+    san.hooks.install()
+    uninstall.append(san)
+    k = fake_cuda.kernel
+    f0 = capture(env, san, [k(0, B, C)], [B, C])
+    b0 = capture(env, san, [k(0, B, D)], [D])
+    assert san.tracker.on_free(C, lambda: FreeEvent([("graph.py", 3, "reuse")], "train", 1))
+    f1 = capture(env, san, [k(0, C, E)], [C, E])
+    b1 = capture(env, san, [k(0, C, D)], [])
+    for _ in range(2):
+        for g in (f0, b0, f1, b1):
+            g.replay()
+    assert san.findings == []
+    f0.replay()
+    with pytest.raises(StaleMemoryError) as err:
+        f1.replay()
+    assert f1.launched == 2, "the replay that overwrites the output must not run"
+    (f,) = err.value.findings
+    ids = [g.__dict__["_graphsan_state"].info.id for g in (f0, b0, f1)]
+    assert f.kind == "live-output" and f.graph.id == ids[2] and f.written_by == ids[0]
+    assert f.block_address == C and f"graph #{ids[1]}" in f.now

@@ -225,6 +225,17 @@ SEEN = {
             "written by graph #12, overwritten by graph #31 (phase train (no_grad), step 6)",
         }
     ],
+    12: [{"outcome": "silent corruption", "iteration": 5}],
+    13: [
+        {
+            "outcome": "StaleMemoryError",
+            "iteration": 4,
+            "finding": "live-output: layers.0:layer fwd mb1 node 7 at::native::elementwise_kernel<> "
+            "[BinaryFunctor, MulFunctor] param 1+608 -> 256 B block at 0x1ebf0121700 (graph's own "
+            "private pool (0, 1)), holds graph #1's output, still held by the caller (phase train "
+            "(no_grad), step 6)",
+        }
+    ],
 }
 
 

@@ -247,7 +247,13 @@ REUSED_MISMATCH = {"kind": "mismatch", "reuse": True, "scopes": ["attn", "mamba"
 def test_1f1b_over_reused_buffers_captured_in_sequence_corrupts_silently():
     """Outputs the pool got back are carved by the next forward: the losses leave eager's with
     no error, since these graphs hold no index a kernel could trip on."""
-    res = _run(dict(REUSED_MISMATCH, graphsan="off"))
+    p = _spawn(dict(REUSED_MISMATCH, graphsan="off"))
+    if p.returncode != 0:  # the trainer stops on a NaN loss: silent for CUDA all the same
+        tail = p.stderr[-5000:]
+        assert "TrainingDiverged" in tail and "device-side assert" not in tail, tail
+        return
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    res = json.loads(line[len("RESULT ") :])
     worst = max(abs(a - b) / abs(a) for a, b in zip(res["eager"], res["graphed"], strict=True))
     assert worst > 1e-3 or any(x != x for x in res["graphed"]), res
 

@@ -31,10 +31,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from graphsan.core.outputs import CallerReads
+from graphsan.core.outputs import NEVER_IN_ORDER, CallerReads
 from graphsan.core.records import DataPtr, GraphId, Reference
-
-NEVER_IN_ORDER = 1 << 62  # a reader's producer place that no pass reaches
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,14 @@ The other way round, a graph's output can go back to the pool while the caller s
 Transformer Engine's `_reuse_graph_input_output_buffers` lets go of a forward's static outputs
 once the matching backward is captured, and a later capture carves them. The adapter reports
 each release between captures (`release`; one during a capture is that capture's own work), so
-the model knows the window of captures that came between the producer and the release. A later capture that carves the memory
-then writes over the output at replay unless every graph of that window replayed after the
-producer last did: in capture order they have; out of it (forward mb1 right after forward mb0
-when backward mb0 came between them at capture) the caller has not finished with the output.
-Memory a graph of the pool reads is left to `replay-order`, which judges that reader.
+the model knows the capture the release came right after: the one the caller waited for (TE's
+matching backward). A later capture that carves the memory writes over the output at replay
+unless that capture has replayed since the producer last did: in capture order it has; out of
+it (forward mb1 right after forward mb0, when backward mb0's capture came before the release)
+the caller has not finished with the output. Other captures between producer and release do
+not count: the lab's step replayed sequentially over graphs captured 1F1B with reuse runs
+another microbatch's backward there first, and trains as eager does. Memory a graph of the pool
+reads is left to `replay-order`, which judges that reader.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class Overwrite:
 @dataclass(frozen=True)
 class Reuse:
     """`writer` carved [start, end), `producer`'s output that the pool got back only after the
-    captures at places first..last (the window): the caller was still using it until then."""
+    captures of `window` (in capture order; the last is the one the release followed)."""
 
     writer: GraphId
     start: DataPtr
@@ -59,10 +62,13 @@ class Reuse:
     producer: GraphId
     window: tuple[GraphId, ...]
     site: object = None
-    # the place of the window's last capture, and whether every graph of it carved memory (then
-    # a pass in capture order that reached it proves them all replayed after the producer)
+    # the place of the window's last capture, and whether it carved memory (then a pass in
+    # capture order that reached it proves it replayed after the producer)
     through: int = -1
     carvers: bool = False
+
+
+NEVER_IN_ORDER = 1 << 62  # a reader's producer place that no pass reaches
 
 
 @dataclass
@@ -132,11 +138,15 @@ class CallerReads:
                 for _, _, _, w in self._overlapping(self._watched, start, end)
             ):
                 continue
-            carvers = all(g in self._link for g in window)
+            carvers = window[-1] in self._link
             through = self._place[window[-1]]
             self.reuses.setdefault(gid, []).append(
                 Reuse(gid, start, end, producer, window, site, through, carvers)
             )
+            # capture order clears a replay of `gid` only once the pass reached the window
+            bound = through if carvers else NEVER_IN_ORDER
+            if bound > self._producers_up_to.get(gid, -1):
+                self._producers_up_to[gid] = bound
             if gid not in self._carved_over:
                 self._carved_over.add(gid)
                 self._newly_carved_over.append(gid)
@@ -196,6 +206,8 @@ class CallerReads:
                 theirs = last.get(c.graph, 0)
                 if self._place.get(c.graph, -1) <= place or theirs <= mine:
                     continue
+                if self.clock > theirs:
+                    continue  # another graph of the pool ran since: the caller took it before
                 lo, hi = max(start, c.start), min(end, c.end)
                 if self._written_since(lo, hi, c.graph, theirs):
                     continue  # its data there is gone already (found at that replay)
@@ -206,7 +218,8 @@ class CallerReads:
 
     def _reused_outputs(self, gid: GraphId) -> list[Overwrite]:
         """The released outputs `gid` carved again that a replay now writes over: their producer
-        ran in this pass after `gid` last did, and a graph of the window has not replayed since."""
+        ran in this pass after `gid` last did, and the capture the release followed has not
+        replayed since."""
         out: list[Overwrite] = []
         last = self.last
         for r in self.reuses.get(gid, ()):
@@ -215,8 +228,10 @@ class CallerReads:
             theirs = last.get(r.producer, 0)
             if theirs <= last.get(gid, 0) or theirs < self._pass_start:
                 continue
-            pending = next((g for g in r.window if last.get(g, 0) < theirs), None)
-            if pending is None or self._written_since(r.start, r.end, r.producer, theirs):
+            pending = r.window[-1]  # the capture the release came right after
+            if last.get(pending, 0) > theirs or self._written_since(
+                r.start, r.end, r.producer, theirs
+            ):
                 continue
             out.append(Overwrite(gid, r.start, r.end, r.producer, r.site, pending))
         return out

@@ -213,7 +213,7 @@ def _flat(outs):
     return outs if isinstance(outs, tuple) else (outs,)
 
 
-def _unowned(t: torch.Tensor | None) -> torch.Tensor | None:
+def unowned(t: torch.Tensor | None) -> torch.Tensor | None:
     """A view of `t`'s memory that keeps none of it allocated (what TE's `make_weak_ref`
     returns): the pool may carve it again while the graph still writes it at each replay."""
     if t is None:
@@ -229,10 +229,10 @@ def _release_buffers(graphs: list[_Graphs]) -> None:
     reuse gives back: forward outputs, cloned parameter gradients, and each input gradient the
     next backward has consumed (all but the last one's, which the embedding's backward reads)."""
     for i, g in enumerate(graphs):
-        g.static_out = tuple(_unowned(o) for o in g.static_out)
+        g.static_out = tuple(unowned(o) for o in g.static_out)
         gx, *gparams = g.static_grad_in
-        keep_gx = gx if i == len(graphs) - 1 else _unowned(gx)
-        g.static_grad_in = (keep_gx, *(_unowned(p) for p in gparams))
+        keep_gx = gx if i == len(graphs) - 1 else unowned(gx)
+        g.static_grad_in = (keep_gx, *(unowned(p) for p in gparams))
 
 
 def capture(
