@@ -242,10 +242,7 @@ class Pipeline:
     ORDER = ("f0", "f1", "b1", "b0")
 
     def __init__(self, torch):
-        n = 1 << 16
-        pool = torch.cuda.graph_pool_handle()
-        self.x = [torch.randn(n, device="cuda") for _ in range(2)]
-        self.g = {name: torch.cuda.CUDAGraph() for name in self.ORDER}
+        pool = self._begin(torch)
         with torch.cuda.graph(self.g["f0"], pool=pool):
             act0 = (self.x[0] * 3).sin()
         with torch.cuda.graph(self.g["f1"], pool=pool):
@@ -257,6 +254,12 @@ class Pipeline:
         with torch.cuda.graph(self.g["b0"], pool=pool):
             self.grad0 = act0 * 2
         self.recarved = self.grad0.data_ptr() == act1_ptr
+
+    def _begin(self, torch):
+        """Two microbatch inputs, the graphs of ORDER and their shared pool."""
+        self.x = [torch.randn(1 << 16, device="cuda") for _ in range(2)]
+        self.g = {name: torch.cuda.CUDAGraph() for name in self.ORDER}
+        return torch.cuda.graph_pool_handle()
 
     def replay(self, order=ORDER) -> None:
         for name in order:
@@ -273,10 +276,7 @@ class ReusedPipeline(Pipeline):
     def __init__(self, torch):
         from graphsan.lab.train.graphs import unowned
 
-        n = 1 << 16
-        pool = torch.cuda.graph_pool_handle()
-        self.x = [torch.randn(n, device="cuda") for _ in range(2)]
-        self.g = {name: torch.cuda.CUDAGraph() for name in self.ORDER}
+        pool = self._begin(torch)
         with torch.cuda.graph(self.g["f0"], pool=pool):
             act0 = (self.x[0] * 3).sin()
             out0 = act0 + 1
