@@ -209,6 +209,14 @@ def test_a_1f1b_schedule_with_its_graphs_captured_in_that_order_matches_eager():
         assert err < 1e-2, (name, err)
 
 
+def _assert_losses_left_eagers(p: subprocess.CompletedProcess) -> None:
+    """A mismatch run that finished: its graphed losses differ from eager's, or are NaN."""
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    res = json.loads(line[len("RESULT ") :])
+    worst = max(abs(a - b) / abs(a) for a, b in zip(res["eager"], res["graphed"], strict=True))
+    assert worst > 1e-3 or any(x != x for x in res["graphed"]), res
+
+
 def test_1f1b_over_graphs_captured_in_sequence_diverges_without_graphsan():
     # the stale replays corrupt the step: its losses leave eager's, or a kernel reading the
     # overwritten routing indices trips its bounds check (which of the two depends on the run)
@@ -217,10 +225,7 @@ def test_1f1b_over_graphs_captured_in_sequence_diverges_without_graphsan():
         tail = p.stderr[-5000:]
         assert "device-side assert" in tail or "illegal memory access" in tail, tail
         return
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    res = json.loads(line[len("RESULT ") :])
-    worst = max(abs(a - b) / abs(a) for a, b in zip(res["eager"], res["graphed"], strict=True))
-    assert worst > 1e-3 or any(x != x for x in res["graphed"]), res
+    _assert_losses_left_eagers(p)
 
 
 def test_1f1b_over_graphs_captured_in_sequence_is_stopped_by_graphsan():
@@ -252,10 +257,7 @@ def test_1f1b_over_reused_buffers_captured_in_sequence_corrupts_silently():
         tail = p.stderr[-5000:]
         assert "TrainingDiverged" in tail and "device-side assert" not in tail, tail
         return
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    res = json.loads(line[len("RESULT ") :])
-    worst = max(abs(a - b) / abs(a) for a, b in zip(res["eager"], res["graphed"], strict=True))
-    assert worst > 1e-3 or any(x != x for x in res["graphed"]), res
+    _assert_losses_left_eagers(p)
 
 
 def test_1f1b_over_reused_buffers_is_stopped_as_a_live_output():
