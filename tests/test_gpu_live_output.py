@@ -1,6 +1,7 @@
-"""A pipeline schedule's graphs on a real GPU: four graphs of one pool captured in a 1F1B order,
-replayed in capture order (quiet and correct) and in another schedule, which writes forward
-mb1's activation over backward mb0's gradient while the caller holds it."""
+"""Live outputs on a real GPU. A pipeline schedule: four graphs of one pool captured in a 1F1B
+order, replayed in capture order (quiet and correct) and in another schedule, which writes
+forward mb1's activation over backward mb0's gradient while the caller holds it. And a tensor
+allocated eagerly into a graph's pool over the graph's freed scratch."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ POLICIES = ("off", "raise", "pin")
 
 @pytest.fixture(scope="module", autouse=True)
 def _all_policies_side_by_side():
-    prefetch([("pipeline_schedule", p, None) for p in POLICIES])
+    prefetch([(name, p, None) for name in ("pipeline_schedule", "eager_in_pool") for p in POLICIES])
 
 
 def test_the_other_schedule_corrupts_the_gradient_without_graphsan():
@@ -54,3 +55,26 @@ def test_under_pin_the_pinned_activation_leaves_the_gradient_its_own_memory_or_p
     else:
         assert result["schedule"] == ["replayed"] * 3, log[-3000:]
     assert result["grad0_correct"] is True and result["healthy"]
+
+
+def test_a_replay_writes_its_scratch_over_a_tensor_allocated_eagerly_into_its_pool():
+    rc, result, log = run_program("eager_in_pool", policy="off")
+    assert rc == 0, log[-3000:]
+    assert result["recarved"], "the pool did not hand the graph's scratch to the eager tensor"
+    assert result["first"] == "replayed" and result["kept_intact"] is False
+    assert result["after_del"] == ["replayed"] * 2 and result["y_correct"] and result["healthy"]
+
+
+@pytest.mark.parametrize("policy", ["raise", "pin"])
+def test_graphsan_names_the_eager_allocation_and_is_quiet_once_it_is_gone(policy):
+    """pin cannot keep an eager tensor out of memory the graph writes, so it raises like raise."""
+    rc, result, log = run_program("eager_in_pool", policy=policy)
+    assert rc == 0, log[-3000:]
+    assert result["recarved"], log[-3000:]
+    assert result["first"] == "raised" and result["kept_intact"] is True, log[-3000:]
+    assert result["error_kinds"] == ["live-output"]
+    assert "prog_eager_in_pool.py" in result["error_text"]  # where the eager tensor was allocated
+    assert result["after_del"] == ["replayed"] * 2, log[-3000:]
+    assert result["y_correct"] and result["healthy"]
+    (f,) = result["findings"]
+    assert f["written_by"] is None

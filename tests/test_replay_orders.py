@@ -52,15 +52,14 @@ def test_a_finding_names_writer_and_carver_and_a_forgotten_carver_as_gone():
     order = orders.orders[(0, POOL)]
     for gid in (0, 2):
         order.replayed(gid)
-    hazards = orders.hazards(g1)
-    (f,) = orders.findings(g1.info, hazards, "eval", 7, Judged(rank=3, found_at=12.5))
+    (f,) = orders.judge(g1, lambda: ("eval", 7, Judged(rank=3, found_at=12.5)), view=None)
     assert (f.kind, f.written_by, f.carved_by, f.block_address) == ("replay-order", 0, 2, C)
     assert (f.phase, f.step, f.rank, f.found_at) == ("eval", 7, 3, 12.5)
     assert f.alloc_stack == tuple(SITE)  # the producer's carve site, as the adapter reads it
     assert "graph #2 'g2'" in f.now
     orders.forget(2)
     tracker.forget(2)
-    (f,) = orders.findings(g1.info, orders.hazards(g1), "eval", 7, Judged())
+    (f,) = orders.judge(g1, lambda: ("eval", 7, Judged()), view=None)
     assert "graph #2 (gone)" in f.now
 
 

@@ -22,6 +22,7 @@ Any internal error disables the sanitizer with one message; the user's program r
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import sys
@@ -34,6 +35,7 @@ import torch
 from graphsan.capture import CaptureAnalysis, stream_handle
 from graphsan.command_line import rank_from_env
 from graphsan.context import Context, python_stack
+from graphsan.core.eager import EagerInPools
 from graphsan.core.order import PoolOrder
 from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
 from graphsan.core.replay import ReplayOrders
@@ -57,11 +59,12 @@ def check_policy(policy: str | Policy) -> Policy:
     return Policy.parse(policy)
 
 
-def _memory_watch(tracker, context, on_error, alloc_stacks, timeline):
-    """The allocator's watch: its events where the native backend runs, the driver elsewhere."""
+def _memory_watch(tracker, context, on_error, alloc_stacks, timeline, eager):
+    """The allocator's watch: its events where the native backend runs, the driver elsewhere
+    (which sees no allocations, so no eager tensor in a graph's pool either)."""
     name = driverwatch.backend()
     if name == "native":
-        return AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline)
+        return AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline, eager)
     why = f"the {name} allocator backend keeps no block map and reports no frees"
     return driverwatch.DriverWatch(tracker, context, on_error, alloc_stacks, why, _driver, timeline)
 
@@ -107,11 +110,12 @@ class Sanitizer:
         self.report_path: str | None = None
         self.timeline = Timeline(self.rank)
         self.tracker = Tracker()
+        eager = EagerInPools()
         self.memory = _memory_watch(
-            self.tracker, self.context, self._internal_error, alloc_stacks, self.timeline
+            self.tracker, self.context, self._internal_error, alloc_stacks, self.timeline, eager
         )
         self.host = HostWatch(self.tracker, self.memory.free_event, self._internal_error)
-        self.pool_orders = ReplayOrders(self.tracker, self.memory.site_frames)
+        self.pool_orders = ReplayOrders(self.tracker, self.memory.site_frames, eager)
         # the tracker asks these two about a block; both need the tracker themselves
         self.tracker.consult(
             host_owner=self.host.owner,
@@ -353,18 +357,9 @@ class Sanitizer:
             if self.pinner is not None:
                 self.pinner.flush()
             info = state.info
-            findings = []
-            hazards = self.pool_orders.hazards(state)
-            if hazards:
-                phase, step = self.context.current()
-                judged = Judged(self.rank, time.time())
-                findings = self.pool_orders.findings(info, hazards, phase, step, judged)
-            overs = self.pool_orders.overwritten(state) if not self.memory.polls else []
-            if overs:
-                phase, step = self.context.current()
-                view = self.memory.view(info.device)
-                judged = Judged(self.rank, time.time())
-                findings += self.pool_orders.live_outputs(info, overs, view, phase, step, judged)
+            # the driver watch keeps no block map: nobody can say which outputs are held
+            view = None if self.memory.polls else functools.partial(self.memory.view, info.device)
+            findings = self.pool_orders.judge(state, self._when, view)
             if self.memory.polls:
                 self.memory.poll(state)
             if state.dirty and not any(wb.freed is not None for wb in state.blocks.values()):
@@ -380,8 +375,8 @@ class Sanitizer:
                 mapped = None if self.memory.polls else _driver().is_mapped
                 findings += self.tracker.judge(info.id, view, mapped, as_of, judged)
                 self.graph_stats[info.id].replays_judged += 1
-            if self.memory.polls:
-                state.dirty = True  # the next replay asks the driver again
+            if self.memory.polls or self.pool_orders.eager.marks.get(info.id):
+                state.dirty = True  # the next replay asks the driver or the allocator again
             findings = self._suppress(findings)
             if findings or judging:
                 stop = bool(findings) and self.policy.stops_replay
@@ -394,6 +389,11 @@ class Sanitizer:
             return
         if findings:
             self._apply_policy(state, findings)
+
+    def _when(self) -> tuple[str | None, int | None, Judged]:
+        """The phase and step now, and who judges when (for a finding of the replay order)."""
+        phase, step = self.context.current()
+        return phase, step, Judged(self.rank, time.time())
 
     def _suppress(self, findings: list[Finding]) -> list[Finding]:
         """The findings no suppression matches; the others are counted (once each)."""

@@ -173,6 +173,7 @@ class CallerReads:
 
     def first_ref(self, gid: GraphId, start: DataPtr, end: DataPtr) -> Reference | None:
         """`gid`'s first reference into its carves that overlap [start, end)."""
+        self._settle()
         refs = self._first_refs.get(gid, {})
         hits = [
             refs[s] for s, e in self._carves_of.get(gid, ()) if s < end and e > start and s in refs

@@ -82,6 +82,13 @@ _HOST_CAUSES = {
     Kind.REOWNED: "the pinned host memory was freed and the pinned-memory cache handed it to "
     "another tensor; the replay would copy that tensor's data (or overwrite it)",
 }
+# the cause of a live-output finding whose tensor no graph produced (`Finding.written_by` None)
+_EAGER_CAUSE = (
+    "eager code allocated a tensor into the graph's memory pool (use_mem_pool, or PyTorch's "
+    "begin-allocate-to-pool calls) and was handed memory the graph's capture used as scratch; "
+    "every replay writes there (allocate the tensor outside the pool, or free it before the "
+    "replay; pin cannot help: the graph owns that memory)"
+)
 
 
 def display_path(filename: str) -> str:
@@ -309,6 +316,8 @@ class Finding:
     def likely_cause(self) -> str:
         if self.host and self.kind in _HOST_CAUSES:
             return _HOST_CAUSES[self.kind]
+        if self.kind is Kind.LIVE_OUTPUT and self.written_by is None:
+            return _EAGER_CAUSE
         return self.kind.cause.format(op=self.free_op or "resize_/set_/.data=")
 
 

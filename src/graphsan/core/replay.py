@@ -9,8 +9,9 @@ to judge (`judges`), and turns a reader's conflicts into `replay-order` findings
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
+from graphsan.core.eager import EagerInPools, EagerTensor
 from graphsan.core.memory_map import SegmentIndex
 from graphsan.core.order import Conflict, PoolOrder, first_refs_into
 from graphsan.core.outputs import Overwrite
@@ -35,9 +36,16 @@ Carves = list[tuple[DataPtr, int, object]]
 class ReplayOrders:
     """(device, pool) -> that pool's `PoolOrder`, for the graphs the tracker watches."""
 
-    def __init__(self, tracker: Tracker, site_frames: Callable[[object], list[Frame]]) -> None:
+    def __init__(
+        self,
+        tracker: Tracker,
+        site_frames: Callable[[object], list[Frame]],
+        eager: EagerInPools | None = None,
+    ) -> None:
         self.tracker = tracker
         self.site_frames = site_frames  # a carve's site as user frames, outermost first
+        # the eager tensors in the graphs' carves (fed by the allocator's adapter)
+        self.eager = eager if eager is not None else EagerInPools()
         self.orders: dict[tuple[int, PoolId], PoolOrder] = {}
         self.enabled = True  # follow the order of graphs captured from now on
 
@@ -53,6 +61,8 @@ class ReplayOrders:
             seg = view.segment_at(addr)
             if seg is not None and seg.pool == info.pool:
                 in_pool.append((addr, size, site))
+        if in_pool:
+            self.eager.add_capture(info.id, info.device, info.pool, in_pool)
         key = (info.device, info.pool)
         order = self.orders.get(key)
         if order is None:
@@ -85,6 +95,7 @@ class ReplayOrders:
         order = self._order_of(gid)
         if order is not None:
             order.forget(gid)
+        self.eager.forget(gid)
 
     def judges(self, wb: WatchedBlock) -> bool:
         """Every graph watching the freed pool block carved it or reads it as another graph's
@@ -112,6 +123,34 @@ class ReplayOrders:
                 return
 
     # -- replay -------------------------------------------------------------------------------
+    def judge(
+        self,
+        state: GraphState,
+        when: Callable[[], tuple[str | None, int | None, Judged]],
+        view: Callable[[], SegmentIndex] | None,
+    ) -> list[Finding]:
+        """The findings of the order on a replay of `state`'s graph now: ranges it would read
+        from the wrong writer, and (where `view` gives the allocator as of now) outputs and
+        eager tensors the caller holds that it would write over. `when` gives the phase, the
+        step and the judgement, asked only where there is something to report."""
+        info = state.info
+        findings: list[Finding] = []
+        hazards = self.hazards(state)
+        if hazards:
+            phase, step, judged = when()
+            findings += [self._finding(info, c, phase, step, judged) for c in hazards]
+        if view is None:
+            return findings
+        overs = self.overwritten(state)
+        if overs:
+            phase, step, judged = when()
+            findings += self.live_outputs(info, overs, view(), phase, step, judged)
+        eager = self.eager.marked(info.id)
+        if eager:
+            phase, step, judged = when()
+            findings += self.eager_outputs(info, eager, state.blocks, view(), phase, step, judged)
+        return findings
+
     def hazards(self, state: GraphState) -> list[Conflict]:
         """The ranges a replay of the graph now would read from the wrong writer."""
         if not state.reads:
@@ -157,6 +196,45 @@ class ReplayOrders:
                 seen.add(blk.address)
                 block = (blk.address, blk.size)
                 out.append(self._live_output(info, order, o, block, phase, step, judged))
+        return out
+
+    def eager_outputs(
+        self,
+        info: GraphInfo,
+        tensors: list[EagerTensor],
+        watched: Container[DataPtr],
+        view: SegmentIndex,
+        phase: str | None,
+        step: int | None,
+        judged: Judged,
+    ) -> list[Finding]:
+        """A live-output finding per eager tensor (`EagerInPools.replaying`) whose block the
+        allocator still holds, except blocks the graph watches (the tracker judges those); the
+        marks of the others go."""
+        out: list[Finding] = []
+        for t in tensors:
+            seg = view.segment_at(t.start)
+            blk = seg.allocated_in(t.start, t.end) if seg is not None else None
+            if seg is None or seg.pool != info.pool or blk is None or blk.address != t.start:
+                self.eager.gone(t)
+                continue
+            if t.start in watched:
+                continue
+            order = self.orders.get((info.device, info.pool))
+            ref = order.first_ref(info.id, t.start, t.end) if order is not None else None
+            now = (
+                "holds a tensor eager code allocated into the pool (use_mem_pool or "
+                f"begin-allocate-to-pool){t.when}, after this graph's capture, "
+                "over memory the capture carved; the caller still holds it and this replay "
+                "writes over it"
+            )
+            ref = ref or Reference(-1, "", "", 0, t.start)
+            block = (t.start, t.size)
+            out.append(
+                self._order_finding(
+                    Kind.LIVE_OUTPUT, info, ref, block, t.site, now, phase, step, judged
+                )
+            )
         return out
 
     def _live_output(
@@ -232,18 +310,6 @@ class ReplayOrders:
     def _who(self, gid: GraphId) -> str:
         g = self.tracker.graphs.get(gid)
         return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
-
-    def findings(
-        self,
-        info: GraphInfo,
-        hazards: list[Conflict],
-        phase: str | None,
-        step: int | None,
-        judged: Judged,
-    ) -> list[Finding]:
-        """A replay-order finding per range the graph reads that another graph of the pool
-        re-carved and replayed since the range's writer last did, at `phase` and `step`."""
-        return [self._finding(info, c, phase, step, judged) for c in hazards]
 
     def _finding(
         self, info: GraphInfo, c: Conflict, phase: str | None, step: int | None, judged: Judged

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from graphsan.context import Context, python_stack
+from graphsan.core.eager import EagerInPools
 from graphsan.core.patches import Patches
 from graphsan.core.records import Frame, FreeEvent, PoolId, Release
 from graphsan.core.tracker import Tracker
@@ -59,9 +60,11 @@ class AllocatorWatch(AllocatorLog):
         on_error: Callable[[BaseException], None],
         alloc_stacks: bool = True,
         timeline: Timeline | None = None,
+        eager: EagerInPools | None = None,
     ) -> None:
         super().__init__()
         self.tracker = tracker
+        self.eager = eager  # the eager tensors in graphs' carves, where the replay order keeps them
         self.context = context
         self.on_error = on_error
         self.alloc_stacks = alloc_stacks
@@ -307,6 +310,15 @@ class AllocatorWatch(AllocatorLog):
             self.tracker.on_release()
         except Exception as err:
             self.on_error(err)
+
+    def _eager_allocated(self, device: int, pool: PoolId, addr: int, size: int) -> None:
+        if self.eager is None:
+            return
+        phase, step = self.context.current()
+        for gid in self.eager.allocated(device, pool, addr, size, self._site_at(addr), phase, step):
+            g = self.tracker.graphs.get(gid)
+            if g is not None:
+                g.dirty = True  # its next replay asks whether the tensor is still held
 
     def route_begins(self, pool: PoolId, per_thread: bool) -> None:
         """Eager allocations go to `pool` from now (this thread's, or this stream's)."""

@@ -161,6 +161,8 @@ class AllocatorLog:
                 self._apply(view, entries, device, reseed)
             if self.captures:
                 self._note_carves(entries, view)
+            if self.routes:
+                self._note_eager(entries, view, device)
 
     def _apply(self, view: AllocatorView, entries: list, device: int, reseed: bool) -> None:
         # a full buffer lost entries; and past RESEED_ENTRIES a snapshot, walked in C++, is
@@ -202,6 +204,28 @@ class AllocatorLog:
                     carves = self.carves.get(tags[0])
             if carves is not None:
                 carves.append((addr, int(e["size"]), self._site_at(addr)))
+
+    def _note_eager(self, entries, view: AllocatorView, device: int) -> None:
+        """Hand `_eager_allocated` each allocation eager code made into a private pool it was
+        routed to (`routes`): not a capture's, and in a routed pool on a routed stream."""
+        routed = {tuple(pool) for _, pool in self.routes}
+        for e in entries:
+            if e["action"] != "alloc" or e.get("user_metadata", "") in self.carves:
+                continue
+            addr = int(e["addr"])
+            pool = e.get("pool")
+            if pool is None:
+                seg = view.segment_at(addr)
+                pool = seg.pool if seg is not None else None
+            if pool is None or tuple(pool) not in routed:
+                continue
+            stream = int(e.get("stream", 0))
+            if any(s is None or s == stream for s, p in self.routes if tuple(p) == tuple(pool)):
+                self._eager_allocated(device, tuple(pool), addr, int(e["size"]))
+
+    def _eager_allocated(self, device: int, pool: PoolId, addr: int, size: int) -> None:
+        """Eager code was handed [addr, addr + size) of private pool `pool` (a subclass keeps
+        it)."""
 
     def _pool_of(self, entry, following, unsure: list) -> PoolId:
         """The pool of a new segment (see the module docstring)."""

@@ -18,6 +18,8 @@ def one_line(f: Finding) -> str:
     """The finding in one line: kind, graph, kernel, buffer, free site."""
     if f.kind is Kind.REPLAY_ORDER:
         what = f"written by graph #{f.written_by}, overwritten by graph #{f.carved_by}"
+    elif f.kind is Kind.LIVE_OUTPUT and f.written_by is None:
+        what = "holds a tensor eager code allocated into the pool, still held by the caller"
     elif f.kind is Kind.LIVE_OUTPUT:
         what = f"holds graph #{f.written_by}'s output, still held by the caller"
     else:
@@ -135,6 +137,11 @@ def format_finding(f: Finding) -> str:
         lines.append(
             f"  order: replayed after graph #{f.carved_by} overwrote the range and before "
             f"graph #{f.written_by} wrote it again{when(f.phase, f.step)}"
+        )
+    elif f.kind is Kind.LIVE_OUTPUT and f.written_by is None:
+        lines.append(
+            "  order: eager code was handed the memory after the graph's capture; this replay "
+            f"would write over it{when(f.phase, f.step)}"
         )
     elif f.kind is Kind.LIVE_OUTPUT:
         mine, theirs = (f.replays[1], f.replays[0]) if f.replays else ("?", "?")

@@ -101,7 +101,9 @@ def _now_title(f: Finding) -> str:
         "moved": "the tensor's storage moved",
         "freed": "free in the allocator's cache",
         "replay-order": "overwritten by a graph captured later into the same pool",
-        "live-output": "another graph's output the caller still holds",
+        "live-output": "another graph's output the caller still holds"
+        if f.written_by is not None
+        else "a tensor eager code allocated into the graph's pool",
     }.get(f.kind, "now")
 
 
