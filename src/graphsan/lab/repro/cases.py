@@ -111,6 +111,25 @@ class Case:
         return [o.value for o in Outcome if o in self.expected]
 
 
+def _pipeline_case(n: int, title: str, scopes: tuple[str, ...], graphsan: str, **rest) -> Case:
+    """A schedule case (docs/te-3316.md, cases 10-13): a 1F1B step over graphs captured in
+    sequence, wrong from the first graphed step; MXFP8 everywhere and the fixed state policy free
+    no workspace, so the schedule is the only mistake."""
+    # one definition, so that the unwatched cases and their graphsan twins run the same schedule
+    return Case(
+        n,
+        title,
+        "mxfp8-all",
+        scopes,
+        StatePolicy.FIXED,
+        graphsan,
+        schedule=Schedule.ONE_F_ONE_B,
+        captured_in=Schedule.SEQUENTIAL,
+        fails_from=WARMUP + 1,
+        **rest,
+    )
+
+
 CASES = [
     Case(
         1,
@@ -207,62 +226,42 @@ CASES = [
         about="stopped before the replay, naming out_proj's NVFP4 weight workspace",
         finding_freed_in=WORKSPACE_FREE,
     ),
-    Case(
+    _pipeline_case(
         10,
         "pipeline schedule: 1F1B over graphs captured in sequence",
-        "mxfp8-all",
         SCENARIO_SCOPES,
-        StatePolicy.FIXED,
         "off",
         compare=True,
         expected=STALE_REPLAY,
-        schedule=Schedule.ONE_F_ONE_B,
-        captured_in=Schedule.SEQUENTIAL,
-        fails_from=WARMUP + 1,
         about="the second forward writes over the first microbatch's saved activations before "
         "its backward reads them: corrupted training from the first graphed step",
     ),
-    Case(
+    _pipeline_case(
         11,
         "pipeline schedule under graphsan",
-        "mxfp8-all",
         SCENARIO_SCOPES,
-        StatePolicy.FIXED,
         "raise",
         expected=STOPPED,
-        schedule=Schedule.ONE_F_ONE_B,
-        captured_in=Schedule.SEQUENTIAL,
-        fails_from=WARMUP + 1,
         finding_kinds=frozenset({"replay-order", "live-output"}),
         about="stopped before a replay out of capture order, naming both graphs",
     ),
-    Case(
+    _pipeline_case(
         12,
         "pipeline schedule, graph buffers reused: 1F1B over graphs captured in sequence",
-        "mxfp8-all",
         DENSE_SCOPES,
-        StatePolicy.FIXED,
         "off",
         compare=True,
         expected=frozenset({Outcome.SILENT_CORRUPTION}),
-        schedule=Schedule.ONE_F_ONE_B,
-        captured_in=Schedule.SEQUENTIAL,
-        fails_from=WARMUP + 1,
         reuse_buffers=True,
         about="the second forward writes over outputs of the first that the pool got back at "
         "capture and eager code still holds: losses drift from the eager run's, no error",
     ),
-    Case(
+    _pipeline_case(
         13,
         "pipeline schedule, graph buffers reused, under graphsan",
-        "mxfp8-all",
         DENSE_SCOPES,
-        StatePolicy.FIXED,
         "raise",
         expected=STOPPED,
-        schedule=Schedule.ONE_F_ONE_B,
-        captured_in=Schedule.SEQUENTIAL,
-        fails_from=WARMUP + 1,
         reuse_buffers=True,
         finding_kinds=frozenset({"live-output"}),
         about="stopped before the second forward's launch, naming the first forward's output "
