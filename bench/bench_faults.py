@@ -32,6 +32,8 @@ control trials, nothing:
                   reuse (forward mb0's output goes back to the pool once backward mb0 is
                   captured, and forward mb1 carves it) replay forward mb0, forward mb1: forward
                   mb1 writes over the output the caller still holds a view of
+    eager-in-pool a tensor allocated eagerly into a graph's MemPool (`use_mem_pool`) is handed
+                  the scratch the graph's capture freed: the next replay writes over it
     mgc-data-rebind
                   `p.data = p.data.clone()` on a weight of the make_graphed_callables model: its
                   graphed callables keep the Parameter and replay against its old storage
@@ -69,7 +71,14 @@ from collections import Counter, defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_FAULTS = ("free", "free-reuse", "resize", "data-rebind", "set", "empty-cache")
-OTHER_FAULTS = ("host-free", "table-free", "replay-order", "live-output", "released-output")
+OTHER_FAULTS = (
+    "host-free",
+    "table-free",
+    "replay-order",
+    "live-output",
+    "released-output",
+    "eager-in-pool",
+)
 MGC_FAULTS = ("mgc-data-rebind", "mgc-input-rebind")
 INTERNAL = ("internal-driver", "internal-node")
 KINDS = ("control", *DEVICE_FAULTS, *OTHER_FAULTS, *MGC_FAULTS, *INTERNAL)
@@ -217,6 +226,7 @@ class SideGraphs:
         self.recarved = self.c.data_ptr() == a_ptr
         self.pipeline = Pipeline(torch)
         self.reused = ReusedPipeline(torch)
+        self.eager = EagerInPool(torch)
         self.keep = []
         self.mgc = GraphedBlocks(torch)
 
@@ -227,6 +237,7 @@ class SideGraphs:
             self.g[i].replay()
         self.pipeline.replay()
         self.reused.replay()
+        self.eager.graph.replay()
 
     def step(self, iteration: int) -> None:
         self.replay()
@@ -264,6 +275,32 @@ class Pipeline:
     def replay(self, order=ORDER) -> None:
         for name in order:
             self.g[name].replay()
+
+
+class EagerInPool:
+    """A graph in its own MemPool whose scratch, a large block, is freed inside the capture and
+    goes back to the pool; `allocate` puts a tensor there eagerly, where the scratch was."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.pool = torch.cuda.MemPool()
+        self.stream = torch.cuda.Stream()  # the allocator hands a block only to its own stream
+        self.x = torch.randn(1 << 20, device="cuda")
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool.id, stream=self.stream):
+            scratch = self.x * 3
+            self.scratch_ptr = scratch.data_ptr()
+            self.y = scratch.sin()[:16].clone()
+            del scratch
+        self.kept = None
+
+    def allocate(self) -> bool:
+        """A tensor allocated into the pool; whether it took the scratch (the hazard)."""
+        torch = self.torch
+        with torch.cuda.stream(self.stream), torch.cuda.use_mem_pool(self.pool):
+            self.kept = torch.full((1 << 20,), 7.0, device="cuda")
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return self.kept.data_ptr() == self.scratch_ptr
 
 
 class ReusedPipeline(Pipeline):
@@ -406,6 +443,11 @@ class Injector:
                 return
             self.injected = "replayed forward mb0, forward mb1 (buffers reused)"
             self.side.reused.replay(order=("f0", "f1"))
+        elif kind == "eager-in-pool":
+            if not self.side.eager.allocate():
+                self.injected = "no-hazard"  # the pool handed the tensor other memory
+                return
+            self.injected = "allocated a tensor into the graph's pool over its scratch"
         elif kind == "mgc-data-rebind":
             self.injected = self.side.mgc.rebind_weight(self.rng)
         elif kind == "mgc-input-rebind":
