@@ -46,7 +46,7 @@ def capture(env):
 
 
 def pinned_free(san, address=HOST):
-    san.host.freed(address, san.host.blocks[address].token)
+    san.host.freed(address, san.host.pinned.blocks[address].token)
 
 
 def test_a_memcpy_from_freed_pinned_memory_stops_the_replay_and_names_both_sites(env, san):

@@ -165,7 +165,7 @@ def pool_map(live_slots) -> MemoryMap:
 
 def orders_1f1b():
     tracker = Tracker()
-    orders = ReplayOrders(tracker, site_frames=lambda site: [("train.py", 7, site)])
+    orders = ReplayOrders(tracker.graphs, site_frames=lambda site: [("train.py", 7, site)])
     view = pool_map({0, 1, 5})
     states = {}
     for gid, (carved, refs) in CAPTURES.items():
@@ -423,7 +423,7 @@ def test_a_partly_carved_release_keeps_its_other_part():
 
 def test_the_finding_for_a_released_output_names_the_capture_that_held_it():
     tracker = Tracker()
-    orders = ReplayOrders(tracker, site_frames=lambda site: [("train.py", 9, site)])
+    orders = ReplayOrders(tracker.graphs, site_frames=lambda site: [("train.py", 9, site)])
     labels = ["fwd mb0", "bwd mb0", "fwd mb1", "bwd mb1"]
     captures = [((0, 2), [ref(0), ref(2, 1)]), ((5,), [ref(0), ref(5, 1)])]
     captures += [((0, 2), [ref(0), ref(2, 1)]), ((6,), [ref(0), ref(6, 1)])]

@@ -32,7 +32,7 @@ def capture(tracker, orders, gid, reads, carves):
 def three_successive():
     """g0 writes b, c, d; g1 reads c and writes e; g2 reads d and re-carves c."""
     tracker = Tracker()
-    orders = ReplayOrders(tracker, site_frames=lambda site: SITE if site == "site0" else [])
+    orders = ReplayOrders(tracker.graphs, site_frames=lambda site: SITE if site == "site0" else [])
     g0 = capture(tracker, orders, 0, [B, C, D], [B, C, D])
     g1 = capture(tracker, orders, 1, [C, E], [E])
     g2 = capture(tracker, orders, 2, [D, C], [C])
@@ -73,21 +73,21 @@ def test_a_block_every_watcher_carved_or_reads_is_the_orders_to_judge():
 
 def test_a_graph_alone_in_its_pool_that_carved_nothing_makes_no_order():
     tracker = Tracker()
-    orders = ReplayOrders(tracker, site_frames=lambda site: [])
+    orders = ReplayOrders(tracker.graphs, site_frames=lambda site: [])
     capture(tracker, orders, 0, [B], [])
     assert orders.orders == {} and not orders.judges(tracker.live[B])
 
 
 def test_a_pools_first_capture_waits_until_the_order_needs_it():
     tracker = Tracker()
-    orders = ReplayOrders(tracker, site_frames=lambda site: [])
+    orders = ReplayOrders(tracker.graphs, site_frames=lambda site: [])
     g0 = capture(tracker, orders, 0, [B, C], [B, C])
     order = orders.orders[(0, POOL)]
     assert order.sequence == [] and g0.order is None  # alone: nothing to follow yet
     assert order.judges(0, B + 8) and not order.judges(0, D)  # its own carves, still aside
     assert order.sequence == [] and not order.judges(1, B) and order.sequence == [0]
     tracker2 = Tracker()
-    orders2 = ReplayOrders(tracker2, site_frames=lambda site: [])
+    orders2 = ReplayOrders(tracker2.graphs, site_frames=lambda site: [])
     capture(tracker2, orders2, 0, [B, C], [B, C])
     g1 = capture(tracker2, orders2, 1, [C], [D])  # a second capture joins: both in order
     order2 = orders2.orders[(0, POOL)]
@@ -95,7 +95,7 @@ def test_a_pools_first_capture_waits_until_the_order_needs_it():
     assert tracker2.graphs[0].order is order2 and order2.reads[1][0][0].producer == 0
     orders2.forget(0)
     tracker3 = Tracker()
-    orders3 = ReplayOrders(tracker3, site_frames=lambda site: [])
+    orders3 = ReplayOrders(tracker3.graphs, site_frames=lambda site: [])
     capture(tracker3, orders3, 0, [B], [B])
     orders3.forget(0)  # forgotten while alone: never registered
     capture(tracker3, orders3, 1, [B], [B])

@@ -748,7 +748,7 @@ def test_the_trace_calls_python_only_for_watched_frees_and_names_the_freeing_cod
     wb = WatchedBlock(0x7200_0000, 512, DEFAULT_POOL, (0x7200_0000, 1 << 20), [], {1})
     tracker.graphs[1] = types.SimpleNamespace(dirty=False)
     tracker.live[wb.address] = wb
-    tracker.on_watch([wb.address])  # what add_graph tells the adapter
+    tracker.mirrored([wb.address])  # what add_graph tells the adapter
     assert trace.watched_count() >= 1
     free_in_user_code(trace, wb.address)
     assert trace.python_calls() == before + 1
@@ -818,7 +818,7 @@ def test_the_trace_keeps_count_under_threads(traced):
     tracker.graphs[1] = types.SimpleNamespace(dirty=False)
     for addr in watched:
         tracker.live[addr] = WatchedBlock(addr, 512, DEFAULT_POOL, (addr, 1 << 20), [], {1})
-    tracker.on_watch(watched)
+    tracker.mirrored(watched)
     before = trace.python_calls()
     errors: list[BaseException] = []
 
@@ -858,7 +858,7 @@ def test_a_block_freed_while_its_capture_is_added_stays_watched(traced):
     trace, tracker = traced.trace, traced.tracker
     tracker.graphs[1] = types.SimpleNamespace(dirty=False)
     a, stale = 0x7800_0000, 0x7900_0000
-    tracker.on_watch([a])  # add_graph tells the library first ...
+    tracker.mirrored([a])  # add_graph tells the library first ...
     before = trace.python_calls()
     free_in_user_code(trace, a)  # ... and another thread frees the block meanwhile
     assert trace.python_calls() == before + 1 and a in traced._arriving

@@ -184,7 +184,7 @@ class CaptureAnalysis:
         outside = [a for a in copies if view.locate(a) is None and driver.is_host(a)]
         if outside:  # pinned host memory: blocks not recorded at pin_memory() are looked up
             self.host.find(outside)
-        state = self.tracker.add_graph(info, refs, view, host=self.host.locate)
+        state = self.tracker.add_graph(info, refs, view, host=self.host.pinned.locate)
         if self.memory.polls:  # frees are found by asking before each replay
             state.dirty = True
         self.orders.add_capture(info, carved, refs, view)

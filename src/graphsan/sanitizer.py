@@ -42,7 +42,7 @@ from graphsan.core.replay import ReplayOrders
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import driverwatch, hooks
 from graphsan.cuda.allocator import AllocatorWatch
-from graphsan.cuda.host import HostWatch
+from graphsan.cuda.host import HostWatch, PinnedBlocks
 from graphsan.policies import POLICIES, Policy
 from graphsan.policies.pin import Pinner
 from graphsan.report import Report, StaleMemoryError, format_finding, suppressions
@@ -59,13 +59,17 @@ def check_policy(policy: str | Policy) -> Policy:
     return Policy.parse(policy)
 
 
-def _memory_watch(tracker, context, on_error, alloc_stacks, timeline, eager):
-    """The allocator's watch: its events where the native backend runs, the driver elsewhere
-    (which sees no allocations, so no eager tensor in a graph's pool either)."""
-    name = driverwatch.backend()
-    if name == "native":
+def _memory_watch_kind() -> type[AllocatorWatch] | type[driverwatch.DriverWatch]:
+    """The allocator's watch where the native backend runs, the driver's elsewhere."""
+    return AllocatorWatch if driverwatch.backend() == "native" else driverwatch.DriverWatch
+
+
+def _memory_watch(kind, tracker, context, on_error, alloc_stacks, timeline, eager):
+    """The memory watch of `kind`: the allocator's events, or the driver's answers (which see no
+    allocations, so no eager tensor in a graph's pool either)."""
+    if kind is AllocatorWatch:
         return AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline, eager)
-    why = f"the {name} allocator backend keeps no block map and reports no frees"
+    why = f"the {driverwatch.backend()} allocator backend keeps no block map and reports no frees"
     return driverwatch.DriverWatch(tracker, context, on_error, alloc_stacks, why, _driver, timeline)
 
 
@@ -109,19 +113,29 @@ class Sanitizer:
         self._failed = False  # an internal error disabled it
         self.report_path: str | None = None
         self.timeline = Timeline(self.rank)
-        self.tracker = Tracker()
+        # built in the order they need each other: the tracker asks the pinned registry and the
+        # replay orders about a block; the watches that feed the tracker come after it
         eager = EagerInPools()
-        self.memory = _memory_watch(
-            self.tracker, self.context, self._internal_error, alloc_stacks, self.timeline, eager
-        )
-        self.host = HostWatch(self.tracker, self.memory.free_event, self._internal_error)
-        self.pool_orders = ReplayOrders(self.tracker, self.memory.site_frames, eager)
-        # the tracker asks these two about a block; both need the tracker themselves
-        self.tracker.consult(
-            host_owner=self.host.owner,
+        graphs: dict = {}
+        watch_kind = _memory_watch_kind()
+        self.pool_orders = ReplayOrders(graphs, watch_kind.site_frames, eager)
+        pinned = PinnedBlocks()
+        self.tracker = Tracker(
+            graphs,
+            host_owner=pinned.owner,
             order_reads=self.pool_orders.judges,
             handed_over=self.pool_orders.released,
         )
+        self.memory = _memory_watch(
+            watch_kind,
+            self.tracker,
+            self.context,
+            self._internal_error,
+            alloc_stacks,
+            self.timeline,
+            eager,
+        )
+        self.host = HostWatch(self.tracker, pinned, self.memory.free_event, self._internal_error)
         self.capture = CaptureAnalysis(
             self.memory, self.tracker, self.host, self.pool_orders, self.timeline
         )

@@ -9,7 +9,7 @@ to judge (`judges`), and turns a reader's conflicts into `replay-order` findings
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 
 from graphsan.core.eager import EagerInPools, EagerTensor
 from graphsan.core.memory_map import SegmentIndex
@@ -27,22 +27,24 @@ from graphsan.core.records import (
     Reference,
     pool_name,
 )
-from graphsan.core.tracker import GraphState, Tracker, WatchedBlock
+from graphsan.core.tracker import GraphState, WatchedBlock
 
 # a capture's carves: (address, requested size, allocation site as the adapter recorded it)
 Carves = list[tuple[DataPtr, int, object]]
 
 
 class ReplayOrders:
-    """(device, pool) -> that pool's `PoolOrder`, for the graphs the tracker watches."""
+    """(device, pool) -> that pool's `PoolOrder`, for the graphs the tracker watches: `graphs`
+    is the tracker's dict of live graphs (the tracker is built with the same dict, and asks
+    these orders about its blocks, `judges` and `released`)."""
 
     def __init__(
         self,
-        tracker: Tracker,
+        graphs: Mapping[GraphId, GraphState],
         site_frames: Callable[[object], list[Frame]],
         eager: EagerInPools | None = None,
     ) -> None:
-        self.tracker = tracker
+        self.graphs = graphs
         self.site_frames = site_frames  # a carve's site as user frames, outermost first
         # the eager tensors in the graphs' carves (fed by the allocator's adapter)
         self.eager = eager if eager is not None else EagerInPools()
@@ -74,7 +76,7 @@ class ReplayOrders:
             order.carvers.add(info.id)
         if order.defer(info.id, in_pool, firsts):
             return  # alone in its pool: registered when a second capture joins it
-        graphs = self.tracker.graphs
+        graphs = self.graphs
         checked = order.add_graph(info.id, in_pool, refs, firsts)
         for gid in [*checked, *order.new_overwriters()]:
             g = graphs.get(gid)
@@ -87,7 +89,7 @@ class ReplayOrders:
                     g.order = order
 
     def _order_of(self, gid: GraphId) -> PoolOrder | None:
-        g = self.tracker.graphs.get(gid)
+        g = self.graphs.get(gid)
         return self.orders.get((g.info.device, g.info.pool)) if g is not None else None
 
     def forget(self, gid: GraphId) -> None:
@@ -115,7 +117,7 @@ class ReplayOrders:
         if not self.enabled:
             return
         for gid in wb.graphs:
-            g = self.tracker.graphs.get(gid)
+            g = self.graphs.get(gid)
             if g is not None and g.info.pool == wb.pool:
                 order = self.orders.get((g.info.device, wb.pool))
                 if order is not None:
@@ -308,7 +310,7 @@ class ReplayOrders:
         )
 
     def _who(self, gid: GraphId) -> str:
-        g = self.tracker.graphs.get(gid)
+        g = self.graphs.get(gid)
         return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
 
     def _finding(

@@ -106,38 +106,50 @@ def _all_mapped(
 
 
 class Tracker:
-    """Holds the watched blocks of all live graphs and judges graphs on request."""
+    """Holds the watched blocks of all live graphs and judges graphs on request.
 
-    def __init__(self) -> None:
-        self.graphs: dict[GraphId, GraphState] = {}
+    What it asks of its neighbours comes through the constructor: `graphs`, the dict of live
+    graphs it shares with the replay orders (`core.replay`), which read it; `host_owner(start,
+    end)`, the live pinned host block overlapping the range (address, size, frames);
+    `order_reads(block)`, whether the pool's replay order (`core.order`) judges every graph that
+    reads the block: then a free outside a capture hands it over, like one inside a capture; and
+    `handed_over(block, in_capture)`, told of each such hand-over."""
+
+    def __init__(
+        self,
+        graphs: dict[GraphId, GraphState] | None = None,
+        host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None,
+        order_reads: Callable[[WatchedBlock], bool] | None = None,
+        handed_over: Callable[[WatchedBlock, bool], None] | None = None,
+    ) -> None:
+        self.graphs: dict[GraphId, GraphState] = {} if graphs is None else graphs
         self.live: dict[DataPtr, WatchedBlock] = {}  # watched blocks not yet freed
         self.freed_segments: dict[tuple[DataPtr, int], set[GraphId]] = {}
         self._freed_seg_keys: list[tuple[DataPtr, int]] = []  # sorted by start
         self._freed_seg_starts: list[DataPtr] = []
         self.free_seq = 0  # watched frees recorded so far (see judge's as_of)
-        self.host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None  # consult
-        self.order_reads: Callable[[WatchedBlock], bool] | None = None  # consult
-        self.handed_over: Callable[[WatchedBlock, bool], None] | None = None  # consult
-        # told the addresses newly watched, and the freed segments whenever they change (an
-        # adapter that filters allocator events outside Python mirrors them)
-        self.on_watch: Callable[[list[DataPtr]], None] | None = None
-        self.on_freed_segments: Callable[[list[tuple[DataPtr, int]]], None] | None = None
-
-    def consult(
-        self,
-        host_owner: Callable[[DataPtr, DataPtr], object | None] | None = None,
-        order_reads: Callable[[WatchedBlock], bool] | None = None,
-        handed_over: Callable[[WatchedBlock, bool], None] | None = None,
-    ) -> None:
-        """What the tracker asks of neighbours that need the tracker themselves:
-        `host_owner(start, end)`, the live pinned host block overlapping the range (address,
-        size, frames); `order_reads(block)`, whether the pool's replay order (`core.order`)
-        judges every graph that reads the block: then a free outside a capture hands it over,
-        like one inside a capture; and `handed_over(block, in_capture)`, told of each such
-        hand-over."""
         self.host_owner = host_owner
         self.order_reads = order_reads
         self.handed_over = handed_over
+        self._on_watch: Callable[[list[DataPtr]], None] | None = None
+        self._on_freed_segments: Callable[[list[tuple[DataPtr, int]]], None] | None = None
+
+    def mirror(
+        self,
+        on_watch: Callable[[list[DataPtr]], None] | None,
+        on_freed_segments: Callable[[list[tuple[DataPtr, int]]], None] | None = None,
+    ) -> None:
+        """An adapter that filters allocator events outside Python mirrors what is watched:
+        `on_watch(addresses)` is told the addresses about to be watched (before a free can find
+        them), `on_freed_segments(keys)` the freed segments whenever they change; None, None
+        stops the mirroring."""
+        self._on_watch = on_watch
+        self._on_freed_segments = on_freed_segments
+
+    @property
+    def mirrored(self) -> Callable[[list[DataPtr]], None] | None:
+        """Who is told of newly watched addresses (see `mirror`)."""
+        return self._on_watch
 
     # -- capture -----------------------------------------------------------------------------
     def add_graph(
@@ -202,8 +214,8 @@ class Tracker:
             rs.sort(key=_node)
         state = GraphState(info, by_block, blocks, ReferenceCounts(**counts))
         self.graphs[info.id] = state
-        if watched and self.on_watch is not None:
-            self.on_watch([wb.address for wb in watched])  # before a free can find them
+        if watched and self._on_watch is not None:
+            self._on_watch([wb.address for wb in watched])  # before a free can find them
         for wb in watched:
             self.live[wb.address] = wb
         for wb in stale_at_capture:
@@ -307,8 +319,8 @@ class Tracker:
     def _index_freed_segments(self) -> None:
         self._freed_seg_keys = sorted(self.freed_segments)
         self._freed_seg_starts = [k[0] for k in self._freed_seg_keys]
-        if self.on_freed_segments is not None:
-            self.on_freed_segments(self._freed_seg_keys)
+        if self._on_freed_segments is not None:
+            self._on_freed_segments(self._freed_seg_keys)
 
     def _note_freed_segment(self, wb: WatchedBlock) -> None:
         self.freed_segments.setdefault(wb.segment, set()).update(wb.graphs)

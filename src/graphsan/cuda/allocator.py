@@ -232,8 +232,7 @@ class AllocatorWatch(AllocatorLog):
         self.trace = trace
         trace.owner = self
         trace.callbacks(self._on_free_traced, self._on_alloc_judged)
-        self.tracker.on_watch = self._on_watch
-        self.tracker.on_freed_segments = self._on_freed_segments
+        self.tracker.mirror(self._on_watch, self._on_freed_segments)
         trace.watch(list(self.tracker.live))
         trace.freed_ranges(sorted(self.tracker.freed_segments))
         trace.enable(True, sites=self.alloc_stacks, depth=SITE_DEPTH)
@@ -252,7 +251,7 @@ class AllocatorWatch(AllocatorLog):
 
     def _stop_trace(self, uninstall: bool = True) -> None:
         trace, self.trace = self.trace, None
-        self.tracker.on_watch = self.tracker.on_freed_segments = None
+        self.tracker.mirror(None, None)
         if trace is not None:
             trace.enable(False)
             trace.callbacks(None, None)

@@ -28,8 +28,10 @@ import torch
 
 from graphsan.context import Context, python_stack
 from graphsan.core.memory_map import AskedMap
+from graphsan.core.patches import Patches
 from graphsan.core.records import DEFAULT_POOL, FREED_UNSEEN, FreeEvent, PoolId, Release
 from graphsan.core.tracker import GraphState, Tracker
+from graphsan.cuda import storage_ops
 from graphsan.report.timeline import Timeline
 
 Identity = tuple[int, int, int]  # an allocation's base, size and the driver's buffer id
@@ -76,7 +78,7 @@ class DriverWatch:
         self.trace = None
         self.ids: dict[int, Identity] = {}  # watched address -> its allocation at watch time
         self._active = False
-        self._patches: list = []
+        self._patches = Patches()  # empty_cache, wrapped to remember the last release
 
     @property
     def allocator_log(self) -> str:
@@ -146,26 +148,20 @@ class DriverWatch:
     def start(self) -> None:
         if self._active:
             return
-        self.tracker.on_watch = self._on_watch
-        orig = torch.cuda.empty_cache
-        watch = self
-
-        def empty_cache() -> None:
-            orig()
-            with contextlib.suppress(Exception):
-                phase, step = watch.context.current()
-                watch.last_release = Release(tuple(python_stack()), phase, step)
-
-        empty_cache.__wrapped__ = orig
-        self._patches.append((torch.cuda, "empty_cache", orig))
-        torch.cuda.empty_cache = empty_cache
+        self.tracker.mirror(self._on_watch)
+        storage_ops.patch_empty_cache(self._patches, self)
         self._active = True
+
+    def released(self) -> None:
+        """`empty_cache()` returned: remembered as the last release (the driver cannot say what
+        went back)."""
+        with contextlib.suppress(Exception):
+            phase, step = self.context.current()
+            self.last_release = Release(tuple(python_stack()), phase, step)
 
     def stop(self) -> None:
         self._active = False
-        if self.tracker.on_watch == self._on_watch:
-            self.tracker.on_watch = None
-        for owner, name, orig in reversed(self._patches):
-            setattr(owner, name, orig)
-        self._patches.clear()
+        if self.tracker.mirrored == self._on_watch:
+            self.tracker.mirror(None)
+        self._patches.restore()
         self.ids.clear()

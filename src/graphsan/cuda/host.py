@@ -44,58 +44,32 @@ class HostBlock:
     token: int  # tells this storage from a later one at the same address
 
 
-class HostWatch:
-    """The live pinned storages of the process while started."""
+class PinnedBlocks:
+    """The registry of live pinned storages (address, size, allocation frames), in address order
+    for lookups; thread-safe, since finalizers run on any thread."""
 
-    def __init__(
-        self,
-        tracker: Tracker,
-        free_event: Callable[[], FreeEvent],
-        on_error: Callable[[BaseException], None],
-    ) -> None:
-        self.tracker = tracker
-        self.free_event = free_event
-        self.on_error = on_error
+    def __init__(self) -> None:
         self.blocks: dict[DataPtr, HostBlock] = {}
         self._starts: list[DataPtr] | None = []  # sorted block addresses; None: rebuild
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
-        self._active = False
-        self._patches = Patches()
 
-    # -- the registry --------------------------------------------------------------------------
-    def note(self, address: DataPtr, size: int, frames, storage=None) -> HostBlock:
-        """A new pinned storage; `storage` (when given) reports its death."""
+    def add(self, address: DataPtr, size: int, frames) -> HostBlock:
         block = HostBlock(address, size, tuple(frames), next(self._tokens))
         with self._lock:
             self.blocks[address] = block
             self._starts = None
-        if storage is not None:
-            weakref.finalize(storage, self.freed, address, block.token)
-        self.tracker.on_alloc(address)  # over freed watched memory: judge those graphs again
         return block
 
-    def note_tensor(self, tensor: torch.Tensor, frames=None) -> None:
-        storage = tensor.untyped_storage()
-        address = storage.data_ptr()
-        known = self.blocks.get(address)
-        if known is not None and known.size == storage.nbytes():
-            return  # the same storage again (pin_memory of a pinned tensor returns it)
-        self.note(address, storage.nbytes(), python_stack() if frames is None else frames, storage)
-
-    def freed(self, address: DataPtr, token: int) -> None:
-        """The storage died (its finalizer): its memory is back in the pinned cache."""
-        try:
-            with self._lock:
-                block = self.blocks.get(address)
-                if block is None or block.token != token:
-                    return
-                del self.blocks[address]
-                self._starts = None
-            if self._active:
-                self.tracker.on_free(address, self.free_event)
-        except Exception as err:  # a finalizer must never raise into the user's code
-            self.on_error(err)
+    def remove(self, address: DataPtr, token: int) -> bool:
+        """Drop the block if it is still the one `token` names; whether it was."""
+        with self._lock:
+            block = self.blocks.get(address)
+            if block is None or block.token != token:
+                return False
+            del self.blocks[address]
+            self._starts = None
+        return True
 
     def locate(self, address: DataPtr) -> HostBlock | None:
         """The live pinned block holding `address`."""
@@ -122,11 +96,54 @@ class HostWatch:
                 return self.blocks.get(self._starts[i])
         return None
 
+
+class HostWatch:
+    """Follows the pinned storages of the process into `pinned` while started, and tells the
+    tracker of each new one and each death."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        pinned: PinnedBlocks,
+        free_event: Callable[[], FreeEvent],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self.tracker = tracker
+        self.pinned = pinned
+        self.free_event = free_event
+        self.on_error = on_error
+        self._active = False
+        self._patches = Patches()
+
+    def note(self, address: DataPtr, size: int, frames, storage=None) -> HostBlock:
+        """A new pinned storage; `storage` (when given) reports its death."""
+        block = self.pinned.add(address, size, frames)
+        if storage is not None:
+            weakref.finalize(storage, self.freed, address, block.token)
+        self.tracker.on_alloc(address)  # over freed watched memory: judge those graphs again
+        return block
+
+    def note_tensor(self, tensor: torch.Tensor, frames=None) -> None:
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        known = self.pinned.blocks.get(address)
+        if known is not None and known.size == storage.nbytes():
+            return  # the same storage again (pin_memory of a pinned tensor returns it)
+        self.note(address, storage.nbytes(), python_stack() if frames is None else frames, storage)
+
+    def freed(self, address: DataPtr, token: int) -> None:
+        """The storage died (its finalizer): its memory is back in the pinned cache."""
+        try:
+            if self.pinned.remove(address, token) and self._active:
+                self.tracker.on_free(address, self.free_event)
+        except Exception as err:  # a finalizer must never raise into the user's code
+            self.on_error(err)
+
     def find(self, addresses: list[DataPtr]) -> None:
         """Addresses of a graph's memcpy nodes that no recorded pinned block holds: look for
         pinned CPU tensors holding them among the garbage collector's objects (once per
         capture that has any), and record those without an allocation stack."""
-        missing = {a for a in addresses if self.locate(a) is None}
+        missing = {a for a in addresses if self.pinned.locate(a) is None}
         if not missing:
             return
         for obj in gc.get_objects():

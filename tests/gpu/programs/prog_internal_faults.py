@@ -55,8 +55,8 @@ if FAULT == "view":  # a watched block looks freed, so the next replay reads the
 elif FAULT == "free":
     san.tracker.on_free = boom  # noqa: F405
     # watched as Tracker.add_graph watches: graphsan's GPU-trace interpreter is told first
-    if san.tracker.on_watch is not None:  # noqa: F405
-        san.tracker.on_watch([scratch.data_ptr()])  # noqa: F405
+    if san.tracker.mirrored is not None:  # noqa: F405
+        san.tracker.mirrored([scratch.data_ptr()])  # noqa: F405
     san.tracker.live[scratch.data_ptr()] = next(iter(san.tracker.live.values()))  # noqa: F405
 del scratch  # the free callback runs here
 losses = []
