@@ -33,6 +33,13 @@ ALLOWED = {
         "graphsan.cuda.storage_ops",
     ),
     "graphsan.capture": ("graphsan.core", "graphsan.cuda", "graphsan.report.timeline"),
+    "graphsan.parts": (
+        "graphsan.core",
+        "graphsan.context",
+        "graphsan.cuda",
+        "graphsan.capture",
+        "graphsan.report.timeline",
+    ),
 }
 # imports no sanitizer module may make; the CLI alone dispatches `graphsan train|repro` to the lab
 NEVER = {"graphsan.lab"}

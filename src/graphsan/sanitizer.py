@@ -32,17 +32,14 @@ import weakref
 
 import torch
 
-from graphsan.capture import CaptureAnalysis, stream_handle
+from graphsan.capture import stream_handle
 from graphsan.command_line import rank_from_env
 from graphsan.context import Context, python_stack
-from graphsan.core.eager import EagerInPools
 from graphsan.core.order import PoolOrder
 from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
-from graphsan.core.replay import ReplayOrders
-from graphsan.core.tracker import Tracker
 from graphsan.cuda import driverwatch, hooks
-from graphsan.cuda.allocator import AllocatorWatch
-from graphsan.cuda.host import HostWatch, PinnedBlocks
+from graphsan.parts import build as build_parts
+from graphsan.parts import driver as driver_module
 from graphsan.policies import POLICIES, Policy
 from graphsan.policies.pin import Pinner
 from graphsan.report import Report, StaleMemoryError, format_finding, suppressions
@@ -57,27 +54,6 @@ _YOUNG = "_graphsan_young"  # weak references to the young tensors at capture be
 
 def check_policy(policy: str | Policy) -> Policy:
     return Policy.parse(policy)
-
-
-def _memory_watch_kind() -> type[AllocatorWatch] | type[driverwatch.DriverWatch]:
-    """The allocator's watch where the native backend runs, the driver's elsewhere."""
-    return AllocatorWatch if driverwatch.backend() == "native" else driverwatch.DriverWatch
-
-
-def _memory_watch(kind, tracker, context, on_error, alloc_stacks, timeline, eager):
-    """The memory watch of `kind`: the allocator's events, or the driver's answers (which see no
-    allocations, so no eager tensor in a graph's pool either)."""
-    if kind is AllocatorWatch:
-        return AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline, eager)
-    why = f"the {driverwatch.backend()} allocator backend keeps no block map and reports no frees"
-    return driverwatch.DriverWatch(tracker, context, on_error, alloc_stacks, why, _driver, timeline)
-
-
-def _driver():
-    """graphsan.cuda.driver, imported on first use (it loads cuda-bindings and libcuda)."""
-    from graphsan.cuda import driver
-
-    return driver
 
 
 class _PartSetting:
@@ -113,32 +89,9 @@ class Sanitizer:
         self._failed = False  # an internal error disabled it
         self.report_path: str | None = None
         self.timeline = Timeline(self.rank)
-        # built in the order they need each other: the tracker asks the pinned registry and the
-        # replay orders about a block; the watches that feed the tracker come after it
-        eager = EagerInPools()
-        graphs: dict = {}
-        watch_kind = _memory_watch_kind()
-        self.pool_orders = ReplayOrders(graphs, watch_kind.site_frames, eager)
-        pinned = PinnedBlocks()
-        self.tracker = Tracker(
-            graphs,
-            host_owner=pinned.owner,
-            order_reads=self.pool_orders.judges,
-            handed_over=self.pool_orders.released,
-        )
-        self.memory = _memory_watch(
-            watch_kind,
-            self.tracker,
-            self.context,
-            self._internal_error,
-            alloc_stacks,
-            self.timeline,
-            eager,
-        )
-        self.host = HostWatch(self.tracker, pinned, self.memory.free_event, self._internal_error)
-        self.capture = CaptureAnalysis(
-            self.memory, self.tracker, self.host, self.pool_orders, self.timeline
-        )
+        parts = build_parts(self.context, self.timeline, self._internal_error, alloc_stacks)
+        self.tracker, self.pool_orders = parts.tracker, parts.pool_orders
+        self.memory, self.host, self.capture = parts.memory, parts.host, parts.capture
         self.hooks = hooks.GraphHooks(self)
         self.pinner: Pinner | None = None  # while the policy is pin
         self._policy = Policy.RAISE
@@ -386,7 +339,7 @@ class Sanitizer:
                 judged = Judged(self.rank, time.time(), self.memory.last_release)
                 # the native allocator unmaps pages of expandable segments; the driver watch
                 # cannot tell unmapped from freed, and asks nothing of pages
-                mapped = None if self.memory.polls else _driver().is_mapped
+                mapped = None if self.memory.polls else driver_module().is_mapped
                 findings += self.tracker.judge(info.id, view, mapped, as_of, judged)
                 self.graph_stats[info.id].replays_judged += 1
             if self.memory.polls or self.pool_orders.eager.marks.get(info.id):

@@ -313,3 +313,24 @@ class AskedMap(MemoryMap):
                 return False
             pos = hit[0].address + hit[0].size
         return True
+
+
+# Expandable segments map and unmap whole pages: 2 MiB in the small pool, 20 MiB in the large
+# one. Asking the driver every 2 MiB sees every page of either.
+PAGE = 2 << 20
+
+
+def all_pages_mapped(
+    address: DataPtr, size: int, segs: list[Segment], is_mapped: Callable[[DataPtr], bool]
+) -> bool:
+    """Every page of [address, address + size) that lies in an expandable segment is mapped: a
+    block can straddle pages, and empty_cache unmaps a page as soon as no live block is left on
+    it, so the first address is not enough. (The driver question only makes sense for
+    expandable segments: cudaMalloc'd memory has no allocation handle to retain.)"""
+    end = address + size
+    for page in range(address - address % PAGE, end, PAGE):
+        addr = max(page, address)
+        seg = next((s for s in segs if s.address <= addr < s.address + s.size), None)
+        if seg is not None and seg.expandable and not is_mapped(addr):
+            return False
+    return True

@@ -26,7 +26,7 @@ import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from graphsan.core.memory_map import Block, MemoryMap, Segment
+from graphsan.core.memory_map import Block, MemoryMap, Segment, all_pages_mapped
 from graphsan.core.order import PoolOrder
 from graphsan.core.records import (
     DEFAULT_POOL,
@@ -82,27 +82,6 @@ class GraphState:
 
 _UNSEEN = object()
 _node = operator.itemgetter(0)  # Reference.node
-
-
-# Expandable segments map and unmap whole pages: 2 MiB in the small pool, 20 MiB in the large
-# one. Asking the driver every 2 MiB sees every page of either.
-PAGE = 2 << 20
-
-
-def _all_mapped(
-    wb: WatchedBlock, segs: list[Segment], is_mapped: Callable[[DataPtr], bool]
-) -> bool:
-    """Every page of the block that lies in an expandable segment is mapped: a block can straddle
-    pages, and empty_cache unmaps a page as soon as no live block is left on it, so the first
-    address is not enough. (The driver question only makes sense for expandable segments:
-    cudaMalloc'd memory has no allocation handle to retain.)"""
-    end = wb.address + wb.size
-    for page in range(wb.address - wb.address % PAGE, end, PAGE):
-        addr = max(page, wb.address)
-        seg = next((s for s in segs if s.address <= addr < s.address + s.size), None)
-        if seg is not None and seg.expandable and not is_mapped(addr):
-            return False
-    return True
 
 
 class Tracker:
@@ -417,7 +396,9 @@ class Tracker:
             not segs
             or segs[0].block_at(wb.address) is None
             or not memmap.covers(wb.address, end)
-            or (is_mapped is not None and not _all_mapped(wb, segs, is_mapped))
+            or (
+                is_mapped is not None and not all_pages_mapped(wb.address, wb.size, segs, is_mapped)
+            )
         ):
             now = "the address is no longer mapped: the replay would fault"
             if release is not None:

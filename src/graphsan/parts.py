@@ -1,0 +1,69 @@
+"""The sanitizer's parts, built in the order they need each other.
+
+The tracker asks the pinned-host registry and the replay orders about a block, so those two
+come first (the orders share the tracker's dict of graphs, which is all they read of it); the
+watches that feed the tracker (the allocator's, or the driver's where the backend keeps no
+block map; the pinned host memory's) come after it, and the capture analysis last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from graphsan.capture import CaptureAnalysis
+from graphsan.context import Context
+from graphsan.core.eager import EagerInPools
+from graphsan.core.replay import ReplayOrders
+from graphsan.core.tracker import Tracker
+from graphsan.cuda import driverwatch
+from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.host import HostWatch, PinnedBlocks
+from graphsan.report.timeline import Timeline
+
+
+@dataclass(frozen=True)
+class Parts:
+    tracker: Tracker
+    pool_orders: ReplayOrders
+    memory: AllocatorWatch | driverwatch.DriverWatch
+    host: HostWatch
+    capture: CaptureAnalysis
+
+
+def build(
+    context: Context,
+    timeline: Timeline,
+    on_error: Callable[[BaseException], None],
+    alloc_stacks: bool = True,
+) -> Parts:
+    eager = EagerInPools()
+    graphs: dict = {}
+    backend = driverwatch.backend()
+    native = backend == "native"
+    site_frames = AllocatorWatch.site_frames if native else driverwatch.DriverWatch.site_frames
+    pool_orders = ReplayOrders(graphs, site_frames, eager)
+    pinned = PinnedBlocks()
+    tracker = Tracker(
+        graphs,
+        host_owner=pinned.owner,
+        order_reads=pool_orders.judges,
+        handed_over=pool_orders.released,
+    )
+    if native:
+        memory = AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline, eager)
+    else:  # the driver sees no allocations, so no eager tensor in a graph's pool either
+        why = f"the {backend} allocator backend keeps no block map and reports no frees"
+        memory = driverwatch.DriverWatch(
+            tracker, context, on_error, alloc_stacks, why, driver, timeline
+        )
+    host = HostWatch(tracker, pinned, memory.free_event, on_error)
+    capture = CaptureAnalysis(memory, tracker, host, pool_orders, timeline)
+    return Parts(tracker, pool_orders, memory, host, capture)
+
+
+def driver():
+    """graphsan.cuda.driver, imported on first use (it loads cuda-bindings and libcuda)."""
+    from graphsan.cuda import driver
+
+    return driver
