@@ -22,7 +22,7 @@ from ..formats import E2M1_MAX as _E2M1_MAX
 from ..formats import E4M3_MAX as _E4M3_MAX
 from ..formats import FP8_BITS
 from ..formats import NVFP4_GLOBAL_MAX as _GLOBAL_MAX
-from .common import FLT_MAX, abs_for_max, fp8_bytes
+from .common import FLT_MAX, abs_for_max, fp8_bytes, inline_ptx
 
 E2M1_MAX = tl.constexpr(_E2M1_MAX)
 E4M3_MAX = tl.constexpr(_E4M3_MAX)
@@ -144,23 +144,9 @@ def _e2m1_sr_field(v, r, J: tl.constexpr):
       floats' bits, so their maximum is the answer."""
     a = tl.minimum(tl.abs(v), E2M1_MAX)
     # byte J alone in byte 2: one byte permute (the selector's 4s are zero bytes)
-    k16 = tl.inline_asm_elementwise(
-        f"prmt.b32 $0, $1, 0, {0x4044 + 0x100 * J};",
-        "=r,r",
-        [r],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    )
+    k16 = inline_ptx(f"prmt.b32 $0, $1, 0, {0x4044 + 0x100 * J};", "=r,r", r, tl.int32)
     t = tl.fma(k16.to(tl.float32, bitcast=True), 2.0**124, a)
-    g = tl.inline_asm_elementwise(
-        "fma.rz.f32 $0, $1, 0f3F000000, 0f3F000000;",
-        "=r,f",
-        [t],
-        dtype=tl.int32,
-        is_pure=True,
-        pack=1,
-    )
+    g = inline_ptx("fma.rz.f32 $0, $1, 0f3F000000, 0f3F000000;", "=r,f", t, tl.int32)
     return tl.maximum(a.to(tl.int32, bitcast=True) + (k16 >> 2), g)
 
 
