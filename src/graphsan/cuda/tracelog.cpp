@@ -6,7 +6,8 @@
 // tracker takes no lock but its own and calls nothing in PyTorch or Python. Trackers cannot be
 // detached, so this one is attached once per process and turned on and off by a flag.
 //
-// gputrace.cpp, built into the same library, stands in for PyTorch's GPU-trace dispatch.
+// gputrace.cpp and gputable.cpp, built into the same library, stand in for PyTorch's GPU-trace
+// dispatch.
 
 #include <c10/cuda/CUDACachingAllocator.h>
 
@@ -126,7 +127,7 @@ void on_trace(const Entry& e) noexcept {
 
 namespace graphsan {
 
-// One line of text into a caller's buffer (gputrace.cpp uses it too).
+// One line of text into a caller's buffer (gputable.cpp uses it too).
 void put_error(char* buf, size_t len, const std::string& text) {
   if (buf == nullptr || len == 0) {
     return;
