@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <mutex>
 #include <new>
 #include <string>
@@ -62,24 +63,24 @@ Log* const g_log = new Log;
 std::atomic<bool> g_enabled{false};
 std::atomic<bool> g_attached{false};
 
-// The events the view needs, in tracelib.py's ACTIONS order; -1 for the others.
+// The events the view needs, in tracelib.py's ACTIONS order: a record's code is the index here.
+constexpr Entry::Action kKeptActions[] = {
+    Entry::ALLOC,
+    Entry::FREE_COMPLETED,
+    Entry::SEGMENT_ALLOC,
+    Entry::SEGMENT_FREE,
+    Entry::SEGMENT_MAP,
+    Entry::SEGMENT_UNMAP,
+};
+
+// The action's code; -1 for the events the view does not need.
 int32_t action_code(Entry::Action action) {
-  switch (action) {
-    case Entry::ALLOC:
-      return 0;
-    case Entry::FREE_COMPLETED:
-      return 1;
-    case Entry::SEGMENT_ALLOC:
-      return 2;
-    case Entry::SEGMENT_FREE:
-      return 3;
-    case Entry::SEGMENT_MAP:
-      return 4;
-    case Entry::SEGMENT_UNMAP:
-      return 5;
-    default:
-      return -1;
+  for (int32_t code = 0; code < int32_t(std::size(kKeptActions)); ++code) {
+    if (kKeptActions[code] == action) {
+      return code;
+    }
   }
+  return -1;
 }
 
 void on_trace(const Entry& e) noexcept {
