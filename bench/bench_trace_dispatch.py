@@ -14,7 +14,7 @@ callback (from a `--depth`-deep stack, site walk included) followed by the free'
 median of `--rounds` rounds of `--batch` events.
 
 Beside the model, the compiled replacement is measured for real (where a C++ compiler and CUDA
-headers are present): graphsan's own GPU-trace interpreter in gputrace.cpp, called from C++ as
+headers are present): graphsan's own GPU-trace interpreter (gputrace.cpp, gputable.cpp), called from C++ as
 the allocator calls it, with the GIL released as PyTorch's operators release it. A temporary
 there is an allocation whose site is read in C++, then its free, neither reaching Python.
 """

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -51,14 +50,20 @@ def test_a_stop_signal_writes_the_report_then_ends_by_the_signal(tmp_path, name)
 @pytest.mark.slow
 def test_under_torchrun_a_failed_rank_and_a_terminated_one_both_write_their_reports(tmp_path):
     prog = tmp_path / "prog.py"
+    # rank 1 fails only once rank 0's program runs, so once graphsan there catches SIGTERM: a
+    # rank 0 slower to start would otherwise be stopped before it could write a report
     prog.write_text(
         "import os, sys, time\n"
+        "running = os.path.join(os.path.dirname(__file__), 'rank0.running')\n"
         "if os.environ['RANK'] == '1':\n"
+        "    deadline = time.monotonic() + 100\n"
+        "    while not os.path.exists(running) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
         "    sys.exit('rank 1 fails')\n"
-        "time.sleep(60)\n"
+        "open(running, 'w').close()\n"
+        "time.sleep(600)\n"
     )
     report = tmp_path / "out.json"
-    t0 = time.monotonic()
     proc = subprocess.run(
         [
             sys.executable,
@@ -80,7 +85,8 @@ def test_under_torchrun_a_failed_rank_and_a_terminated_one_both_write_their_repo
         timeout=120,
         env=ENV,
     )
-    assert proc.returncode != 0 and time.monotonic() - t0 < 60, proc.stderr[-3000:]
+    # rank 0's report is written only when torchrun stops it: its program sleeps past the timeout
+    assert proc.returncode != 0 and (tmp_path / "rank0.running").exists(), proc.stderr[-3000:]
     for rank in (0, 1):
         data = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
         assert data["rank"] == rank

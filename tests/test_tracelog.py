@@ -320,8 +320,9 @@ out = args[args.index("-o") + 1]
 with open(os.environ["FAKE_CXX_CALLS"], "a") as fh:
     fh.write(out + "\\n")
 mode = os.environ.get("FAKE_CXX_MODE", "ok")
-if mode == "no-trace" and any(a.endswith("gputrace.cpp") for a in args):
-    sys.stderr.write("gputrace.cpp:470:3: error: no member named trace_gpu_event_record\\n")
+bad = os.environ.get("FAKE_CXX_BAD", "gputable.cpp")  # the GPU trace's file the headers do not fit
+if mode == "no-trace" and any(a.endswith(bad) for a in args):
+    sys.stderr.write(f"{{bad}}:130:3: error: no member named trace_gpu_event_record\\n")
     sys.exit(1)
 if mode == "fail":
     sys.stderr.write("In file included from tracelog.cpp:9:\\n")
@@ -406,10 +407,12 @@ def test_the_cache_is_keyed_by_the_torch_build_and_the_source(tmp_path, fake_cxx
     assert len(cached) == 4, "each failure is remembered beside its library (.failed)"
 
 
+@pytest.mark.parametrize("bad", tracebuild.TRACE_FILES)
 def test_a_build_without_the_gpu_trace_keeps_the_tracker_and_says_why(
-    tmp_path, fake_cxx, monkeypatch
+    tmp_path, fake_cxx, monkeypatch, bad
 ):
     monkeypatch.setenv("FAKE_CXX_MODE", "no-trace")
+    monkeypatch.setenv("FAKE_CXX_BAD", bad)
     loaded = []
     monkeypatch.setattr(
         tracelib, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
@@ -418,7 +421,7 @@ def test_a_build_without_the_gpu_trace_keeps_the_tracker_and_says_why(
         tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
     full, partial = fake_cxx()
     assert partial.endswith(".tmp") and "-notrace.so" in partial and "-notrace" not in full
-    why = "fake-c++ failed: gputrace.cpp:470:3: error: no member named trace_gpu_event_record"
+    why = f"fake-c++ failed: {bad}:130:3: error: no member named trace_gpu_event_record"
     assert [w for _, w in loaded] == [why, why]
     assert loaded[0][0] == loaded[1][0] and loaded[0][0].endswith("-notrace.so")
 

@@ -1,4 +1,5 @@
-"""graphsan's own GPU-trace interpreter (gputrace.cpp), built into the tracker's library.
+"""graphsan's own GPU-trace interpreter (gputrace.cpp, and gputable.cpp for PyTorch's
+interpreter table), built into the tracker's library.
 
 PyTorch reports every allocation and free of the CUDA caching allocator, outside the allocator's
 lock, to whichever interpreter is registered for its GPU trace (`c10::impl::GPUTrace`). PyTorch's

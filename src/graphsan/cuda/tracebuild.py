@@ -31,8 +31,10 @@ BUILDING = (
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
 # built into one library: the tracker, the graph walk (graphwalk.cpp, needing only cuda.h) and
-# the GPU trace, which is left out where PyTorch's headers do not fit it (TRACKER_SOURCES)
-SOURCES = tuple(os.path.join(HERE, f) for f in ("tracelog.cpp", "graphwalk.cpp", "gputrace.cpp"))
+# the GPU trace (its entries and PyTorch's interpreter table made of them), which is left out
+# where PyTorch's headers do not fit it (TRACKER_SOURCES)
+TRACE_FILES = ("gputrace.cpp", "gputable.cpp")
+SOURCES = tuple(os.path.join(HERE, f) for f in ("tracelog.cpp", "graphwalk.cpp", *TRACE_FILES))
 TRACKER_SOURCES = SOURCES[:2]
 BUILD_TIMEOUT_S = 300
 
@@ -195,7 +197,7 @@ def _build_and_load(
             build(target, cxx, includes, lib_dir, libs, defines)
             return tracelib.load(target)
         except BuildError as err:
-            if "gputrace.cpp" not in str(err):
+            if not any(name in str(err) for name in TRACE_FILES):
                 raise  # a failure of the tracker's own, or of the machine (time, disk): no cache
             why = str(err)
     # the GPU trace leans on PyTorch's interpreter table: without it the tracker still works

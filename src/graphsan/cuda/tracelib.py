@@ -1,9 +1,9 @@
-"""The compiled tracker's library as Python sees it (tracelog.cpp, with graphwalk.cpp and
-gputrace.cpp in the same file): `load` binds its functions with ctypes and checks that its
-records are the ones this module unpacks; `TraceLog` turns the tracker on and off and drains
-it; `entries_from_records` gives the drained records the shape of a snapshot's trace entries.
-Where the library comes from is `cuda.tracebuild`; the process's one attached tracker is
-`cuda.tracelog`.
+"""The compiled tracker's library as Python sees it (tracelog.cpp, with graphwalk.cpp,
+gputrace.cpp and gputable.cpp in the same file): `load` binds its functions with ctypes and
+checks that its records are the ones this module unpacks; `TraceLog` turns the tracker on and
+off and drains it; `entries_from_records` gives the drained records the shape of a snapshot's
+trace entries. Where the library comes from is `cuda.tracebuild`; the process's one attached
+tracker is `cuda.tracelog`.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def entries_from_records(
 
 
 def load(path: str, without_trace: str | None = None) -> TraceLog:
-    """Load a built tracker (`without_trace`: it was built without gputrace.cpp, for that
-    reason); raises BuildError (one line) when it cannot be used."""
+    """Load a built tracker (`without_trace`: it was built without the GPU trace's files,
+    for that reason); raises BuildError (one line) when it cannot be used."""
     try:
         lib = ctypes.CDLL(path)
     except OSError as err:

@@ -6,7 +6,8 @@
 // tracker takes no lock but its own and calls nothing in PyTorch or Python. Trackers cannot be
 // detached, so this one is attached once per process and turned on and off by a flag.
 //
-// gputrace.cpp, built into the same library, stands in for PyTorch's GPU-trace dispatch.
+// gputrace.cpp and gputable.cpp, built into the same library, stand in for PyTorch's GPU-trace
+// dispatch.
 
 #include <c10/cuda/CUDACachingAllocator.h>
 
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <mutex>
 #include <new>
 #include <string>
@@ -61,24 +63,24 @@ Log* const g_log = new Log;
 std::atomic<bool> g_enabled{false};
 std::atomic<bool> g_attached{false};
 
-// The events the view needs, in tracelib.py's ACTIONS order; -1 for the others.
+// The events the view needs, in tracelib.py's ACTIONS order: a record's code is the index here.
+constexpr Entry::Action kKeptActions[] = {
+    Entry::ALLOC,
+    Entry::FREE_COMPLETED,
+    Entry::SEGMENT_ALLOC,
+    Entry::SEGMENT_FREE,
+    Entry::SEGMENT_MAP,
+    Entry::SEGMENT_UNMAP,
+};
+
+// The action's code; -1 for the events the view does not need.
 int32_t action_code(Entry::Action action) {
-  switch (action) {
-    case Entry::ALLOC:
-      return 0;
-    case Entry::FREE_COMPLETED:
-      return 1;
-    case Entry::SEGMENT_ALLOC:
-      return 2;
-    case Entry::SEGMENT_FREE:
-      return 3;
-    case Entry::SEGMENT_MAP:
-      return 4;
-    case Entry::SEGMENT_UNMAP:
-      return 5;
-    default:
-      return -1;
+  for (int32_t code = 0; code < int32_t(std::size(kKeptActions)); ++code) {
+    if (kKeptActions[code] == action) {
+      return code;
+    }
   }
+  return -1;
 }
 
 void on_trace(const Entry& e) noexcept {
@@ -126,7 +128,7 @@ void on_trace(const Entry& e) noexcept {
 
 namespace graphsan {
 
-// One line of text into a caller's buffer (gputrace.cpp uses it too).
+// One line of text into a caller's buffer (gputable.cpp uses it too).
 void put_error(char* buf, size_t len, const std::string& text) {
   if (buf == nullptr || len == 0) {
     return;
