@@ -1,5 +1,5 @@
-"""Triton helpers both formats' kernels use: the FP8 byte from bit fields, the reading of bf16
-sources as 64-bit words (four bf16 per word) with NaN-ignoring block maxima, and inline PTX."""
+"""Triton helpers both formats' kernels use: the FP8 byte from bit fields, and the reading of
+bf16 sources as 64-bit words (four bf16 per word) with NaN-ignoring block maxima."""
 
 from __future__ import annotations
 
@@ -82,15 +82,3 @@ def load_or_0(ptr, mask):
     else:
         v = tl.load(ptr, mask=mask, other=0)
     return v
-
-
-@triton.jit
-def inline_ptx(
-    ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, x, DTYPE: tl.constexpr, PACK: tl.constexpr = 1
-):
-    """Compiled kernels only: the inline PTX `ASM` applied to each element of x, PACK at a time,
-    giving DTYPE. Pure (no side effects), so the compiler may drop or merge it like any value."""
-    # `.value`: `tl.inline_asm_elementwise` unwraps every constexpr argument but the dtype
-    return tl.inline_asm_elementwise(
-        ASM, CONSTRAINTS, [x], dtype=DTYPE.value, is_pure=True, pack=PACK
-    )

@@ -178,12 +178,16 @@ def nvfp4_quantize_grouped_both(
 def _group_amax(x, groups, num_groups, amax):
     """Each group's max |x| (NaN ignored) into amax[group] (zeroed, [num_groups + 1])."""
     m, k = x.shape
-    source, bits = _bits_source(x)
+    bits = x.dtype == torch.bfloat16
     tile = GROUP_AMAX_TILE
     iters = max(1, min(tile["ITERS"], triton.cdiv(k, tile["BC"])))
     grid = (triton.cdiv(m, tile["BR"]), triton.cdiv(k, tile["BC"] * iters))
     group_amax_kernel[grid](
-        *source,
+        x.view(torch.int16) if bits else x,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
         groups,
         amax,
         num_groups,
@@ -193,20 +197,6 @@ def _group_amax(x, groups, num_groups, amax):
         ITERS=iters,
         num_warps=tile["num_warps"],
     )
-
-
-def _bits_source(x):
-    """x [M, K] as the kernels that widen bf16 by a shift read it, (bf16 as int16 bits, M, K, the
-    two strides), and their BF16_BITS flag: one convention for the group amax and both column
-    passes."""
-    bits = x.dtype == torch.bfloat16
-    return (x.view(torch.int16) if bits else x, *x.shape, *x.stride()), bits
-
-
-def _col_flags(x, grouped, even) -> dict:
-    """The constexprs both passes of `nvfp4_col.py` take alike: per-group amaxes, and the GPU's
-    NaN-ignoring maximum and inline PTX where compiled (Triton's interpreter has neither)."""
-    return {"GROUPED": grouped is not None, "MAXNUM": x.is_cuda, "PTX": x.is_cuda, "EVEN": even}
 
 
 def _nvfp4_col_fused(x, options: NVFP4Options, amax, grouped=None, fill=None):
@@ -235,21 +225,27 @@ def _col_amax_pass(x, amax, pre_amax, grouped=None):
     """`nvfp4_col_amax_kernel`: the post-RHT amax into `amax` and, where `pre_amax` is given,
     the plain max |x| into it, both from one read (zeroed buffers, per group with `grouped`)."""
     m, k = x.shape
-    source, bits = _bits_source(x)
+    bits = x.dtype == torch.bfloat16
     groups, count = grouped if grouped is not None else (amax, 0)
     tile = dict(NVFP4_COL_AMAX_TILE)
     rows = m // NVFP4_BLOCK  # block rows
     tile["ITERS"] = max(1, min(tile.get("ITERS", 1), rows // tile["NB"]))
     grid = (triton.cdiv(rows, tile["NB"] * tile["ITERS"]), triton.cdiv(k, tile["BK"]))
-    even = rows % (tile["NB"] * tile["ITERS"]) == 0 and k % tile["BK"] == 0
     nvfp4_col_amax_kernel[grid](
-        *source,
+        x.view(torch.int16) if bits else x,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
         amax,
         pre_amax if pre_amax is not None else amax,
         groups,
         count,
         BF16_BITS=bits,
-        **_col_flags(x, grouped, even),
+        GROUPED=grouped is not None,
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PTX=x.is_cuda,  # nor inline PTX
+        EVEN=rows % (tile["NB"] * tile["ITERS"]) == 0 and k % tile["BK"] == 0,
         PRE_AMAX=pre_amax is not None,
         **tile,
         **COMPILE_OPTIONS,
@@ -265,12 +261,15 @@ def _col_fused_launch(x, options: NVFP4Options, amax, seed, data, scale, grouped
     """One launch of the quantize pass, `nvfp4_col_fused_kernel` (amax: the global amax buffer,
     or with `grouped` each row's; seed: the SR seed buffer)."""
     m, k = x.shape
-    source, bits = _bits_source(x)
+    bits = x.dtype == torch.bfloat16
     tile = NVFP4_COL_FUSED_TILE
     grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k, tile["BK"]))
-    even = (m // NVFP4_BLOCK) % tile["NB"] == 0 and k % tile["BK"] == 0
     nvfp4_col_fused_kernel[grid](
-        *source,
+        x.view(torch.int16) if bits else x,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
         amax,
         seed,
         data.view(torch.int64),
@@ -279,7 +278,10 @@ def _col_fused_launch(x, options: NVFP4Options, amax, seed, data, scale, grouped
         RHT=options.rht,
         SR=options.sr,
         BF16_BITS=bits,
-        **_col_flags(x, grouped, even),
+        GROUPED=grouped is not None,
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PTX=x.is_cuda,  # nor inline PTX or rounding modes
+        EVEN=(m // NVFP4_BLOCK) % tile["NB"] == 0 and k % tile["BK"] == 0,
         **tile,
         **COMPILE_OPTIONS,
     )
@@ -329,13 +331,6 @@ def _nvfp4_strided(x, src, axis, options: NVFP4Options, amax, rbits, data, scale
     )
 
 
-def _words_flags(x, options: NVFP4Options, per_row) -> dict:
-    """The constexprs both bf16-words kernels take alike (the row kernel adds SR): the GPU's
-    NaN-ignoring maximum where compiled (Triton's interpreter has none), per-row amaxes."""
-    flags = _nvfp4_flags(x, options)
-    return {**flags, "BLOCK_2D": options.block_2d, "MAXNUM": x.is_cuda, "PER_ROW": per_row}
-
-
 def _nvfp4_row_words(x, src, amax, seed, data, scale, options: NVFP4Options, per_row=False):
     """src as int64 words [R, C/4], data written as int16 words (4 nibbles); SR bits from the
     int64 `seed` (Philox per block, in the kernel)."""
@@ -351,8 +346,11 @@ def _nvfp4_row_words(x, src, amax, seed, data, scale, options: NVFP4Options, per
         seed,
         data.view(torch.int16),
         scale,
-        **_words_flags(x, options, per_row),
+        **_nvfp4_flags(x, options),
+        BLOCK_2D=options.block_2d,
         SR=options.sr,
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PER_ROW=per_row,
         **tile,
         **COMPILE_OPTIONS,
     )
@@ -372,7 +370,10 @@ def _nvfp4_col_words(x, amax, data, scale, options: NVFP4Options, per_row=False)
         amax,
         data.view(torch.int64),
         scale,
-        **_words_flags(x, options, per_row),
+        **_nvfp4_flags(x, options),
+        BLOCK_2D=options.block_2d,
+        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        PER_ROW=per_row,
         **tile,
         **COMPILE_OPTIONS,
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import abs_for_max, inline_ptx, load_or_0, nan_to_0
+from .common import abs_for_max, load_or_0, nan_to_0
 from .nvfp4 import _block_scale, _e2m1_lane, _e2m1_rne_field, _e2m1_sr_field, _global_scales
 
 
@@ -32,8 +32,13 @@ def _load_row(ptr, mask, BF16_BITS: tl.constexpr, PTX: tl.constexpr = False):
     v = load_or_0(ptr, mask)
     if BF16_BITS:
         if PTX:
-            v = inline_ptx(
-                "shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", v, tl.float32, 2
+            v = tl.inline_asm_elementwise(
+                "shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;",
+                "=r,=r,r",
+                [v],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=2,
             )
         else:
             v = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
@@ -54,11 +59,13 @@ def _bf16_round(y, PTX: tl.constexpr = False):
     (every NaN encodes as code 7 with no sign, so the payload never shows in the bytes); the
     low half of the packed pair is the conversion of +0, so the word is the rounded float."""
     if PTX:
-        r = inline_ptx(
+        r = tl.inline_asm_elementwise(
             "{ .reg .f32 z; mov.f32 z, 0f00000000; cvt.rn.bf16x2.f32 $0, $1, z; }",
             "=r,f",
-            y,
-            tl.int32,
+            [y],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
         ).to(tl.float32, bitcast=True)
     else:
         bits = y.to(tl.int32, bitcast=True)
