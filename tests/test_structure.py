@@ -63,7 +63,8 @@ TORCH_FREE = {
     "graphsan.lab.repro.cases": False,
 }
 # the lab's layers, lowest first: a lab module imports its own layer and those below, and from
-# the sanitizer only what a user would (the package, its command-line helpers, its reports)
+# the sanitizer only what a user would (the package, its command-line helpers, its reports) and
+# the base of its named choices
 LAB_LAYERS = (
     "graphsan.lab.vocab",
     "graphsan.lab.quant",
@@ -71,7 +72,7 @@ LAB_LAYERS = (
     "graphsan.lab.train",
     "graphsan.lab.repro",
 )
-LAB_MAY_USE = ("graphsan.command_line", "graphsan.report")
+LAB_MAY_USE = ("graphsan.command_line", "graphsan.report", "graphsan.core.choice")
 # the entry points that dispatch to the lab: the lab itself never imports them (that would be a
 # circle through the CLI); what the lab's commands share with graphsan's is graphsan.command_line
 ENTRY_POINTS = {"graphsan.cli", "graphsan.pytest_plugin"}

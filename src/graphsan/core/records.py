@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import NamedTuple
+
+from graphsan.core.choice import Choice
 
 DataPtr = int
 GraphId = int
@@ -30,7 +31,7 @@ FREED_UNSEEN = "found freed before the replay"
 MOVE_OPS = ("resize_", "set_", ".data =", "storage.resize_")
 
 
-class Kind(str, Enum):
+class Kind(Choice):
     """What became of memory a graph references (a `str`, so JSON and `kind == "freed"` work)."""
 
     FREED = "freed"
@@ -40,10 +41,6 @@ class Kind(str, Enum):
     POOL_REUSE = "pool-reuse"
     REPLAY_ORDER = "replay-order"
     LIVE_OUTPUT = "live-output"
-
-    # print as the bare value, like the strings these replace
-    __str__ = str.__str__
-    __format__ = str.__format__
 
     @property
     def cause(self) -> str:
@@ -73,7 +70,7 @@ _CAUSES = {
     "(replay in capture order, read the output first, or give the graphs separate pools; pin "
     "cannot help: this is an order, not a lifetime)",
 }
-KINDS = tuple(k.value for k in Kind)
+KINDS = Kind.values()
 # the causes of findings about pinned host memory (a graph's memcpy node reads or writes it)
 _HOST_CAUSES = {
     Kind.FREED: "eager code dropped the last reference to pinned host memory a graph's memcpy "

@@ -3,10 +3,10 @@ how a quantized module treats its cached weight, and which modules may be CUDA-g
 
 from __future__ import annotations
 
-from enum import Enum
+from graphsan.core.choice import Choice
 
 
-class StatePolicy(str, Enum):
+class StatePolicy(Choice):
     """How a quantized module treats its cached (quantized) weight across CUDA graphs.
 
     FIXED: the cache is rebuilt in place, so a graph's addresses stay valid.
@@ -17,21 +17,13 @@ class StatePolicy(str, Enum):
     FIXED = "fixed"
     TE218 = "te218"
 
-    __str__ = str.__str__
-    __format__ = str.__format__
-
     @classmethod
     def parse(cls, value: str | StatePolicy, what: str = "--state-policy") -> StatePolicy:
         """The policy named `value`; a ValueError naming the choices otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"{what} {value}: expected one of {', '.join(STATE_POLICIES)}"
-            ) from None
+        return super().parse(value, what)
 
 
-STATE_POLICIES = tuple(p.value for p in StatePolicy)
+STATE_POLICIES = StatePolicy.values()
 
 # the modules `--cuda-graph-modules` may graph, as Megatron names them
 GRAPH_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess", "mlp")
@@ -51,7 +43,7 @@ def check_scopes(scopes) -> tuple[str, ...]:
     return scopes
 
 
-class Schedule(str, Enum):
+class Schedule(Choice):
     """The order of a step's microbatch forwards and backwards (one pipeline stage).
 
     SEQUENTIAL: each microbatch's forward, then its backward.
@@ -62,11 +54,8 @@ class Schedule(str, Enum):
     SEQUENTIAL = "sequential"
     ONE_F_ONE_B = "1f1b"
 
-    __str__ = str.__str__
-    __format__ = str.__format__
 
-
-SCHEDULES = tuple(s.value for s in Schedule)
+SCHEDULES = Schedule.values()
 Pass = tuple[str, int]  # ("F" or "B", microbatch)
 
 
@@ -75,7 +64,7 @@ def schedule_order(
 ) -> list[Pass]:
     """The step's forwards and backwards in order, e.g. 1F1B of 3 microbatches with 2 in
     flight: F0 F1 B0 F2 B1 B2."""
-    schedule = Schedule(schedule)
+    schedule = Schedule.parse(schedule, "schedule")
     if num_microbatches < 1 or in_flight < 1:
         raise ValueError(
             f"{num_microbatches} microbatch(es), {in_flight} in flight: expected both >= 1"

@@ -3,19 +3,16 @@ plugin read it before anything heavy loads). The pin policy's machinery is `poli
 
 from __future__ import annotations
 
-from enum import Enum
+from graphsan.core.choice import Choice
 
 
-class Policy(str, Enum):
+class Policy(Choice):
     """A `str`, so `policy == "raise"` and JSON keep working."""
 
     RAISE = "raise"  # `StaleMemoryError` from replay(); the graph is not launched
     WARN = "warn"  # each finding printed once; the replay goes on
     RECORD = "record"  # findings only collected
     PIN = "pin"  # keep referenced memory alive; what cannot be pinned raises
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
     @property
     def stops_replay(self) -> bool:
@@ -26,12 +23,12 @@ class Policy(str, Enum):
     @classmethod
     def parse(cls, value: str | Policy, what: str = "policy") -> Policy:
         """The policy named `value`; a ValueError naming the choices otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"graphsan: unknown {what} {value!r}; expected one of {', '.join(POLICIES)}"
-            ) from None
+        return super().parse(value, what)
+
+    @classmethod
+    def unknown(cls, value: object, what: str) -> str:
+        """graphsan's own error, prefixed, with the value quoted (it may come from a variable)."""
+        return f"graphsan: unknown {what} {value!r}; expected one of {', '.join(cls.values())}"
 
 
-POLICIES = tuple(p.value for p in Policy)
+POLICIES = Policy.values()

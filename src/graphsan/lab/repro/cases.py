@@ -80,9 +80,12 @@ class Case:
     def __post_init__(self):
         # a case written with the policy's name ("te218") gets the policy itself
         object.__setattr__(self, "state", StatePolicy.parse(self.state, f"case {self.n}: state"))
-        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(
+            self, "schedule", Schedule.parse(self.schedule, f"case {self.n}: schedule")
+        )
         if self.captured_in is not None:
-            object.__setattr__(self, "captured_in", Schedule(self.captured_in))
+            captured_in = Schedule.parse(self.captured_in, f"case {self.n}: captured_in")
+            object.__setattr__(self, "captured_in", captured_in)
 
     def to_json(self) -> dict:
         """The case as `graphsan repro --list --json` writes it (and the matrix page reads)."""

@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from graphsan.lab.models.args import PRESETS, ModelArgs, get_preset
-from graphsan.lab.vocab import SCHEDULES, StatePolicy, check_scopes
+from graphsan.lab.vocab import Schedule, StatePolicy, check_scopes
 
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
@@ -127,10 +127,11 @@ class TrainConfig:
             raise ConfigError(str(err)) from None
         for name in ("microbatch_schedule", "capture_schedule"):
             value = getattr(self, name)
-            if value is not None and value not in SCHEDULES:
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} {value}: expected one of {', '.join(SCHEDULES)}"
-                )
+            if value is not None:
+                try:
+                    setattr(self, name, Schedule.parse(value, f"--{name.replace('_', '-')}"))
+                except ValueError as err:
+                    raise ConfigError(str(err)) from None
         try:
             self.state_policy = StatePolicy.parse(self.state_policy)
         except ValueError as err:
