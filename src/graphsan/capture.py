@@ -20,7 +20,7 @@ At replay, `reread_tables` reads again the tables that named a freed block, befo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,28 +67,21 @@ class Walk:
     seconds: float
 
 
+@dataclass(eq=False)
 class CaptureAnalysis:
     """Turns each capture's end into a watched graph. Reading pointer tables is bounded: blocks
     up to `table_block` bytes, `table_budget` bytes per graph (0 turns the reading off)."""
 
-    def __init__(
-        self,
-        memory: AllocatorWatch,
-        tracker: Tracker,
-        host: HostWatch,
-        orders: ReplayOrders,
-        timeline: Timeline,
-    ) -> None:
-        self.memory = memory
-        self.tracker = tracker
-        self.host = host
-        self.orders = orders
-        self.timeline = timeline
-        self.table_block = TABLE_BLOCK
-        self.table_budget = TABLE_BUDGET
-        # per device: the argument-struct layouts the startup probe confirmed, and its report
-        self.layouts: dict[int, Layouts] = {}
-        self.calibration: dict[str, dict] = {}
+    memory: AllocatorWatch
+    tracker: Tracker
+    host: HostWatch
+    orders: ReplayOrders
+    timeline: Timeline
+    table_block: int = TABLE_BLOCK
+    table_budget: int = TABLE_BUDGET
+    # per device: the argument-struct layouts the startup probe confirmed, and its report
+    layouts: dict[int, Layouts] = field(default_factory=dict, init=False)
+    calibration: dict[str, dict] = field(default_factory=dict, init=False)
 
     def prepare(self, device: int) -> None:
         """Before the first capture on `device` begins: confirm PyTorch's argument-struct

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,39 +47,32 @@ def backend() -> str:
         return "native"
 
 
+@dataclass(eq=False)
 class DriverWatch:
     """The allocator watch's interface (`cuda.allocator.AllocatorWatch`) answered through the
     driver; `polls` tells the sanitizer to judge every replay of a watched graph."""
 
+    tracker: Tracker
+    context: Context
+    on_error: Callable[[BaseException], None]
+    alloc_stacks: bool = True
+    why: str = ""
+    # the driver module (cuda.driver), loaded when first asked: nothing loads libcuda before
+    # a graph is captured
+    driver: Callable[[], object] | None = field(default=None, repr=False)
+    timeline: Timeline | None = None
+    last_release: Release | None = field(default=None, init=False)
+    capture_pool: PoolId | None = field(default=None, init=False)
+    # the allocator watch's parts that this backend gives nothing to
+    redirect_resize = None
+    log = None
+    trace = None
     polls = True
-
-    def __init__(
-        self,
-        tracker: Tracker,
-        context: Context,
-        on_error: Callable[[BaseException], None],
-        alloc_stacks: bool = True,
-        why: str = "",
-        driver: Callable[[], object] | None = None,
-        timeline: Timeline | None = None,
-    ) -> None:
-        self.tracker = tracker
-        self.context = context
-        self.on_error = on_error
-        self.alloc_stacks = alloc_stacks
-        self.why = why
-        # the driver module (cuda.driver), loaded when first asked: nothing loads libcuda before
-        # a graph is captured
-        self._driver = driver
-        self.last_release: Release | None = None
-        self.capture_pool: PoolId | None = None
-        self.redirect_resize = None
-        self.timeline = timeline
-        self.log = None
-        self.trace = None
-        self.ids: dict[int, Identity] = {}  # watched address -> its allocation at watch time
-        self._active = False
-        self._patches = Patches()  # empty_cache, wrapped to remember the last release
+    # watched address -> its allocation at watch time
+    ids: dict[int, Identity] = field(default_factory=dict, init=False)
+    _active: bool = field(default=False, init=False)
+    # empty_cache, wrapped to remember the last release
+    _patches: Patches = field(default_factory=Patches, init=False)
 
     @property
     def allocator_log(self) -> str:
@@ -98,7 +92,7 @@ class DriverWatch:
             for wb in g.blocks.values()
             if wb.freed is not None and wb.pool == DEFAULT_POOL
         }
-        return AskedMap(self._driver().address_range, own, own_pool, freed)
+        return AskedMap(self.driver().address_range, own, own_pool, freed)
 
     def sync(self) -> None:
         pass
@@ -118,7 +112,7 @@ class DriverWatch:
 
     # -- frees, found before a replay ----------------------------------------------------------
     def _on_watch(self, addresses: list[int]) -> None:
-        allocation = self._driver().allocation
+        allocation = self.driver().allocation
         for a in addresses:
             ident = allocation(a)
             if ident is not None:
@@ -127,7 +121,7 @@ class DriverWatch:
     def poll(self, state: GraphState) -> None:
         """Ask the driver about every allocation the graph watches: one that is gone, or was
         allocated anew at its address, counts as freed now."""
-        allocation = self._driver().allocation
+        allocation = self.driver().allocation
         for wb in list(state.blocks.values()):
             if wb.freed is not None or wb.address not in self.ids:
                 continue

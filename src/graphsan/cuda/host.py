@@ -26,7 +26,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -97,23 +97,17 @@ class PinnedBlocks:
         return None
 
 
+@dataclass(eq=False)
 class HostWatch:
     """Follows the pinned storages of the process into `pinned` while started, and tells the
     tracker of each new one and each death."""
 
-    def __init__(
-        self,
-        tracker: Tracker,
-        pinned: PinnedBlocks,
-        free_event: Callable[[], FreeEvent],
-        on_error: Callable[[BaseException], None],
-    ) -> None:
-        self.tracker = tracker
-        self.pinned = pinned
-        self.free_event = free_event
-        self.on_error = on_error
-        self._active = False
-        self._patches = Patches()
+    tracker: Tracker
+    pinned: PinnedBlocks
+    free_event: Callable[[], FreeEvent]
+    on_error: Callable[[BaseException], None]
+    _active: bool = field(default=False, init=False)
+    _patches: Patches = field(default_factory=Patches, init=False)
 
     def note(self, address: DataPtr, size: int, frames, storage=None) -> HostBlock:
         """A new pinned storage; `storage` (when given) reports its death."""
