@@ -337,7 +337,8 @@ def test_a_segment_in_chunks_answers_like_a_sorted_list(chunk, monkeypatch):
             assert lo.spans() == sorted((a, n) for a, n in blocks.items() if a < addr)
             assert hi.spans() == sorted((a, n) for a, n in blocks.items() if a >= addr)
             assert len(seg) == 0 and len(lo) + len(hi) == len(blocks)
-            seg._adopt(lo._cs + hi._cs, lo._cz + hi._cz)
+            seg = lo.join(hi)
+            assert len(lo) == len(hi) == 0
         spans = sorted(blocks.items())
         assert seg.spans() == spans and len(seg) == len(spans)
         for probe in [base - 1, base + size] + [base + rng.randrange(size) for _ in range(6)]:

@@ -138,19 +138,11 @@ class AllocatorView(SegmentIndex):
         # neighbouring runs of mapped pages of the same reservation are one segment
         if before is not None and before.expandable and before.pool == pool:
             self._remove(before)
-            vs = self._joined(before, vs)
+            vs = before.join(vs)
         if after is not None and after.expandable and after.pool == pool:
             self._remove(after)
-            vs = self._joined(vs, after)
+            vs = vs.join(after)
         self._insert(vs)
-
-    def _joined(self, a: ViewSegment, b: ViewSegment) -> ViewSegment:
-        """One segment of `a` and `b`, which follows it; their blocks move over, chunk by chunk."""
-        out = ViewSegment(a.address, b.end - a.address, a.pool, True, self.resolve)
-        out._adopt(a._cs + b._cs, a._cz + b._cz)
-        for old in (a, b):
-            old._heads, old._cs, old._cz, old._n = [], [], [], 0
-        return out
 
     def _unmap(self, addr: DataPtr, size: int) -> None:
         end = addr + size

@@ -239,6 +239,16 @@ class ViewSegment:
         self._heads, self._cs, self._cz, self._n = [], [], [], 0
         return lo, hi
 
+    def join(self, after: ViewSegment) -> ViewSegment:
+        """One segment of this one and `after`, which follows it (pool and kind as this one's);
+        whole chunks move over, so both are left empty."""
+        size = after.end - self.address
+        out = ViewSegment(self.address, size, self.pool, self.expandable, self.resolve)
+        out._adopt(self._cs + after._cs, self._cz + after._cz)
+        for old in (self, after):
+            old._heads, old._cs, old._cz, old._n = [], [], [], 0
+        return out
+
     def _adopt(self, cs: list[array], cz: list[array]) -> None:
         """Take these chunks (address order) as the blocks; empty ones are dropped."""
         keep = [i for i, starts in enumerate(cs) if starts]
