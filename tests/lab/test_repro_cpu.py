@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
 import pytest
@@ -133,17 +134,43 @@ def test_compare_covers_iterations_both_runs_have_and_counts_nan_as_infinite():
     ref = CaseResult(losses=[5.0, 4.9, 4.8, 4.7, 4.6, 4.5, 4.4])
     res = CaseResult(losses=[5.0, 4.9, 4.8, 4.7, 4.6 * (1 + 2e-4), float("nan")])
     c = compare.compare(res, ref)
-    assert c.before_eval == pytest.approx(2e-4)
-    assert c.after_eval == float("inf")
-    assert "2.0e-04 up to validation, inf after" in c.text
-    compared = compare.add_comparison(res, ref)
-    assert (compared.rel_diff_before_eval, compared.rel_diff_after_eval) == (
-        c.before_eval,
-        c.after_eval,
+    assert c.before == pytest.approx(2e-4)
+    assert c.after == float("inf")
+    assert (
+        "2.0e-04 up to validation, inf after; first off by more than 0.01 at iteration 6: "
+        "nan vs eager 4.5" in c.text
     )
+    compared = compare.add_comparison(res, ref)
+    assert (compared.rel_diff_before, compared.rel_diff_after) == (c.before, c.after)
+    assert compared.compared_from == repro.EVAL_AT + 1
     assert compared.reference_losses == ref.losses and compared.comparison == c.text
     short = CaseResult(losses=[5.0, 4.9])
     assert compare.compare(short, ref).text == "no losses after validation to compare"
+
+
+def test_a_schedule_case_is_compared_from_its_first_graphed_step():
+    """Cases 10 and 12 can go wrong from the first graphed step: their losses are split there,
+    so a run that stopped on a NaN before validation still shows how it parted from eager."""
+    ref = CaseResult(losses=[5.0, 4.9, 4.8, 4.7, 4.6, 4.5, 4.4])
+    res = CaseResult("silent corruption", 5, losses=[5.0, 4.9, 4.8, 4.9, float("nan")])
+    case = repro.BY_NUMBER[12]
+    assert case.fails_from == repro.WARMUP + 1
+    c = compare.compare(res, ref, case.fails_from)
+    assert (c.before, c.after) == (0.0, math.inf)
+    assert c.rel_diff[3] == pytest.approx(0.2 / 4.7)
+    assert c.text == (
+        "loss vs eager: max rel diff 0.0e+00 up to iteration 3, inf from iteration 4; "
+        "first off by more than 0.01 at iteration 4: 4.9 vs eager 4.7"
+    )
+    compared = compare.add_comparison(res, ref, case.fails_from)
+    assert compared.compared_from == 4 and compared.outcome == "silent corruption"
+    assert compare.judge(case, compared) == ""
+    # a run that trained through with its losses off from the split on is silent corruption
+    drifted = CaseResult(losses=[5.0, 4.9, 4.8, 4.75, 4.6, 4.5, 4.4])
+    assert compare.add_comparison(drifted, ref, 4).outcome == "silent corruption"
+    assert compare.add_comparison(drifted, ref).outcome == "trained through"  # before iteration 6
+    early = CaseResult(losses=[5.0, 4.9])
+    assert compare.compare(early, ref, 4).text == "no losses from iteration 4 to compare"
 
 
 def test_timeline_and_iteration_come_from_the_child_progress_lines():
@@ -170,7 +197,10 @@ def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkey
     spawned = []
     drifted = [5.0 - 0.1 * i for i in range(repro.ITERS)]
     drifted[repro.EVAL_AT] *= 1.5  # the corrupted case drifts after validation
-    monkeypatch.setattr(runner, "spawn", _fake_spawn({5: {"losses": drifted}}, spawned))
+    early = [5.0 - 0.1 * i for i in range(repro.ITERS)]
+    early[repro.WARMUP] *= 1.5  # a schedule case drifts at its first graphed step
+    outcomes = {5: {"losses": drifted}, 10: {"losses": early}}
+    monkeypatch.setattr(runner, "spawn", _fake_spawn(outcomes, spawned))
     results = dict((c.n, r) for c, r in repro.run_matrix(repro.CASES, "tiny", jobs=0))
     assert sorted((n, ref) for n, ref, *_ in spawned) == sorted(
         [(c.n, False) for c in repro.CASES] + [(5, True)]
@@ -189,6 +219,9 @@ def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkey
     assert results[6].outcome == "trained through"
     assert results[6].comparison.endswith("0.0e+00 after")
     assert results[5].outcome == "silent corruption"  # 0.5 relative > LOSS_RTOL
+    assert results[10].compared_from == repro.WARMUP + 1 and results[5].compared_from == 6
+    assert results[10].outcome == "silent corruption"  # off at iteration 4, before validation
+    assert f"at iteration {repro.WARMUP + 1}" in results[10].comparison
 
 
 # What each case showed on the H200 (docs/te-3316.md, the matrix at 126beb4), and the other
@@ -211,7 +244,7 @@ SEEN = {
         {"outcome": "device-side assert", "iteration": 6, "finding": FINDING},
         {"outcome": "silent corruption", "iteration": 6, "finding": FINDING},
     ],
-    6: [{"outcome": "trained through", "rel_diff_after_eval": 3.1e-3}],
+    6: [{"outcome": "trained through", "rel_diff_after": 3.1e-3}],
     7: [{"outcome": "trained through"}],
     8: [{"outcome": "silent corruption", "iteration": 7}],
     9: [{"outcome": "StaleMemoryError", "iteration": 6, "finding": FINDING}],
@@ -300,7 +333,7 @@ def test_a_broken_reference_makes_the_comparison_inconclusive_not_clean():
     ):
         c = compare.compare(res, ref)
         assert c.text.startswith("inconclusive: the eager reference")
-        assert c.after_eval is None and compare.add_comparison(res, ref).rel_diff_after_eval is None
+        assert c.after is None and compare.add_comparison(res, ref).rel_diff_after is None
 
 
 def test_the_result_file_wins_and_a_dead_child_is_named_by_its_signal():

@@ -110,7 +110,7 @@ def test_a_case_trains_on_two_ranks_through_the_child_code_and_compares_with_eag
     assert [x.outcome for x in res.ranks] == ["trained through"] * 2
     assert res.startup["world size"] == 2  # the case's configuration knew of both ranks
     assert len(res.losses) == repro.ITERS
-    assert res.rel_diff_after_eval is not None and res.rel_diff_after_eval < repro.LOSS_RTOL
+    assert res.rel_diff_after is not None and res.rel_diff_after < repro.LOSS_RTOL
     assert res.matched, res.mismatch
 
 

@@ -14,7 +14,7 @@ from graphsan.lab.repro import CaseResult, RankResult, ResultError, logparse
 from graphsan.lab.repro.result import describe_ranks
 from graphsan.lab.vocab import StatePolicy
 
-# a result with every field set, as the untyped dict of the earlier code wrote it (json.dumps)
+# a result with every field set, as `graphsan repro --json` writes it (json.dumps)
 FULL = (
     '{"outcome": "StaleMemoryError", "iteration": 6, "finding": "reowned: x, freed in '
     'clear_workspace", "symptom": "CUDA error: an illegal memory access", "losses": [5.0, '
@@ -25,8 +25,8 @@ FULL = (
     '"outcome": "stopped after a peer rank failed", "iteration": null, "finding": "", '
     '"symptom": "waited"}], "wall_s": 12.5, "timeline": [3.5, 4.0], "log_tail": "ITERATION 5 '
     't=4.0\\n", "comparison": "loss vs eager: max rel diff 1.0e-04 up to validation, inf '
-    'after", "rel_diff": [0.0, 0.0001, Infinity], "rel_diff_before_eval": 0.0001, '
-    '"rel_diff_after_eval": Infinity, "reference_outcome": "trained through, 10 s", '
+    'after", "rel_diff": [0.0, 0.0001, Infinity], "rel_diff_before": 0.0001, '
+    '"rel_diff_after": Infinity, "compared_from": 6, "reference_outcome": "trained through, 10 s", '
     '"reference_timeline": [3.0], "reference_losses": [5.0, 4.75, 4.5], '
     '"reference_eval_losses": [[5, 4.4]], "matched": false, "mismatch": "expected trained '
     'through"}'
@@ -35,8 +35,8 @@ EMPTY = (
     '{"outcome": "trained through", "iteration": null, "finding": "", "symptom": "", '
     '"losses": [], "eval_losses": [], "kinds": [], "report": "", "pinned": null, "startup": '
     '{}, "ranks": [], "wall_s": 0.0, "timeline": [], "log_tail": "", "comparison": "", '
-    '"rel_diff": [], "rel_diff_before_eval": null, "rel_diff_after_eval": null, '
-    '"reference_outcome": "", "reference_timeline": null, "reference_losses": null, '
+    '"rel_diff": [], "rel_diff_before": null, "rel_diff_after": null, '
+    '"compared_from": null, "reference_outcome": "", "reference_timeline": null, "reference_losses": null, '
     '"reference_eval_losses": null, "matched": null, "mismatch": ""}'
 )
 # case 4 as `graphsan repro --list --json` writes it (indent 1)
@@ -72,6 +72,17 @@ def test_a_result_round_trips_through_json_in_the_same_format(text):
     assert json.dumps(res.to_json()) == text
     assert CaseResult.from_json(json.loads(json.dumps(res.to_json()))) == res
     assert text != EMPTY or res == CaseResult()
+
+
+def test_a_result_written_when_every_comparison_split_at_validation_reads_the_same():
+    earlier = json.loads(FULL)
+    del earlier["compared_from"]
+    earlier["rel_diff_before_eval"] = earlier.pop("rel_diff_before")
+    earlier["rel_diff_after_eval"] = earlier.pop("rel_diff_after")
+    assert CaseResult.from_json(earlier) == CaseResult.from_json(json.loads(FULL))
+    uncompared = json.loads(EMPTY)
+    uncompared["rel_diff_after_eval"] = uncompared.pop("rel_diff_after")
+    assert CaseResult.from_json(uncompared).compared_from is None
 
 
 def test_the_fields_are_typed_and_frozen():

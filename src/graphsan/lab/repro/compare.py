@@ -12,44 +12,60 @@ from graphsan.lab.repro.result import CaseResult
 @dataclass(frozen=True)
 class Comparison:
     """A case's losses against the eager reference run's: the relative difference at every
-    iteration both have (NaN counted as infinite), the largest up to validation and after it
-    (None: nothing to compare), and all of it in words."""
+    iteration both have (NaN counted as infinite), the largest up to the case's split and from
+    it on (None: nothing to compare), and all of it in words. The split is the first iteration
+    in which the case can go wrong (`Case.fails_from`): after validation for the #3316 cases,
+    the first graphed step for the schedule cases."""
 
     text: str
     rel_diff: tuple[float, ...] = ()
-    before_eval: float | None = None
-    after_eval: float | None = None
+    before: float | None = None
+    after: float | None = None
+    split: int = EVAL_AT + 1
 
 
-def compare(res: CaseResult, ref: CaseResult) -> Comparison:
+def compare(res: CaseResult, ref: CaseResult, split: int = EVAL_AT + 1) -> Comparison:
     """Per-iteration loss against the eager run, over the iterations both have (a case that
-    stopped on a NaN loss has fewer)."""
+    stopped on a NaN loss has fewer), split at iteration `split`; where the losses part by more
+    than LOSS_RTOL, the words name the first such iteration and both losses."""
     a, b = res.losses, ref.losses
     if len(b) < ITERS or not all(math.isfinite(y) for y in b):
         return Comparison(f"inconclusive: the eager reference {ref.outcome or 'gave no losses'}")
     n = min(len(a), len(b))
-    if n <= EVAL_AT:
-        return Comparison("no losses after validation to compare")
+    if n < split:
+        return Comparison(f"no losses {_from_words(split)} to compare", split=split)
     rel = tuple(
         abs(x - y) / max(abs(y), 1e-12) if math.isfinite(x) else math.inf
         for x, y in zip(a[:n], b[:n], strict=True)
     )
-    before, after = max(rel[:EVAL_AT]), max(rel[EVAL_AT:])
-    text = f"loss vs eager: max rel diff {before:.1e} up to validation, {after:.1e} after"
-    return Comparison(text, rel, before, after)
+    before, after = max(rel[: split - 1], default=0.0), max(rel[split - 1 :])
+    up_to = "validation" if split == EVAL_AT + 1 else f"iteration {split - 1}"
+    after_words = "after" if split == EVAL_AT + 1 else f"from iteration {split}"
+    text = f"loss vs eager: max rel diff {before:.1e} up to {up_to}, {after:.1e} {after_words}"
+    off = next((i for i, d in enumerate(rel) if d > LOSS_RTOL), None)
+    if off is not None:
+        text += f"; first off by more than {LOSS_RTOL:g} at iteration {off + 1}: "
+        text += f"{a[off]:.4g} vs eager {b[off]:.4g}"
+    return Comparison(text, rel, before, after, split)
 
 
-def add_comparison(res: CaseResult, ref: CaseResult) -> CaseResult:
-    """`res` compared with the eager reference; losses off by more than LOSS_RTOL after
-    validation turn a run that trained through into silent corruption."""
-    c = compare(res, ref)
-    if c.after_eval is not None:
+def _from_words(split: int) -> str:
+    return "after validation" if split == EVAL_AT + 1 else f"from iteration {split}"
+
+
+def add_comparison(res: CaseResult, ref: CaseResult, split: int = EVAL_AT + 1) -> CaseResult:
+    """`res` compared with the eager reference (split at iteration `split`, see `compare`);
+    losses off by more than LOSS_RTOL from the split on turn a run that trained through into
+    silent corruption."""
+    c = compare(res, ref, split)
+    if c.after is not None:
         res = res.replace(
             rel_diff=c.rel_diff,
-            rel_diff_before_eval=c.before_eval,
-            rel_diff_after_eval=c.after_eval,
+            rel_diff_before=c.before,
+            rel_diff_after=c.after,
+            compared_from=c.split,
         )
-        if res.kind is Outcome.TRAINED_THROUGH and c.after_eval > LOSS_RTOL:
+        if res.kind is Outcome.TRAINED_THROUGH and c.after > LOSS_RTOL:
             res = res.replace(outcome=Outcome.SILENT_CORRUPTION.value)
     return res.replace(
         comparison=c.text,
@@ -77,7 +93,7 @@ def judge(case: Case, res: CaseResult) -> str:
         tuple(f"{k}:" for k in case.finding_kinds)
     ):
         return f"expected graphsan's first finding to be {' or '.join(sorted(case.finding_kinds))}"
-    if case.compare and kind is Outcome.TRAINED_THROUGH and res.rel_diff_after_eval is None:
+    if case.compare and kind is Outcome.TRAINED_THROUGH and res.rel_diff_after is None:
         return f"expected a comparison with eager; {res.comparison or 'there was none'}"
     # on several ranks, a rank that failed by itself failed as the case expects (one that
     # trained through touched no stale memory; one that stopped waited for a failed peer)

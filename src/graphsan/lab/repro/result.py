@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from graphsan.lab.repro.cases import Outcome
+from graphsan.lab.repro.cases import EVAL_AT, Outcome
 
 
 class ResultError(ValueError):
@@ -232,8 +232,9 @@ _CASE_READERS = {
     "log_tail": _text,
     "comparison": _text,
     "rel_diff": _numbers,
-    "rel_diff_before_eval": _number_or_none,
-    "rel_diff_after_eval": _number_or_none,
+    "rel_diff_before": _number_or_none,
+    "rel_diff_after": _number_or_none,
+    "compared_from": _count_or_none,
     "reference_outcome": _text,
     "reference_timeline": _numbers_or_none,
     "reference_losses": _numbers_or_none,
@@ -268,8 +269,11 @@ class CaseResult(_Checked):
     # filled in by the comparison with the eager reference run
     comparison: str = ""
     rel_diff: tuple[float, ...] = ()
-    rel_diff_before_eval: float | None = None
-    rel_diff_after_eval: float | None = None
+    # the largest relative differences before iteration `compared_from` (the first in which the
+    # case can go wrong) and from it on
+    rel_diff_before: float | None = None
+    rel_diff_after: float | None = None
+    compared_from: int | None = None
     reference_outcome: str = ""
     reference_timeline: tuple[float, ...] | None = None
     reference_losses: tuple[float, ...] | None = None
@@ -290,5 +294,18 @@ class CaseResult(_Checked):
     @classmethod
     def from_json(cls, data: Any) -> CaseResult:
         """A result as `to_json` wrote it; fields left out take their defaults and unknown
-        keys are ignored. A field of the wrong type raises ResultError naming it."""
+        keys are ignored. A field of the wrong type raises ResultError naming it. Files written
+        before the comparison's split was the case's own read as split after validation."""
+        if isinstance(data, Mapping) and _EARLIER_NAMES.keys() & data.keys():
+            data = {_EARLIER_NAMES.get(k, k): v for k, v in data.items()}
+            if data.get("rel_diff_after") is not None:
+                data.setdefault("compared_from", _AFTER_VALIDATION)
         return cls(**_read(cls, cls._READERS, data, ""))
+
+
+# the comparison's fields as results named them when every case was split at validation
+_EARLIER_NAMES = {
+    "rel_diff_before_eval": "rel_diff_before",
+    "rel_diff_after_eval": "rel_diff_after",
+}
+_AFTER_VALIDATION = EVAL_AT + 1

@@ -258,7 +258,7 @@ def run_matrix(
     judged = []
     for c, res in results:
         if c.compare and ref is not None:
-            res = add_comparison(res, ref)
+            res = add_comparison(res, ref, c.fails_from)
         mismatch = judge(c, res)
         judged.append((c, res.replace(mismatch=mismatch, matched=not mismatch)))
     return judged
