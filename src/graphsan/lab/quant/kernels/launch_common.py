@@ -1,5 +1,6 @@
-"""What every launcher module shares: the compile options, whether the FP8 conversion is the
-hardware's, and whether an input can be read as bf16 words.
+"""What every launcher module shares: the compile options, whether the kernels are compiled or
+interpreted, whether the FP8 conversion is the hardware's, and whether an input can be read as
+bf16 words.
 
 The launchers (`launch_mxfp8`, `launch_nvfp4`, `launch_gemm`) give the same arguments and bytes
 as the torch references, which check the arguments; they trust them (`mxfp8.quantize`,
@@ -33,9 +34,17 @@ def hw_fp8(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+def compiled(x: torch.Tensor) -> bool:
+    """Whether the kernels for x are compiled for its GPU rather than run in Triton's
+    interpreter (CPU tensors, in the tests): what only compiled kernels have (the NaN-ignoring
+    maximum, inline PTX, bf16 dots, the GPU's canonical NaN) is asked for only then. The one
+    place the launchers tell the two apart, so a CPU check can compile what a GPU runs."""
+    return x.is_cuda
+
+
 def hw_fp8_for(x: torch.Tensor) -> bool:
-    """`hw_fp8` for the device of x (False on CPU)."""
-    if not x.is_cuda:  # CPU tensors run in Triton's interpreter (TRITON_INTERPRET=1, tests)
+    """`hw_fp8` for the device of x (False where the kernels are interpreted)."""
+    if not compiled(x):
         return False
     return hw_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
 

@@ -17,7 +17,7 @@ from ..formats import MXFP8_BLOCK, NVFP4_ALPHA_DIVISOR, NVFP4_BLOCK
 from ..tensors import MXFP8Tensor, NVFP4Tensor
 from . import gemm as jit
 from . import qgemm as qgemm_jit
-from .launch_common import COMPILE_OPTIONS, fast_kernels, hw_fp8_for
+from .launch_common import COMPILE_OPTIONS, compiled, fast_kernels, hw_fp8_for
 
 (
     dequant_kernel,
@@ -54,15 +54,19 @@ GEMM_EPILOGUE_TILE = {"BR": 8, "BC": 512, "num_warps": 4}
 FUSED_GEMM = False
 
 
+def _nan16(x: torch.Tensor) -> int:
+    """The bf16 bits (int16) that the kernels for x write for NaN: 0 where they are compiled,
+    where the NaN is the GPU's canonical one, as torch's (and reading it back here would sync,
+    or fail inside a graph capture); in Triton's interpreter, what torch's float32 -> bf16 cast
+    gives there (`_interpreted_nan16`)."""
+    return 0 if compiled(x) else _interpreted_nan16(x.device.type)
+
+
 @functools.cache
-def _nan16(device_type: str) -> int:
-    """The bf16 bits (int16) that torch's float32 -> bf16 cast gives NaN on a device type, for
-    the bit-field paths of Triton's interpreter (CPU: 0xFFFF from the vectorised cast, whatever
-    the payload; read from torch, not assumed); 0 on CUDA, where the compiled kernels' NaN is
-    the GPU's canonical one, as torch's (and reading it back here would sync, or fail inside a
-    graph capture)."""
-    if device_type == "cuda":
-        return 0
+def _interpreted_nan16(device_type: str) -> int:
+    """The bf16 bits of torch's float32 -> bf16 cast of NaN on a device type, for the bit-field
+    paths of Triton's interpreter (CPU: 0xFFFF from the vectorised cast, whatever the payload;
+    read from torch, not assumed)."""
     nan = torch.full((64,), float("nan"), dtype=torch.float32, device=device_type)
     return int(nan.to(torch.bfloat16).view(torch.int16)[0])
 
@@ -86,7 +90,7 @@ def gemm_operand(q, *, _strided: bool = False) -> torch.Tensor | None:
         return None
     dev = q.data.device
     out = torch.empty(p, cols, dtype=torch.bfloat16, device=dev)
-    nan16 = _nan16(dev.type)
+    nan16 = _nan16(q.data)
     dense = not _strided and q.data.is_contiguous() and q.scale.is_contiguous()
     if out.numel() and dense:
         _dequant_dense(q, fmt, p, cols, out.view(torch.int16), nan16)
@@ -209,7 +213,7 @@ def quantized_mm(a, b, transpose_a, transpose_b, alpha, out=None):
         FMT_B=vb[8],
         ALPHA=alpha is not None,
         ACCUMULATE=out is not None,
-        BF16_DOT=c.is_cuda,
+        BF16_DOT=compiled(c),
         **tile,
         **COMPILE_OPTIONS,
     )
@@ -250,7 +254,7 @@ def gemm_epilogue(c, a, b, mode, out=None, row_groups=None, offsets=None):
         cols,
         count,
         group_rows,
-        NAN16=_nan16(c.device.type),
+        NAN16=_nan16(c),
         DIVISOR=NVFP4_ALPHA_DIVISOR,
         ALPHA=mode,
         GROUPS=kind,

@@ -14,7 +14,7 @@ import triton
 from ..formats import FP8_BITS, FP8_MAX, MXFP8_BLOCK, fp32_reciprocal
 from ..tensors import MXFP8Tensor
 from . import mxfp8 as jit
-from .launch_common import COMPILE_OPTIONS, fast_kernels, hw_fp8_for, words_fit
+from .launch_common import COMPILE_OPTIONS, compiled, fast_kernels, hw_fp8_for, words_fit
 
 mxfp8_strided_kernel, mxfp8_words_kernel = fast_kernels(
     jit.mxfp8_strided_kernel, jit.mxfp8_words_kernel
@@ -114,7 +114,7 @@ def _mxfp8_words(x, fmt, row, col):
         col.scale.view(torch.int32),
         **_fp8_constants(fmt),
         HW_FP8=hw_fp8_for(x),
-        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        MAXNUM=compiled(x),  # Triton's interpreter has no NaN-ignoring maximum
         DO_ROW=row is not None,
         **tile,
         **COMPILE_OPTIONS,

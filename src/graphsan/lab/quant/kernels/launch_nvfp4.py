@@ -27,7 +27,7 @@ from ..tensors import NVFP4Tensor
 from . import nvfp4 as jit
 from . import nvfp4_col as col_jit
 from . import nvfp4_words as words_jit
-from .launch_common import COMPILE_OPTIONS, fast_kernels, hw_fp8_for, words_fit
+from .launch_common import COMPILE_OPTIONS, compiled, fast_kernels, hw_fp8_for, words_fit
 
 (
     amax_kernel,
@@ -243,8 +243,8 @@ def _col_amax_pass(x, amax, pre_amax, grouped=None):
         count,
         BF16_BITS=bits,
         GROUPED=grouped is not None,
-        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
-        PTX=x.is_cuda,  # nor inline PTX
+        MAXNUM=compiled(x),  # Triton's interpreter has no NaN-ignoring maximum
+        PTX=compiled(x),  # nor inline PTX
         EVEN=rows % (tile["NB"] * tile["ITERS"]) == 0 and k % tile["BK"] == 0,
         PRE_AMAX=pre_amax is not None,
         **tile,
@@ -279,8 +279,8 @@ def _col_fused_launch(x, options: NVFP4Options, amax, seed, data, scale, grouped
         SR=options.sr,
         BF16_BITS=bits,
         GROUPED=grouped is not None,
-        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
-        PTX=x.is_cuda,  # nor inline PTX or rounding modes
+        MAXNUM=compiled(x),  # Triton's interpreter has no NaN-ignoring maximum
+        PTX=compiled(x),  # nor inline PTX or rounding modes
         EVEN=(m // NVFP4_BLOCK) % tile["NB"] == 0 and k % tile["BK"] == 0,
         **tile,
         **COMPILE_OPTIONS,
@@ -349,7 +349,7 @@ def _nvfp4_row_words(x, src, amax, seed, data, scale, options: NVFP4Options, per
         **_nvfp4_flags(x, options),
         BLOCK_2D=options.block_2d,
         SR=options.sr,
-        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        MAXNUM=compiled(x),  # Triton's interpreter has no NaN-ignoring maximum
         PER_ROW=per_row,
         **tile,
         **COMPILE_OPTIONS,
@@ -372,7 +372,7 @@ def _nvfp4_col_words(x, amax, data, scale, options: NVFP4Options, per_row=False)
         scale,
         **_nvfp4_flags(x, options),
         BLOCK_2D=options.block_2d,
-        MAXNUM=x.is_cuda,  # Triton's interpreter has no NaN-ignoring maximum
+        MAXNUM=compiled(x),  # Triton's interpreter has no NaN-ignoring maximum
         PER_ROW=per_row,
         **tile,
         **COMPILE_OPTIONS,
