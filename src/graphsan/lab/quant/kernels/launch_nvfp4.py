@@ -178,16 +178,12 @@ def nvfp4_quantize_grouped_both(
 def _group_amax(x, groups, num_groups, amax):
     """Each group's max |x| (NaN ignored) into amax[group] (zeroed, [num_groups + 1])."""
     m, k = x.shape
-    bits = x.dtype == torch.bfloat16
+    source, bits = _bits_source(x)
     tile = GROUP_AMAX_TILE
     iters = max(1, min(tile["ITERS"], triton.cdiv(k, tile["BC"])))
     grid = (triton.cdiv(m, tile["BR"]), triton.cdiv(k, tile["BC"] * iters))
     group_amax_kernel[grid](
-        x.view(torch.int16) if bits else x,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
+        *source,
         groups,
         amax,
         num_groups,
@@ -197,6 +193,20 @@ def _group_amax(x, groups, num_groups, amax):
         ITERS=iters,
         num_warps=tile["num_warps"],
     )
+
+
+def _bits_source(x):
+    """x [M, K] as the kernels that widen bf16 by a shift read it, (bf16 as int16 bits, M, K, the
+    two strides), and their BF16_BITS flag: one convention for the group amax and both column
+    passes."""
+    bits = x.dtype == torch.bfloat16
+    return (x.view(torch.int16) if bits else x, *x.shape, *x.stride()), bits
+
+
+def _col_flags(x, grouped, even) -> dict:
+    """The constexprs both passes of `nvfp4_col.py` take alike: per-group amaxes, and the GPU's
+    NaN-ignoring maximum and inline PTX where compiled (Triton's interpreter has neither)."""
+    return {"GROUPED": grouped is not None, "MAXNUM": compiled(x), "PTX": compiled(x), "EVEN": even}
 
 
 def _nvfp4_col_fused(x, options: NVFP4Options, amax, grouped=None, fill=None):
@@ -225,27 +235,21 @@ def _col_amax_pass(x, amax, pre_amax, grouped=None):
     """`nvfp4_col_amax_kernel`: the post-RHT amax into `amax` and, where `pre_amax` is given,
     the plain max |x| into it, both from one read (zeroed buffers, per group with `grouped`)."""
     m, k = x.shape
-    bits = x.dtype == torch.bfloat16
+    source, bits = _bits_source(x)
     groups, count = grouped if grouped is not None else (amax, 0)
     tile = dict(NVFP4_COL_AMAX_TILE)
     rows = m // NVFP4_BLOCK  # block rows
     tile["ITERS"] = max(1, min(tile.get("ITERS", 1), rows // tile["NB"]))
     grid = (triton.cdiv(rows, tile["NB"] * tile["ITERS"]), triton.cdiv(k, tile["BK"]))
+    even = rows % (tile["NB"] * tile["ITERS"]) == 0 and k % tile["BK"] == 0
     nvfp4_col_amax_kernel[grid](
-        x.view(torch.int16) if bits else x,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
+        *source,
         amax,
         pre_amax if pre_amax is not None else amax,
         groups,
         count,
         BF16_BITS=bits,
-        GROUPED=grouped is not None,
-        MAXNUM=compiled(x),  # Triton's interpreter has no NaN-ignoring maximum
-        PTX=compiled(x),  # nor inline PTX
-        EVEN=rows % (tile["NB"] * tile["ITERS"]) == 0 and k % tile["BK"] == 0,
+        **_col_flags(x, grouped, even),
         PRE_AMAX=pre_amax is not None,
         **tile,
         **COMPILE_OPTIONS,
@@ -261,15 +265,12 @@ def _col_fused_launch(x, options: NVFP4Options, amax, seed, data, scale, grouped
     """One launch of the quantize pass, `nvfp4_col_fused_kernel` (amax: the global amax buffer,
     or with `grouped` each row's; seed: the SR seed buffer)."""
     m, k = x.shape
-    bits = x.dtype == torch.bfloat16
+    source, bits = _bits_source(x)
     tile = NVFP4_COL_FUSED_TILE
     grid = (triton.cdiv(m // NVFP4_BLOCK, tile["NB"]), triton.cdiv(k, tile["BK"]))
+    even = (m // NVFP4_BLOCK) % tile["NB"] == 0 and k % tile["BK"] == 0
     nvfp4_col_fused_kernel[grid](
-        x.view(torch.int16) if bits else x,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
+        *source,
         amax,
         seed,
         data.view(torch.int64),
@@ -278,10 +279,7 @@ def _col_fused_launch(x, options: NVFP4Options, amax, seed, data, scale, grouped
         RHT=options.rht,
         SR=options.sr,
         BF16_BITS=bits,
-        GROUPED=grouped is not None,
-        MAXNUM=compiled(x),  # Triton's interpreter has no NaN-ignoring maximum
-        PTX=compiled(x),  # nor inline PTX or rounding modes
-        EVEN=(m // NVFP4_BLOCK) % tile["NB"] == 0 and k % tile["BK"] == 0,
+        **_col_flags(x, grouped, even),
         **tile,
         **COMPILE_OPTIONS,
     )
@@ -331,6 +329,13 @@ def _nvfp4_strided(x, src, axis, options: NVFP4Options, amax, rbits, data, scale
     )
 
 
+def _words_flags(x, options: NVFP4Options, per_row) -> dict:
+    """The constexprs both bf16-words kernels take alike (the row kernel adds SR): the GPU's
+    NaN-ignoring maximum where compiled (Triton's interpreter has none), per-row amaxes."""
+    flags = _nvfp4_flags(x, options)
+    return {**flags, "BLOCK_2D": options.block_2d, "MAXNUM": compiled(x), "PER_ROW": per_row}
+
+
 def _nvfp4_row_words(x, src, amax, seed, data, scale, options: NVFP4Options, per_row=False):
     """src as int64 words [R, C/4], data written as int16 words (4 nibbles); SR bits from the
     int64 `seed` (Philox per block, in the kernel)."""
@@ -346,11 +351,8 @@ def _nvfp4_row_words(x, src, amax, seed, data, scale, options: NVFP4Options, per
         seed,
         data.view(torch.int16),
         scale,
-        **_nvfp4_flags(x, options),
-        BLOCK_2D=options.block_2d,
+        **_words_flags(x, options, per_row),
         SR=options.sr,
-        MAXNUM=compiled(x),  # Triton's interpreter has no NaN-ignoring maximum
-        PER_ROW=per_row,
         **tile,
         **COMPILE_OPTIONS,
     )
@@ -370,10 +372,7 @@ def _nvfp4_col_words(x, amax, data, scale, options: NVFP4Options, per_row=False)
         amax,
         data.view(torch.int64),
         scale,
-        **_nvfp4_flags(x, options),
-        BLOCK_2D=options.block_2d,
-        MAXNUM=compiled(x),  # Triton's interpreter has no NaN-ignoring maximum
-        PER_ROW=per_row,
+        **_words_flags(x, options, per_row),
         **tile,
         **COMPILE_OPTIONS,
     )

@@ -59,6 +59,24 @@ def _fp8_hw_bits(s, MBITS: tl.constexpr):
 
 
 @triton.jit
+def _fp8_byte(
+    s,
+    MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    SUB: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """FP8 bytes of s by the hardware conversion where HW_FP8 (the caller ORs the source's sign
+    in: `_fp8_hw_bits`), else by bit fields, so every MXFP8 kernel picks its path one way."""
+    if HW_FP8:
+        byte = _fp8_hw_bits(s, MBITS)
+    else:
+        byte, _ = fp8_bytes(s, MAX, MBITS, EMIN, SUB)
+    return byte
+
+
+@triton.jit
 def _bf16_signs(w):
     """The sign bits of the four bf16 of 64-bit words w (bits 15, 31, 47, 63) moved to bits 7, 15,
     23, 31 of an int32: the sign bits of the four FP8 bytes packed the same way."""
@@ -90,10 +108,7 @@ def _fp8_word(
     hardware converts them in pairs; it gives 0x7F for every NaN and keeps every other sign, so
     the sources' sign bits (`signs`, from `_bf16_signs`) are ORed in afterwards."""
     s = tl.join(tl.join(x0 * f0, x2 * f2), tl.join(x1 * f1, x3 * f3))
-    if HW_FP8:
-        byte = _fp8_hw_bits(s, MBITS)
-    else:
-        byte, _ = fp8_bytes(s, MAX, MBITS, EMIN, SUB)
+    byte = _fp8_byte(s, MAX, MBITS, EMIN, SUB, HW_FP8)
     byte = tl.reshape(byte, x0.shape + (4,)).to(tl.int32)
     word = tl.sum(byte << (tl.arange(0, 4) * 8), axis=len(x0.shape))
     if HW_FP8:
@@ -150,10 +165,9 @@ def mxfp8_strided_kernel(
     if DO_COL:
         e = _e8m0_round_up(tl.max(tl.max(a, axis=2), axis=1) * INV_MAX)
         s = x * _exp2_neg_biased(e)[:, None, None, :]
+        byte = _fp8_byte(s, MAX, MBITS, EMIN, SUB, HW_FP8)
         if HW_FP8:
-            byte = _fp8_hw_bits(s, MBITS) | sign
-        else:
-            byte, _ = fp8_bytes(s, MAX, MBITS, EMIN, SUB)
+            byte |= sign
         tl.store(col_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
         sr = pid_m * NB + tl.arange(0, NB)
         smask = (sr[:, None] < M // 32) & (offs_n[None, :] < K)
@@ -162,10 +176,9 @@ def mxfp8_strided_kernel(
         e = _e8m0_round_up(tl.max(tl.reshape(a, (NB, SPLIT, RS, BN // 32, 32)), axis=4) * INV_MAX)
         s = tl.reshape(x, (NB, SPLIT, RS, BN // 32, 32)) * _exp2_neg_biased(e)[:, :, :, :, None]
         s = tl.reshape(s, (NB, SPLIT, RS, BN))
+        byte = _fp8_byte(s, MAX, MBITS, EMIN, SUB, HW_FP8)
         if HW_FP8:
-            byte = _fp8_hw_bits(s, MBITS) | sign
-        else:
-            byte, _ = fp8_bytes(s, MAX, MBITS, EMIN, SUB)
+            byte |= sign
         tl.store(row_data_ptr + out_offs, byte.to(tl.uint8), mask=mask)
         sc = (pid_n * (BN // 32) + tl.arange(0, BN // 32))[None, None, None, :]
         smask = (offs_m < M) & (sc < K // 32)

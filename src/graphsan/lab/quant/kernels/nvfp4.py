@@ -98,6 +98,19 @@ def _e2m1_code(m):
 
 
 @triton.jit
+def _e2m1_clamp(v, MAXNUM: tl.constexpr):
+    """min(|v|, 6), NaN -> 6: the magnitude the SR code and both field encoders start from, one
+    helper so the three clamp NaN alike (MAXNUM, compiled kernels: the NaN-ignoring
+    `tl.minimum` alone; else a select for NaN)."""
+    m = tl.abs(v)
+    if MAXNUM:
+        m = tl.minimum(m, E2M1_MAX)
+    else:
+        m = tl.where(m != m, E2M1_MAX, tl.minimum(m, E2M1_MAX))
+    return m
+
+
+@triton.jit
 def _e2m1_sr_code(v, r, J: tl.constexpr = 0, MAXNUM: tl.constexpr = False):
     """E2M1 magnitude code (int32, 0-7) of float32 v stochastically rounded with the 8 random
     bits in byte J of the 32-bit integers r: the reference's t = a + (r / 256) * step(a) for
@@ -108,13 +121,8 @@ def _e2m1_sr_code(v, r, J: tl.constexpr = 0, MAXNUM: tl.constexpr = False):
     mantissa holds the byte, minus 0.5, and 2 step(a) a's power of two clamped to [1, 4] (all
     exact, so t is the reference's); the code is 2 * (exponent - 127) + 2 + the mantissa's top
     bit for t >= 1, which is (bits >> 22) - 252, 1 on [0.5, 1) where (bits >> 23) - 125 is 1, 0
-    below. MAXNUM (compiled kernels): `tl.minimum` returns the non-NaN operand, so NaN becomes 6
-    without a select."""
-    m = tl.abs(v)
-    if MAXNUM:
-        m = tl.minimum(m, E2M1_MAX)
-    else:
-        m = tl.where(m != m, E2M1_MAX, tl.minimum(m, E2M1_MAX))
+    below. MAXNUM (compiled kernels): NaN becomes 6 without a select (`_e2m1_clamp`)."""
+    m = _e2m1_clamp(v, MAXNUM)
     r = r.to(tl.int32)
     if J < 2:
         b = r << (15 - 8 * J)
@@ -142,7 +150,7 @@ def _e2m1_sr_field(v, r, J: tl.constexpr):
       g >= 0.75 exactly when t >= 0.5 and g >= 1 when t >= 1) has the code in the same bits;
     - each of the two is at most the code where the other applies, and both are non-negative
       floats' bits, so their maximum is the answer."""
-    a = tl.minimum(tl.abs(v), E2M1_MAX)
+    a = _e2m1_clamp(v, True)
     # byte J alone in byte 2: one byte permute (the selector's 4s are zero bytes)
     k16 = tl.inline_asm_elementwise(
         f"prmt.b32 $0, $1, 0, {0x4044 + 0x100 * J};",
@@ -173,11 +181,7 @@ def _e2m1_rne_field(v, MAXNUM: tl.constexpr = False):
     multiple (the even code), and fma(that, 1/2, 1/2 - 2^21) = 1/2 + (the rounded a) / 2 is
     exact and has the code in the same bits. Each is at most the code where the other applies,
     so their maximum is the answer (a CPU test checks every boundary)."""
-    m = tl.abs(v)
-    if MAXNUM:
-        a = tl.minimum(m, E2M1_MAX)
-    else:
-        a = tl.where(m != m, E2M1_MAX, tl.minimum(m, E2M1_MAX))
+    a = _e2m1_clamp(v, MAXNUM)
     bits = a.to(tl.int32, bitcast=True)
     hi = bits + 0x1FFFFF + ((bits >> 22) & 1)
     lo = tl.fma(a + 4194304.0, 0.5, 0.5 - 2097152.0)
