@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine: the recurring checks named as arguments, each under its own time limit so
-# one slow part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes:
-#   call 1:  bash scripts/gpu_check.sh tests              (every GPU test, ~8 min;
-#            tests-parallel: the same in 6 workers)
-#            or the halves: sanitizer-tests (~1.5 min), lab-tests (~6.5 min)
-#   call 2:  bash scripts/gpu_check.sh faults             (1,000 fault-injection trials, <= 8 min;
-#            faults-snapshot: the same with GRAPHSAN_TRACELOG=0)
-#   call 3:  bash scripts/gpu_check.sh example repro bench scale
+# one slow part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes.
+# What a change to the sanitizer or the lab needs, in two calls:
+#   call 1:  TESTS_LIMIT=420 GPU_WORKERS=12 bash scripts/gpu_check.sh tests-parallel repro
+#            (every GPU test in 12 workers, ~5.5 min; the #3316 matrix, ~40 s)
+#   call 2:  bash scripts/gpu_check.sh faults bench      (1,000 fault-injection trials, <= 8 min;
+#            the replay-overhead bench, ~1 min)
+# Other parts: tests (every GPU test in one process, ~8 min), or its halves sanitizer-tests
+# (~1.5 min) and lab-tests (~6.5 min); faults-snapshot (the faults with GRAPHSAN_TRACELOG=0);
+# example, scale
 #   (selftest: `graphsan selftest` with its JSON and each program's argument bytes under $OUT)
 #   (tracker: the compiled allocator tracker's GPU tests; overhead: a profile of a graphed training
 #   step under graphsan and the bench without allocation stacks; ranks: issue 16 on two GPUs)
