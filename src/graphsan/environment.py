@@ -43,7 +43,7 @@ VARIABLES = (
     ),
 )
 # read only by graphsan's own tests
-TEST_VARIABLES = ("GRAPHSAN", "GRAPHSAN_CHROMIUM")
+TEST_VARIABLES = ("GRAPHSAN", "GRAPHSAN_CHROMIUM", "GRAPHSAN_ALSO_TRITON")
 
 
 def problems(environ: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
