@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -44,6 +45,25 @@ from functools import partial
 from pathlib import Path
 
 SM90 = "sm_90"
+
+
+def run_compiled(module: str, *args: str, triton_home: str = "") -> subprocess.CompletedProcess:
+    """`python -m module args` in its own process with the kernels compiled, not interpreted
+    (the CPU tests set TRITON_INTERPRET=1 for their own process), from the repository root;
+    `triton_home`: a folder holding another Triton to put first on the path."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    paths = [triton_home] if triton_home else []
+    paths += [str(root / "src"), str(root), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 class CompileFailed(Exception):

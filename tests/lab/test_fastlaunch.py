@@ -9,17 +9,14 @@ and misaligned inputs, byte for byte."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from graphsan.lab.quant import NVFP4Options
 from graphsan.lab.quant.kernels import fastlaunch
+from tests.lab.compile_kernels import run_compiled
 from tests.lab.kernel_checks import launchers
 
 
@@ -142,9 +139,6 @@ def test_compiled_launches_equal_tritons_on_aligned_and_misaligned_inputs(monkey
         assert torch.equal(bits(a), bits(b))
 
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 def test_the_installed_triton_is_a_checked_one():
     """The fast path runs only on the versions in CHECKED_TRITON; a newer (or older) Triton, as CI
     installs whatever is newest, falls back to Triton's own launch path, silently slower."""
@@ -198,16 +192,7 @@ def test_the_launch_convention_holds_on_the_installed_triton():
     own process: the kernels must not be interpreted). A Triton whose internals moved so that
     the stand-in driver cannot be installed fails here, naming the step."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.lab.launch_convention"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_compiled("tests.lab.launch_convention")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("launch convention:")]
     assert proc.returncode == 0 and lines and " ok on Triton " in lines[-1], (
         (lines[-1] if lines else "no verdict") + "\n" + proc.stderr[-3000:]

@@ -6,35 +6,16 @@ compute; this checks that the GPU can be given them at all."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
+from tests.lab.compile_kernels import run_compiled
 
 # A folder holding another Triton (`pip install --target`) to compile the kernels with too:
 # .ci/run puts there the oldest Triton fastlaunch is checked on, the GPU machine's, since a
 # kernel can compile on the newest Triton and not on that one.
 ALSO = "GRAPHSAN_ALSO_TRITON"
-
-
-def run_check(triton_home: str = "") -> tuple[int, list[str], str]:
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    paths = [triton_home] if triton_home else []
-    paths += [str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.lab.compile_kernels"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    return proc.returncode, proc.stdout.splitlines(), proc.stderr
 
 
 @pytest.mark.slow
@@ -49,7 +30,8 @@ def test_every_kernel_compiles_for_sm90_as_its_launcher_launches_it(which):
         found = sorted(Path(home).glob("triton-*.dist-info"))
         assert found, f"{ALSO}={home}: expected a folder holding a Triton (pip install --target)"
         version = found[0].name.removesuffix(".dist-info").split("-", 1)[1]
-    rc, lines, stderr = run_check(home)
+    proc = run_compiled("tests.lab.compile_kernels", triton_home=home)
+    rc, lines, stderr = proc.returncode, proc.stdout.splitlines(), proc.stderr
     verdict = [line for line in lines if line.startswith("kernels compile:")]
     assert rc == 0 and verdict and f" ok on Triton {version} " in verdict[-1], (
         (verdict[-1] if verdict else "no verdict") + "\n" + stderr[-3000:]
