@@ -2,7 +2,9 @@
 
 `mxfp8.quantize` and `nvfp4.quantize` use them for CUDA tensors when Triton is importable and
 GRAPHSAN_NO_TRITON does not turn them off; the torch reference stays the fallback and the oracle,
-and the tests compare the two byte for byte (compiled on the GPU, in Triton's interpreter on CPU).
+and the tests compare the two byte for byte (compiled on the GPU, in Triton's interpreter on CPU),
+and compile every kernel for sm_90 on CPU with the flags its launcher passes on a GPU
+(`launch_common.compiled` is where the launchers tell the two apart).
 
     kernels/__init__.py   this switch: `available()`, `launcher(x, name)`; imports no Triton
     kernels/launch_mxfp8.py, launch_nvfp4.py, launch_gemm.py
