@@ -206,7 +206,8 @@ def _bits_source(x):
 def _col_flags(x, grouped, even) -> dict:
     """The constexprs both passes of `nvfp4_col.py` take alike: per-group amaxes, and the GPU's
     NaN-ignoring maximum and inline PTX where compiled (Triton's interpreter has neither)."""
-    return {"GROUPED": grouped is not None, "MAXNUM": compiled(x), "PTX": compiled(x), "EVEN": even}
+    gpu = compiled(x)
+    return {"GROUPED": grouped is not None, "MAXNUM": gpu, "PTX": gpu, "EVEN": even}
 
 
 def _nvfp4_col_fused(x, options: NVFP4Options, amax, grouped=None, fill=None):
