@@ -15,6 +15,7 @@ DENSE_SCOPES = ("attn", "mamba")
 # iterations: 1-3 eager warm-up, 4 capture, validation + save + GC at 5, first backward after it
 # at 6, and one more step to see whether training goes on
 WARMUP, EVAL_AT, ITERS = 3, 5, 7
+AFTER_EVAL = EVAL_AT + 1  # the first iteration after validation
 # A relative loss gap to the eager run above this, after validation, counts as corruption: graphed
 # and eager runs never agree bit for bit (docs/te-3316.md, "The matrix").
 LOSS_RTOL = 1e-2
@@ -73,7 +74,7 @@ class Case:
     # the step's microbatch order, and the graphs' capture order where it differs from it
     schedule: Schedule = Schedule.SEQUENTIAL
     captured_in: Schedule | None = None
-    fails_from: int = EVAL_AT + 1  # an expected failure comes in this iteration or later
+    fails_from: int = AFTER_EVAL  # an expected failure comes in this iteration or later
     finding_kinds: frozenset[str] = frozenset()  # the first finding is one of these kinds
     reuse_buffers: bool = False  # TE's _reuse_graph_input_output_buffers (train/graphs.py)
 

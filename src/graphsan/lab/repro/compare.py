@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from graphsan.lab.repro.cases import EVAL_AT, ITERS, LOSS_RTOL, Case, Outcome
+from graphsan.lab.repro.cases import AFTER_EVAL, EVAL_AT, ITERS, LOSS_RTOL, Case, Outcome
 from graphsan.lab.repro.result import CaseResult
 
 
@@ -21,10 +21,10 @@ class Comparison:
     rel_diff: tuple[float, ...] = ()
     before: float | None = None
     after: float | None = None
-    split: int = EVAL_AT + 1
+    split: int = AFTER_EVAL
 
 
-def compare(res: CaseResult, ref: CaseResult, split: int = EVAL_AT + 1) -> Comparison:
+def compare(res: CaseResult, ref: CaseResult, split: int = AFTER_EVAL) -> Comparison:
     """Per-iteration loss against the eager run, over the iterations both have (a case that
     stopped on a NaN loss has fewer), split at iteration `split`; where the losses part by more
     than LOSS_RTOL, the words name the first such iteration and both losses."""
@@ -32,16 +32,15 @@ def compare(res: CaseResult, ref: CaseResult, split: int = EVAL_AT + 1) -> Compa
     if len(b) < ITERS or not all(math.isfinite(y) for y in b):
         return Comparison(f"inconclusive: the eager reference {ref.outcome or 'gave no losses'}")
     n = min(len(a), len(b))
+    up_to, after_words, from_on = _span_words(split)
     if n < split:
-        return Comparison(f"no losses {_from_words(split)} to compare", split=split)
+        return Comparison(f"no losses {from_on} to compare", split=split)
     rel = tuple(
         abs(x - y) / max(abs(y), 1e-12) if math.isfinite(x) else math.inf
         for x, y in zip(a[:n], b[:n], strict=True)
     )
     before, after = max(rel[: split - 1], default=0.0), max(rel[split - 1 :])
-    up_to = "validation" if split == EVAL_AT + 1 else f"iteration {split - 1}"
-    after_words = "after" if split == EVAL_AT + 1 else f"from iteration {split}"
-    text = f"loss vs eager: max rel diff {before:.1e} up to {up_to}, {after:.1e} {after_words}"
+    text = f"loss vs eager: max rel diff {before:.1e} {up_to}, {after:.1e} {after_words}"
     off = next((i for i, d in enumerate(rel) if d > LOSS_RTOL), None)
     if off is not None:
         text += f"; first off by more than {LOSS_RTOL:g} at iteration {off + 1}: "
@@ -49,11 +48,14 @@ def compare(res: CaseResult, ref: CaseResult, split: int = EVAL_AT + 1) -> Compa
     return Comparison(text, rel, before, after, split)
 
 
-def _from_words(split: int) -> str:
-    return "after validation" if split == EVAL_AT + 1 else f"from iteration {split}"
+def _span_words(split: int) -> tuple[str, str, str]:
+    """A split in words: up to it, after it beside that, and after it alone."""
+    if split == AFTER_EVAL:
+        return "up to validation", "after", "after validation"
+    return f"up to iteration {split - 1}", f"from iteration {split}", f"from iteration {split}"
 
 
-def add_comparison(res: CaseResult, ref: CaseResult, split: int = EVAL_AT + 1) -> CaseResult:
+def add_comparison(res: CaseResult, ref: CaseResult, split: int = AFTER_EVAL) -> CaseResult:
     """`res` compared with the eager reference (split at iteration `split`, see `compare`);
     losses off by more than LOSS_RTOL from the split on turn a run that trained through into
     silent corruption."""
@@ -84,7 +86,7 @@ def judge(case: Case, res: CaseResult) -> str:
         return f"expected {expected}"
     it = res.iteration
     if kind is not Outcome.TRAINED_THROUGH and it is not None and it < case.fails_from:
-        if case.fails_from == EVAL_AT + 1:
+        if case.fails_from == AFTER_EVAL:
             return f"ended in iteration {it}; expected after validation (iteration {EVAL_AT})"
         return f"ended in iteration {it}; expected from iteration {case.fails_from}"
     if case.finding_freed_in and f"in {case.finding_freed_in}" not in res.finding:

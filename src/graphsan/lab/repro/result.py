@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from graphsan.lab.repro.cases import EVAL_AT, Outcome
+from graphsan.lab.repro.cases import AFTER_EVAL, Outcome
 
 
 class ResultError(ValueError):
@@ -299,7 +299,7 @@ class CaseResult(_Checked):
         if isinstance(data, Mapping) and _EARLIER_NAMES.keys() & data.keys():
             data = {_EARLIER_NAMES.get(k, k): v for k, v in data.items()}
             if data.get("rel_diff_after") is not None:
-                data.setdefault("compared_from", _AFTER_VALIDATION)
+                data.setdefault("compared_from", AFTER_EVAL)
         return cls(**_read(cls, cls._READERS, data, ""))
 
 
@@ -308,4 +308,3 @@ _EARLIER_NAMES = {
     "rel_diff_before_eval": "rel_diff_before",
     "rel_diff_after_eval": "rel_diff_after",
 }
-_AFTER_VALIDATION = EVAL_AT + 1
