@@ -116,6 +116,13 @@ def _source(shape, dtype):
     return torch.randn(m, k).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
+def _two_groups(rows: int):
+    """Each row's group, int64: the first half of the rows in group 0, the rest in group 1."""
+    import torch
+
+    return (torch.arange(rows) >= rows // 2).to(torch.int64)
+
+
 def _nvfp4_options() -> dict:
     import torch
 
@@ -181,10 +188,7 @@ def _nvfp4_launches(full: bool):
         full, EVEN_NV, RAGGED_NV, tuple(options), lean
     ):
         x = _source(shape, dtype)
-        half = shape[0] // 2
-        groups = torch.cat(
-            [torch.zeros(half, dtype=torch.int64), torch.ones(half, dtype=torch.int64)]
-        )
+        groups = _two_groups(shape[0])
         for name in names:
             opt = options[name]
             tag = f"nvfp4 {name} {dtype} {shape}"
@@ -243,8 +247,7 @@ def _gemm_launches(full: bool):
             partial(lg.quantized_mm, a, b, False, True, alpha, acc),
         )
     c, one = torch.randn(m, n), torch.ones(())
-    half = torch.zeros(m // 2, dtype=torch.int64)
-    rows, per_group = RowGroups(torch.cat([half, half + 1]), 2), torch.ones(2)
+    rows, per_group = RowGroups(_two_groups(m), 2), torch.ones(2)
     offsets = torch.tensor([m // 2, m], dtype=torch.int32)
     grouped_c = c.view(2, m // 2, n)
     for mode in (0, 1, 2):
