@@ -2,8 +2,9 @@
 # On the GPU machine: the recurring checks named as arguments, each under its own time limit so
 # one slow part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes.
 # What a change to the sanitizer or the lab needs, in two calls:
-#   call 1:  TESTS_LIMIT=420 GPU_WORKERS=12 bash scripts/gpu_check.sh tests-parallel repro
-#            (every GPU test in 12 workers, ~5.5 min; the #3316 matrix, ~40 s)
+#   call 1:  GPU_WORKERS=12 bash scripts/gpu_check.sh tests-parallel repro
+#            (every GPU test in 12 workers, the `slow` ones first, within TESTS_LIMIT, 480 s
+#            by default; the #3316 matrix, ~40 s)
 #   call 2:  bash scripts/gpu_check.sh faults bench      (1,000 fault-injection trials, <= 8 min;
 #            the replay-overhead bench, ~1 min)
 # Other parts: tests (every GPU test in one process, ~8 min), or its halves sanitizer-tests
@@ -31,7 +32,7 @@ for part in ${*:-tests}; do
     tests-parallel)  # every GPU test in 6 workers (pytest-xdist, in the GPU image); a failure is
       # run again alone, so that a test that only fails beside others shows as such
       # (-v names each test as it ends, so a run cut short by its limit still says what failed)
-      timeout "${TESTS_LIMIT:-420}" python3 -m pytest -v -m gpu tests -n "${GPU_WORKERS:-6}" -rfE \
+      timeout "${TESTS_LIMIT:-480}" python3 -m pytest -v -m gpu tests -n "${GPU_WORKERS:-6}" -rfE \
         --durations=15 --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/tests-parallel.log" | tail -40
       if grep -qE "[0-9]+ (failed|error)" "$OUT/tests-parallel.log"; then
         timeout 240 python3 -m pytest -q -m gpu tests --lf --lfnf=none -rfE 2>&1 | tee "$OUT/tests-rerun.log" | tail -15

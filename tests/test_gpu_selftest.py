@@ -31,6 +31,7 @@ def selftest(tmp_path, *args: str, env: dict | None = None) -> tuple[int, dict, 
     return proc.returncode, json.loads(out.read_text()) if out.exists() else {}, log
 
 
+@pytest.mark.slow
 def test_selftest_is_quiet_on_every_correct_program_and_catches_every_twin(tmp_path):
     rc, data, log = selftest(tmp_path)
     assert rc == 0, log[-6000:]
@@ -43,6 +44,7 @@ def test_selftest_is_quiet_on_every_correct_program_and_catches_every_twin(tmp_p
     assert all(r["graphs"] for r in runs if r["verdict"] != "skipped")
 
 
+@pytest.mark.slow
 def test_selftest_under_the_cuda_malloc_async_backend(tmp_path):
     """The driver watch: correct programs quiet, their twins stopped, under the allocator that
     gives graphsan no block map and no free events."""
