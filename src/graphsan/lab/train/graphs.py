@@ -276,7 +276,7 @@ def capture(
 
     # No automatic garbage collection while capturing: a collection inside a capture can destroy
     # an unreachable CUDA graph of an earlier run, which a capturing stream forbids (it
-    # invalidates the capture; docs/te-3316.md, "Notes from the H200 runs").
+    # invalidates the capture; docs/te-3316.md, "What the lab does on the GPU, and why").
     gc.collect()
     # under torch.distributed, NCCL's watchdog thread polls events while we capture; a global
     # capture mode would count its calls as illegal inside our capture
