@@ -8,6 +8,7 @@ import gc
 import importlib.util
 import random
 import re
+import sys
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,16 +19,18 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "bench_faults", ROOT / "bench" / "bench_faults.py"
-    )
+def _load(name: str):
+    """A bench script as a module; registered by name, so that the next one can import it as
+    it does when run from bench/."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
-bf = _load()
+fi = _load("fault_injection")
+bf = _load("bench_faults")
 MGC_KINDS = ("mgc-data-rebind", "mgc-input-rebind")
 
 
@@ -45,7 +48,7 @@ class Holder:
 
 def _blocks(holder=None):
     torch.manual_seed(0)
-    return bf.GraphedBlocks(
+    return fi.GraphedBlocks(
         torch, device="cpu", make_graphed=holder or Holder(), blocks=2, hidden=8, tokens=4
     )
 
@@ -101,7 +104,7 @@ def test_every_kind_is_described_in_the_docstring_and_in_coverage_md():
     for kind in bf.KINDS[1:]:
         assert re.search(rf"^ +{kind}\b|^ +internal-driver / {kind}", bf.__doc__, re.M), kind
         assert kind in described, f"docs/coverage.md describes no {kind}"
-    assert set(bf.MGC_FAULTS) == set(MGC_KINDS) and set(MGC_KINDS) <= set(bf.KINDS)
+    assert set(fi.MGC_FAULTS) == set(MGC_KINDS) and set(MGC_KINDS) <= set(bf.KINDS)
 
 
 # ---- the make_graphed_callables side model ----
@@ -175,15 +178,36 @@ def test_input_rebind_without_a_held_sample_is_a_harness_error():
 @pytest.mark.parametrize("kind", MGC_KINDS)
 def test_the_injector_sends_each_make_graphed_callables_fault_to_the_side_model(kind):
     holder = Holder()
-    inj = bf.Injector({"seed": 5, "kind": kind, "step": 2}, torch, gather=None)
+    inj = fi.Injector({"seed": 5, "kind": kind, "step": 2}, torch, gather=None)
     inj.side = SimpleNamespace(mgc=_blocks(holder))
     inj.inject(kind)
     assert inj.injected.startswith(kind + " ") or inj.injected.startswith(kind + ":")
 
 
 def test_the_injector_refuses_a_kind_it_does_not_know():
-    inj = bf.Injector({"seed": 5, "kind": "control", "step": 2}, torch, gather=None)
+    inj = fi.Injector({"seed": 5, "kind": "control", "step": 2}, torch, gather=None)
     with pytest.raises(ValueError, match="unknown fault kind 'mgc-nope'"):
         inj.inject("mgc-nope")
     inj.inject("internal-node")  # patched for the whole trial; nothing to do at the step
     assert inj.injected is None
+
+
+@pytest.mark.parametrize("kind", ["internal-driver", "internal-node"])
+def test_an_internal_fault_breaks_graphsans_walk_until_restored(kind):
+    from graphsan.cuda import driver, graphwalk
+
+    before = (driver.walk, graphwalk.GraphWalk.walk, driver._read_kernel, graphwalk.parse)
+    patched = fi.patch_internal(kind)
+    after = (driver.walk, graphwalk.GraphWalk.walk, driver._read_kernel, graphwalk.parse)
+    changed = [a is not b for a, b in zip(before, after, strict=True)]
+    assert changed == (
+        [True, True, False, False] if kind == "internal-driver" else [False, False, True, True]
+    )
+    if kind == "internal-driver":
+        with pytest.raises(RuntimeError, match="injected: cuGraphGetNodes failed"):
+            driver.walk(0)
+    else:
+        assert graphwalk.parse(b"", None) == []  # an empty graph parses to no node, as before
+        assert driver._read_kernel(None, 3).name is None
+    patched.restore()
+    assert (driver.walk, graphwalk.GraphWalk.walk, driver._read_kernel, graphwalk.parse) == before
