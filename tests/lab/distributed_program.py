@@ -14,6 +14,7 @@ distributed_program.py optimizer OUT     the distributed optimizer against the a
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -129,16 +130,30 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
     )
 
 
+def _refuse_a_live_group_at_exit() -> None:
+    """A process that exits with its gloo group alive can abort in the interpreter's teardown
+    (gloo's threads still hold tensors), now and then and mostly under load; failing every time
+    it is left alive makes a path that forgets to destroy it show on the first run."""
+    if torch.distributed.is_initialized():
+        print("distributed_program: the process group is still alive at exit", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(3)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "optimizer":
-        optimizer_program(sys.argv[2])
-    elif sys.argv[1] == "--each":
+    atexit.register(_refuse_a_live_group_at_exit)
+    if sys.argv[1] in ("optimizer", "--each"):
         # one group for every run (each run's own would be made and destroyed in turn, and gloo
         # does not always connect a second time); each run makes its EP groups in it
         torch.distributed.init_process_group("gloo")
-        for name, cfg in json.loads(sys.argv[2]).items():
-            print(f"distributed_program: training {name}", file=sys.stderr, flush=True)
-            train_program(json.dumps(cfg), f"{sys.argv[3]}.{name}")
-        torch.distributed.destroy_process_group()
+        try:
+            if sys.argv[1] == "optimizer":
+                optimizer_program(sys.argv[2])
+            else:
+                for name, cfg in json.loads(sys.argv[2]).items():
+                    print(f"distributed_program: training {name}", file=sys.stderr, flush=True)
+                    train_program(json.dumps(cfg), f"{sys.argv[3]}.{name}")
+        finally:
+            torch.distributed.destroy_process_group()
     else:
         train_program(sys.argv[1], sys.argv[2])
