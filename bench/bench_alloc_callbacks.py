@@ -12,9 +12,10 @@ frees them. Times are this thread's CPU time less that of the same calls into a 
 does nothing, the median over `--rounds` rounds; the columns are us per call. Every variant runs
 once a round, so their ratio holds on a busy machine even where the times themselves move.
 
-`--against REV` loads that revision's allocator module from git (default: the last revision
-before the unrolled walk; a file path is read instead, for trees without git history) and
-measures it beside the current one; both must record the same sites. `--ideas` also times the other site walks considered, on the forward path.
+`--against REV` loads that revision's allocator module from git (a file path is read instead,
+for trees without git history) and measures it beside the current one; it must load beside the
+current package (a revision with today's module layout) and record the same sites. `--ideas` also times the
+other site walks considered (bench/alloc_site_walks.py), on the forward path.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import _thread
 import argparse
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -32,16 +32,24 @@ import types
 from collections.abc import Callable
 
 import torch
+from alloc_site_walks import (
+    OuterCache,
+    Sampled,
+    WalkOnly,
+    keyed_loop_aliases,
+    outer_cache_mistakes,
+    probe_then_unrolled,
+    walk_loop,
+)
 from torch._utils import CallbackRegistry
 
 from graphsan.context import Context
 from graphsan.core.tracker import Tracker, WatchedBlock
-from graphsan.cuda import allocator
+from graphsan.cuda import allocator, sites
 
 BASE = 0x7F00_0000_0000
 FAR = BASE + (1 << 40)  # a freed watched segment no benchmark pointer falls in
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEFORE = "8fa3886"  # the site walk keyed by code ids at every allocation
 
 
 def _raise(err: BaseException) -> None:
@@ -136,7 +144,13 @@ def load_revision(rev: str) -> types.ModuleType:
     else:
         src = _git_show(rev)
     mod = types.ModuleType(f"graphsan.cuda.allocator_{rev}")
-    exec(compile(src, f"<allocator.py at {rev}>", "exec"), mod.__dict__)
+    try:
+        exec(compile(src, f"<allocator.py at {rev}>", "exec"), mod.__dict__)
+    except ImportError as err:
+        raise SystemExit(
+            f"--against {rev}: its allocator.py does not load beside the current package ({err}); "
+            "expected a revision with the current module layout"
+        ) from None
     return mod
 
 
@@ -260,7 +274,7 @@ def check_same_sites(modules: dict[str, types.ModuleType], args) -> bool:
 
     _nest(args.depth, record)
     on_bare_thread(record)
-    sites = [w.sites for w in watches.values()]
+    sites = [w.sites.by_address for w in watches.values()]
     return all(
         s.keys() == sites[0].keys()
         and all(
@@ -273,166 +287,21 @@ def check_same_sites(modules: dict[str, types.ModuleType], args) -> bool:
     )
 
 
-# -- other walks (--ideas) ---------------------------------------------------------------------
-def walk_loop(frame, interned=None):
-    """The path as a plain loop builds it (interned later, as now)."""
-    path = []
-    f = frame
-    for _ in range(allocator.SITE_DEPTH):
-        if f is None:
-            break
-        path.append(f.f_code)
-        path.append(f.f_lasti)
-        f = f.f_back
-    return tuple(path)
-
-
-def keyed_loop_aliases(frame, interned):
-    """The keyed walk with its method lookups hoisted out of the loop."""
-    key = []
-    append = key.append
-    f = frame
-    for _ in range(allocator.SITE_DEPTH):
-        if f is None:
-            break
-        append(id(f.f_code))
-        append(f.f_lasti)
-        f = f.f_back
-    key = tuple(key)
-    site = interned.get(key)
-    if site is None:
-        site = interned[key] = walk_loop(frame)
-    return site
-
-
-def probe_then_unrolled(frame, interned):
-    """The unrolled walk without its per-frame end checks, after `sys._getframe` says the stack
-    is deep enough (its frame count includes this function and the callback's)."""
-    try:
-        sys._getframe(allocator.SITE_DEPTH + 1)
-    except ValueError:
-        return walk_loop(frame)
-    return _UNCHECKED(frame)
-
-
-def _unchecked(depth: int):
-    src = ["def walk(frame):", "    f0 = frame"]
-    src += [f"    f{i} = f{i - 1}.f_back" for i in range(1, depth)]
-    src.append("    return (" + ", ".join(f"f{i}.f_code, f{i}.f_lasti" for i in range(depth)) + ")")
-    namespace: dict = {}
-    exec("\n".join(src), namespace)
-    return namespace["walk"]
-
-
-_UNCHECKED = _unchecked(allocator.SITE_DEPTH)
-
-
-class OuterCache:
-    """Cache the outer part of the path by the identity of the frame `inner` frames down,
-    checked by its code and offset: cheaper, but not sound (a dead frame's address is reused by
-    the next frame object, whose callers may differ; a generator's caller changes)."""
-
-    def __init__(self, inner: int = 6) -> None:
-        self.inner = inner
-        self.cache: dict[int, tuple] = {}
-
-    def __call__(self, frame, interned):
-        path = []
-        f = frame
-        for _ in range(self.inner):
-            if f is None:
-                return tuple(path)
-            path += (f.f_code, f.f_lasti)
-            f = f.f_back
-        if f is None:
-            return tuple(path)
-        hit = self.cache.get(id(f))
-        if hit is not None and hit[0] is f.f_code and hit[1] == f.f_lasti:
-            rest = hit[2]
-        else:
-            rest = walk_loop(f)[: 2 * (allocator.SITE_DEPTH - self.inner)]
-            self.cache[id(f)] = (f.f_code, f.f_lasti, rest)
-        return tuple(path) + rest
-
-
-def _shared(fire, ptr, n=6):  # the frame the outer-part cache keys by, reached from two callers
-    if n:
-        return _shared(fire, ptr, n - 1)
-    return fire(ptr)
-
-
-def _caller_one(fire, ptr):
-    return _shared(fire, ptr)
-
-
-def _caller_two(fire, ptr):
-    return _caller_two_inner(fire, ptr)
-
-
-def _caller_two_inner(fire, ptr):
-    return _shared(fire, ptr)
-
-
-def outer_cache_mistakes(calls: int = 200) -> int:
-    """Allocations from two callers of one function, in random order: how many sites the
-    outer-part cache gets wrong."""
-    cache, wrong, rng = OuterCache(), 0, random.Random(0)
-    for i in range(calls):
-        got, want = [], []
-
-        def fire(ptr, got=got, want=want):
-            got.append(cache(sys._getframe(1), None))
-            want.append(walk_loop(sys._getframe(1)))
-
-        rng.choice((_caller_one, _caller_two))(fire, i)
-        wrong += got != want
-    return wrong
-
-
-class Sampled:
-    """Every n-th allocation gets a site (trades information: the others have none)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.count = 0
-
-    def __call__(self, frame, interned):
-        self.count += 1
-        if self.count % self.n:
-            return None
-        return allocator._walk(frame)
-
-
-class WalkOnly:
-    """An allocation callback that only records the site with `walk`."""
-
-    def __init__(self, walk: Callable) -> None:
-        self.walk = walk
-        self.tracker = Tracker()
-        self.sites: dict[int, tuple] = {}
-        self.interned: dict = {}
-
-    def _on_alloc(self, ptr: int) -> None:
-        self.sites[ptr] = self.walk(sys._getframe(1), self.interned)
-
-    def _on_free(self, ptr: int) -> None:
-        self.sites.pop(ptr, None)
-
-
+# -- other walks (--ideas; the walks are in alloc_site_walks.py) ------------------------------
 def ideas(old: types.ModuleType | None, args) -> None:
     watch = new_watch(allocator)
     walks: dict[str, Callable] = {}
     if old is not None:
         old_watch = new_watch(old)
-        walks["keyed loop, interned at once (before)"] = lambda f, _: old_watch._site(f)
+        walks[f"{args.against}'s walk, interned at once"] = lambda f, _: old_watch.sites.of_frame(f)
     walks["keyed loop, method lookups hoisted"] = keyed_loop_aliases
     walks["plain loop, interned later"] = walk_loop
-    walks["unrolled, interned at once"] = lambda f, _: watch._site(f)
-    walks["unrolled, interned later (now)"] = lambda f, _: allocator._walk(f)
+    walks["unrolled, interned at once"] = lambda f, _: watch.sites.of_frame(f)
+    walks["unrolled, interned later (now)"] = lambda f, _: sites.walk(f)
     walks["sys._getframe probe + unrolled"] = probe_then_unrolled
     walks["outer part cached by frame id (unsound)"] = OuterCache()
     walks["unrolled, 12 frames (less information)"] = (lambda walk: lambda f, _: walk(f))(
-        allocator._unrolled_walk(12)
+        sites._unrolled_walk(12)
     )
     walks["every 16th allocation (less information)"] = Sampled(16)
     variants: dict[str, object] = {"idle": Idle()}
@@ -451,8 +320,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--against",
-        help=f"git revision (or a copy of its allocator.py) to compare with, or 'none' "
-        f"(default: {BEFORE}, where git has it)",
+        help="git revision (or a copy of its allocator.py) to compare with (default: none)",
     )
     p.add_argument("--depth", type=int, default=32, help="frames above the call paths")
     p.add_argument("--batch", type=int, default=64, help="blocks allocated, then freed, a round")
@@ -464,12 +332,7 @@ def main() -> None:
             p.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
     modules: dict[str, types.ModuleType] = {}
     old = None
-    if args.against is None:
-        try:
-            old, args.against = load_revision(BEFORE), BEFORE
-        except SystemExit as err:
-            print(f"# no comparison: {err}", file=sys.stderr)
-    elif args.against != "none":
+    if args.against is not None:
         old = load_revision(args.against)
     if old is not None:
         modules[f"before ({args.against})"] = old
@@ -477,7 +340,7 @@ def main() -> None:
     print(
         f"# {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         f"Python {sys.version.split()[0]}, depth {args.depth}, batch {args.batch}, "
-        f"rounds {args.rounds}, INTERN_BATCH {allocator.INTERN_BATCH}"
+        f"rounds {args.rounds}, INTERN_BATCH {sites.INTERN_BATCH}"
     )
     if old is not None:
         same = check_same_sites(modules, args)
