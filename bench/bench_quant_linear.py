@@ -8,7 +8,7 @@ timed alone between two CUDA events, the median of the runs. Per quantized recip
 paths: "prepared" (the default on CUDA: each operand dequantized to bf16 by one Triton pass over
 its packed data, then cuBLAS), "fused GEMM" (`kernels.launch_gemm.FUSED_GEMM`: one Triton GEMM reads
 the packed operands), and "torch" (GRAPHSAN_NO_TRITON=1: the torch reference for quantization and
-dequantization, what the emulation cost before the kernels). Targets (issue 18): NVFP4 at most
+dequantization, what the emulation cost before the kernels). Targets: NVFP4 at most
 2.5x and MXFP8 at most 1.8x of nn.Linear. The grouped rows run GroupedQuantLinear with GROUPS
 equal experts of [size/2, size/2] weights over the same rows, against its own bf16 recipe.
 `--profile` then prints, per quantized recipe on the default path, where one step's device time

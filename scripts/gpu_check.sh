@@ -12,7 +12,7 @@
 # example, scale
 #   (selftest: `graphsan selftest` with its JSON and each program's argument bytes under $OUT)
 #   (tracker: the compiled allocator tracker's GPU tests; overhead: a profile of a graphed training
-#   step under graphsan and the bench without allocation stacks; ranks: issue 16 on two GPUs)
+#   step under graphsan and the bench without allocation stacks; ranks: the distributed lab on two GPUs)
 #   (quant: the Triton kernel tests and bench_quant; quantlinear: bench_quant_linear; train: bench_train; sweep: the kernels'
 #   launch parameters; rht: the RHT rows' tiles and Nsight Compute on them; scale: capture cost against live blocks, bench_capture_scale;
 #   capture-profile: a cProfile of one process of its scale run)
@@ -125,10 +125,10 @@ for part in ${*:-tests}; do
     tracker)  # the compiled tracker against real snapshots, and the sanitizer's GPU tests with
       # frees and allocation sites through its GPU-trace interpreter (waiting for its build)
       GRAPHSAN_TRACELOG=1 timeout 330 python3 -m pytest -q tests/test_gpu_allocview.py \
-        tests/test_gpu_compiled_trace.py tests/test_tracelog.py tests/test_gpu_sanitizer.py \
-        tests/test_gpu_pin.py tests/test_gpu_offset_calc.py \
+        tests/test_gpu_compiled_trace.py tests/test_tracelog.py tests/test_tracelog_compiled.py \
+        tests/test_gpu_sanitizer.py tests/test_gpu_pin.py tests/test_gpu_offset_calc.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/tracker.log" | tail -15 ;;
-    ranks)  # issue 16, on the nvidia-h200-x2 kind only: the distributed lab on two GPUs
+    ranks)  # on the nvidia-h200-x2 kind only: the distributed lab on two GPUs
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       timeout 200 python3 -m pytest -q -m gpu tests/lab/test_distributed.py tests/lab/test_repro_ranks.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/ranks-tests.log" | tail -8

@@ -1,6 +1,6 @@
-"""Issue 15 on real CUDA graphs (H200): replay order in a shared pool, pinned host memory,
-pointer tables, and graphsan disabling itself on internal errors. Each program runs in a
-subprocess, most with graphsan off (the corruption it prevents) and on."""
+"""Coverage beyond stale inputs on real CUDA graphs: replay order in a shared pool, pinned host
+memory, pointer tables, and graphsan disabling itself on internal errors. Each program runs in
+a subprocess, most with graphsan off (the corruption it prevents) and on."""
 
 from __future__ import annotations
 
