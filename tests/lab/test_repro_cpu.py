@@ -372,7 +372,13 @@ def test_a_kernel_assertion_is_a_device_side_assert_even_when_python_lost_the_me
         ' thread: [18,0,0] Assertion `idx_dim >= 0 && idx_dim < index_size && "scatter gather '
         'kernel index out of bounds"` failed.\n'
     )
-    assert logparse.result_of("", log, 1).outcome == "device-side assert"
+    named = logparse.result_of("", log, 1)
+    # the evidence is the kernel's assertion, not the hook's error on the line before it
+    assert (named.outcome, named.symptom) == (
+        "device-side assert",
+        "ScatterGatherKernel.cu:163: Assertion `idx_dim >= 0 && idx_dim < index_size && "
+        '"scatter gather kernel index out of bounds"` failed',
+    )
     assert logparse.result_of("", log.splitlines()[0], 1).outcome == "died (exit 1)"
 
 
@@ -385,10 +391,18 @@ def test_an_error_the_child_could_not_name_is_named_from_its_log():
         'bounds"` failed.\n'
     )
     named = logparse.result_of(json.dumps(res.to_json()), log, 0)
+    # the evidence: the kernel's assertion first, then what Python caught
     assert (named.outcome, named.iteration, named.symptom) == (
         "device-side assert",
         6,
-        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED",
+        'IndexKernel.cu:111: Assertion `-sizes[i] <= index && index < sizes[i] && "index out of '
+        'bounds"` failed; caught as: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED',
+    )
+    # an illegal access is named by its own line, wherever the log has it
+    fault = "noise\nCUDA error: an illegal memory access was encountered\nmore noise\n"
+    assert logparse.result_of(json.dumps(res.to_json()), fault, 0).symptom == (
+        "CUDA error: an illegal memory access was encountered; caught as: "
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED"
     )
     assert logparse.result_of(json.dumps(res.to_json()), "no kernel message", 0).outcome == "error"
     # PyTorch's advice under any CUDA error is not a kernel's assertion

@@ -10,7 +10,7 @@ from graphsan.lab.repro.result import CaseResult, ResultError
 
 # the progress line a child prints after each optimizer step
 PROGRESS = "ITERATION"
-_KERNEL_ASSERT = re.compile(r"\.cuh?:\d+: .*Assertion `.*` failed")
+_KERNEL_ASSERT = re.compile(r"([^/\s]+\.cuh?:\d+): .*(Assertion `.*` failed)")
 
 
 def progress_line(iteration: int, seconds: float) -> str:
@@ -28,6 +28,24 @@ def crash_kind(text: str) -> Outcome | None:
     if "device-side assert triggered" in text or _KERNEL_ASSERT.search(text):
         return Outcome.DEVICE_SIDE_ASSERT
     return None
+
+
+def crash_line(text: str) -> str:
+    """The line of `text` showing the crash `crash_kind` names: the illegal access's, else a
+    kernel's assertion as its file, line and condition (the block and thread left out), else
+    PyTorch's "device-side assert triggered"."""
+    lines = text.splitlines()
+    for line in lines:
+        if "illegal memory access" in line:
+            return line.strip()[:200]
+    for line in lines:
+        kernel = _KERNEL_ASSERT.search(line)
+        if kernel:
+            return f"{kernel.group(1)}: {kernel.group(2)}"[:200]
+    for line in lines:
+        if "device-side assert triggered" in line:
+            return line.strip()[:200]
+    return ""
 
 
 # the outcome of a child whose result file does not fit CaseResult (its symptom names the field)
@@ -53,7 +71,8 @@ def result_of(result: str, log: str, rc: int) -> CaseResult:
             problem = f"the child's result file: {err}"
         else:
             if res.outcome == "error" and crash is not None:
-                res = res.replace(outcome=crash.value)
+                caught = f"; caught as: {res.symptom}" if res.symptom else ""
+                res = res.replace(outcome=crash.value, symptom=crash_line(log) + caught)
             return res
     if crash is not None:
         outcome = crash.value
@@ -64,7 +83,8 @@ def result_of(result: str, log: str, rc: int) -> CaseResult:
     else:
         outcome = f"died (exit {rc})"
     lines = [ln for ln in log.strip().splitlines() if ln.strip()]
-    symptom = first_error_line(log) or (lines[-1][:200] if lines else "")
+    symptom = crash_line(log) if crash else first_error_line(log)
+    symptom = symptom or (lines[-1][:200] if lines else "")
     return CaseResult(
         outcome=outcome,
         iteration=last_logged_iteration(log),
