@@ -42,11 +42,16 @@ with open(out, "w") as fh:
 """
 
 
+def _script(path, text: str):
+    """`text` (a `#!` script) written to `path` and made executable."""
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
 @pytest.fixture
 def fake_cxx(tmp_path, monkeypatch):
-    path = tmp_path / "fake-c++"
-    path.write_text(FAKE_CXX.format(python=sys.executable))
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    path = _script(tmp_path / "fake-c++", FAKE_CXX.format(python=sys.executable))
     calls = tmp_path / "calls"
     calls.write_text("")
     monkeypatch.setenv("CXX", str(path))
@@ -251,9 +256,7 @@ def fake_python(tmp_path, monkeypatch):
     import json
     import time
 
-    path = tmp_path / "fake-python"
-    path.write_text(FAKE_PYTHON.format(python=sys.executable))
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    path = _script(tmp_path / "fake-python", FAKE_PYTHON.format(python=sys.executable))
     calls = tmp_path / "python-calls"
     monkeypatch.setenv("FAKE_PYTHON_CALLS", str(calls))
     monkeypatch.setattr(sys, "executable", str(path))
