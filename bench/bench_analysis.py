@@ -31,6 +31,7 @@ import ctypes
 import json
 import os
 import random
+import re
 import statistics
 import struct
 import subprocess
@@ -318,7 +319,9 @@ def parameter_reads(graphs: int, nodes: int) -> tuple[float, float] | None:
     return best(one_by_one), best(gathered)
 
 
-def run_child(src: str, args: argparse.Namespace, blocks: int) -> dict:
+def run_child(src: str, args: argparse.Namespace, blocks: int, rev: str = "") -> dict:
+    """One timed run in a fresh process with graphsan from `src` (`rev`: the revision it was
+    extracted from, for `--against`)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--n-blocks", str(blocks)]
@@ -330,7 +333,14 @@ def run_child(src: str, args: argparse.Namespace, blocks: int) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    raise SystemExit(f"the run at {blocks} blocks failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    out = (proc.stdout + proc.stderr).strip()
+    missing = re.search(r"^(ModuleNotFoundError|ImportError): .*$", out, re.MULTILINE)
+    if rev and missing:
+        raise SystemExit(
+            f"--against {rev}: graphsan at that revision lacks what the bench drives "
+            f"({missing.group(0)}); expected a revision with the current module layout"
+        )
+    raise SystemExit(f"the run at {blocks} blocks failed:\n{out[-3000:]}")
 
 
 def git(*argv: str) -> str:
@@ -363,7 +373,7 @@ def main() -> None:
         p.error("--graphs, --repeat and --eager must be at least 1, --nodes at least 3")
     head = git("rev-parse", "--short", "HEAD")
     dirty = " (with uncommitted changes)" if git("status", "--porcelain", "src") else ""
-    revs = [(f"{head}{dirty}", os.path.join(ROOT, "src"))]
+    revs = [(f"{head}{dirty}", os.path.join(ROOT, "src"), "")]
     tmp = None
     if args.against:
         try:
@@ -375,7 +385,7 @@ def main() -> None:
             ["git", "-C", ROOT, "archive", rev, "src"], capture_output=True, check=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", tmp.name], input=archive, check=True)
-        revs.insert(0, (rev, os.path.join(tmp.name, "src")))
+        revs.insert(0, (rev, os.path.join(tmp.name, "src"), rev))
     kind = "one expandable segment" if args.expandable else "2 MiB / 20 MiB segments"
     print(
         f"{args.graphs} graphs of {args.nodes} kernel nodes; live blocks in {kind}; "
@@ -388,8 +398,8 @@ def main() -> None:
     print("|---|---|---|" + "---|" * (len(STAGES) + 2))
     per_graph = None
     for blocks in counts:
-        for name, src in revs:
-            runs = [run_child(src, args, blocks) for _ in range(args.repeat)]
+        for name, src, rev in revs:
+            runs = [run_child(src, args, blocks, rev) for _ in range(args.repeat)]
             r = runs[0]  # each stage's best median of the runs (the machine may be shared)
             st = {s: min(x["stages_us"][s] for x in runs) for s in STAGES}
             r["seed_ms"] = min(x["seed_ms"] for x in runs)

@@ -1,5 +1,7 @@
-"""The CPU side of the cost benches: bad arguments are one line, the dispatch model and the
-compiled trace run."""
+"""The CPU side of the cost benches: bad arguments are one line; the dispatch model, the
+compiled trace, the allocation callbacks and the analysis stages run against the code as it is
+now (they reach into the hot paths, so a change there that a bench does not follow shows here,
+not on the next person to measure)."""
 
 from __future__ import annotations
 
@@ -99,3 +101,60 @@ def test_the_capture_scale_bench_takes_the_median_of_its_processes(monkeypatch):
     assert rows[0] == ("a", {"median_ms": 3.0, "stages_ms": {"walk": 30.0}, "findings": 0,
                              "disabled": None, "allocator_log": "tracker"})  # fmt: skip
     assert rows[1][1]["median_ms"] == 4.0
+
+
+ALLOC_CASES = (
+    "forward, depth+4 frames",
+    "optimizer foreach",
+    "worker thread (shallow)",
+    "forward, freed segments",
+    "forward, alloc_stacks=False",
+    "watched frees (their stack taken)",
+)
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    """A markdown table's rows by their first cell."""
+    cells = [ln.strip("| ").split(" | ") for ln in out.splitlines() if ln.startswith("| ")]
+    return {row[0]: row[1:] for row in cells}
+
+
+def test_the_allocation_callbacks_bench_runs_every_case_and_walk_against_a_copy():
+    """Compared with a copy of today's allocator module (a file, as in a tree without git
+    history): the same sites, a row per case with both variants and their ratios, then the
+    other walks."""
+    copy = os.path.join(ROOT, "src", "graphsan", "cuda", "allocator.py")
+    small = ("--rounds", "2", "--batch", "8", "--depth", "4")
+    proc = bench("bench_alloc_callbacks.py", *small, "--against", copy, "--ideas")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"sites the same as {copy}'s: yes" in proc.stdout
+    rows = _rows(proc.stdout)
+    for case in ALLOC_CASES:  # two variants' allocation and free, then the two ratios
+        assert len(rows[case]) == 6 and all(float(c) >= -1 for c in rows[case]), rows[case]
+    assert "unrolled, interned later (now)" in rows
+    assert f"{copy}'s walk, interned at once" in rows
+    assert "of 200 allocations from two callers got the wrong site" in proc.stdout
+
+
+def test_the_allocation_callbacks_bench_names_a_revision_it_cannot_read_in_one_line():
+    proc = bench("bench_alloc_callbacks.py", "--against", "no-such-revision")
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("--against no-such-revision: cannot read its allocator.py from git")
+
+
+@pytest.mark.slow
+def test_the_analysis_bench_times_every_stage_beside_a_revision():
+    proc = bench(
+        "bench_analysis.py", "--blocks", "500", "--graphs", "3", "--nodes", "5", "--repeat", "1",
+        "--against", "HEAD",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [
+        ln.strip("| ").split(" | ") for ln in proc.stdout.splitlines() if ln.startswith("| 500")
+    ]
+    assert len(rows) == 2, proc.stdout  # the revision's row, then the working tree's
+    for row in rows:  # seed ms, four stages, total: "us per node (us per graph)", empty drain
+        assert len(row) == 9 and all(float(c.split()[0]) >= 0 for c in row[2:]), row
+    assert "per graph: " in proc.stdout
