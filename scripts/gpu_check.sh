@@ -68,7 +68,7 @@ for part in ${*:-tests}; do
     bench)
       timeout 240 python3 bench/bench_sanitizer.py --layers 32 --steps 30 --rounds 2 --repeats 1 2>&1 | tee "$OUT/bench_sanitizer.log" | tail -10 ;;
     quant)
-      timeout 270 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py ${QUANT_K:+-k "$QUANT_K"} \
+      timeout 270 python3 -m pytest -q tests/lab/test_quant_triton_gpu.py tests/lab/test_quant_gemm_gpu.py ${QUANT_K:+-k "$QUANT_K"} \
         -p no:cacheprovider 2>&1 | tail -5
       timeout 220 python3 bench/bench_quant.py --iters 10 ${QUANT_SKIP_LINEAR:+--skip-linear} 2>&1 \
         | tee "$OUT/bench_quant.log" | grep -E "^\| (kernel|---|nvfp4|mxfp8)" ;;

@@ -1,5 +1,5 @@
 """What the quantize-kernel tests check, shared by the compiled kernels on the GPU
-(test_quant_triton_gpu.py) and Triton's interpreter on CPU (test_quant_triton_interpret.py).
+(test_quant_triton_gpu.py, test_quant_gemm_gpu.py) and Triton's interpreter on CPU (test_quant_triton_interpret.py).
 
 `tk` holds the launcher modules (`launchers()`: tk.mx, tk.nv and tk.gemm are
 `graphsan.lab.quant.kernels.launch_mxfp8`, `launch_nvfp4` and `launch_gemm`, tk.common their
@@ -27,6 +27,9 @@ NVFP4_KINDS = [(-1, False, False), (0, False, False), (-1, True, False), (0, Tru
 NVFP4_KINDS += [(0, False, True)]
 ROWWISE_KINDS = [kind for kind in NVFP4_KINDS if kind[0] != 0]
 
+# The FP8 conversions the kernels can use: the hardware one (sm_90 on) and bit fields.
+FP8_PATHS = ["hardware fp8", "bit fields"]
+
 
 @dataclass(frozen=True)
 class Launchers:
@@ -36,6 +39,15 @@ class Launchers:
     nv: ModuleType
     gemm: ModuleType
     common: ModuleType
+
+
+def use_fp8_path(tk, path, monkeypatch):
+    """Force the bit-field FP8 encoding (used before sm_90), or skip where the hardware one is not
+    used; MXFP8 elements and NVFP4 block scales take this path."""
+    if path == "bit fields":
+        monkeypatch.setattr(tk.common, "hw_fp8", lambda index: False)
+    elif not tk.common.hw_fp8(torch.cuda.current_device()):
+        pytest.skip("the hardware FP8 conversion is used from sm_90 on")
 
 
 def launchers() -> Launchers:

@@ -3,7 +3,7 @@ preparation byte-equal to the torch dequantization for every operand kind and ed
 packed-operand GEMM, for each GEMM of the quantized Linear, against dequantize-then-GEMM in
 float64, for MXFP8 (E4M3, and E5M2 gradients) and NVFP4 (2-D weights, RHT, SR); the operand
 layouts it leaves to the torch emulation. The compiled kernels are checked by
-test_quant_triton_gpu.py."""
+test_quant_gemm_gpu.py."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from tests.lab.kernel_checks import (
 pytestmark = [
     pytest.mark.skipif(
         torch.cuda.is_available(),
-        reason="this machine has CUDA: the compiled kernels are tested (test_quant_triton_gpu)",
+        reason="this machine has CUDA: the compiled kernels are tested (test_quant_gemm_gpu)",
     ),
     # an infinite element times its scale, on purpose; numpy says so
     pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning"),
