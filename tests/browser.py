@@ -22,6 +22,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import pytest
+
 _TRAMPOLINE = (
     "import os, sys; r, w = int(sys.argv[1]), int(sys.argv[2]); os.dup2(r, 3); os.dup2(w, 4); "
     "os.close(r); os.close(w); os.execv(sys.argv[3], sys.argv[3:])"
@@ -218,3 +220,29 @@ def _collect(ev: dict, page: Page) -> None:
             page.errors.append(f"log: {entry.get('text')} ({entry.get('url', '')})")
     elif method == "Network.requestWillBeSent":
         page.requests.append(params.get("request", {}).get("url", ""))
+
+
+# ----------------------------------------------------------------------------- for the page tests
+BROWSER = find_chromium()
+needs_browser = pytest.mark.skipif(
+    BROWSER is None,
+    reason="no Chromium found (apt-get install chromium, or set GRAPHSAN_CHROMIUM): "
+    "the pages were not opened in a browser",
+)
+
+
+def check_page(page, expect: list[str]) -> None:
+    """The page raised nothing, logged nothing, fetched nothing from the network, and shows
+    every text of `expect`."""
+    assert page.errors == [], page.errors
+    assert page.console == [], page.console
+    assert [u for u in page.requests if not u.startswith(("file://", "data:"))] == []
+    for text in expect:
+        assert text in page.text, f"{text!r} is not visible on the page"
+
+
+def screenshot_path(tmp_path, name: str) -> str:
+    """Where a test keeps a page's screenshot: $GRAPHSAN_SCREENSHOTS when set, else tmp_path."""
+    folder = os.environ.get("GRAPHSAN_SCREENSHOTS") or str(tmp_path)
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, name)

@@ -1,5 +1,5 @@
 """The report pages as a person sees them: the HTML report (one rank and several), the Chrome
-trace, the matrix page, reading older reports, and the CLI's path errors.
+trace, reading older reports, and the CLI's path errors (the matrix page: test_matrix_page.py).
 
 The browser tests open each page in headless Chromium (the Debian package), read the rendered
 text, fail on any console error or network request, and keep a full-page screenshot under
@@ -10,7 +10,6 @@ why.
 from __future__ import annotations
 
 import json
-import math
 import os
 from html import unescape
 
@@ -19,10 +18,9 @@ import pytest
 from graphsan.cli import main
 from graphsan.report import SCHEMA_VERSION, Finding, GraphInfo, Report, short_kernel
 from graphsan.report.pages import check_output
-from graphsan.report.pages.matrix import matrix_view, render_matrix
 from graphsan.report.pages.report_finding import kernel_signature
 from graphsan.report.pages.report_page import render_report, report_view
-from tests.browser import find_chromium, open_page
+from tests.browser import BROWSER, check_page, needs_browser, open_page, screenshot_path
 
 T0 = 1_780_000_000.0  # a fixed wall-clock start, so pages render the same every run
 
@@ -192,12 +190,6 @@ def save(tmp_path, report: Report, name: str) -> str:
     return path
 
 
-def screenshot_path(tmp_path, name: str) -> str:
-    folder = os.environ.get("GRAPHSAN_SCREENSHOTS") or str(tmp_path)
-    os.makedirs(folder, exist_ok=True)
-    return os.path.join(folder, name)
-
-
 # ----------------------------------------------------------------------------- schema v3
 def test_report_v3_round_trips_and_v2_still_loads(tmp_path):
     rep = rank_report(0)
@@ -310,102 +302,7 @@ def test_check_output_accepts_a_new_file(tmp_path):
     assert check_output(str(tmp_path / "new.html"), "--html").endswith("new.html")
 
 
-# ----------------------------------------------------------------------------- the matrix page
-def matrix_entries() -> list[dict]:
-    """Synthetic `graphsan repro --json` output: a crash, a stopped replay, silent corruption
-    against the eager reference, a fix that trains through, and a case with no losses."""
-    ref = [10.4, 9.8, 9.1, 8.7, 8.3, 8.0, 7.8]
-    ref_eval = [[5, 8.6]]
-
-    from graphsan.lab.repro import CASES
-
-    def case(n):
-        return CASES[n - 1].to_dict()  # as `graphsan repro --json` writes it
-
-    return [
-        {
-            "case": case(1),
-            "result": {
-                "outcome": "illegal memory access",
-                "iteration": 6,
-                "losses": [],
-                "symptom": "CUDA error: an illegal memory access was encountered",
-                "matched": True,
-                "wall_s": 41.0,
-            },
-        },
-        {
-            "case": case(4),
-            "result": {
-                "outcome": "StaleMemoryError",
-                "iteration": 6,
-                "losses": [],
-                "finding": f"unmapped: mamba bwd node 17 {short_kernel(GEMM)} param 0+40",
-                "matched": True,
-                "wall_s": 38.0,
-            },
-        },
-        {
-            "case": case(5),
-            "result": {
-                "outcome": "silent corruption",
-                "iteration": 6,
-                "losses": [10.4, 9.8, 9.1, 8.7, 8.3, 900.0, float("nan")],
-                "eval_losses": [[5, 8.6]],
-                "reference_losses": ref,
-                "reference_eval_losses": ref_eval,
-                "comparison": "loss vs eager: max rel diff 3.0e-04 up to validation, inf after",
-                "matched": True,
-                "wall_s": 44.0,
-            },
-        },
-        {
-            "case": case(6),
-            "result": {
-                "outcome": "trained through",
-                "iteration": None,
-                "losses": [10.4, 9.8, 9.1, 8.7, 8.3, 8.01, 7.79],
-                "eval_losses": [[5, 8.6]],
-                "reference_losses": ref,
-                "reference_eval_losses": ref_eval,
-                "matched": False,
-                "wall_s": 45.0,
-            },
-        },
-    ]
-
-
-def test_the_matrix_view_marks_validation_failure_and_nan():
-    view = matrix_view(matrix_entries())
-    crash, stopped, corrupt, fixed = view["plots"]
-    # no losses of their own (the process died, or the run stopped): the reference of the same
-    # recipe is drawn with the failing iteration
-    assert crash["case_line"] == [] and crash["has_ref"] and crash["failed"]["it"] == 6
-    assert not stopped["has_case"] and stopped["ref_line"]
-    assert corrupt["failed"]["it"] == 6 and [v["it"] for v in corrupt["validation"]] == [5]
-    assert len(corrupt["bad"]) == 1 and corrupt["log"]  # 900 next to 8: a log axis
-    assert fixed["failed"] is None and not fixed["log"] and len(fixed["ref_line"]) == 1
-    assert view["summary"] == {"cases": 4, "matched": 3, "unmatched": 1, "known": True}
-    assert math.isnan(matrix_entries()[2]["result"]["losses"][-1])
-
-
 # ----------------------------------------------------------------------------- in a browser
-BROWSER = find_chromium()
-needs_browser = pytest.mark.skipif(
-    BROWSER is None,
-    reason="no Chromium found (apt-get install chromium, or set GRAPHSAN_CHROMIUM): "
-    "the pages were not opened in a browser",
-)
-
-
-def _check_page(page, expect: list[str]) -> None:
-    assert page.errors == [], page.errors
-    assert page.console == [], page.console
-    assert [u for u in page.requests if not u.startswith(("file://", "data:"))] == []
-    for text in expect:
-        assert text in page.text, f"{text!r} is not visible on the page"
-
-
 @needs_browser
 def test_single_rank_report_in_a_browser(tmp_path):
     rep = save(tmp_path, rank_report(0), "out.json")
@@ -413,7 +310,7 @@ def test_single_rank_report_in_a_browser(tmp_path):
     assert main(["report", "--html", str(html), rep]) == 0
     shot = screenshot_path(tmp_path, "report-one-rank.png")
     page = open_page(BROWSER, str(html), shot)
-    _check_page(
+    check_page(
         page,
         [
             short_kernel(GEMM),
@@ -439,7 +336,7 @@ def test_multi_rank_report_in_a_browser(tmp_path):
     assert main(["report", "--html", str(html), *paths]) == 0
     shot = screenshot_path(tmp_path, "report-two-ranks.png")
     page = open_page(BROWSER, str(html), shot)
-    _check_page(
+    check_page(
         page,
         [
             "Ranks by finding",
@@ -460,22 +357,3 @@ def test_the_report_reads_without_scripts(tmp_path):
     page = open_page(BROWSER, str(html))
     assert not page.scripts_ran and "open all stacks" not in page.text  # the toolbar stays hidden
     assert short_kernel(GEMM) in page.text and "release_weight_workspace" in page.text
-
-
-@needs_browser
-def test_matrix_page_in_a_browser(tmp_path):
-    html = tmp_path / "matrix.html"
-    html.write_text(render_matrix(matrix_entries()))
-    shot = screenshot_path(tmp_path, "matrix.png")
-    page = open_page(BROWSER, str(html), shot)
-    _check_page(
-        page,
-        [
-            "illegal memory access",
-            "silent corruption",
-            "StaleMemoryError",
-            "3 matched",
-            "fixed state policy",
-        ],
-    )
-    assert page.dom.count("failed: it. 6") == 3

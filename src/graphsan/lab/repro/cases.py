@@ -108,8 +108,6 @@ class Case:
             "reuse_graph_buffers": self.reuse_buffers,
         }
 
-    to_dict = to_json  # the name tests/test_report_pages.py builds its matrix input with
-
     def expected_values(self) -> list[str]:
         """The expected outcomes as words, in the enum's order."""
         return [o.value for o in Outcome if o in self.expected]

@@ -73,7 +73,7 @@ def _reference(res: dict[str, Any], reference: dict[str, Any] | None) -> dict[st
 
 
 def _config(case: dict[str, Any]) -> list[tuple[str, str]]:
-    """The configuration columns of a case as `graphsan repro --json` writes it (`Case.to_dict`)."""
+    """The configuration columns of a case as `graphsan repro --json` writes it (`Case.to_json`)."""
     scopes = case.get("graphed_modules") or ()
     out = [
         ("recipe", case.get("recipe", "")),
