@@ -336,20 +336,6 @@ def test_a_broken_reference_makes_the_comparison_inconclusive_not_clean():
         assert c.after is None and compare.add_comparison(res, ref).rel_diff_after is None
 
 
-def test_the_result_file_wins_and_a_dead_child_is_named_by_its_signal():
-    assert logparse.result_of('{"outcome": "trained through"}', "noise", 0).outcome == (
-        "trained through"
-    )
-    assert logparse.result_of("", "Traceback\n", -9).outcome == "killed by signal 9"
-    assert logparse.result_of("{trunc", "CUDA error: an illegal memory access", -6).outcome == (
-        "illegal memory access"
-    )
-    assert logparse.result_of("", "ValueError: bad\n", 1).outcome == "died (exit 1)"
-    assert logparse.result_of("", "CUDA error: device-side assert triggered", -6).outcome == (
-        "device-side assert"
-    )
-
-
 def test_mamba_heads_widen_only_the_mamba():
     case = repro.CASES[0]
     default = repro.case_config(case, "small", reference=False).model_overrides
@@ -360,90 +346,6 @@ def test_mamba_heads_widen_only_the_mamba():
     repro.add_arguments(parser)
     args = parser.parse_args(["--mamba-heads", "128", "--case", "1"])
     assert args.mamba_heads == 128
-
-
-def test_a_kernel_assertion_is_a_device_side_assert_even_when_python_lost_the_message():
-    # seen on the H200: a GPU-trace hook ran while the CUDA error was being raised, so the log
-    # holds a SystemError from the hook and the kernel's own assertion lines, not PyTorch's text
-    log = (
-        "[E1201 00:57:14.8 PyInterpreter.cpp:132] cuda trace hook execution failed: SystemError: "
-        "<built-in function __import__> returned a result with an exception set\n"
-        "/pytorch/aten/src/ATen/native/cuda/ScatterGatherKernel.cu:163: operator(): block: [1,0,0],"
-        ' thread: [18,0,0] Assertion `idx_dim >= 0 && idx_dim < index_size && "scatter gather '
-        'kernel index out of bounds"` failed.\n'
-    )
-    named = logparse.result_of("", log, 1)
-    # the evidence is the kernel's assertion, not the hook's error on the line before it
-    assert (named.outcome, named.symptom) == (
-        "device-side assert",
-        "ScatterGatherKernel.cu:163: Assertion `idx_dim >= 0 && idx_dim < index_size && "
-        '"scatter gather kernel index out of bounds"` failed',
-    )
-    assert logparse.result_of("", log.splitlines()[0], 1).outcome == "died (exit 1)"
-
-
-def test_an_error_the_child_could_not_name_is_named_from_its_log():
-    # seen on the H200: the kernel's assertion reached Python as the next cuBLAS call's failure
-    res = CaseResult("error", iteration=6, symptom="CUDA error: CUBLAS_STATUS_EXECUTION_FAILED")
-    log = (
-        "/pytorch/aten/src/ATen/native/cuda/IndexKernel.cu:111: operator(): block: [5,0,0], "
-        'thread: [80,0,0] Assertion `-sizes[i] <= index && index < sizes[i] && "index out of '
-        'bounds"` failed.\n'
-    )
-    named = logparse.result_of(json.dumps(res.to_json()), log, 0)
-    # the evidence: the kernel's assertion first, then what Python caught
-    assert (named.outcome, named.iteration, named.symptom) == (
-        "device-side assert",
-        6,
-        'IndexKernel.cu:111: Assertion `-sizes[i] <= index && index < sizes[i] && "index out of '
-        'bounds"` failed; caught as: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED',
-    )
-    # an illegal access is named by its own line, wherever the log has it
-    fault = "noise\nCUDA error: an illegal memory access was encountered\nmore noise\n"
-    assert logparse.result_of(json.dumps(res.to_json()), fault, 0).symptom == (
-        "CUDA error: an illegal memory access was encountered; caught as: "
-        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED"
-    )
-    assert logparse.result_of(json.dumps(res.to_json()), "no kernel message", 0).outcome == "error"
-    # PyTorch's advice under any CUDA error is not a kernel's assertion
-    advice = "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
-    assert logparse.result_of(json.dumps(res.to_json()), advice, 0).outcome == "error"
-    other = CaseResult("StaleMemoryError", iteration=6)
-    assert logparse.result_of(json.dumps(other.to_json()), log, 0).outcome == "StaleMemoryError"
-
-
-def test_a_child_without_a_result_file_is_refused_and_a_result_survives_json(capsys):
-    assert main(["repro", "--child", "1"]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "graphsan repro: error: --child needs --result PATH (the file the parent reads)"
-    )
-    res = CaseResult("StaleMemoryError", iteration=6, finding="x", eval_losses=[[5, 4.5]])
-    assert logparse.result_of(json.dumps(res.to_json()), "", 0) == res
-
-
-def test_the_child_names_a_stopped_replay_in_one_line():
-    # the branch that handles StaleMemoryError runs on a GPU only; its formatting runs here
-    from graphsan.core.records import Finding, GraphInfo
-    from graphsan.lab.repro.child import first_finding
-
-    f = Finding(
-        kind="reowned",
-        graph=GraphInfo(3, "layers.0:layer fwd mb0", (("train.py", 9, "capture"),), (1, 0), 0),
-        node=209,
-        kernel="void at::native::elementwise_kernel<where_kernel_impl>(int)",
-        param=1,
-        offset=720,
-        address=0x7F00_0000_0000,
-        nbytes=2 << 20,
-        block_address=0x7F00_0000_0000,
-        pool="default pool",
-        free_stack=(("src/graphsan/lab/quant/linear.py", 251, "clear_workspace"),),
-        phase="eval",
-        step=5,
-    )
-    line = first_finding([f])
-    assert line.startswith("reowned: layers.0:layer fwd mb0 node 209")
-    assert "linear.py:251 in clear_workspace (phase eval, step 5)" in line
 
 
 def test_a_schedule_case_fails_from_its_first_graphed_step_and_names_the_order():
