@@ -1,5 +1,6 @@
 """What the quantize-kernel tests check, shared by the compiled kernels on the GPU
-(test_quant_triton_gpu.py, test_quant_gemm_gpu.py) and Triton's interpreter on CPU (test_quant_triton_interpret.py).
+(test_quant_triton_gpu.py, test_quant_gemm_gpu.py) and Triton's interpreter on CPU
+(test_quant_triton_interpret.py).
 
 `tk` holds the launcher modules (`launchers()`: tk.mx, tk.nv and tk.gemm are
 `graphsan.lab.quant.kernels.launch_mxfp8`, `launch_nvfp4` and `launch_gemm`, tk.common their
