@@ -18,8 +18,17 @@
 #   capture-profile: a cProfile of one process of its scale run)
 # One-off investigations (case 1 with synchronous launches, wider Mamba workspaces) are in
 # scripts/investigations.sh.
+# GRAPHSAN_TEST_TORCH_HOOKS=1 runs every part through torch 2.14.1's graph hooks, laid over this
+# torch's CUDAGraph in every Python process (tests/torch_hooks.py); unset, graphsan wraps the
+# class, as it does on torch 2.8 to 2.13. A change to how graphsan attaches runs both:
+#   bash scripts/gpu_check.sh tests-parallel selftest
+#   GRAPHSAN_TEST_TORCH_HOOKS=1 bash scripts/gpu_check.sh tests-parallel selftest
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${GRAPHSAN_TEST_TORCH_HOOKS:-}" = 1 ]; then
+  export PYTHONPATH="$PWD/tests/torch_hooks_site:$PYTHONPATH"
+  python3 -c 'from graphsan.cuda.hooks import Seams; print("graphsan attaches through:", Seams.detect().names())'
+fi
 OUT=${OUT:-/tmp/graphsan-out}; mkdir -p "$OUT"
 # graphsan's default, the compiled tracker, into this fresh machine's cache before any part runs
 # (a cold cache would leave the first runs on snapshots while a background process compiles it)

@@ -11,6 +11,15 @@ if not torch.cuda.is_available():
     # read when @triton.jit decorates, so before anything imports Triton (torch does not)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.fake_cuda import ATTACHMENTS  # noqa: E402  (after the Triton switch above)
+
+
+@pytest.fixture(params=ATTACHMENTS)
+def attach(request) -> str:
+    """How graphsan attaches to the faked graphs (tests/fake_cuda.py `graph_class`): each test
+    that takes it runs through graphsan's wrappers and through torch 2.14.1's hooks."""
+    return request.param
+
 
 def pytest_collection_modifyitems(config, items):
     # The `slow` tests first (xdist hands tests out in this order), so that none starts near the

@@ -3,7 +3,7 @@ of one kernel whose argument points at the start of a one-segment default pool, 
 view the test sets (`state["map"]`). A test may also set the nodes the next capture walks
 (`state["nodes"]`), the allocations it made (`state["carves"]`), the device memory a pointer
 table holds (`state["memory"]`), and use `graph_class` for a
-`torch.cuda.CUDAGraph` whose methods the sanitizer's hooks can wrap."""
+`torch.cuda.CUDAGraph` as torch 2.11 or torch 2.14.1 has it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import KernelArgs, WalkStats
 from graphsan.cuda import driver
 from graphsan.cuda.allocator import AllocatorWatch
+from tests import torch_hooks
 
 SEG = 0x7F00_0000_0000
 
@@ -83,72 +84,61 @@ def kernel(index: int, *addresses: int) -> KernelArgs:
     return KernelArgs(index, f"void k{index}(float*)", buf, [8 * i for i in range(len(addresses))])
 
 
-def graph_class(monkeypatch, pool=(1, 3), seams: bool = False) -> type:
-    """A stand-in for `torch.cuda.CUDAGraph` (CPU torch cannot make one) with the four methods
-    the hooks wrap; `launched` counts the replays that really ran. With `seams`, torch's own
-    graph hooks as PyTorch's main branch has them (no installable torch does yet): global
-    capture-end, replay-start and replay-end hooks in `torch.cuda.graphs` (a capture-end hook
-    sees the graph still live through `raw_cuda_graph()`; a replay-start hook that raises aborts
-    the launch, and no end hook runs), and `retain_object`, which holds an object until the
-    graph's `reset` (`retained` lists (object, synchronize_before_release))."""
-    hooks: dict[str, dict] = {"capture_end": {}, "replay_start": {}, "replay_end": {}}
+ATTACHMENTS = ("wrapped", "torch hooks")
 
-    class Handle:
-        def __init__(self, table: dict, key: object):
-            self.table, self.key = table, key
 
-        def remove(self):
-            self.table.pop(self.key, None)
+def graph_class(monkeypatch, pool=(1, 3), attach: str = "wrapped") -> type:
+    """A stand-in for `torch.cuda.CUDAGraph` (CPU torch cannot make one); `launched` counts the
+    replays that really ran. `attach` picks the torch it stands for:
+    - "wrapped": a torch without graph hooks (torch 2.11, the GPU machine's), whose methods
+      graphsan wraps;
+    - "torch hooks": torch 2.14.1's hooks (tests/torch_hooks.py): module-level hooks that
+      swallow what they raise, per-graph hooks that let it through (a raising replay-start hook
+      aborts the launch), `register_destroy_callback` and `retain_object` (`retained(g)` lists
+      (object, synchronize_before_release) while the graph holds them)."""
+    if attach not in ATTACHMENTS:
+        raise ValueError(f"attach={attach!r}: expected one of {ATTACHMENTS}")
 
-    def register(kind):
-        def add(fn):
-            key = object()
-            hooks[kind][key] = fn
-            return Handle(hooks[kind], key)
-
-        return add
-
-    def __init__(self):
+    def __init__(self, keep_graph=False):  # what torch 2.11's pybind base does with keep_graph
         self.launched = 0
-        self.live = False  # the captured graph's template, readable in a capture-end hook
-        self.retained: dict = {}
+        self.keep_graph = keep_graph
+        self.template = False  # the captured cudaGraph_t, until reset or instantiation drops it
 
     def capture_end(self):
-        self.live = True
-        for fn in list(hooks["capture_end"].values()):
-            fn(self)
-        self.live = False
+        self.template = True
+
+    def instantiate(self):
+        if not self.keep_graph:
+            self.template = False
 
     def raw_cuda_graph(self):
-        assert self.live, "the template is gone outside a capture-end hook"
+        assert self.keep_graph and self.template, "no template: keep_graph=False or no capture"
         return "graph"
 
     def replay(self):
-        for fn in list(hooks["replay_start"].values()):
-            fn(self)
         self.launched += 1
-        for fn in list(hooks["replay_end"].values()):
-            fn(self)
-
-    def retain_object(self, obj, *, synchronize_before_release=False):
-        key = object()
-        self.retained[key] = (obj, synchronize_before_release)
-        return Handle(self.retained, key)
 
     methods = {
         "__init__": __init__,
-        "capture_begin": lambda self, pool=None: None,
-        "capture_end": capture_end if seams else (lambda self: None),
-        "replay": replay if seams else (lambda self: setattr(self, "launched", self.launched + 1)),
-        "reset": lambda self: self.retained.clear(),
+        "capture_begin": lambda self, pool=None, capture_error_mode="global": None,
+        "capture_end": capture_end,
+        "instantiate": instantiate,
+        "replay": replay,
+        "reset": lambda self: setattr(self, "template", False),
+        "raw_cuda_graph": raw_cuda_graph,
         "pool": lambda self: pool,
     }
-    if seams:
-        methods.update(raw_cuda_graph=raw_cuda_graph, retain_object=retain_object)
-        for kind in hooks:
-            name = f"register_graph_{kind}_hook"
-            monkeypatch.setattr(torch.cuda.graphs, name, register(kind), raising=False)
     cls = type("FakeCUDAGraph", (), methods)
-    cls.hooks = hooks
+    graphs = types.SimpleNamespace()  # torch.cuda.graphs as graphsan reads it: the hooks only
+    monkeypatch.setattr(torch.cuda, "graphs", graphs)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", cls)
+    if attach == "torch hooks":
+        stream = types.SimpleNamespace(synchronize=lambda: None)
+        cls.model = torch_hooks.Model(graphs, cls, lambda: stream, __init__)
     return cls
+
+
+def retained(graph) -> list[tuple[object, bool]]:
+    """What torch 2.14's `retain_object` holds for `graph` now: (object, synchronize)."""
+    holder = graph._retained
+    return [(obj, holder.sync_before_fire) for obj in holder.objects.values()]

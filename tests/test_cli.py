@@ -342,7 +342,7 @@ def test_environment_variables_are_checked_on_every_path(monkeypatch, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == [
         "graphsan report: warning: GRAPHSAN_TRITON_VARIANT is set but graphsan reads no such "
-        "variable (it reads GRAPHSAN_TRACELOG, GRAPHSAN_NO_TRITON)",
+        "variable (it reads GRAPHSAN_TRACELOG, GRAPHSAN_ATTACH, GRAPHSAN_NO_TRITON)",
         "graphsan report: error: GRAPHSAN_NO_TRITON='maybe': expected one of '1', 'true', "
         "'yes', 'on', empty, '0', 'false', 'no', 'off'",
     ]

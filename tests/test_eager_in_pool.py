@@ -173,12 +173,12 @@ A, B = fake_cuda.SEG, fake_cuda.SEG + SLOT
 
 
 @pytest.fixture
-def san(monkeypatch):
+def san(monkeypatch, attach):
     """A sanitizer under `raise` whose one graph `g` reads A and carved B as scratch (free after
     the capture); `state["map"]` is the allocator view it sees."""
     state = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     state["map"] = fake_cuda.one_segment([(SLOT, "active_allocated"), (SLOT, "inactive")], POOL)
-    cls = fake_cuda.graph_class(monkeypatch, POOL)
+    cls = fake_cuda.graph_class(monkeypatch, POOL, attach)
     s = sanitizer.Sanitizer("raise")
     s.active = True
     s.hooks.install()

@@ -22,14 +22,14 @@ SEG = fake_cuda.SEG
 
 
 @pytest.fixture
-def cuda_here(monkeypatch):
+def cuda_here(monkeypatch, attach):
     """A machine where CUDA looks available (CPU torch, faked), with a graph class to capture."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(
         allocator.AllocatorWatch, "_activate_torch_trace", staticmethod(lambda: None)
     )
     state = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
-    state["cls"] = fake_cuda.graph_class(monkeypatch, (1, 3))
+    state["cls"] = fake_cuda.graph_class(monkeypatch, (1, 3), attach)
     return state
 
 

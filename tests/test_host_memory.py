@@ -21,9 +21,9 @@ PIN_SITE = [("loader.py", 12, "pin_batch")]
 
 
 @pytest.fixture
-def env(monkeypatch):
+def env(monkeypatch, attach):
     state = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
-    state["cls"] = fake_cuda.graph_class(monkeypatch, (1, 3))
+    state["cls"] = fake_cuda.graph_class(monkeypatch, (1, 3), attach)
     state["nodes"] = [CopyArgs(0, "memcpy", [("src", HOST + 64), ("dst", SEG)])]
     return state
 

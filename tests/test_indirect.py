@@ -70,11 +70,11 @@ def test_table_candidates_are_small_allocated_blocks_outside_the_graphs_pool_wit
 
 # ----------------------------------------------------------------------------- the flow
 @pytest.fixture
-def env(monkeypatch):
+def env(monkeypatch, attach):
     state = fake_cuda.install(monkeypatch, "void grouped(void**)", stream=1)
     state["map"] = fake_cuda.one_segment(LAYOUT)
     state["memory"][TABLE] = words(BIG, SMALL + 64, 0, 0)
-    state["cls"] = fake_cuda.graph_class(monkeypatch, (1, 3))
+    state["cls"] = fake_cuda.graph_class(monkeypatch, (1, 3), attach)
     state["nodes"] = [fake_cuda.kernel(0, 17, TABLE)]  # param 1 is the table's address
     return state
 

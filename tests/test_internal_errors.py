@@ -14,9 +14,9 @@ SEG = fake_cuda.SEG
 
 
 @pytest.fixture
-def env(monkeypatch):
+def env(monkeypatch, attach):
     state = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
-    state["cls"] = fake_cuda.graph_class(monkeypatch, (1, 3))
+    state["cls"] = fake_cuda.graph_class(monkeypatch, (1, 3), attach)
     return state
 
 

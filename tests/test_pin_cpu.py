@@ -130,7 +130,7 @@ def test_inputs_made_just_before_capture_are_pinned_at_capture_end():
     assert s["blocks"] == 1 and s["unpinnable_blocks"] == 0 and s["retained_bytes"] == 4000
 
 
-def test_an_input_young_when_the_capture_began_is_pinned_though_promoted_since(monkeypatch):
+def test_an_input_young_when_the_capture_began_is_pinned_though_promoted_since(monkeypatch, attach):
     """Through the sanitizer's capture hooks: the capture's own work (here a full collection)
     promotes an input made just before it out of the young generations; the tensors listed
     when the capture began still count, so `del x` after the capture frees nothing."""
@@ -141,7 +141,7 @@ def test_an_input_young_when_the_capture_began_is_pinned_though_promoted_since(m
     from tests import fake_cuda
 
     env = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
-    cls = fake_cuda.graph_class(monkeypatch, (1, 3))
+    cls = fake_cuda.graph_class(monkeypatch, (1, 3), attach)
     san = sanitizer.Sanitizer("pin")
     san.active = True
     san.pinner.device_type = "cpu"

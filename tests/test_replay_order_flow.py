@@ -1,6 +1,6 @@
 """Replay order through the sanitizer's hooks on CPU (the CUDA side faked): PyTorch's
 three-graph sequence in one shared pool, under each policy, through graphsan's wrappers and
-through a stand-in of PyTorch's own graph hooks."""
+through torch 2.14.1's graph hooks."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ SEG, SLOT, POOL = fake_cuda.SEG, 4096, (1, 3)
 B, C, D, E = (SEG + i * SLOT for i in range(4))
 
 
-@pytest.fixture(params=["wrapped", "torch hooks"])
+@pytest.fixture(params=fake_cuda.ATTACHMENTS)
 def env(monkeypatch, request):
-    """Each test twice: through graphsan's wrappers (the torch releases of today), and through
-    a stand-in of PyTorch's own graph hooks."""
+    """Each test twice: through graphsan's wrappers (torch 2.11), and through torch 2.14.1's
+    graph hooks (tests/torch_hooks.py)."""
     state = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     state["map"] = fake_cuda.one_segment([(SLOT, "active_allocated")] * 4, pool=POOL)
-    state["cls"] = fake_cuda.graph_class(monkeypatch, POOL, seams=request.param == "torch hooks")
+    state["cls"] = fake_cuda.graph_class(monkeypatch, POOL, request.param)
     return state
 
 

@@ -35,6 +35,15 @@ VARIABLES = (
         "allocator snapshots and PyTorch's GPU trace",
     ),
     Variable(
+        "GRAPHSAN_ATTACH",
+        ("", "auto", "wrap"),
+        "auto",
+        "how graphsan attaches to torch.cuda.CUDAGraph: auto, through PyTorch's per-graph hooks "
+        "where the installed torch has them and a raising replay-start hook is seen to stop the "
+        "replay (torch 2.14 onwards), by wrapping the class's methods elsewhere; wrap: by "
+        "wrapping everywhere",
+    ),
+    Variable(
         "GRAPHSAN_NO_TRITON",
         _TRUE + _FALSE,
         "unset (Triton on)",
@@ -43,7 +52,13 @@ VARIABLES = (
     ),
 )
 # read only by graphsan's own tests
-TEST_VARIABLES = ("GRAPHSAN", "GRAPHSAN_CHROMIUM", "GRAPHSAN_ALSO_TRITON")
+TEST_VARIABLES = (
+    "GRAPHSAN",
+    "GRAPHSAN_CHROMIUM",
+    "GRAPHSAN_ALSO_TRITON",
+    "GRAPHSAN_TEST_TORCH_HOOKS",
+    "GRAPHSAN_TEST_SANITIZE",
+)
 
 
 def problems(environ: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:

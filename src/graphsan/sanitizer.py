@@ -28,7 +28,6 @@ import os
 import sys
 import time
 import traceback
-import weakref
 
 import torch
 
@@ -224,7 +223,9 @@ class Sanitizer:
         except Exception as err:
             self._internal_error(err)
 
-    def capture_begin(self, graph, pool) -> None:
+    def capture_begin(self, graph, pool) -> int | None:
+        """A capture began: its id, which the hooks report back to `graph_gone` (None: not
+        watched)."""
         try:
             old = hooks.graph_state(graph)
             if old is not None:  # re-capture of the same object: the old graph is gone
@@ -247,9 +248,10 @@ class Sanitizer:
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
             self.memory.capture_pool = tuple(int(x) for x in pool) if pool is not None else None
-            weakref.finalize(graph, self._forget, gid)
+            return gid
         except Exception as err:
             self._internal_error(err)
+            return None
 
     def before_capture_end(self, graph, handle: int | None = None):
         """The capture is ending: walk its graph (`handle`, from torch's capture-end hook, or
@@ -306,6 +308,10 @@ class Sanitizer:
         if state is not None:
             self._forget(state.info.id)
             hooks.set_graph_state(graph, None)
+
+    def graph_gone(self, gid: int) -> None:
+        """The graph captured as `gid` was reset or collected."""
+        self._forget(gid)
 
     def _forget(self, gid: int) -> None:
         try:

@@ -5,23 +5,31 @@ Transformer Engine and Megatron all capture through this class, so hooking it se
 captured by code we do not control. The hooks only route calls to a `Listener`; they never change
 what the original methods do.
 
-Where the installed torch has its own seams (`Seams.detect`: PyTorch's global graph hooks,
-newer than the releases graphsan runs on today), graphsan uses them: the capture-end hook hands
-over the captured graph while it is still live, for the walk; the replay-start hook judges
-before launch (a start hook that raises aborts the replay), the replay-end hook stamps the pool's
-order; `retain_object` holds what `pin` pins until the graph is gone, after its replays in
-flight. Wrapping the class stays where torch has no hook that fits: `capture_begin` (the start-up
-probe must run before the capture is live, and PyTorch's capture-start hook runs inside it),
-`capture_end`'s failure (an invalidated capture runs no hook), `reset`, and every method on a
-torch without the hooks. When nothing is pending, a replay costs two attribute checks, and for a
-graph that carved memory in a shared pool a clock tick and a stamp per range it writes that
-another graph reads (the pool's replay order, `graphsan.core.order`).
+graphsan attaches in one of two ways (`Seams.detect`; `GRAPHSAN_ATTACH=wrap` forces the second):
+- **torch's hooks**, where the installed torch has per-graph replay hooks and an exception raised
+  in a replay-start hook is confirmed to reach `replay()`'s caller before the launch (torch 2.14
+  onwards). The module-level capture-end hook hands over each captured graph while its template
+  is live, for the walk; each watched graph then gets its own replay-start hook (the judgement:
+  raising aborts the launch), replay-end hook (the pool order's stamp) and destroy callback (the
+  graph is forgotten on reset or collection). torch's module-level replay hooks are never used
+  for the judgement: torch swallows whatever they raise, so they cannot stop a replay.
+- **wrapping** `capture_end`, `replay` and `reset` elsewhere, with a finalizer per graph.
+`capture_begin` is wrapped either way: the start-up probe must run before the capture is live,
+and torch's capture-start hooks run inside it. `retain_object`, where torch has it, holds what
+`pin` pins until the graph is gone, after its replays in flight.
+
+When nothing is pending, a replay costs two attribute checks, and for a graph that carved memory
+in a shared pool a clock tick and a stamp per range it writes that another graph reads (the
+pool's replay order, `graphsan.core.order`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import types
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,16 +39,21 @@ import torch
 from graphsan.core.patches import Patches
 
 _ATTR = "_graphsan_state"
+_REPLAY_HOOKS = "_graphsan_replay_hooks"  # the handles of a graph's own replay hooks
+_WALKED = "_graphsan_walked"  # what the capture-end hook read, until capture_end returns
 
 
 class Listener(Protocol):
     def before_capture_begin(self, graph: torch.cuda.CUDAGraph) -> None: ...
-    def capture_begin(self, graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> None: ...
+    def capture_begin(
+        self, graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None
+    ) -> int | None: ...
     def before_capture_end(self, graph: torch.cuda.CUDAGraph, handle: int | None) -> object: ...
     def after_capture_end(self, graph: torch.cuda.CUDAGraph, walked: object) -> None: ...
     def capture_failed(self, graph: torch.cuda.CUDAGraph) -> None: ...
     def before_replay(self, graph: torch.cuda.CUDAGraph, state: object) -> None: ...
     def reset(self, graph: torch.cuda.CUDAGraph) -> None: ...
+    def graph_gone(self, gid: int) -> None: ...
 
 
 def graph_state(graph: torch.cuda.CUDAGraph):
@@ -53,32 +66,75 @@ def set_graph_state(graph: torch.cuda.CUDAGraph, state) -> None:
 
 @dataclass(frozen=True)
 class Seams:
-    """The graph hooks the installed torch offers (None where it has none): PyTorch's global
-    capture-end, replay-start and replay-end hooks, and `CUDAGraph.retain_object`."""
+    """What graphsan takes from the installed torch: `capture_end`, the module-level
+    capture-end hook's registrar, with `hooks` (per-graph replay hooks confirmed to stop a
+    replay, and destroy callbacks) or neither; and `retain_object`."""
 
     capture_end: Callable | None = None
-    replay_start: Callable | None = None
-    replay_end: Callable | None = None
+    hooks: bool = False
     retain_object: bool = False
 
     @classmethod
-    def detect(cls) -> Seams:
+    def detect(cls, attach: str | None = None) -> Seams:
+        """`attach`: "wrap" takes none of torch's hooks; "auto" (the default, from
+        GRAPHSAN_ATTACH) takes them where they are all there and a raising replay-start hook
+        is seen to stop a replay."""
+        if attach is None:
+            attach = os.environ.get("GRAPHSAN_ATTACH", "").strip().lower() or "auto"
+        graph_cls = torch.cuda.CUDAGraph
+        retain = callable(getattr(graph_cls, "retain_object", None))
         graphs = getattr(torch.cuda, "graphs", None)
-        start = getattr(graphs, "register_graph_replay_start_hook", None)
-        end = getattr(graphs, "register_graph_replay_end_hook", None)
-        return cls(
-            capture_end=getattr(graphs, "register_graph_capture_end_hook", None),
-            # the judgement needs both: the start aborts a stale replay, the end stamps the order
-            replay_start=start if end is not None else None,
-            replay_end=end if start is not None else None,
-            retain_object=callable(getattr(torch.cuda.CUDAGraph, "retain_object", None)),
+        capture_end = getattr(graphs, "register_graph_capture_end_hook", None)
+        usable = (
+            attach != "wrap"
+            and callable(capture_end)
+            and callable(getattr(graph_cls, "register_destroy_callback", None))
+            and callable(getattr(graph_cls, "register_replay_end_hook", None))
+            and start_hook_stops_replay(graph_cls, graphs)
         )
+        if not usable:
+            return cls(retain_object=retain)
+        return cls(capture_end=capture_end, hooks=True, retain_object=retain)
 
     def names(self) -> list[str]:
         """The hooks in use, as the report names them."""
-        used = [("capture-end hook", self.capture_end), ("replay hooks", self.replay_start)]
-        names = [n for n, fn in used if fn is not None]
+        names = ["capture-end hook", "per-graph replay hooks"] if self.hooks else []
         return names + (["retain_object"] if self.retain_object else [])
+
+
+class _Stop(Exception):
+    """Raised by the probe's replay-start hook."""
+
+
+def start_hook_stops_replay(graph_cls: type, graphs: object) -> bool:
+    """Whether an exception raised in a per-graph replay-start hook reaches the caller of
+    `graph_cls.replay` before the launch. Tried on a stand-in graph holding what torch's
+    `replay()` reads before it launches, so no GPU is needed: were the exception swallowed,
+    the replay would go on to the launch, which fails on the stand-in. Any other outcome (no
+    such hook, an error of the stand-in, a swallowed exception) is no. Not tried, and no, while
+    another consumer has module-level replay-start hooks: they would see the stand-in."""
+    register = getattr(graph_cls, "register_replay_start_hook", None)
+    if not callable(register) or getattr(graphs, "_global_replay_start_hooks", None):
+        return False
+    stand_in = types.SimpleNamespace(
+        _tracker=None,
+        _retained=types.SimpleNamespace(sync_before_fire=False, replay_streams=set()),
+        _has_graph_exec=True,
+        _replay_start_hooks=OrderedDict(),
+        _replay_end_hooks=OrderedDict(),
+    )
+
+    def stop(graph):
+        raise _Stop
+
+    try:
+        register(stand_in, stop)
+        graph_cls.replay(stand_in)
+    except _Stop:
+        return True
+    except Exception:
+        return False
+    return False
 
 
 def retainer(graph: torch.cuda.CUDAGraph, seams: Seams) -> Callable | None:
@@ -95,7 +151,12 @@ def retainer(graph: torch.cuda.CUDAGraph, seams: Seams) -> Callable | None:
     return hold
 
 
-_WALKED = "_graphsan_walked"  # what the capture-end hook read, until capture_end returns
+def _judge(listener: Listener, graph, state) -> None:
+    """The listener judges a replay only when something the graph uses may have changed: its
+    watched memory (`dirty`), or the order of its pool's replays where it reads another graph's
+    output."""
+    if state.dirty or (state.reads and not state.read_order.in_order(state.info.id)):
+        listener.before_replay(graph, state)
 
 
 class GraphHooks:
@@ -106,6 +167,7 @@ class GraphHooks:
         self.seams = seams if seams is not None else Seams.detect()
         self._patches = Patches()
         self._handles: list = []
+        self._hooked: weakref.WeakSet = weakref.WeakSet()  # graphs holding replay hooks of ours
 
     @property
     def installed(self) -> bool:
@@ -116,15 +178,17 @@ class GraphHooks:
             return
         cls = torch.cuda.CUDAGraph
         listener, seams = self.listener, self.seams
-        names = ("capture_begin", "capture_end", "replay", "reset")
+        names = ("capture_begin", "capture_end") + (() if seams.hooks else ("replay", "reset"))
         orig = {name: cls.__dict__[name] for name in names}
 
         @functools.wraps(orig["capture_begin"])
-        def capture_begin(self, *args, **kwargs):
-            listener.before_capture_begin(self)  # the stream is not capturing yet
-            result = orig["capture_begin"](self, *args, **kwargs)
+        def capture_begin(graph, *args, **kwargs):
+            listener.before_capture_begin(graph)  # the stream is not capturing yet
+            result = orig["capture_begin"](graph, *args, **kwargs)
             pool = args[0] if args else kwargs.get("pool")  # None: a fresh pool of its own
-            listener.capture_begin(self, pool)
+            gid = listener.capture_begin(graph, pool)
+            if gid is not None:
+                self._follow(graph, gid)
             return result
 
         def on_capture_end(graph):  # torch's hook: the capture ended, its graph is still live
@@ -138,60 +202,80 @@ class GraphHooks:
             own[_WALKED] = listener.before_capture_end(graph, handle)
 
         @functools.wraps(orig["capture_end"])
-        def capture_end(self, *args, **kwargs):
+        def capture_end(graph, *args, **kwargs):
             if seams.capture_end is None:  # read the graph still being captured, on its stream
-                self.__dict__[_WALKED] = listener.before_capture_end(self, None)
+                graph.__dict__[_WALKED] = listener.before_capture_end(graph, None)
             try:
-                result = orig["capture_end"](self, *args, **kwargs)
+                result = orig["capture_end"](graph, *args, **kwargs)
             except BaseException:
-                self.__dict__.pop(_WALKED, None)
-                listener.capture_failed(self)
+                graph.__dict__.pop(_WALKED, None)
+                listener.capture_failed(graph)
                 raise
-            listener.after_capture_end(self, self.__dict__.pop(_WALKED, None))
+            listener.after_capture_end(graph, graph.__dict__.pop(_WALKED, None))
+            if seams.hooks and graph_state(graph) is not None:
+                self._hook_replays(graph)
             return result
-
-        def on_replay_start(graph):  # torch's hook: raising aborts the launch
-            state = graph.__dict__.get(_ATTR)
-            if state is not None and (
-                state.dirty or (state.reads and not state.read_order.in_order(state.info.id))
-            ):
-                listener.before_replay(graph, state)
-
-        def on_replay_end(graph):  # torch's hook: the replay was launched
-            state = graph.__dict__.get(_ATTR)
-            if state is not None and state.order is not None:
-                state.order.replayed(state.info.id)
-
-        @functools.wraps(orig["replay"])
-        def replay(self, *args, **kwargs):
-            state = self.__dict__.get(_ATTR)
-            if state is None:
-                return orig["replay"](self, *args, **kwargs)
-            if state.dirty or (state.reads and not state.read_order.in_order(state.info.id)):
-                listener.before_replay(self, state)
-            result = orig["replay"](self, *args, **kwargs)
-            if state.order is not None:  # it went ahead: it wrote what it carved in its pool
-                state.order.replayed(state.info.id)
-            return result
-
-        @functools.wraps(orig["reset"])
-        def reset(self, *args, **kwargs):
-            listener.reset(self)
-            return orig["reset"](self, *args, **kwargs)
 
         wrapped = [("capture_begin", capture_begin), ("capture_end", capture_end)]
-        wrapped.append(("reset", reset))
-        if seams.replay_start is None:
-            wrapped.append(("replay", replay))
+        if not seams.hooks:
+
+            @functools.wraps(orig["replay"])
+            def replay(graph, *args, **kwargs):
+                state = graph.__dict__.get(_ATTR)
+                if state is None:
+                    return orig["replay"](graph, *args, **kwargs)
+                _judge(listener, graph, state)
+                result = orig["replay"](graph, *args, **kwargs)
+                if state.order is not None:  # it went ahead: it wrote what it carved in its pool
+                    state.order.replayed(state.info.id)
+                return result
+
+            @functools.wraps(orig["reset"])
+            def reset(graph, *args, **kwargs):
+                listener.reset(graph)
+                return orig["reset"](graph, *args, **kwargs)
+
+            wrapped += [("replay", replay), ("reset", reset)]
         for name, fn in wrapped:
             self._patches.set(cls, name, fn)
         if seams.capture_end is not None:
             self._handles.append(seams.capture_end(on_capture_end))
-        if seams.replay_start is not None:
-            self._handles.append(seams.replay_start(on_replay_start))
-            self._handles.append(seams.replay_end(on_replay_end))
+
+    def _follow(self, graph, gid: int) -> None:
+        """Tell the listener when the graph captured as `gid` is gone: reset or collected."""
+        gone = functools.partial(self.listener.graph_gone, gid)
+        if self.seams.hooks:
+            graph.register_destroy_callback(gone)  # fires on reset too
+        else:
+            weakref.finalize(graph, gone)
+
+    def _hook_replays(self, graph) -> None:
+        """The graph's own replay hooks (once per graph object: a re-capture keeps them)."""
+        if _REPLAY_HOOKS in graph.__dict__:
+            return
+        listener = self.listener
+
+        def on_replay_start(g):  # torch lets what this raises through: the launch is aborted
+            state = g.__dict__.get(_ATTR)
+            if state is not None:
+                _judge(listener, g, state)
+
+        def on_replay_end(g):  # torch runs this once the replay was launched
+            state = g.__dict__.get(_ATTR)
+            if state is not None and state.order is not None:
+                state.order.replayed(state.info.id)
+
+        graph.__dict__[_REPLAY_HOOKS] = (
+            graph.register_replay_start_hook(on_replay_start),
+            graph.register_replay_end_hook(on_replay_end),
+        )
+        self._hooked.add(graph)
 
     def uninstall(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        for graph in list(self._hooked):
+            for handle in graph.__dict__.pop(_REPLAY_HOOKS, ()):
+                handle.remove()
+        self._hooked = weakref.WeakSet()
         self._patches.restore()
