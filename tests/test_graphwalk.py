@@ -14,6 +14,7 @@ import pytest
 
 from graphsan.core.records import AllocArgs, CopyArgs, KernelArgs, WalkStats
 from graphsan.cuda import graphwalk, tracebuild
+from tests import native
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = {
@@ -31,9 +32,11 @@ def libs(tmp_path_factory):
         pytest.skip("needs a C++ compiler and the CUDA headers (cuda.h)")
     folder = tmp_path_factory.mktemp("graphwalk")
     walk, fake = str(folder / "graphwalk.so"), str(folder / "fake-driver.so")
-    tracebuild.build(walk, cxx, cuda, str(folder), [], sources=[tracebuild.SOURCES[1]])
+    flags = tracebuild.TorchFlags("c++17", (), tuple(cuda))
+    extra = native.COMPILE_FLAGS
+    tracebuild.build(walk, cxx, flags, str(folder), [], [tracebuild.SOURCES[1]], extra)
     tracebuild.build(
-        fake, cxx, cuda, str(folder), [], sources=[f"{HERE}/native/fake_cuda_driver.c"]
+        fake, cxx, flags, str(folder), [], [f"{HERE}/native/fake_cuda_driver.c"], extra
     )
     lib = ctypes.CDLL(walk)
     return lib, ctypes.CDLL(fake), graphwalk.bind(lib)  # before any stand-in driver is set

@@ -6,6 +6,7 @@ headers, a failed build, a library that does not load) turned into one line for 
 
 from __future__ import annotations
 
+import importlib
 import os
 import stat
 import sys
@@ -24,6 +25,8 @@ args = sys.argv[1:]
 out = args[args.index("-o") + 1]
 with open(os.environ["FAKE_CXX_CALLS"], "a") as fh:
     fh.write(out + "\\n")
+with open(os.environ["FAKE_CXX_CALLS"] + ".argv", "w") as fh:
+    fh.write("\\n".join(args))
 mode = os.environ.get("FAKE_CXX_MODE", "ok")
 bad = os.environ.get("FAKE_CXX_BAD", "gputable.cpp")  # the GPU trace's file the headers do not fit
 if mode == "no-trace" and any(a.endswith(bad) for a in args):
@@ -40,6 +43,9 @@ if mode == "race":  # another process finished the same library meanwhile
 with open(out, "w") as fh:
     fh.write("fake library")
 """
+
+
+FLAGS = tracebuild.TorchFlags("c++20", ("_GLIBCXX_USE_CXX11_ABI=1",), ("/i", "/cuda/include"))
 
 
 def _script(path, text: str):
@@ -67,7 +73,7 @@ def fake_cxx(tmp_path, monkeypatch):
 
 def test_build_writes_a_temporary_file_next_to_the_target_then_renames_it(tmp_path, fake_cxx):
     target = tmp_path / "out" / "tracelog-x.so"
-    tracebuild.build(str(target), os.environ["CXX"], ["/i"], "/torch/lib", ["c10"])
+    tracebuild.build(str(target), os.environ["CXX"], FLAGS, "/torch/lib", ["c10"])
     (written,) = fake_cxx()
     assert written != str(target) and os.path.dirname(written) == str(target.parent)
     assert target.read_text() == "fake library"
@@ -78,7 +84,7 @@ def test_two_builds_at_once_leave_one_whole_library(tmp_path, fake_cxx, monkeypa
     target = tmp_path / "tracelog-x.so"
     monkeypatch.setenv("FAKE_CXX_MODE", "race")
     monkeypatch.setenv("FAKE_CXX_TARGET", str(target))
-    tracebuild.build(str(target), os.environ["CXX"], [], "/torch/lib", [])
+    tracebuild.build(str(target), os.environ["CXX"], FLAGS, "/torch/lib", [])
     assert target.read_text() == "fake library"
     assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
 
@@ -87,12 +93,50 @@ def test_a_failed_build_is_one_line_and_leaves_nothing(tmp_path, fake_cxx, monke
     monkeypatch.setenv("FAKE_CXX_MODE", "fail")
     target = tmp_path / "lib" / "tracelog-x.so"
     with pytest.raises(tracelog.BuildError) as err:
-        tracebuild.build(str(target), os.environ["CXX"], [], "/torch/lib", [])
-    assert str(err.value) == (
-        "fake-c++ failed: tracelog.cpp:9:10: fatal error: "
-        "c10/cuda/CUDACachingAllocator.h: no such file"
+        tracebuild.build(str(target), os.environ["CXX"], FLAGS, "/torch/lib", [])
+    msg = str(err.value)
+    assert msg.startswith(
+        "`fake-c++ (4 folders) -O2 -shared -fPIC -std=c++20 -D_GLIBCXX_USE_CXX11_ABI=1 "
+        "tracelog.cpp graphwalk.cpp gputrace.cpp gputable.cpp -o tracelog-x.so."
+    )
+    assert msg.endswith(
+        ".tmp -ldl` failed: "
+        "tracelog.cpp:9:10: fatal error: c10/cuda/CUDACachingAllocator.h: no such file"
     )
     assert os.listdir(target.parent) == []
+
+
+def test_the_build_takes_the_standard_abi_and_headers_torch_builds_extensions_with(
+    tmp_path, fake_cxx, monkeypatch
+):
+    monkeypatch.delitem(sys.modules, "torch.utils.cpp_extension")  # the fixture's stand-in
+    cpp_extension = importlib.import_module("torch.utils.cpp_extension")
+    flags = tracebuild.TorchFlags.of_torch()
+    assert flags.std == "c++20", "torch 2.10 and later build extensions as C++20"
+    assert flags.defines == (f"_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",)
+    assert flags.include_dirs == tuple(cpp_extension.include_paths())
+    tracebuild.build(str(tmp_path / "t.so"), os.environ["CXX"], flags, "/torch/lib", ["c10"])
+    argv = (tmp_path / "calls.argv").read_text().splitlines()
+    assert "-std=c++20" in argv and flags.defines[0] in map(lambda a: a[2:], argv)
+    assert [a[2:] for a in argv if a.startswith("-I")] == list(flags.include_dirs)
+
+
+@pytest.mark.parametrize(
+    ("source", "std"),
+    [
+        ("cflags = common + ['-fPIC', '-std=c++17'] + extra", "c++17"),
+        ("x = ['-std=c++17']\ny = ['/std:c++20']", "c++20"),
+        ("no standard named here", "c++17"),
+    ],
+)
+def test_the_standard_is_the_newest_cpp_extension_passes(tmp_path, monkeypatch, source, std):
+    module = types.ModuleType("cpp_extension_of_some_torch")
+    path = tmp_path / "cpp_extension_of_some_torch.py"
+    path.write_text(source + "\n")
+    module.__file__ = str(path)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert tracebuild.extension_standard(module) == std
+    assert tracebuild.extension_standard(types.ModuleType("no_source")) == "c++17"
 
 
 def test_the_cache_is_keyed_by_the_torch_build_and_the_source(tmp_path, fake_cxx):
@@ -106,11 +150,11 @@ def test_the_cache_is_keyed_by_the_torch_build_and_the_source(tmp_path, fake_cxx
     # obtain builds into $XDG_CACHE_HOME/graphsan once per key; the fake library does not load
     for _ in range(2):
         with pytest.raises(tracelog.BuildError, match=r"^cannot load tracelog-2\.11\.0.*\.so: "):
-            tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
+            tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib")
     (built,) = fake_cxx()
     assert os.path.dirname(built) == str(tmp_path / "cache" / "graphsan")
     with pytest.raises(tracelog.BuildError, match="cannot load"):
-        tracebuild.obtain("2.13.0+cu130 def abi1", "/torch/lib", 1)
+        tracebuild.obtain("2.13.0+cu130 def abi1", "/torch/lib")
     assert len(fake_cxx()) == 2
     cached = sorted(os.listdir(tmp_path / "cache" / "graphsan"))
     assert len([f for f in cached if f.endswith(".so")]) == 2
@@ -128,11 +172,12 @@ def test_a_build_without_the_gpu_trace_keeps_the_tracker_and_says_why(
         tracelib, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
     )
     for _ in range(2):  # the second process finds the partial library and its reason cached
-        tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
+        tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib")
     full, partial = fake_cxx()
     assert partial.endswith(".tmp") and "-notrace.so" in partial and "-notrace" not in full
-    why = f"fake-c++ failed: {bad}:130:3: error: no member named trace_gpu_event_record"
-    assert [w for _, w in loaded] == [why, why]
+    why = f"failed: {bad}:130:3: error: no member named trace_gpu_event_record"
+    assert [w.split("` ")[1] for _, w in loaded] == [why, why]
+    assert loaded[0][1].startswith("`fake-c++ (4 folders) ") and bad in loaded[0][1]
     assert loaded[0][0] == loaded[1][0] and loaded[0][0].endswith("-notrace.so")
 
 
@@ -142,7 +187,7 @@ def test_before_python_3_11_the_library_is_the_tracker_alone(tmp_path, fake_cxx,
     monkeypatch.setattr(
         tracelib, "load", lambda path, without_trace=None: loaded.append((path, without_trace))
     )
-    tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib", 1)
+    tracebuild.obtain("2.11.0+cu130 abc abi1", "/torch/lib")
     (built,) = fake_cxx()  # one compile: the tracker and the walk, without the GPU trace
     assert "-notrace.so" in built
     assert loaded[0][1] == "the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)"
@@ -177,11 +222,11 @@ def test_no_compiler_or_no_cuda_headers_is_a_reason(tmp_path, fake_cxx, monkeypa
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(tracelog.BuildError, match=r"^no C\+\+ compiler \(\$CXX, c\+\+ or g\+\+\)$"):
-        tracebuild.obtain("2.11.0 abc abi1", "/torch/lib", 1)
+        tracebuild.obtain("2.11.0 abc abi1", "/torch/lib")
     monkeypatch.setenv("CXX", str(tmp_path / "fake-c++"))
     monkeypatch.setattr(tracebuild, "cuda_include_dirs", lambda: [])
     with pytest.raises(tracelog.BuildError, match=r"^no CUDA headers"):
-        tracebuild.obtain("2.11.0 abc abi1", "/torch/lib", 1)
+        tracebuild.obtain("2.11.0 abc abi1", "/torch/lib")
     assert fake_cxx() == []
 
 
@@ -280,7 +325,7 @@ def test_a_cold_cache_starts_one_background_build_and_the_run_reads_snapshots(
     key = "2.11.0+cu130 abc abi1 py3.11"
     for _ in range(2):  # the second run (or rank) finds the first one's build under way
         with pytest.raises(tracelog.BuildError) as err:
-            tracebuild.obtain(key, "/torch/lib", 1, wait=False)
+            tracebuild.obtain(key, "/torch/lib", wait=False)
         assert str(err.value) == tracebuild.BUILDING
     assert fake_cxx() == [], "the run itself compiles nothing"
     (started,) = fake_python(1)
@@ -297,7 +342,7 @@ def test_a_cold_cache_starts_one_background_build_and_the_run_reads_snapshots(
     old = os.path.getmtime(marker) - tracebuild.BUILD_TIMEOUT_S - 120
     os.utime(marker, (old, old))  # its builder died without removing it
     with pytest.raises(tracelog.BuildError, match="being built"):
-        tracebuild.obtain(key, "/torch/lib", 1, wait=False)
+        tracebuild.obtain(key, "/torch/lib", wait=False)
     assert len(fake_python(2)) == 2
 
     # the builder's turn (what the background process runs), then a run finds the library
@@ -305,10 +350,11 @@ def test_a_cold_cache_starts_one_background_build_and_the_run_reads_snapshots(
     monkeypatch.setattr(
         tracelib, "load", lambda path, without_trace=None: loaded.append(path) or "the log"
     )
-    assert tracelog.main(["--marker", marker]) == 1  # torch here is the CPU build
+    monkeypatch.setattr(torch.version, "cuda", None)  # a builder that fails: no CUDA torch
+    assert tracelog.main(["--marker", marker]) == 1
     assert not os.path.exists(marker), "the builder removes its marker, failed or not"
-    tracebuild.obtain(key, "/torch/lib", 1)
-    assert tracebuild.obtain(key, "/torch/lib", 1, wait=False) == "the log"
+    tracebuild.obtain(key, "/torch/lib")
+    assert tracebuild.obtain(key, "/torch/lib", wait=False) == "the log"
     assert len(fake_cxx()) == 1 and len(fake_python(2)) == 2 and len(set(loaded)) == 1
 
 
@@ -317,20 +363,21 @@ def test_a_failed_build_is_remembered_and_said_instead_of_compiling_again(
 ):
     monkeypatch.setenv("FAKE_CXX_MODE", "fail")
     key = "2.11.0+cu130 abc abi1 py3.11"
-    with pytest.raises(tracelog.BuildError, match="^fake-c\\+\\+ failed: "):
-        tracebuild.obtain(key, "/torch/lib", 1)
+    with pytest.raises(tracelog.BuildError, match="^`fake-c\\+\\+ .*` failed: "):
+        tracebuild.obtain(key, "/torch/lib")
     for _ in range(2):
         with pytest.raises(tracelog.BuildError) as err:
-            tracebuild.obtain(key, "/torch/lib", 1, wait=False)
-        assert str(err.value) == (
-            "the compiled tracker's build failed: fake-c++ failed: tracelog.cpp:9:10: fatal "
-            "error: c10/cuda/CUDACachingAllocator.h: no such file "
-            "(python -m graphsan.cuda.tracelog tries again)"
+            tracebuild.obtain(key, "/torch/lib", wait=False)
+        msg = str(err.value)
+        assert msg.startswith("the compiled tracker's build failed: `fake-c++ (4 folders) ")
+        assert msg.endswith(
+            "` failed: tracelog.cpp:9:10: fatal error: c10/cuda/CUDACachingAllocator.h: no "
+            "such file (python -m graphsan.cuda.tracelog tries again)"
         )
     assert tracebuild._BACKGROUND == [] and len(fake_cxx()) == 1
     monkeypatch.setenv("FAKE_CXX_MODE", "ok")
     monkeypatch.setattr(tracelib, "load", lambda path, without_trace=None: "the log")
-    assert tracebuild.obtain(key, "/torch/lib", 1) == "the log"  # what the prebuild runs
+    assert tracebuild.obtain(key, "/torch/lib") == "the log"  # what the prebuild runs
     cached = os.listdir(tmp_path / "cache" / "graphsan")
     assert [f for f in cached if f.endswith(".failed")] == [], "a good build forgets the failure"
 

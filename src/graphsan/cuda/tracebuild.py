@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import importlib
+import inspect
 import os
 import re
 import shutil
@@ -19,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from graphsan.cuda import tracelib
 from graphsan.cuda.tracelib import BuildError, TraceLog
@@ -83,18 +86,61 @@ def cuda_include_dirs() -> list[str]:
     return out[:1]
 
 
+class CompileError(BuildError):
+    """The compiler refused: `command` (shortened) and the first line of its error."""
+
+    def __init__(self, command: str, error: str) -> None:
+        super().__init__(f"`{command}` failed: {error}")
+        self.command, self.error = command, error
+
+
+@dataclass(frozen=True)
+class TorchFlags:
+    """How the installed torch compiles its own C++ extensions (`torch.utils.cpp_extension`):
+    the language standard, the C++ ABI and the header folders; `defines` without `-D`."""
+
+    std: str
+    defines: tuple[str, ...]
+    include_dirs: tuple[str, ...]
+
+    @classmethod
+    def of_torch(cls) -> TorchFlags:
+        import torch
+
+        cpp_extension = importlib.import_module("torch.utils.cpp_extension")
+        abi = int(torch.compiled_with_cxx11_abi())
+        return cls(
+            extension_standard(cpp_extension),
+            (f"_GLIBCXX_USE_CXX11_ABI={abi}",),
+            tuple(cpp_extension.include_paths()),
+        )
+
+
+def extension_standard(cpp_extension: object) -> str:
+    """The C++ standard `torch.utils.cpp_extension` compiles extensions with (`c++17` up to torch
+    2.9, `c++20` after; torch's headers need it), read from the module's own source: it offers
+    no function that says it. `c++17` where the source cannot be read."""
+    try:
+        source = inspect.getsource(cpp_extension)
+    except (OSError, TypeError):
+        return "c++17"
+    found = [int(n) for n in re.findall(r"std[=:]c\+\+(\d\d)\b", source)]
+    return f"c++{max(found)}" if found else "c++17"
+
+
 def build(
     target: str,
     cxx: str,
-    include_dirs: Sequence[str],
+    flags: TorchFlags,
     lib_dir: str,
     libs: Sequence[str],
-    defines: Sequence[str] = (),
     sources: Sequence[str] = SOURCES,
+    extra: Sequence[str] = (),
 ) -> None:
-    """Compile `sources` into `target`: into a temporary file next to it, renamed into place, so
-    a process that loads `target` never sees half a file (two processes may build at once; the
-    later rename wins with an equal file). Raises BuildError."""
+    """Compile `sources` into `target` with `flags` (and `extra` flags before them): into a
+    temporary file next to it, renamed into place, so a process that loads `target` never sees
+    half a file (two processes may build at once; the later rename wins with an equal file).
+    Raises BuildError naming the compiler command."""
     folder = os.path.dirname(target) or "."
     try:
         os.makedirs(folder, exist_ok=True)
@@ -102,24 +148,51 @@ def build(
         os.close(fd)
     except OSError as err:
         raise BuildError(f"cannot write to {folder}: {err.strerror or err}") from None
-    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", *(f"-D{d}" for d in defines)]
-    cmd += [f"-I{d}" for d in include_dirs]
-    cmd += [*sources, "-o", tmp, f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
-    cmd += [f"-l{lib}" for lib in libs] + ["-ldl"]
+    cmd = compile_command(cxx, flags, sources, tmp, lib_dir, libs, extra)
+    said = shown(cmd)
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
         )
         if proc.returncode != 0:
-            raise BuildError(f"{os.path.basename(cxx)} failed: {_first_error(proc.stderr)}")
+            raise CompileError(said, _first_error(proc.stderr))
         os.replace(tmp, target)
     except subprocess.TimeoutExpired:
-        raise BuildError(f"{os.path.basename(cxx)} ran past {BUILD_TIMEOUT_S} s") from None
+        raise BuildError(f"`{said}` ran past {BUILD_TIMEOUT_S} s") from None
     except OSError as err:
-        raise BuildError(f"{os.path.basename(cxx)}: {err.strerror or err}") from None
+        raise BuildError(f"`{said}`: {err.strerror or err}") from None
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def compile_command(
+    cxx: str,
+    flags: TorchFlags,
+    sources: Sequence[str],
+    output: str,
+    lib_dir: str,
+    libs: Sequence[str],
+    extra: Sequence[str] = (),
+) -> list[str]:
+    cmd = [cxx, *extra, "-O2", "-shared", "-fPIC", f"-std={flags.std}"]
+    cmd += [f"-D{d}" for d in flags.defines] + [f"-I{d}" for d in flags.include_dirs]
+    cmd += [*sources, "-o", output, f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
+    return cmd + [f"-l{lib}" for lib in libs] + ["-ldl"]
+
+
+def shown(cmd: Sequence[str]) -> str:
+    """A compiler command in one short line: the compiler and source names, the flags, the
+    header and library folders counted instead of spelled out."""
+    words, folders = [], 0
+    for word in cmd:
+        if word.startswith(("-I", "-L", "-Wl,-rpath")):
+            folders += 1
+            continue
+        if word.endswith((".cpp", ".so", ".tmp")) or word == cmd[0]:
+            word = os.path.basename(word)
+        words.append(word)
+    return " ".join(words[:1] + [f"({folders} folders)"] + words[1:])
 
 
 def _first_error(stderr: str) -> str:
@@ -131,7 +204,6 @@ def _first_error(stderr: str) -> str:
 def obtain(
     torch_build: str,
     lib_dir: str,
-    abi: int,
     libs: Sequence[str] = ("c10_cuda", "c10"),
     wait: bool = True,
 ) -> TraceLog:
@@ -169,7 +241,7 @@ def obtain(
         start_background_build(target)
         raise BuildError(BUILDING)
     try:
-        log = _build_and_load(target, partial, cxx, cuda, lib_dir, abi, libs)
+        log = _build_and_load(target, partial, cxx, cuda, lib_dir, libs)
     except BuildError as err:
         with contextlib.suppress(OSError), open(target + ".failed", "w") as fh:
             fh.write(str(err))
@@ -185,19 +257,17 @@ def _build_and_load(
     cxx: str,
     cuda: list[str],
     lib_dir: str,
-    abi: int,
     libs: Sequence[str],
 ) -> TraceLog:
-    from torch.utils.cpp_extension import include_paths
-
-    includes, defines = [*include_paths(), *cuda], [f"_GLIBCXX_USE_CXX11_ABI={abi}"]
+    torch_flags = TorchFlags.of_torch()
+    flags = TorchFlags(torch_flags.std, torch_flags.defines, (*torch_flags.include_dirs, *cuda))
     why = why_no_trace()
     if why is None:
         try:
-            build(target, cxx, includes, lib_dir, libs, defines)
+            build(target, cxx, flags, lib_dir, libs)
             return tracelib.load(target)
         except BuildError as err:
-            if not any(name in str(err) for name in TRACE_FILES):
+            if not (isinstance(err, CompileError) and any(n in err.error for n in TRACE_FILES)):
                 raise  # a failure of the tracker's own, or of the machine (time, disk): no cache
             why = str(err)
     # the GPU trace leans on PyTorch's interpreter table: without it the tracker still works
@@ -205,7 +275,7 @@ def _build_and_load(
         os.makedirs(os.path.dirname(partial), exist_ok=True)
         with open(partial + ".why", "w") as fh:  # before the library, which readers look for
             fh.write(why)
-    build(partial, cxx, includes, lib_dir, libs, defines, TRACKER_SOURCES)
+    build(partial, cxx, flags, lib_dir, libs, TRACKER_SOURCES)
     return tracelib.load(partial, why)
 
 

@@ -96,20 +96,20 @@ def for_this_torch(wait: bool = True) -> tuple[TraceLog, str]:
     abi = int(torch.compiled_with_cxx11_abi())
     python = "py{}.{}".format(*sys.version_info[:2])  # the GPU trace links to the interpreter
     key = f"{torch.__version__} {torch.version.git_version} abi{abi} {python}"
-    return tracebuild.obtain(key, lib_dir, abi, wait=wait), c10_cuda
+    return tracebuild.obtain(key, lib_dir, wait=wait), c10_cuda
 
 
-def build_unattached(folder: str) -> TraceLog:
+def build_unattached(folder: str, extra: Sequence[str] = ()) -> TraceLog:
     """The library built against this torch into `folder`, linked to libc10 only and not
-    attached (tests and benchmarks without a GPU); its `gpu_trace` says why where this Python
-    cannot have it. Raises BuildError."""
+    attached (tests and benchmarks without a GPU; `extra` compiler flags, such as the
+    sanitizers'); its `gpu_trace` says why where this Python cannot have it. Raises BuildError."""
     import torch
-    from torch.utils.cpp_extension import include_paths
 
     cxx, cuda = tracebuild.find_compiler(), tracebuild.cuda_include_dirs()
     if cxx is None or not cuda:
         raise BuildError("needs a C++ compiler and CUDA headers (cuda_runtime_api.h)")
-    includes = [*include_paths(), *cuda]
+    torch_flags = tracebuild.TorchFlags.of_torch()
+    includes = [*torch_flags.include_dirs, *cuda]
     if not os.path.isfile(os.path.join(includes[0], "c10/cuda/impl/cuda_cmake_macros.h")):
         # CPU wheels ship c10/cuda's headers without this generated one
         stub = os.path.join(folder, "stub", "c10", "cuda", "impl")
@@ -119,12 +119,10 @@ def build_unattached(folder: str) -> TraceLog:
         includes.append(os.path.join(folder, "stub"))
     target = os.path.join(folder, "tracelog-unattached.so")
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    abi = int(torch.compiled_with_cxx11_abi())
     why = tracebuild.why_no_trace()
     sources = tracebuild.SOURCES if why is None else tracebuild.TRACKER_SOURCES
-    tracebuild.build(
-        target, cxx, includes, lib_dir, ["c10"], [f"_GLIBCXX_USE_CXX11_ABI={abi}"], sources
-    )
+    flags = tracebuild.TorchFlags(torch_flags.std, torch_flags.defines, tuple(includes))
+    tracebuild.build(target, cxx, flags, lib_dir, ["c10"], sources, extra)
     return tracelib.load(target, why)
 
 
