@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import types
 
 import pytest
@@ -154,6 +155,27 @@ def test_the_trace_records_each_allocations_site_in_cpp(traced):
     assert traced._site_at(0x7000_1000) != traced._site_at(0x7000_0000)  # another line
     free_in_user_code(trace, 0x7000_0000)
     assert traced._site_at(0x7000_0000) is None
+
+
+@BUILT_ONCE
+def test_a_site_read_holds_its_code_objects_when_the_sites_are_cleared(traced):
+    """A site is read while another thread may clear every site (a stop of the trace): the
+    tuple the library makes holds its own references, and the two never interleave."""
+    trace = traced.trace
+    ns: dict = {}
+    made = "def allocate_here(trace):\n    trace.fire('alloc', 0x7300_0000)\n"
+    exec(compile(made, "<made-for-this-test>", "exec"), ns)
+    ns["allocate_here"](trace)
+    site = trace.site_of(0x7300_0000)
+    (code,) = [c for c in site[0::2] if c.co_name == "allocate_here"]
+    ns.clear()  # the site's tuple and the library hold the function's code now
+    before = sys.getrefcount(code)
+    trace.enable(False)
+    trace.clear_sites()
+    assert sys.getrefcount(code) == before - 1, "the library let go of its own reference"
+    assert code.co_filename == "<made-for-this-test>" and code in site
+    assert trace.site_of(0x7300_0000) is None
+    assert trace.pylib.gs_trace_site_tuple(0) == (), "no site left to read"
 
 
 @BUILT_ONCE

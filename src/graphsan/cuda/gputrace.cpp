@@ -40,6 +40,8 @@ int PyFrame_GetLasti(PyObject*);
 void Py_IncRef(PyObject*);
 void Py_DecRef(PyObject*);
 PyObject* PyLong_FromUnsignedLongLong(unsigned long long);
+PyObject* PyTuple_New(long);
+int PyTuple_SetItem(PyObject*, long, PyObject*);
 PyObject* PyObject_CallFunctionObjArgs(PyObject*, ...);
 void PyErr_Clear(void);
 void PyErr_Fetch(PyObject**, PyObject**, PyObject**);
@@ -299,17 +301,42 @@ uint32_t gs_trace_site_of(uint64_t addr) {
   return it == g_trace->site_of.end() ? 0 : it->second;
 }
 
-// Copy site `index` (from gs_trace_site_of, less one) into out as (code, lasti) pairs; returns
-// the number of values (at most cap). The code objects live until gs_trace_clear_sites.
-int64_t gs_trace_site(uint32_t index, uintptr_t* out, int64_t cap) {
-  std::lock_guard<std::mutex> guard(g_trace->mu);
-  if (index >= g_trace->sites.size()) {
-    return 0;
+// Site `index` (from gs_trace_site_of, less one) as a new tuple (code, lasti, code, lasti, ...)
+// that holds its own references to the code objects; empty where there is no such site; NULL
+// with the error set where Python is out of memory. Called with the GIL held (ctypes.PyDLL), so
+// no gs_trace_clear_sites can drop a code object between the copy and the new references. No
+// Python object is made while the trace's lock is held: a collection could run code that takes
+// it.
+PyObject* gs_trace_site_tuple(uint32_t index) {
+  std::vector<uintptr_t> path;
+  try {
+    std::lock_guard<std::mutex> guard(g_trace->mu);
+    if (index < g_trace->sites.size()) {
+      path = g_trace->sites[index];
+      for (size_t i = 0; i < path.size(); i += 2) {
+        Py_IncRef(reinterpret_cast<PyObject*>(path[i]));
+      }
+    }
+  } catch (const std::bad_alloc&) { // the copy failed before any reference was taken
+    path.clear();
   }
-  const auto& s = g_trace->sites[index];
-  const int64_t n = std::min<int64_t>(cap, static_cast<int64_t>(s.size()));
-  std::copy(s.begin(), s.begin() + n, out);
-  return n;
+  PyObject* tuple = PyTuple_New(static_cast<long>(path.size()));
+  for (size_t i = 0; i < path.size(); ++i) {
+    PyObject* item = nullptr;
+    if (tuple != nullptr) {
+      item = i % 2 == 0 ? reinterpret_cast<PyObject*>(path[i])
+                        : PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(path[i]));
+    }
+    if (item == nullptr) { // give back the references not yet placed in the tuple
+      for (size_t j = i + (i % 2); j < path.size(); j += 2) {
+        Py_DecRef(reinterpret_cast<PyObject*>(path[j]));
+      }
+      Py_DecRef(tuple);
+      return nullptr;
+    }
+    PyTuple_SetItem(tuple, static_cast<long>(i), item); // takes the reference
+  }
+  return tuple;
 }
 
 } // extern "C"

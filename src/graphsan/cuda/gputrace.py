@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 Site = tuple  # (code, instruction offset, code, instruction offset, ...), innermost first
-# the most values a site has: 24 frames (allocator.SITE_DEPTH) fit with room to spare
-MAX_SITE_VALUES = 256
 _KINDS = {"alloc": 0, "free": 1, "event_record": 2}
 
 
@@ -31,6 +30,8 @@ class GpuTrace:
         self.lib = lib
         self.pylib = pylib  # the same library, called with the GIL held (Python objects)
         self._sites: dict[int, Site] = {}  # site index + 1 -> (code, lasti, ...)
+        # a site read and the clearing of every site never interleave (any thread may do either)
+        self._sites_lock = threading.RLock()
         self.owner: object | None = None  # the one AllocatorWatch listening through it
 
     def install(self) -> str | None:
@@ -66,8 +67,9 @@ class GpuTrace:
 
     def clear_sites(self) -> None:
         """Forget every recorded site (with the trace stopped)."""
-        self.pylib.gs_trace_clear_sites()
-        self._sites.clear()
+        with self._sites_lock:
+            self.pylib.gs_trace_clear_sites()
+            self._sites.clear()
 
     def watch(self, addresses: Sequence[int]) -> None:
         """Frees of these addresses call on_free (a superset of the watched blocks is fine)."""
@@ -96,20 +98,17 @@ class GpuTrace:
     def site_of(self, address: int) -> Site | None:
         """The recorded allocation site of the live block at `address`, interned (one tuple per
         call path), or None."""
-        index = self.lib.gs_trace_site_of(address)
-        if index == 0:
-            return None
-        site = self._sites.get(index)
-        if site is None:
-            buf = (ctypes.c_uint64 * MAX_SITE_VALUES)()
-            n = self.lib.gs_trace_site(index - 1, buf, len(buf))
-            values = list(buf[:n])
-            # the library holds a reference to each code object until clear_sites
-            codes = [ctypes.cast(p, ctypes.py_object).value for p in values[0::2]]
-            site = self._sites[index] = tuple(
-                v for pair in zip(codes, values[1::2], strict=True) for v in pair
-            )
-        return site
+        with self._sites_lock:
+            index = self.lib.gs_trace_site_of(address)
+            if index == 0:
+                return None
+            site = self._sites.get(index)
+            if site is None:
+                # a tuple of the library's making, holding its own references to the code objects
+                site = self.pylib.gs_trace_site_tuple(index - 1) or None
+                if site is not None:
+                    self._sites[index] = site
+            return site
 
     # -- without a GPU (tests, benchmarks) ------------------------------------------------------
     def fire(self, kind: str, address: int) -> None:
@@ -129,6 +128,8 @@ def bind(lib: ctypes.CDLL, pylib: ctypes.PyDLL) -> GpuTrace:
     pylib.gs_trace_callbacks.argtypes = [ctypes.py_object, ctypes.py_object]
     pylib.gs_trace_callbacks.restype = None
     pylib.gs_trace_clear_sites.restype = None
+    pylib.gs_trace_site_tuple.argtypes = [ctypes.c_uint32]
+    pylib.gs_trace_site_tuple.restype = ctypes.py_object
     signatures: dict[str, tuple[list, Any]] = {
         "gs_trace_install": ([ctypes.c_char_p, ctypes.c_size_t], i32),
         "gs_trace_current": ([], i32),
@@ -140,7 +141,6 @@ def bind(lib: ctypes.CDLL, pylib: ctypes.PyDLL) -> GpuTrace:
         "gs_trace_watched_count": ([], i64),
         "gs_trace_python_calls": ([], u64),
         "gs_trace_site_of": ([u64], ctypes.c_uint32),
-        "gs_trace_site": ([ctypes.c_uint32, ctypes.POINTER(u64), i64], i64),
         "gs_trace_fire": ([i32, u64], i32),
         "gs_trace_fire_temporaries": ([u64, i64], i32),
     }
