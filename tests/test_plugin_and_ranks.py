@@ -305,9 +305,10 @@ def test_pytest_plugin_summary_counts_real_graph_records():
         )
         for gid, n in ((1, 5), (2, 7))
     }
-    san = SimpleNamespace(
-        active=True, disabled_reason=None, graph_stats=stats, findings=[finding()], policy="record"
-    )
+    from graphsan.sanitizer import Sanitizer
+
+    san = Sanitizer("record")  # not started: nothing of torch's is patched
+    san.graph_stats, san.findings = stats, [finding()]
     lines = []
     reporter = SimpleNamespace(write_line=lines.append)
     config = SimpleNamespace(_graphsan=san, getoption=lambda name, default=None: default)

@@ -5,8 +5,6 @@ disabling itself on an internal error."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from graphsan import sanitizer
@@ -110,11 +108,13 @@ def test_internal_error_disables_and_says_so(env, monkeypatch, capsys):
     assert "disables itself" in capsys.readouterr().err
 
 
-def test_an_unmapped_finding_names_the_empty_cache_call_relative_to_the_cwd(env):
+def test_an_unmapped_finding_names_the_empty_cache_call_from_its_project_root(env, tmp_path):
     san, g = captured("raise")
     state = g.__dict__["_graphsan_state"]
     assert free_block(san)
-    here = os.path.join(os.getcwd(), "train.py")
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "train.py").write_text("")
+    here = str(tmp_path / "train.py")
     san.memory.last_release = Release(((here, 21, "validate"),), "eval", 5)
     env["map"] = MemoryMap.from_snapshot({"segments": []})  # the segment went back
     with pytest.raises(StaleMemoryError) as err:

@@ -16,6 +16,7 @@ import traceback
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from graphsan.core.locations import location
 from graphsan.core.patches import Patches
 from graphsan.core.records import Frame
 
@@ -35,9 +36,11 @@ def is_user_frame(filename: str) -> bool:
 
 
 def user_frames(frames: list[Frame], limit: int = MAX_FRAMES) -> list[Frame]:
-    """Outermost-first frames with sanitizer and torch internals removed, the last `limit` kept."""
+    """Outermost-first frames with sanitizer and torch internals removed, the last `limit` kept,
+    each file as its location (`graphsan.core.locations`): a report read on another machine, or
+    from another folder, names the same files."""
     kept = [f for f in frames if is_user_frame(f[0])]
-    return kept[-limit:]
+    return [(location(f[0]), f[1], f[2]) for f in kept[-limit:]]
 
 
 def python_stack(limit: int = MAX_FRAMES) -> list[Frame]:

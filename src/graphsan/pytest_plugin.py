@@ -5,6 +5,10 @@ report, even if the test swallowed the `StaleMemoryError`. With "warn" or "recor
 are attached to the test's report as a section and the test's outcome is left alone. The
 terminal summary counts graphs and findings.
 
+Under pytest-xdist each worker runs its own sanitizer and hands its report to the controller
+(xdist's `workeroutput`) when it finishes; the controller combines them
+(`graphsan.report.ranks.combine`) into the summary and into `--graphsan-report`.
+
 The plugin loads with every pytest run of the environment, so it imports nothing heavy (torch,
 the sanitizer) unless `--graphsan` is given.
 """
@@ -12,6 +16,7 @@ the sanitizer) unless `--graphsan` is given.
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -19,6 +24,14 @@ import pytest
 from graphsan.policies import POLICIES, Policy
 
 OPTION = "--graphsan"
+# the options that only mean something with --graphsan: (dest, option)
+NEEDS_GRAPHSAN = (
+    ("graphsan_report", "--graphsan-report"),
+    ("graphsan_suppressions", "--graphsan-suppressions"),
+    ("graphsan_source_root", "--graphsan-source-root"),
+)
+WORKER_KEY = "graphsan_report"  # a worker's report in xdist's workeroutput (JSON text)
+WORKER_ERROR_KEY = "graphsan_report_error"  # why a worker could not hand its report over
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,7 +55,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--graphsan-report",
         metavar="PATH",
         default=None,
-        help="with --graphsan: write the run's JSON report here",
+        help="with --graphsan: write the run's JSON report here (under pytest-xdist: every "
+        "worker's, combined)",
+    )
+    group.addoption(
+        "--graphsan-source-root",
+        metavar="DIR",
+        default=None,
+        help="with --graphsan: the project root; frames in files under it are printed and "
+        "matched by their path from it (default: per file, the nearest folder above it "
+        "holding .git, pyproject.toml or setup.py)",
     )
 
 
@@ -83,9 +105,20 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args: lis
         early_config.known_args_namespace = again
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (the controller has no workerinput)."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     policy = config.getoption("graphsan", None)
     if policy is None:
+        for dest, option in NEEDS_GRAPHSAN:
+            if config.getoption(dest, None) is not None:
+                raise pytest.UsageError(
+                    f"{option} needs {OPTION}, which turns the sanitizer on; expected "
+                    f"{OPTION}[=POLICY] as well"
+                )
         return
     if policy not in POLICIES:
         # `--graphsan tests_typo_dir`: argparse gave the policy a test path that does not exist
@@ -111,10 +144,31 @@ def pytest_configure(config: pytest.Config) -> None:
             check_output_file(report, "--graphsan-report")
         except CliError as err:
             raise pytest.UsageError(str(err)) from None
+    _set_source_root(config.getoption("graphsan_source_root", None))
     import graphsan
 
     config._graphsan = graphsan.enable(policy=policy)
     config._graphsan.suppressions = entries
+    config._graphsan_workers = {}  # on xdist's controller: worker id -> its report's JSON text
+    config._graphsan_lost = {}  # worker id -> why its report did not come
+
+
+def _set_source_root(path: str | None) -> None:
+    from graphsan.command_line import CliError
+    from graphsan.commands import set_source_root
+
+    try:
+        set_source_root(path)
+    except CliError as err:
+        message = str(err).replace("--source-root", "--graphsan-source-root")
+        raise pytest.UsageError(message) from None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "_graphsan", None) is not None:
+        from graphsan.core.locations import set_source_root
+
+        set_source_root(None)  # the next in-process session finds its own roots
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -133,24 +187,78 @@ def pytest_runtest_call(item: pytest.Item):
         pytest.fail(f"graphsan: {len(new)} stale graph reference(s)\n\n{text}", pytrace=False)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its report to the controller (xdist sends `workeroutput` after
+    this hook)."""
+    config = session.config
+    san = getattr(config, "_graphsan", None)
+    if san is None or not _is_worker(config):
+        return
+    try:
+        config.workeroutput[WORKER_KEY] = json.dumps(san.report().to_dict())
+    except Exception as err:  # the worker's tests ran: never fail them over the report
+        config.workeroutput[WORKER_ERROR_KEY] = f"{type(err).__name__}: {err}"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """xdist's controller: a worker finished (or died); keep the report it handed over."""
+    config = node.config
+    if getattr(config, "_graphsan", None) is None:
+        return
+    worker = node.gateway.id
+    output = getattr(node, "workeroutput", None) or {}
+    if WORKER_KEY in output:
+        config._graphsan_workers[worker] = output[WORKER_KEY]
+    else:
+        config._graphsan_lost[worker] = output.get(WORKER_ERROR_KEY) or (
+            f"it ended before handing over its report ({error})" if error else "no report came"
+        )
+
+
+def _run_report(config: pytest.Config, san, say):
+    """The run's report: the sanitizer's own, or under xdist every worker's combined."""
+    handed = getattr(config, "_graphsan_workers", {})
+    lost = getattr(config, "_graphsan_lost", {})
+    for worker, why in sorted(lost.items()):
+        say(f"graphsan: worker {worker}: {why}; its findings are not in the summary")
+    if not handed and not lost:
+        return san.report()
+    from graphsan.report.ranks import combine, report_from_json
+
+    reports = []
+    for worker, text in sorted(handed.items()):
+        try:
+            reports.append(report_from_json(text, f"worker {worker}"))
+        except ValueError as err:
+            say(f"graphsan: {err}; its findings are not in the summary")
+    return combine(reports) if reports else san.report()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     san = getattr(config, "_graphsan", None)
-    if san is None:
+    if san is None or _is_worker(config):
         return
+    say = terminalreporter.write_line
+    report = _run_report(config, san, say)
     path = config.getoption("graphsan_report", None)
     if path is not None:  # idle too: the report says why
-        san.report().save(path)
-        terminalreporter.write_line(f"graphsan: report written to {path}")
-    if not san.active and san.disabled_reason:
-        terminalreporter.write_line(f"graphsan: idle ({san.disabled_reason}), policy {san.policy}")
+        try:
+            report.save(path)
+            say(f"graphsan: report written to {path}")
+        except OSError as err:  # the tests ran: say it, never end the session in a traceback
+            say(f"graphsan: could not write the report to {path} ({err.strerror})")
+    if not san.active and san.disabled_reason and not (report.graphs or report.findings):
+        say(f"graphsan: idle ({san.disabled_reason}), policy {san.policy}")
         return
-    nodes = sum(g.walk.nodes for g in san.graph_stats.values())
-    terminalreporter.write_line(
-        f"graphsan: {len(san.graph_stats)} graph(s), {nodes} node(s) watched, "
-        f"{len(san.findings)} finding(s), policy {san.policy}"
+    workers = len(getattr(config, "_graphsan_workers", {}))
+    over = f"{workers} xdist worker(s), " if workers else ""
+    nodes = sum(g.get("nodes", 0) for g in report.graphs)
+    say(
+        f"graphsan: {over}{len(report.graphs)} graph(s), {nodes} node(s) watched, "
+        f"{len(report.findings)} finding(s), policy {san.policy}"
     )
-    suppressed = getattr(san, "suppressed", [])
-    if suppressed:
+    if report.suppressed:
         from graphsan.report.suppressions import summary
 
-        terminalreporter.write_line(f"graphsan: {summary(suppressed)}")
+        say(f"graphsan: {summary(report.suppressed)}")

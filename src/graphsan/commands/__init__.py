@@ -2,12 +2,20 @@
 parser and its handler, `main(argv) -> exit status`. `train` and `repro` are the lab's and stay
 in `graphsan.cli`, the one sanitizer module that may import the lab.
 
-What more than one command needs lives here: the suppression file of `run` and `report`.
+What more than one command needs lives here: the suppression file of `run` and `report`, and
+the source root by which both name the files of frames (`graphsan.core.locations`).
 """
 
 from __future__ import annotations
 
+import os
+
 from graphsan.command_line import CliError
+
+SOURCE_ROOT_HELP = (
+    "the project root: frames in files under it are printed and matched by their path from it "
+    "(default: per file, the nearest folder above it holding .git, pyproject.toml or setup.py)"
+)
 
 
 def load_suppressions(path: str | None) -> list:
@@ -20,3 +28,21 @@ def load_suppressions(path: str | None) -> list:
         return suppressions.load(path)
     except ValueError as err:
         raise CliError(f"--suppressions {err}") from None
+
+
+def check_source_root(path: str, option: str = "--source-root", exists: bool = True) -> str:
+    """`path` as an absolute folder; CliError when it is empty or (with `exists`) not a folder
+    here. A report's recorded root may be another machine's, so `report` passes exists=False."""
+    if not path.strip():
+        raise CliError(f"{option} {path!r}: expected a folder")
+    if exists and not os.path.isdir(path):
+        what = "is not a folder" if os.path.exists(path) else "does not exist"
+        raise CliError(f"{option} {path}: {what}; expected the project's root folder")
+    return os.path.abspath(path)
+
+
+def set_source_root(path: str | None, exists: bool = True) -> None:
+    """Name frames' files under `path` from it on (None: each file's own project root)."""
+    from graphsan.core.locations import set_source_root as set_root
+
+    set_root(None if path is None else check_source_root(path, exists=exists))

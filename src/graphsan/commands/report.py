@@ -11,7 +11,7 @@ import os
 import sys
 
 from graphsan.command_line import CliError, OneLineParser, check_output_file
-from graphsan.commands import load_suppressions
+from graphsan.commands import SOURCE_ROOT_HELP, load_suppressions, set_source_root
 
 
 def main(argv: list[str]) -> int:
@@ -36,6 +36,12 @@ def main(argv: list[str]) -> int:
         help="leave out the findings a YAML suppression file matches (they are counted)",
     )
     p.add_argument(
+        "--source-root",
+        metavar="DIR",
+        help=f"{SOURCE_ROOT_HELP}; for reports whose frames hold absolute paths, give the root "
+        "as it was where the report was written",
+    )
+    p.add_argument(
         "--gen-suppressions",
         action="store_true",
         help="print a suppression entry for each finding, ready to edit, and exit",
@@ -50,6 +56,7 @@ def main(argv: list[str]) -> int:
     if args.error_exitcode is not None and not 1 <= args.error_exitcode <= 255:
         raise CliError(f"--error-exitcode {args.error_exitcode}: expected 1 to 255")
     entries = load_suppressions(args.suppressions)
+    set_source_root(args.source_root, exists=False)
     if args.sample is not None:
         if args.paths:
             raise CliError("--sample reads the shipped report; give it no REPORT.json as well")

@@ -14,7 +14,7 @@ import os
 import sys
 
 from graphsan.command_line import CliError, DefaultsHelpFormatter, OneLineParser, check_output_file
-from graphsan.commands import load_suppressions
+from graphsan.commands import SOURCE_ROOT_HELP, load_suppressions, set_source_root
 from graphsan.policies import Policy
 
 EXIT_FINDINGS = 3
@@ -64,6 +64,7 @@ def make_parser() -> OneLineParser:
         help="a YAML file of findings to suppress (counted, never stopping a replay; see "
         "graphsan report --gen-suppressions)",
     )
+    p.add_argument("--source-root", metavar="DIR", help=SOURCE_ROOT_HELP)
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a library module as a script")
     return p
 
@@ -241,6 +242,7 @@ def main(argv: list[str]) -> int:
         path = report_path_for(args.report, rank_from_env())
         check_output_file(path, "--report")
     entries = load_suppressions(args.suppressions)
+    set_source_root(args.source_root)
 
     import graphsan
 

@@ -7,11 +7,11 @@ text lives in `graphsan.report.text`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from graphsan.core.choice import Choice
+from graphsan.core.locations import location
 
 DataPtr = int
 GraphId = int
@@ -89,8 +89,9 @@ _EAGER_CAUSE = (
 
 
 def display_path(filename: str) -> str:
-    """A frame's file as reports print it: relative to the working directory when absolute."""
-    return os.path.relpath(filename) if os.path.isabs(filename) else filename
+    """A frame's file as reports print it and suppressions match it: the same on every machine
+    and from every working directory (`graphsan.core.locations`)."""
+    return location(filename)
 
 
 def frame_text(frame: Frame) -> str:

@@ -11,8 +11,10 @@ is counted, per entry, in every summary: nothing is hidden silently.
       alloc: "*quant/linear.py:* in _alloc*"         # any frame of the allocation stack
       free: "* in clear_workspace"                    # any frame of the free stack
 
-Frames are matched as reports print them: `file:line in function`. `graphsan report
---gen-suppressions` prints an entry for each finding of a report, ready to edit.
+Frames are matched as reports print them: `file:line in function`, the file by its location
+(`graphsan.core.locations`: its path within its package or from its project's root), so one
+file matches from any folder and on any machine. `graphsan report --gen-suppressions` prints an
+entry for each finding of a report, ready to edit.
 """
 
 from __future__ import annotations
