@@ -197,11 +197,16 @@ def test_a_watched_clean_report_stays_green_without_a_banner():
     assert "schema v3" not in html and "No events were recorded." in html
 
 
-def test_one_idle_rank_of_two_is_named_and_the_clean_badge_is_neutral():
-    reports = [Report(rank=0, watched=True), Report(rank=1, watched=False, disabled_reason="x y")]
-    html = render_report(reports, ["a.json", "b.json"])
-    assert "Not watched: 1 of 2 reports" in html and "<li>rank 1: x y</li>" in html
-    assert 'class="badge-ok"' not in html
+def test_an_idle_rank_and_a_partial_one_are_named_and_the_clean_badge_is_neutral():
+    reports = [
+        Report(rank=0, watched=True),
+        Report(rank=1, watched=False, disabled_reason="x y"),
+        Report(rank=2, watched=True, disabled_reason="internal error: z"),
+    ]
+    html = render_report(reports, ["a.json", "b.json", "c.json"])
+    assert "Not watched: 1 of 3 reports" in html and "<li>rank 1: x y</li>" in html
+    assert "rank 2: graphsan disabled itself (internal error: z)" in html
+    assert 'class="badge-ok"' not in html and "1 not watched (above)" in html
 
 
 def test_only_a_report_older_than_v3_is_said_to_be_older(tmp_path):
