@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,7 +116,8 @@ def test_the_shipped_samples_render_without_a_gpu(tmp_path, capsys):
 
     assert main(["report", "--sample", "stale-input"]) == 0
     out = capsys.readouterr().out
-    assert "UNMAPPED: graph #1 'stale_input.py:14'" in out and "empty_cache()" in out
+    # the line numbers are the recording's (scripts/make_samples.py records it again)
+    assert re.search(r"UNMAPPED: graph #1 'stale_input.py:\d+'", out) and "empty_cache()" in out
     assert main(["report", "--sample", "te3316-case4"]) == 0
     assert "FREED: graph #1 'layers.0:layer fwd mb0'" in capsys.readouterr().out
     html, trace = tmp_path / "s.html", tmp_path / "s.trace.json"

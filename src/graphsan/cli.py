@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         top = _top_parser()
         if not argv:
             top.error(f"expected a command: {', '.join(COMMANDS)}")
+        if argv[0].startswith("-") and argv[0] not in top._option_string_actions:
+            # argparse would ask for COMMAND first and never name the option it does not know
+            top.error(
+                f"unrecognized option {argv[0]}; expected a command ({', '.join(COMMANDS)}), "
+                "--help or --version"
+            )
         ns = top.parse_args(argv)  # --help, --version and mistakes end here
         argv = [ns.command, *ns.args]
     command, rest = argv[0], argv[1:]

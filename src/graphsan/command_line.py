@@ -59,6 +59,8 @@ def check_output_file(path: str, option: str) -> None:
     that a typo costs nothing and the results of a long run are not lost at the end."""
     if not path.strip():
         raise CliError(f"{option} {path!r}: expected a file path")
+    if path == "-":  # the options that take stdout check `-` before calling this
+        raise CliError(f"{option} -: this output cannot go to stdout; expected a file path")
     if os.path.isdir(path):
         raise CliError(f"{option} {path}: is a directory; expected a file path")
     folder = os.path.dirname(os.path.abspath(path))

@@ -84,6 +84,7 @@ class Sanitizer:
         self.graph_stats: dict[int, GraphStats] = {}  # by graph id, in capture order
         self.rank = rank_from_env()
         self.active = False
+        self.watched = False  # start() got as far as watching (a report says whether it did)
         self.disabled_reason: str | None = None
         self._failed = False  # an internal error disabled it
         self.report_path: str | None = None
@@ -168,7 +169,7 @@ class Sanitizer:
         self.hooks.install()
         if self.pinner is not None:
             self.pinner.attach()
-        self.active = True
+        self.active = self.watched = True
         return self
 
     def stop(self) -> None:
@@ -185,9 +186,19 @@ class Sanitizer:
         self.context.stop()
 
     def report(self) -> Report:
+        """Everything seen so far, with whether graphsan watched (an idle run's report says
+        why, so that it never reads as clean) and what recorded it."""
+        from graphsan.provenance import collect
+
         pinned = self.pinner.summary() if self.pinner is not None else {}
         graphs = [g.to_dict() for g in self.graph_stats.values()]
         tl = self.timeline
+        watched = self.watched or self.active or bool(self.graph_stats)
+        if self._failed and not self.graph_stats:  # disabled before it analysed any graph
+            watched = False
+        reason = self.disabled_reason
+        if not watched and reason is None:
+            reason = "graphsan was not started (graphsan.enable() starts it)"
         return Report(
             list(self.findings),
             graphs,
@@ -199,6 +210,9 @@ class Sanitizer:
             self.memory.allocator_log,
             dict(self.capture.calibration),
             list(self.suppressed),
+            watched=watched,
+            disabled_reason=reason,
+            provenance=collect(),
         )
 
     # -- labels -----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """`graphsan report`: saved reports printed, merged by rank, or written as an HTML page and a
-Chrome trace; suppressions applied or generated.
+Chrome trace; suppressions applied or generated. A report in which graphsan watched nothing
+(no CUDA, say) says so first, and fails `--error-exitcode` unless `--allow-idle` is given.
 
     graphsan report [--html OUT.html] [--trace OUT.json] out.json [more.json ...]
     graphsan report --sample NAME [--html OUT.html]
@@ -22,12 +23,16 @@ def main(argv: list[str]) -> int:
     from graphsan.report.json_report import SAMPLES, sample_path
 
     p.add_argument("paths", nargs="*", metavar="REPORT.json")
-    p.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
-    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto)")
+    p.add_argument(
+        "--html", metavar="OUT.html", help="write one self-contained HTML page (- for stdout)"
+    )
+    p.add_argument(
+        "--trace", metavar="OUT.json", help="write a Chrome trace for Perfetto (- for stdout)"
+    )
     p.add_argument(
         "--sample",
         choices=list(SAMPLES),
-        help="a report recorded on an NVIDIA H200, shipped with graphsan (no GPU needed): "
+        help="a report recorded on a GPU, shipped with graphsan (no GPU needed): "
         + "; ".join(f"{k}: {v[1]}" for k, v in SAMPLES.items()),
     )
     p.add_argument(
@@ -50,7 +55,13 @@ def main(argv: list[str]) -> int:
         "--error-exitcode",
         type=int,
         metavar="N",
-        help="exit N when findings remain after suppressions (compute-sanitizer's flag)",
+        help="exit N when findings remain after suppressions (compute-sanitizer's flag), or when "
+        "a report says graphsan watched nothing (idle: no CUDA, say)",
+    )
+    p.add_argument(
+        "--allow-idle",
+        action="store_true",
+        help="with --error-exitcode: accept reports in which graphsan watched nothing",
     )
     args = p.parse_args(argv)
     if args.error_exitcode is not None and not 1 <= args.error_exitcode <= 255:
@@ -71,14 +82,7 @@ def main(argv: list[str]) -> int:
             if os.path.realpath(x) in {os.path.realpath(y) for y in args.paths[:i]}
         )
         raise CliError(f"{twice} is given twice; each report counts once")
-    for path, option in ((args.html, "--html"), (args.trace, "--trace")):
-        if path is not None:
-            if os.path.realpath(path) in inputs:
-                raise CliError(
-                    f"{option} {path}: that is one of the reports being read; writing it would "
-                    "replace the report (expected another path)"
-                )
-            check_output_file(path, option)
+    _check_outputs(args.html, args.trace, inputs)
     from graphsan.report import Report
     from graphsan.report.ranks import merge_reports
 
@@ -110,7 +114,68 @@ def main(argv: list[str]) -> int:
     elif len(reports) == 1:
         print(reports[0].render())
     else:
-        print(merge_reports(reports, args.paths))
-    if args.error_exitcode is not None and any(rep.findings for rep in reports):
+        head, _, rest = merge_reports(reports, args.paths).partition("\n")
+        print("\n".join([head, *_merged_header(reports, args.paths)]) + "\n" + rest)
+    return _exit_status(reports, args)
+
+
+def _check_outputs(html: str | None, trace: str | None, inputs: set[str]) -> None:
+    """--html and --trace: each writable, neither a report being read, not both one file."""
+    from graphsan.report.output import STDOUT, same_output
+
+    both = same_output({"--html": html, "--trace": trace})
+    if both is not None and html == STDOUT:
+        raise CliError("--html - and --trace - both write to stdout (expected one of them there)")
+    if both is not None:
+        raise CliError(
+            f"--html {html} and --trace {trace} name the same file; the trace would replace "
+            "the page (expected two paths)"
+        )
+    for path, option in ((html, "--html"), (trace, "--trace")):
+        if path is None or path == STDOUT:
+            continue
+        if os.path.realpath(path) in inputs:
+            raise CliError(
+                f"{option} {path}: that is one of the reports being read; writing it would "
+                "replace the report (expected another path)"
+            )
+        check_output_file(path, option)
+
+
+def _name(rep, path: str) -> str:
+    return f"rank {rep.rank}" if rep.rank is not None else path
+
+
+def _merged_header(reports: list, paths: list[str]) -> list[str]:
+    """Under the merged summary: each idle report, and what recorded them (once if alike)."""
+    from graphsan.report.json_report import SCHEMA_VERSION
+    from graphsan.report.text import provenance_line, watch_line
+
+    lines = []
+    for rep, path in zip(reports, paths, strict=True):
+        watch = watch_line(rep.watched, rep.disabled_reason)
+        if watch:
+            lines.append(f"{_name(rep, path)}: {watch}")
+    made = [provenance_line(r.provenance, r.loaded_version, SCHEMA_VERSION) for r in reports]
+    if len(set(made)) == 1:
+        return [*lines, made[0]]
+    return lines + [f"{_name(r, p)}: {m}" for r, p, m in zip(reports, paths, made, strict=True)]
+
+
+def _exit_status(reports: list, args) -> int:
+    """--error-exitcode N: findings remain, or a report watched nothing (unless --allow-idle)."""
+    if args.error_exitcode is None:
+        return 0
+    if any(rep.findings for rep in reports):
+        return args.error_exitcode
+    idle = [(rep, path) for rep, path in zip(reports, args.paths, strict=True) if rep.idle]
+    if idle and not args.allow_idle:
+        rep, path = idle[0]
+        more = f" (and {len(idle) - 1} more)" if len(idle) > 1 else ""
+        sys.stderr.write(
+            f"graphsan report: {_name(rep, path)}{more}: graphsan watched nothing "
+            f"({rep.disabled_reason or 'no reason recorded'}); exit {args.error_exitcode} "
+            "(--allow-idle accepts it)\n"
+        )
         return args.error_exitcode
     return 0

@@ -9,7 +9,6 @@ the end, also when the program fails.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -51,7 +50,7 @@ def make_parser() -> OneLineParser:
         "--report",
         metavar="PATH",
         help="write a JSON report here, also when the program fails (per rank under torchrun: "
-        "out.rank{N}.json)",
+        "out.rank{N}.json); an existing file is replaced only when it is empty or a report",
     )
     p.add_argument(
         "--fail-on-findings",
@@ -203,13 +202,31 @@ def _print_user_traceback(exc: BaseException) -> None:
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
 
 
+def _check_report_path(path: str, script: str | None) -> None:
+    """--report: a file that can be written, and one whose loss costs nothing: not the script,
+    not a file that holds something else (an empty file or an older report is replaced)."""
+    from graphsan.report.output import target_of
+
+    if script is not None and target_of(path) == target_of(script):
+        raise CliError(
+            f"--report {path}: that is the script being run; writing the report would replace "
+            "it (expected another path)"
+        )
+    check_output_file(path, "--report")
+    from graphsan.report.json_report import is_report_file
+
+    if os.path.isfile(path) and os.path.getsize(path) > 0 and not is_report_file(path):
+        raise CliError(
+            f"--report {path}: the file exists and is not a graphsan report; writing the report "
+            "would replace it (expected a new path, or a report to overwrite)"
+        )
+
+
 def _write_report(san, path: str) -> bool:
     who = f"[rank {san.rank}] " if san.rank is not None else ""
     try:
         san.report().save(path)
     except OSError as err:
-        with contextlib.suppress(OSError):
-            os.unlink(f"{path}.tmp")
         sys.stderr.write(
             f"{who}graphsan run: error: could not write the report to {path} ({err.strerror}); "
             "here it is instead:\n"
@@ -240,7 +257,7 @@ def main(argv: list[str]) -> int:
     path = None
     if args.report is not None:
         path = report_path_for(args.report, rank_from_env())
-        check_output_file(path, "--report")
+        _check_report_path(path, None if module is not None else target[0])
     entries = load_suppressions(args.suppressions)
     set_source_root(args.source_root)
 

@@ -16,6 +16,7 @@ from graphsan.command_line import (
     OneLineParser,
     check_output_file,
 )
+from graphsan.report.output import STDOUT
 
 
 def make_parser() -> OneLineParser:
@@ -31,7 +32,8 @@ def make_parser() -> OneLineParser:
     p.add_argument(
         "--json",
         metavar="PATH",
-        help="write the list (with --list) or the results as JSON",
+        help="write the list (with --list) or the results as JSON; - for stdout (the progress "
+        "and summary then go to stderr)",
     )
     p.add_argument("-k", dest="pattern", metavar="PATTERN", help="only runs whose name contains it")
     p.add_argument(
@@ -56,7 +58,7 @@ def main(argv: list[str]) -> int:
         raise CliError(f"--jobs {args.jobs}: expected 1 or more")
     if args.timeout <= 0:
         raise CliError(f"--timeout {args.timeout}: expected a positive number of seconds")
-    if args.json is not None:
+    if args.json is not None and args.json != STDOUT:
         check_output_file(args.json, "--json")
     if args.dump is not None and not os.path.isdir(args.dump):
         raise CliError(f"--dump {args.dump}: expected an existing folder")
@@ -64,9 +66,12 @@ def main(argv: list[str]) -> int:
 
     if args.list:
         listing = [r for r in runs() if not args.pattern or args.pattern in r["name"]]
+        if not listing:
+            raise CliError(f"-k {args.pattern}: no run's name contains it (see --list alone)")
         if args.json:
-            runner.write_json(args.json, listing)
-            sys.stderr.write(f"graphsan selftest: {len(listing)} runs listed in {args.json}\n")
+            _write(args.json, listing)
+            where = "stdout" if args.json == STDOUT else args.json
+            sys.stderr.write(f"graphsan selftest: {len(listing)} runs listed in {where}\n")
         else:
             width = max((len(r["name"]) for r in listing), default=0)
             for r in listing:
@@ -77,3 +82,14 @@ def main(argv: list[str]) -> int:
         raise CliError(f"-k {args.pattern}: no run's name contains it (see --list)")
     code = runner.run_and_report(chosen, args.jobs, args.timeout, args.dump, args.json)
     return EXIT_NO_GPU if code is None else code
+
+
+def _write(path: str, data) -> None:
+    from graphsan.selftest import runner
+
+    try:
+        runner.write_json(path, data)
+    except BrokenPipeError:  # `... --json - | head`: the reader left (graphsan.cli says nothing)
+        raise
+    except OSError as err:
+        raise CliError(f"--json {path}: cannot write ({err.strerror or err})") from None

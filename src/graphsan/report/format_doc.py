@@ -23,7 +23,8 @@ def markdown() -> str:
         "",
         f"The JSON Schema ships with the package (`graphsan/report/{os.path.basename(PATH)}`); "
         "`graphsan report` validates every report against it and names the first field that "
-        "does not fit. Reports may be gzipped.",
+        "does not fit. Reports may be gzipped. Every number is finite: a `NaN` or `Infinity` "
+        "is refused, naming its field.",
         "",
     ]
     out += _table("The report", root, root)

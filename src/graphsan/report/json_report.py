@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from graphsan.core.records import Finding, GraphInfo
+from graphsan.report.output import writing
 from graphsan.report.schema import SchemaError, validate, validate_finding
-from graphsan.report.text import format_finding
+from graphsan.report.text import format_finding, provenance_line, watch_line
 
 SCHEMA = "graphsan.report"
 # 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
@@ -23,9 +26,10 @@ SCHEMA = "graphsan.report"
 # references' Finding.through and through_slot, and Finding.host (pinned host memory);
 # 5 added Finding.caveat, the report's layouts (graphsan.core.argstructs, per device) and its
 # suppressed findings (graphsan.report.suppressions); 6 added the live-output kind and its
-# Finding.replays
-SCHEMA_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)  # older reports read with the newer fields empty
+# Finding.replays; 7 added whether graphsan watched (watched, disabled_reason) and what
+# recorded the report (provenance: graphsan, torch, CUDA, driver, GPU, Python)
+SCHEMA_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # older reports read with the newer fields empty
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:
@@ -68,6 +72,19 @@ class Report:
     layouts: dict[str, Any] = field(default_factory=dict)
     # (suppression entry's name, finding) of each finding a suppression file matched
     suppressed: list[tuple[str, Finding]] = field(default_factory=list)
+    # whether graphsan watched the process's graphs (None: not recorded, a report built by hand
+    # or read from before schema v7), and why it stayed idle or disabled itself partway
+    watched: bool | None = None
+    disabled_reason: str | None = None
+    # what recorded it: graphsan (and its commit), torch, CUDA runtime, driver, GPU, Python
+    provenance: dict[str, Any] = field(default_factory=dict)
+    # the schema version of the file it was read from (None: made in this process)
+    loaded_version: int | None = None
+
+    @property
+    def idle(self) -> bool:
+        """graphsan watched nothing: no finding in this report means nothing."""
+        return self.watched is False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,36 +100,55 @@ class Report:
             "allocator_log": self.allocator_log,
             "layouts": self.layouts,
             "suppressed": [{"by": name, **finding_to_dict(f)} for name, f in self.suppressed],
+            "watched": self.watched,
+            "disabled_reason": self.disabled_reason,
+            "provenance": dict(self.provenance),
         }
 
     def save(self, path: str) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as fh:
+        """Write the report whole (graphsan.report.output; `-`: stdout). Raises OSError."""
+        with writing(path) as fh:
             json.dump(self.to_dict(), fh, indent=1)
-        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str) -> Report:
         """A saved report (gzipped too: `*.json.gz`, or any file starting with gzip's magic)."""
+        seen = _NonFinite()
         try:
             with open(path, "rb") as fh:
                 gzipped = fh.read(2) == b"\x1f\x8b"
             opener = gzip.open if gzipped else open
             with opener(path, "rt") as fh:
-                data = json.load(fh)
+                data = json.load(fh, parse_constant=seen.constant, parse_float=seen.number)
         except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: not a readable graphsan report ({err})") from None
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ValueError(f"{path}: not a graphsan report (expected schema '{SCHEMA}')")
-        if data.get("version") not in READABLE_VERSIONS:
+        version = data.get("version")
+        expected = ", ".join(map(str, READABLE_VERSIONS))
+        if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(
-                f"{path}: report schema version {data.get('version')} is not supported "
-                f"(expected one of {', '.join(map(str, READABLE_VERSIONS))})"
+                f"{path}: report schema version is {version!r:.40} ({type(version).__name__}); "
+                f"expected an integer, one of {expected}"
+            )
+        if version not in READABLE_VERSIONS:
+            raise ValueError(
+                f"{path}: report schema version {version} is not supported (expected one of "
+                f"{expected})"
             )
         try:
+            where = non_finite(data) if seen.seen else None
+            if where is not None:
+                raise SchemaError(f"{where[0]} is {where[1]}; expected a finite number")
             return _report_from_dict(data)
         except SchemaError as err:
             raise ValueError(f"{path}: not a valid graphsan report: {err}") from None
+
+    def header(self) -> list[str]:
+        """The lines under the summary: whether graphsan watched, and what recorded it."""
+        watch = watch_line(self.watched, self.disabled_reason)
+        made = provenance_line(self.provenance, self.loaded_version, SCHEMA_VERSION)
+        return [watch, made] if watch else [made]
 
     def render(self) -> str:
         who = f" (rank {self.rank})" if self.rank is not None else ""
@@ -121,6 +157,7 @@ class Report:
             f"graphsan report{who}: {len(self.graphs)} graph(s), {nodes} node(s) analysed, "
             f"{len(self.findings)} finding(s), policy {self.policy}"
         )
+        head = "\n".join([head, *self.header()])
         from graphsan.report.suppressions import summary
 
         body = [format_finding(f) for f in self.findings]
@@ -134,21 +171,74 @@ class Report:
         return "\n\n".join([head, *body])
 
 
-SAMPLES = {  # name -> (file in graphsan/report/samples, what it is)
+SAMPLES = {  # name -> (file in graphsan/report/samples, what it is); scripts/make_samples.py
     "stale-input": (
-        "stale-input.h200.json",
+        "stale-input.json",
         "examples/stale_input.py under `graphsan run`: an input freed and the cache emptied",
     ),
     "te3316-case4": (
-        "te3316-case4.h200.json.gz",
+        "te3316-case4.json.gz",
         "`graphsan repro --case 4`: Transformer Engine #3316's stale weight workspace",
     ),
 }
 
 
 def sample_path(name: str) -> str:
-    """The shipped report recorded on an NVIDIA H200 (torch 2.11.0+cu130, 2026-12-02)."""
+    """The shipped report `name`, recorded on a GPU (its header says which)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "samples", SAMPLES[name][0])
+
+
+_SCHEMA_LINE = re.compile(rb'"schema"\s*:\s*"graphsan\.report"')
+
+
+def is_report_file(path: str) -> bool:
+    """Whether the file at `path` begins as a graphsan report does (gzipped too): the first
+    bytes are read, not the whole file, which may be large."""
+    try:
+        with open(path, "rb") as fh:
+            gzipped = fh.read(2) == b"\x1f\x8b"
+        with (gzip.open if gzipped else open)(path, "rb") as fh:
+            head = fh.read(4096)
+    except (OSError, EOFError):
+        return False
+    return bool(_SCHEMA_LINE.search(head))
+
+
+class _NonFinite:
+    """JSON hooks that note a NaN, an infinity or a float literal too large to hold, so that
+    only a file holding one is searched for the field (`non_finite`)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def constant(self, name: str) -> float:
+        self.seen = True
+        return float(name)
+
+    def number(self, text: str) -> float:
+        value = float(text)
+        self.seen = self.seen or not math.isfinite(value)
+        return value
+
+
+def non_finite(data: Any, where: str = "") -> tuple[str, str] | None:
+    """The first number in `data` that is NaN or infinite (the JSON module reads `NaN`,
+    `Infinity` and overflowing literals as such): (field, value), or None."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return where or "the report", repr(data).replace("inf", "Infinity").replace("nan", "NaN")
+    items = (
+        data.items()
+        if isinstance(data, dict)
+        else enumerate(data)
+        if isinstance(data, list)
+        else ()
+    )
+    for key, value in items:
+        sub = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
+        found = non_finite(value, sub)
+        if found is not None:
+            return found
+    return None
 
 
 def _report_from_dict(data: dict[str, Any]) -> Report:
@@ -172,4 +262,8 @@ def _report_from_dict(data: dict[str, Any]) -> Report:
             (f["by"], finding_from_dict({k: v for k, v in f.items() if k != "by"}))
             for f in suppressed
         ],
+        watched=data.get("watched"),
+        disabled_reason=data.get("disabled_reason"),
+        provenance=data.get("provenance", {}),
+        loaded_version=data["version"],
     )

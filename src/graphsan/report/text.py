@@ -180,3 +180,35 @@ def format_finding(f: Finding) -> str:
 
 
 MAX_ALSO = 6  # graphs listed under "also used by"; the JSON report keeps them all
+
+
+# ----------------------------------------------------------------------------- a report's header
+def watch_line(watched: bool | None, reason: str | None) -> str | None:
+    """Whether graphsan watched (None when it did, or when the report does not say)."""
+    if watched is False:
+        return (
+            f"NOT WATCHED: graphsan stayed idle ({reason or 'no reason recorded'}); no graph "
+            "was checked, so the absence of findings means nothing"
+        )
+    if watched and reason:
+        return f"watched until graphsan disabled itself ({reason}); later replays were not checked"
+    return None
+
+
+def provenance_line(prov: dict, loaded: int | None, current: int) -> str:
+    """What recorded the report: graphsan (its commit), torch, CUDA, driver, GPU, Python."""
+    if not prov:
+        older = loaded is not None and loaded < current
+        return "recorded with: not recorded" + (
+            f" (report schema v{loaded} predates it)" if older else ""
+        )
+    commit = prov.get("commit")
+    parts = [
+        f"graphsan {prov.get('graphsan') or '?'}" + (f" (git {commit[:12]})" if commit else ""),
+        f"torch {prov.get('torch') or '?'}",
+        f"CUDA runtime {prov.get('cuda') or 'none'}",
+        f"driver {prov.get('driver') or 'unknown'}",
+        f"GPU {prov.get('gpu') or 'none seen'}",
+        f"Python {prov.get('python') or '?'}",
+    ]
+    return "recorded with " + ", ".join(parts)

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from graphsan.report.output import STDOUT, writing
 from graphsan.selftest import BUG, CORRECT, runs
 
 # verdicts
@@ -189,8 +190,9 @@ def run_and_report(
     )
     verdicts = run_corpus(chosen, jobs, timeout, dump)
     took = time.perf_counter() - t0
-    print(f"graphsan selftest: {summary(verdicts)}")
-    print(f"({took:.0f} s; torch {torch.__version__}, {gpu})")
+    out = sys.stderr if json_path == STDOUT else sys.stdout  # stdout carries the JSON
+    print(f"graphsan selftest: {summary(verdicts)}", file=out)
+    print(f"({took:.0f} s; torch {torch.__version__}, {gpu})", file=out)
     if json_path:
         meta = {"torch": torch.__version__, "gpu": gpu, "seconds": round(took, 1)}
         write_json(json_path, to_json(verdicts, meta))
@@ -198,12 +200,11 @@ def run_and_report(
 
 
 def write_json(path: str, data) -> None:
-    """Write `data` as JSON through a temporary file, so a reader never sees half of it."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
+    """Write `data` as JSON whole (graphsan.report.output: a reader never sees half of it;
+    `-`: stdout). Raises OSError."""
+    with writing(path) as fh:
         json.dump(data, fh, indent=1)
         fh.write("\n")
-    os.replace(tmp, path)
 
 
 __all__ = [

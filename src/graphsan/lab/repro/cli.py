@@ -14,6 +14,7 @@ from graphsan.command_line import EXIT_NO_GPU
 from graphsan.lab.repro import runner
 from graphsan.lab.repro.cases import BY_NUMBER, CASES, model_overrides
 from graphsan.lab.repro.table import print_cases, print_results
+from graphsan.report.output import write_output
 from graphsan.report.pages import OutputPathAction, write_matrix_page
 
 
@@ -129,8 +130,7 @@ def main(args: argparse.Namespace) -> int:
         from graphsan.lab.repro.child import run_child  # the child trains: it needs torch
 
         res = run_child(args.child, args.preset, args.reference, args.mamba_heads, args.report_file)
-        with open(args.result, "w") as fh:
-            json.dump(res.to_json(), fh)
+        write_output(args.result, json.dumps(res.to_json()))
         return 0
     unknown = [n for n in args.case or [] if n not in BY_NUMBER]
     if unknown:
@@ -216,12 +216,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _write_json(data, path: str) -> None:
-    if path == "-":
-        json.dump(data, sys.stdout, indent=1, default=str)
-        sys.stdout.write("\n")
-        return
-    with open(path, "w") as fh:
-        json.dump(data, fh, indent=1, default=str)
+    """The cases or results, whole (graphsan.report.output; `-`: stdout)."""
+    write_output(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
 def _prepare_report_dir(path: str | None) -> str:

@@ -12,12 +12,13 @@ import os
 from typing import Any
 
 from graphsan.core.records import frame_text
-from graphsan.report.json_report import Report
+from graphsan.report.json_report import SCHEMA_VERSION, Report
 from graphsan.report.pages.report_common import clock, rel
 from graphsan.report.pages.report_finding import finding_view
 from graphsan.report.pages.report_overview import overview
 from graphsan.report.pages.templating import render, replay_index
 from graphsan.report.ranks import finding_signature
+from graphsan.report.text import provenance_line
 
 
 def render_report(reports: list[Report], names: list[str]) -> str:
@@ -42,8 +43,16 @@ def report_view(reports: list[Report], names: list[str]) -> dict[str, Any]:
     ]
     kinds = sorted({f["kind"] for f in findings})
     total = sum(len(r.findings) for r in reports)
+    idle = [_watch_view(s) for s in sources if s["report"].watched is False]
     return {
-        "title": _title(sources, findings),
+        "title": _title(sources, findings, len(idle)),
+        "idle": idle,
+        "all_idle": len(idle) == len(sources),
+        "stopped": [
+            _watch_view(s) for s in sources if s["report"].watched and s["report"].disabled_reason
+        ],
+        # pages say a report is old only when it is (times came with schema v3)
+        "before_v3": all(r.loaded_version is not None and r.loaded_version < 3 for r in reports),
         "sources": [_source_view(s, t0) for s in sources],
         "findings": findings,
         "kinds": kinds,
@@ -57,9 +66,16 @@ def report_view(reports: list[Report], names: list[str]) -> dict[str, Any]:
     }
 
 
-def _title(sources, findings) -> str:
+def _title(sources, findings, idle: int) -> str:
     who = f"{len(sources)} ranks" if len(sources) > 1 else sources[0]["name"]
+    if idle == len(sources):
+        return f"graphsan: not watched, {who}"
     return f"graphsan: {len(findings)} finding(s), {who}"
+
+
+def _watch_view(src: dict[str, Any]) -> dict[str, Any]:
+    """A report in which graphsan was idle or disabled itself: its name and why."""
+    return {"name": src["name"], "reason": src["report"].disabled_reason or "no reason recorded"}
 
 
 def _source(report: Report, path: str, index: int) -> dict[str, Any]:
@@ -109,6 +125,7 @@ def _source_view(src: dict[str, Any], t0: float | None) -> dict[str, Any]:
         "events": len(r.events),
         "dropped": r.events_dropped,
         "pinned": r.pinned,
+        "made": provenance_line(r.provenance, r.loaded_version, SCHEMA_VERSION),
     }
 
 
