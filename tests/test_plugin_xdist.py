@@ -142,3 +142,23 @@ def test_combine_keeps_every_process_and_renumbers_graph_ids():
     assert [f.graph.id for _, f in both.suppressed] == [6]  # b's graph 3, past a's 3
     assert combine([a]).to_dict() == a.to_dict()
     json.dumps(both.to_dict())  # still a report that saves
+
+
+def test_combine_watched_where_any_process_watched_and_says_why_one_did_not():
+    idle = Report(watched=False, disabled_reason="CUDA is not available")
+    watched = Report([finding()], [{"id": 1, "nodes": 2}], watched=True)
+    assert combine([idle, idle]).idle and combine([idle]).disabled_reason == (
+        "CUDA is not available"
+    )
+    both = combine([idle, watched])
+    assert both.watched is True and both.disabled_reason == "CUDA is not available"
+    assert combine([Report(), Report()]).watched is None, "reports that do not say"
+
+
+def test_a_report_path_holding_something_else_is_refused_before_the_tests_run(pytester):
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    (pytester.path / "notes.txt").write_text("a week of notes\n")
+    result = pytester.runpytest("--graphsan=record", "--graphsan-report", "notes.txt")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --graphsan-report notes.txt: the file exists and is not*"])
+    assert (pytester.path / "notes.txt").read_text() == "a week of notes\n"

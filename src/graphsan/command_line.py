@@ -76,3 +76,16 @@ def check_output_file(path: str, option: str) -> None:
     os.unlink(probe)
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise CliError(f"{option} {path}: the file is not writable")
+
+
+def check_report_file(path: str, option: str) -> None:
+    """`check_output_file`, for a JSON report: and a file whose loss costs nothing (an empty
+    file or an older report is replaced, anything else is refused)."""
+    check_output_file(path, option)
+    from graphsan.report.json_report import is_report_file
+
+    if os.path.isfile(path) and os.path.getsize(path) > 0 and not is_report_file(path):
+        raise CliError(
+            f"{option} {path}: the file exists and is not a graphsan report; writing the report "
+            "would replace it (expected a new path, or a report to overwrite)"
+        )

@@ -138,10 +138,10 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--graphsan-suppressions {err}") from None
     report = config.getoption("graphsan_report", None)
     if report is not None:
-        from graphsan.command_line import CliError, check_output_file
+        from graphsan.command_line import CliError, check_report_file
 
         try:
-            check_output_file(report, "--graphsan-report")
+            check_report_file(report, "--graphsan-report")
         except CliError as err:
             raise pytest.UsageError(str(err)) from None
     _set_source_root(config.getoption("graphsan_source_root", None))

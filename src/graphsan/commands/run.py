@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from graphsan.command_line import CliError, DefaultsHelpFormatter, OneLineParser, check_output_file
+from graphsan.command_line import CliError, DefaultsHelpFormatter, OneLineParser, check_report_file
 from graphsan.commands import SOURCE_ROOT_HELP, load_suppressions, set_source_root
 from graphsan.policies import Policy
 
@@ -212,14 +212,7 @@ def _check_report_path(path: str, script: str | None) -> None:
             f"--report {path}: that is the script being run; writing the report would replace "
             "it (expected another path)"
         )
-    check_output_file(path, "--report")
-    from graphsan.report.json_report import is_report_file
-
-    if os.path.isfile(path) and os.path.getsize(path) > 0 and not is_report_file(path):
-        raise CliError(
-            f"--report {path}: the file exists and is not a graphsan report; writing the report "
-            "would replace it (expected a new path, or a report to overwrite)"
-        )
+    check_report_file(path, "--report")
 
 
 def _write_report(san, path: str) -> bool:

@@ -75,8 +75,9 @@ def distinct(findings: list[Finding]) -> int:
 
 
 def combine(reports: list[Report]) -> Report:
-    """One report of several processes' reports (the first one's settings: policy, rank and the
-    rest). Graph ids are shifted per report past the previous reports' largest id."""
+    """One report of several processes' reports (the first one's settings: policy, rank,
+    provenance and the rest; watched where any of them watched). Graph ids are shifted per
+    report past the previous reports' largest id."""
     if not reports:
         return Report()
     findings, graphs, events, suppressed = [], [], [], []
@@ -93,6 +94,8 @@ def combine(reports: list[Report]) -> Report:
         dropped += rep.events_dropped
         shift += _largest_graph_id(rep)
     events.sort(key=lambda e: e.get("t", 0.0))  # times are the epoch's: workers line up
+    said = [r.watched for r in reports if r.watched is not None]
+    reasons = [r.disabled_reason for r in reports if r.disabled_reason]
     return dataclasses.replace(
         reports[0],
         findings=findings,
@@ -103,6 +106,9 @@ def combine(reports: list[Report]) -> Report:
         layouts=layouts,
         suppressed=suppressed,
         allocator_log=next((r.allocator_log for r in reports if r.allocator_log), None),
+        # watched where any process watched; idle (and why) only where none did
+        watched=any(said) if said else None,
+        disabled_reason="; ".join(dict.fromkeys(reasons)) or None,
     )
 
 
