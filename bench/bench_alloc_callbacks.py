@@ -10,7 +10,9 @@ update (several allocations from one frame) and the autograd engine's worker thr
 thread: nearly no Python frames). Each round allocates `--batch` blocks through a path, then
 frees them. Times are this thread's CPU time less that of the same calls into a callback that
 does nothing, the median over `--rounds` rounds; the columns are us per call. Every variant runs
-once a round, so their ratio holds on a busy machine even where the times themselves move.
+once a round, so their ratio holds on a busy machine even where the times themselves move. A
+ratio is `-` where either cost is not above the harness's (a cost within its noise, such as a
+free's with few rounds): a ratio of such costs would say nothing.
 
 `--against REV` loads that revision's allocator module from git (a file path is read instead,
 for trees without git history) and measures it beside the current one; it must load beside the
@@ -316,6 +318,12 @@ def ideas(old: types.ModuleType | None, args) -> None:
     print(f"outer-part cache: {wrong} of 200 allocations from two callers got the wrong site")
 
 
+def ratio_cell(now: float, before: float) -> str:
+    """`now / before` to three significant digits (a small ratio is not rounded to 0), or `-`
+    where either cost is not above the harness's."""
+    return f"{now / before:.3g}" if now > 0 and before > 0 else "-"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -357,7 +365,7 @@ def main() -> None:
         cells = " | ".join(f"{res[n][0]:.3f} | {res[n][1]:.3f}" for n in names)
         if old is not None:
             (a0, f0), (a1, f1) = res[names[0]], res[names[1]]
-            cells += f" | {a1 / a0:.2f} | {f1 / f0:.2f}"
+            cells += f" | {ratio_cell(a1, a0)} | {ratio_cell(f1, f0)}"
         print(f"| {case['name']} | {cells} |")
     if args.ideas:
         ideas(old, args)

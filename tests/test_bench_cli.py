@@ -5,6 +5,7 @@ not on the next person to measure)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -112,6 +113,17 @@ ALLOC_CASES = (
     "watched frees (their stack taken)",
 )
 
+ALLOC_WALKS = (
+    "keyed loop, method lookups hoisted",
+    "plain loop, interned later",
+    "unrolled, interned at once",
+    "unrolled, interned later (now)",
+    "sys._getframe probe + unrolled",
+    "outer part cached by frame id (unsound)",
+    "unrolled, 12 frames (less information)",
+    "every 16th allocation (less information)",
+)
+
 
 def _rows(out: str) -> dict[str, list[str]]:
     """A markdown table's rows by their first cell."""
@@ -130,9 +142,18 @@ def test_the_allocation_callbacks_bench_runs_every_case_and_walk_against_a_copy(
     assert f"sites the same as {copy}'s: yes" in proc.stdout
     rows = _rows(proc.stdout)
     for case in ALLOC_CASES:  # two variants' allocation and free, then the two ratios
-        assert len(rows[case]) == 6 and all(float(c) >= -1 for c in rows[case]), rows[case]
-    assert "unrolled, interned later (now)" in rows
-    assert f"{copy}'s walk, interned at once" in rows
+        row = rows[case]
+        assert len(row) == 6 and all(math.isfinite(float(c)) for c in row[:4]), row
+        for column, ratio in enumerate(row[4:]):  # allocation, then free: now / before
+            before, now = float(row[column]), float(row[2 + column])
+            if ratio == "-":  # a cost not above the harness's has no ratio
+                assert min(before, now) <= 0, row
+            else:
+                assert math.isfinite(float(ratio)) and float(ratio) > 0, row
+            if min(before, now) > 0:
+                assert ratio != "-", row
+    for walk in (f"{copy}'s walk, interned at once", *ALLOC_WALKS):  # --ideas: us per allocation
+        assert len(rows[walk]) == 1 and math.isfinite(float(rows[walk][0])), (walk, rows.get(walk))
     assert "of 200 allocations from two callers got the wrong site" in proc.stdout
 
 

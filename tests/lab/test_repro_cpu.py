@@ -325,6 +325,18 @@ def test_the_exit_status_says_whether_every_case_matched(monkeypatch, capsys, tm
     ]
 
 
+def test_a_case_named_twice_runs_once_in_the_order_given(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a fake GPU")
+    spawned = []
+    as_seen = {n: dict(seen[0], wall_s=1.0) for n, seen in SEEN.items()}
+    monkeypatch.setattr(runner, "spawn", _fake_spawn(as_seen, spawned))
+    assert main(["repro", "--case", "4", "--case", "2", "--case", "4", "--jobs", "1"]) == 0
+    assert [n for n, reference, *_ in spawned if not reference] == [4, 2]
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 4 |")]
+    assert len(rows) == 1, rows
+
+
 def test_a_broken_reference_makes_the_comparison_inconclusive_not_clean():
     res = CaseResult(losses=[5.0] * repro.ITERS)
     for ref in (

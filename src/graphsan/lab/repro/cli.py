@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         action="append",
         metavar="N",
-        help=f"run only case N (1-{len(CASES)}; repeatable)",
+        help=f"run only case N (1-{len(CASES)}; repeatable: the cases given, in that order, "
+        "each once however often it is named)",
     )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     parser.add_argument("--preset", default="small", help="model preset")
@@ -135,7 +136,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = [n for n in args.case or [] if n not in BY_NUMBER]
     if unknown:
         return _error(f"no case {unknown[0]}; expected 1-{len(CASES)}")
-    cases = [BY_NUMBER[n] for n in args.case] if args.case else CASES
+    # a case named twice runs once: its result would only repeat, at the cost of another run
+    cases = [BY_NUMBER[n] for n in dict.fromkeys(args.case)] if args.case else CASES
     to_stdout = args.json == "-"
     if args.json is not None and not to_stdout:
         from graphsan.command_line import CliError, check_output_file

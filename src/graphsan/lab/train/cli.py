@@ -16,11 +16,17 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from graphsan.lab.models.args import PRESETS
 from graphsan.lab.train.config import ConfigError, TrainConfig
+from graphsan.lab.train.interrupt import COMMAND_LINE_SIGNALS, StoppedAtOnce, StopSignals
 from graphsan.lab.vocab import GRAPH_SCOPES, SCHEDULES, STATE_POLICIES
+
+# out of memory: the options that size a run's memory are named in the line (README, "Exit
+# statuses"; 1 is a diverged run, 2 a bad option, 3 and 4 other commands' findings and no GPU)
+EXIT_OUT_OF_MEMORY = 5
 
 
 def _scopes(values: list[str]) -> tuple[str, ...]:
@@ -219,8 +225,21 @@ def _error(msg: str, status: int = 2) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Run `graphsan train`: a bad option gives one error line and exit status 2, a run that
-    diverges one line and exit status 1."""
+    diverges one line and exit status 1, running out of memory one line naming the options to
+    lower and EXIT_OUT_OF_MEMORY; Ctrl-C, SIGTERM, SIGHUP and SIGUSR1 finish the iteration in
+    flight, save it and give one line and 128 + the signal's number (at once outside training's
+    loop, or for a second signal)."""
+    stop = StopSignals(COMMAND_LINE_SIGNALS)
+    try:
+        with stop.at_once():
+            return _train(args, stop)
+    except StoppedAtOnce as e:  # raised between the handlers' removal and the return
+        return _error(str(e), status=e.status)
+
+
+def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     from graphsan.lab.quant import PrecisionConfigError, RecipeError
+    from graphsan.lab.train.oom import is_out_of_memory, out_of_memory_line
     from graphsan.lab.train.trainer import TrainingDiverged, TrainingInterrupted, train
 
     try:
@@ -228,18 +247,31 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _error(str(e))
     try:
-        train(cfg)
+        train(cfg, stop=stop)
     except (ConfigError, PrecisionConfigError, RecipeError) as e:
         return _error(str(e))
     except TrainingDiverged as e:
         return _error(f"training diverged: {e} (a lower --lr may help)", status=1)
     except TrainingInterrupted as e:
-        return _error(str(e), status=130)
-    except KeyboardInterrupt:  # before training started, or a second Ctrl-C
-        return _error("interrupted", status=130)
+        return _error(str(e), status=e.status)
+    except StoppedAtOnce as e:  # outside training's loop, or a second signal
+        return _error(str(e), status=e.status)
+    except KeyboardInterrupt:  # Ctrl-C where Python's own handler was in place
+        return _error(str(StoppedAtOnce(signal.SIGINT)), status=128 + signal.SIGINT)
     except ValueError as e:
         # bad input found while building (model shape, data file, device): one line, no traceback
         return _error(str(e))
+    except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
+        if is_out_of_memory(e):
+            return _error(out_of_memory_line(e, cfg), status=EXIT_OUT_OF_MEMORY)
+        if stop.signum is None:
+            raise
+        # under torchrun a stopped job's other ranks may be gone: a collective then fails
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return _error(
+            f"{StoppedAtOnce(stop.signum)}; the iteration in flight could not finish ({first})",
+            status=128 + stop.signum,
+        )
     return 0
 
 
@@ -249,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="graphsan train",
         description=__doc__.split("\n")[0],
+        epilog="Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 finish the iteration in flight, save it to "
+        "--save and stop (a second one stops at once). Exit statuses: 0 trained, 1 the loss "
+        f"diverged, 2 a bad option, {EXIT_OUT_OF_MEMORY} out of memory (the line names the "
+        "options to lower), 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM).",
         formatter_class=DefaultsHelpFormatter,
     )
     add_arguments(parser)

@@ -75,6 +75,14 @@ class Dist:
             dist.all_reduce(t, group=group)
         return t
 
+    def max_(self, value: int, device: torch.device) -> int:
+        """The largest of every rank's `value` (this rank's own when not distributed)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)  # NCCL reduces device tensors
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()

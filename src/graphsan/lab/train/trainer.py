@@ -5,6 +5,7 @@
         (after the warm-up steps) capture per-scope CUDA graphs once
         train step: microbatches (skip flag 0 for the first, 1 after), backward, optimizer step
         log; validation (eager, model.eval() + no_grad); checkpoint (+ empty_cache); manual GC
+        a stop signal since the iteration began (Ctrl-C, SIGTERM, ...): save it, stop
     summary; a TrainResult for callers that compare runs
 
 Megatron's order within an iteration is kept: train step, then validation, then save, then the
@@ -13,7 +14,8 @@ manual GC, so they all fall on the same iteration when their intervals coincide.
 Each piece has a module of its own: device.py (the device, the memory check), recipes.py (the
 precision recipes, --dry-run), graphs.py (the per-scope graphs), microbatches.py (a step's
 microbatches in a schedule's order), optim.py, evaluate.py, checkpoint.py, interrupt.py
-(Ctrl-C), metrics.py (console lines, the clock), data.py, distributed.py.
+(Ctrl-C and the schedulers' stop signals), metrics.py (console lines, the clock), data.py,
+distributed.py.
 
 Under torchrun (lab/train/distributed.py) each rank trains its share of every global batch
 (micro x accumulation x ranks = the same global batch as one process), the main_grads are
@@ -45,7 +47,7 @@ from graphsan.lab.train.data import RankBatches, build_data
 from graphsan.lab.train.device import check_memory, resolve_device
 from graphsan.lab.train.distributed import Dist, DistributedError, check_device_for_rank, setup
 from graphsan.lab.train.evaluate import evaluate
-from graphsan.lab.train.interrupt import TrainingInterrupted, stop_after_iteration
+from graphsan.lab.train.interrupt import StopSignals, TrainingInterrupted
 from graphsan.lab.train.metrics import Clock, Metrics, memory_gib
 from graphsan.lab.train.microbatches import run_microbatches
 from graphsan.lab.train.optim import MainGradAdamW, linear_warmup
@@ -80,8 +82,14 @@ class TrainingDiverged(Exception):
         self.iteration, self.loss, self.losses = iteration, loss, losses
 
 
-def train(cfg: TrainConfig, console=None, callbacks: Sequence[Callback] = ()) -> TrainResult:
-    """Train as `cfg` says; `callbacks` are told when the model is built and each step ends.
+def train(
+    cfg: TrainConfig,
+    console=None,
+    callbacks: Sequence[Callback] = (),
+    stop: StopSignals | None = None,
+) -> TrainResult:
+    """Train as `cfg` says; `callbacks` are told when the model is built and each step ends;
+    `stop`: the signals that end training after the iteration in flight (default: Ctrl-C).
     Under torchrun every rank calls this; rank 0 prints, every rank returns the same losses."""
     cfg.validate()
     if cfg.dry_run:  # nothing to share: under torchrun rank 0 alone prints it
@@ -93,7 +101,7 @@ def train(cfg: TrainConfig, console=None, callbacks: Sequence[Callback] = ()) ->
     try:
         quiet = cfg.quiet or not dist.is_main
         with Metrics(cfg.train_iters, quiet=quiet, console=console) as metrics:
-            return Trainer(cfg, metrics, callbacks, dist).train()
+            return Trainer(cfg, metrics, callbacks, dist, stop).train()
     finally:
         dist.close()
 
@@ -121,9 +129,12 @@ class Trainer:
         metrics: Metrics,
         callbacks: Sequence[Callback] = (),
         dist: Dist | None = None,
+        stop: StopSignals | None = None,
     ):
         self.cfg, self.metrics, self.callbacks = cfg, metrics, list(callbacks)
         self.dist = dist = dist or Dist()
+        self.stop = stop if stop is not None else StopSignals()
+        self.saved_at: int | None = None  # the iteration of the last checkpoint
         name = check_device_for_rank(cfg.device, dist.local_rank) if dist.enabled else cfg.device
         self.device = device = resolve_device(name)
         check_memory(cfg, device)
@@ -177,12 +188,10 @@ class Trainer:
             sharded=self.opt.sharded,
         )
         losses, mtp_losses, norms = [], [], []
-        with _manual_gc(cfg.manual_gc_interval), stop_after_iteration() as stop:
+        with _manual_gc(cfg.manual_gc_interval), self.stop.after_iteration():
             self.model.train()
             first = self.start_iteration
             for it in range(first, cfg.train_iters + 1):
-                if stop[0]:
-                    self._interrupted(it - 1)
                 if self.use_graphs and it == first + cfg.cuda_graph_warmup_steps:
                     self.capture_graphs()
                 self.clock.start_iteration(it)
@@ -195,6 +204,7 @@ class Trainer:
                 self._log(it, losses, mtp, norm)
                 with self.clock.side_work():
                     self._side_work(it)
+                    self._stop_if_asked(it)
             steady_s = self.clock.steady_seconds()
         result.losses = [x.item() for x in losses]
         result.mtp_losses = [x.item() for x in mtp_losses if x is not None]
@@ -207,13 +217,18 @@ class Trainer:
         self._print_summary()
         return result
 
-    def _interrupted(self, done: int) -> None:
-        """Stop after iteration `done`, saving it first where --save asks for checkpoints."""
+    def _stop_if_asked(self, done: int) -> None:
+        """After iteration `done`: where a stop signal came (on any rank: every rank stops after
+        the same iteration, so the save's collectives match), save it and stop."""
+        signum = self.dist.max_(self.stop.signum or 0, self.device)
+        if not signum:
+            return
         path = None
-        if self.cfg.save and done >= self.start_iteration:
-            self.save(done)
+        if self.cfg.save:
+            if self.saved_at != done:  # --save-interval may have saved it already
+                self.save(done)
             path = self.cfg.save
-        raise TrainingInterrupted(done, path)
+        raise TrainingInterrupted(done, path, signum)
 
     def _side_work(self, it: int) -> None:
         """Megatron's order after a train step: validation, checkpoint, manual GC."""
@@ -288,6 +303,7 @@ class Trainer:
     def save(self, it: int) -> None:
         """Save a checkpoint of iteration `it` (every rank takes part) and print where."""
         path = self.checkpoints.save(it)
+        self.saved_at = it
         self.metrics.print(
             f"saved checkpoint {path} at iteration {it}"
             + (" (+ empty_cache)" if self.cfg.empty_cache_on_save else "")
