@@ -127,6 +127,8 @@ def test_the_build_takes_the_standard_abi_and_headers_torch_builds_extensions_wi
         ("cflags = common + ['-fPIC', '-std=c++17'] + extra", "c++17"),
         ("x = ['-std=c++17']\ny = ['/std:c++20']", "c++20"),
         ("no standard named here", "c++17"),
+        # torch 2.8's: a docstring's example is no flag it passes
+        ('def f():\n    """e.g. [\'-std=c++20\']"""\n    return ["-std=c++17"]', "c++17"),
     ],
 )
 def test_the_standard_is_the_newest_cpp_extension_passes(tmp_path, monkeypatch, source, std):

@@ -8,6 +8,7 @@ compiling again. Which torch it builds for, and the attached tracker, are `cuda.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import glob
 import hashlib
@@ -118,13 +119,20 @@ class TorchFlags:
 
 def extension_standard(cpp_extension: object) -> str:
     """The C++ standard `torch.utils.cpp_extension` compiles extensions with (`c++17` up to torch
-    2.9, `c++20` after; torch's headers need it), read from the module's own source: it offers
-    no function that says it. `c++17` where the source cannot be read."""
+    2.9, `c++20` after; torch's headers need it): the newest `-std=c++NN` flag its code passes,
+    read from the module's own source (docstrings' examples are not flags), since it offers no
+    function that says it. `c++17` where the source cannot be read."""
     try:
-        source = inspect.getsource(cpp_extension)
-    except (OSError, TypeError):
+        tree = ast.parse(inspect.getsource(cpp_extension))
+    except (OSError, TypeError, SyntaxError):
         return "c++17"
-    found = [int(n) for n in re.findall(r"std[=:]c\+\+(\d\d)\b", source)]
+    found = [
+        int(m.group(1))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        for m in [re.fullmatch(r"[-/]std[=:]c\+\+(\d\d)", node.value)]
+        if m
+    ]
     return f"c++{max(found)}" if found else "c++17"
 
 
