@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 
 import pytest
 import torch
@@ -110,6 +111,67 @@ def test_under_the_driver_a_gone_allocation_is_freed_and_graph_memory_is_not_wat
         g.replay()
         (f,) = san.findings
         assert f.kind == "freed" and f.block_address == SEG and f.nbytes == 4096
+    finally:
+        san.stop()
+
+
+def graph_with_an_output(async_backend, out: torch.Tensor):
+    """A graph reading SEG and writing `out`, which its memory node allocated (a capture's
+    output under cudaMallocAsync: allocated when the graph first launches)."""
+    storage = out.untyped_storage()
+    buf = b"".join(a.to_bytes(8, "little") for a in (SEG, storage.data_ptr()))
+    async_backend["nodes"] = [
+        KernelArgs(0, "void k(float*, float*)", buf, [0, 8]),
+        AllocArgs(1, storage.data_ptr(), storage.nbytes()),
+    ]
+    async_backend["driver"][storage.data_ptr()] = (storage.data_ptr(), storage.nbytes(), 7)
+    g = async_backend["cls"]()
+    g.capture_begin()
+    g.capture_end()
+    return g
+
+
+def test_a_graph_stopped_before_its_first_launch_keeps_its_outputs_alive(async_backend, capsys):
+    """Freeing memory a graph never allocated aborts PyTorch under cudaMallocAsync: the output
+    the caller holds stays alive until the process exits, and one line says so."""
+    san = started()
+    san.memory.device_type = "cpu"  # the output stands in for the graph's device memory
+    capsys.readouterr()
+    try:
+        out = torch.empty(256)
+        storage = out.untyped_storage()
+        g = graph_with_an_output(async_backend, out)
+        async_backend["driver"][SEG] = (SEG, 4096, 2)  # its input freed before the first replay
+        before = sys.getrefcount(storage)
+        with pytest.raises(StaleMemoryError):
+            g.replay()
+        assert g.launched == 0
+        assert sys.getrefcount(storage) == before + 1, "a reference that is never given back"
+        line = one_line(capsys)
+        assert line.startswith("graphsan: graph #1 ") and "before its first launch" in line
+        assert "cudaMallocAsync" in line and "1 output storage(s)" in line
+        with pytest.raises(StaleMemoryError):
+            g.replay()  # stopped again: nothing more to keep, nothing more said
+        assert sys.getrefcount(storage) == before + 1 and capsys.readouterr().err == ""
+    finally:
+        san.stop()
+
+
+def test_a_graph_that_launched_once_keeps_nothing_when_stopped_later(async_backend, capsys):
+    san = started()
+    san.memory.device_type = "cpu"
+    capsys.readouterr()
+    try:
+        out = torch.empty(256)
+        storage = out.untyped_storage()
+        g = graph_with_an_output(async_backend, out)
+        g.replay()  # the graph's memory exists from here on
+        before = sys.getrefcount(storage)
+        async_backend["driver"][SEG] = (SEG, 4096, 2)
+        with pytest.raises(StaleMemoryError):
+            g.replay()
+        assert g.launched == 1 and sys.getrefcount(storage) == before
+        assert capsys.readouterr().err == ""
     finally:
         san.stop()
 

@@ -70,3 +70,6 @@ def test_enable_under_cuda_malloc_async_says_one_line_and_stops_a_stale_replay()
     assert result["replay"] == "raised", log[-3000:]
     assert result["error_kinds"] in (["freed"], ["reowned"])
     assert result["healthy"]
+    # its output was never allocated: kept alive, said once, and the process exits cleanly
+    assert log.count("was stopped before its first launch under cudaMallocAsync") == 1, log
+    assert "invalid argument" not in log

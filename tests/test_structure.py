@@ -17,7 +17,12 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 ALLOWED = {
     "graphsan.core": ("graphsan.core",),
     "graphsan.report": ("graphsan.core", "graphsan.report"),
-    "graphsan.policies": ("graphsan.core", "graphsan.context", "graphsan.cuda.allocator"),
+    "graphsan.policies": (
+        "graphsan.core",
+        "graphsan.context",
+        "graphsan.cuda.allocator",
+        "graphsan.cuda.owners",  # the tensors among all objects, as the pinner scans them
+    ),
     "graphsan.cuda": (
         "graphsan.core",
         "graphsan.context",
@@ -27,6 +32,7 @@ ALLOWED = {
         "graphsan.cuda.tracebuild",  # the same library compiled and cached
         "graphsan.cuda.gputrace",  # the same library's GPU-trace interpreter
         "graphsan.cuda.graphwalk",  # the same library's walk of a graph being captured
+        "graphsan.cuda.owners",  # the tensors among all objects (the driver watch's keep-alive)
         # the allocator watch's parts: its event log's views, allocation sites, wrapped ops
         "graphsan.cuda.allocator_log",
         "graphsan.cuda.sites",

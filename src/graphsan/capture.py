@@ -178,6 +178,7 @@ class CaptureAnalysis:
         if outside:  # pinned host memory: blocks not recorded at pin_memory() are looked up
             self.host.find(outside)
         state = self.tracker.add_graph(info, refs, view, host=self.host.pinned.locate)
+        state.own = tuple(own)
         if self.memory.polls:  # frees are found by asking before each replay
             state.dirty = True
         self.orders.add_capture(info, carved, refs, view)

@@ -365,8 +365,16 @@ class Sanitizer:
             if self.memory.polls or self.pool_orders.eager.marks.get(info.id):
                 state.dirty = True  # the next replay asks the driver or the allocator again
             findings = self._suppress(findings)
+            stop = bool(findings) and self.policy.stops_replay
+            kept = self.memory.replay_judged(state, stop)
+            if kept:
+                self._say(
+                    f"graph #{info.id} '{info.label}' was stopped before its first launch under "
+                    f"{driverwatch.backend()}, which allocates a graph's memory when it launches: "
+                    f"freeing its outputs would abort the process, so the {kept} output "
+                    "storage(s) Python holds are kept alive until the process exits"
+                )
             if findings or judging:
-                stop = bool(findings) and self.policy.stops_replay
                 found_at = findings[0].found_at if findings else time.time()
                 self.timeline.replay(
                     info.id, info.label, info.device, stream_handle(), len(findings), stop, found_at

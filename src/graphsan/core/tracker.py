@@ -78,6 +78,11 @@ class GraphState:
     order: PoolOrder | None = None
     reads: bool = False
     read_order: PoolOrder | None = None  # the pool order that checks its reads
+    # the graph's own memory, (address, bytes) of its memory-allocation nodes (how a capture
+    # allocates under the cudaMallocAsync backend: the memory exists once the graph launched),
+    # and whether a replay of it went ahead
+    own: tuple[tuple[int, int], ...] = ()
+    launched: bool = False
 
 
 _UNSEEN = object()

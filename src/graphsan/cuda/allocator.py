@@ -107,6 +107,12 @@ class AllocatorWatch(AllocatorLog):
 
     polls = False  # frees arrive as events: a clean graph needs no look before its replay
 
+    @staticmethod
+    def replay_judged(state, stopped: bool) -> int:
+        """A replay was judged (see `DriverWatch.replay_judged`): this allocator made a graph's
+        memory at its capture, so a stopped first launch leaves nothing to keep; 0."""
+        return 0
+
     def _site_at(self, address: int) -> Site | None:
         """The interned allocation site of the live block at `address`, if one was recorded."""
         if self.trace is not None:

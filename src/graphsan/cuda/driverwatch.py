@@ -13,6 +13,11 @@ torch 2.11). What the driver knows is enough to keep watching:
   id changed (freed and allocated anew at the same address), is a free found there, judged as
   any other (freed, or reowned by the allocation that holds the address now).
 
+A graph stopped before its first launch needs one more thing: this backend allocates a graph's
+memory when it launches, so the capture's outputs point at memory that was never allocated, and
+PyTorch aborts the process when they are freed. Their storages are kept alive until the process
+exits (`replay_judged`; the sanitizer says so in one line).
+
 What it cannot give: the stack and phase of a free (it is found, not seen: reports say so),
 allocation stacks, storage moves as such (they read as frees), pool replay order (no carves),
 and an empty_cache that trims the pool reads as freed, not unmapped. Each replay of a watched
@@ -21,7 +26,10 @@ graph pays one driver call per allocation it references.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import ctypes
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +41,7 @@ from graphsan.core.patches import Patches
 from graphsan.core.records import DEFAULT_POOL, FREED_UNSEEN, FreeEvent, PoolId, Release
 from graphsan.core.tracker import GraphState, Tracker
 from graphsan.cuda import storage_ops
+from graphsan.cuda.owners import storages_of
 from graphsan.report.timeline import Timeline
 
 Identity = tuple[int, int, int]  # an allocation's base, size and the driver's buffer id
@@ -70,6 +79,9 @@ class DriverWatch:
     polls = True
     # watched address -> its allocation at watch time
     ids: dict[int, Identity] = field(default_factory=dict, init=False)
+    # the storages kept alive for graphs stopped before their first launch (their addresses)
+    kept: set[int] = field(default_factory=set, init=False)
+    device_type: str = "cuda"  # tensors on other devices hold no graph memory
     _active: bool = field(default=False, init=False)
     # empty_cache, wrapped to remember the last release
     _patches: Patches = field(default_factory=Patches, init=False)
@@ -128,6 +140,32 @@ class DriverWatch:
             if allocation(wb.address) != self.ids[wb.address]:
                 self.ids.pop(wb.address, None)
                 self.tracker.on_free(wb.address, self._free_found)
+
+    def replay_judged(self, state: GraphState, stopped: bool) -> int:
+        """A replay of the graph was judged: it goes ahead, or it is `stopped`. This backend
+        allocates a graph's memory (its memory-allocation nodes) when the graph launches, and
+        PyTorch aborts the process when memory a graph never allocated is freed: so where a
+        graph is stopped before its first launch, the storages Python holds in that memory
+        (the capture's outputs) are kept alive until the process exits. Returns how many were
+        kept now."""
+        if not stopped:
+            state.launched = True
+            return 0
+        if state.launched or not state.own:
+            return 0
+        ranges, state.own = sorted(state.own), ()
+        starts = [start for start, _ in ranges]
+        kept = 0
+        for _, storage in storages_of(gc.get_objects(), self.device_type):
+            ptr = storage.data_ptr()
+            i = bisect.bisect_right(starts, ptr) - 1
+            if i < 0 or ptr >= ranges[i][0] + ranges[i][1] or ptr in self.kept:
+                continue
+            # a reference no one gives back: not even the interpreter's teardown frees it
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(storage))
+            self.kept.add(ptr)
+            kept += 1
+        return kept
 
     def _free_found(self) -> FreeEvent:
         phase, step = self.context.current()

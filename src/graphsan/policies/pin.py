@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphsan.core.tracker import GraphState, Tracker, WatchedBlock
+from graphsan.cuda.owners import storages_of
 
 if TYPE_CHECKING:
     from graphsan.context import Context
@@ -156,20 +157,7 @@ class Pinner:
         objects = get_objects()
         starts = [wb.address for wb, _ in blocks]
         found: dict[int, tuple[torch.UntypedStorage, list]] = {}
-        tensor_types: dict[type, bool] = {}
-        for obj in objects:
-            t = type(obj)
-            is_tensor = tensor_types.get(t)
-            if is_tensor is None:
-                is_tensor = tensor_types[t] = issubclass(t, torch.Tensor)
-            if not is_tensor:
-                continue
-            try:
-                if obj.device.type != self.device_type:
-                    continue
-                storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError, AttributeError):
-                continue  # fake, sparse or otherwise storage-less tensors
+        for obj, storage in storages_of(objects, self.device_type):
             lo = storage.data_ptr()
             hi = lo + storage.nbytes()
             i = bisect.bisect_right(starts, hi - 1) - 1
