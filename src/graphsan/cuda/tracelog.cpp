@@ -210,6 +210,39 @@ int32_t gs_tracelog_attach(const char* c10_cuda, char* err, size_t err_len) {
   return 0;
 }
 
+// Give the cached memory of private pool (first, second) back to the driver: a pool that no
+// graph and no routing uses any more (the start-up probe's), whose blocks the allocator would
+// otherwise keep until an empty_cache() that releases the program's cache too. The allocator
+// releases only that pool's blocks for an id other than (0, 0). Returns 0, or non-zero with one
+// line in err.
+int32_t gs_release_pool(const char* c10_cuda, uint64_t first, uint64_t second, char* err, size_t err_len) {
+  if (first == 0 && second == 0) {
+    put_error(err, err_len, "(0, 0) names every pool: refused");
+    return 1;
+  }
+  void* lib = dlopen(c10_cuda, RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) {
+    lib = dlopen("libc10_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+  }
+  void* sym = lib == nullptr ? nullptr : dlsym(lib, "_ZN3c104cuda20CUDACachingAllocator9allocatorE");
+  if (sym == nullptr) {
+    put_error(err, err_len, "libc10_cuda is not loaded in this process");
+    return 2;
+  }
+  cca::CUDAAllocator* allocator = static_cast<std::atomic<cca::CUDAAllocator*>*>(sym)->load();
+  if (allocator == nullptr || !allocator->initialized()) {
+    put_error(err, err_len, "the CUDA caching allocator is not initialized");
+    return 3;
+  }
+  try {
+    allocator->emptyCache(c10::MempoolId_t{first, second});
+  } catch (const std::exception& ex) {
+    put_error(err, err_len, std::string("emptyCache: ") + ex.what());
+    return 4;
+  }
+  return 0;
+}
+
 // Turn recording on (from an empty buffer) or off (the buffer is emptied).
 void gs_tracelog_enable(int32_t on) {
   std::lock_guard<std::mutex> guard(g_log->mu);
@@ -278,7 +311,7 @@ int32_t gs_tracelog_feed(
       static_cast<c10::DeviceIndex>(device),
       static_cast<size_t>(addr),
       static_cast<size_t>(size),
-      reinterpret_cast<void*>(stream),
+      reinterpret_cast<cudaStream_t>(stream), // a void* parameter from torch 2.11 on
       decltype(Entry::mempool_){pool_a, pool_b},
       0,
       nullptr,
