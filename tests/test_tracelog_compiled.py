@@ -109,6 +109,20 @@ def test_the_compiled_tracker_names_why_it_cannot_attach(compiled):
         assert rc == 1 and err.value == b"libc10_cuda is not loaded in this process"
 
 
+@BUILT_ONCE
+def test_a_pool_is_released_alone_or_the_library_says_why(compiled):
+    """The start-up probe's pool goes back to the driver through the allocator's per-pool
+    emptyCache; (0, 0) would release the program's whole cache and is refused."""
+    if torch.cuda.is_available():
+        pytest.skip("libc10_cuda is loaded here: this would release a real pool")
+    assert compiled.release_pool((0, 0), "libc10_cuda.so") == "(0, 0) names every pool: refused"
+    why = compiled.release_pool((0, 7), "/nonexistent/libc10_cuda.so")
+    if torch.version.cuda:  # a CUDA build without a GPU: libc10_cuda is loaded, its allocator idle
+        assert why == "the CUDA caching allocator is not initialized"
+    else:
+        assert why == "libc10_cuda is not loaded in this process"
+
+
 # -- the compiled GPU trace ---------------------------------------------------------------------
 @pytest.fixture
 def traced(compiled, monkeypatch):

@@ -103,19 +103,23 @@ class CaptureAnalysis:
             from graphsan.cuda.calibrate import calibrate
 
             try:
-                layouts, seconds = calibrate(
-                    lambda stream: self._walk_handle(driver.capturing_graph(stream))[0]
+                layouts, seconds, kept = calibrate(
+                    lambda stream: self._walk_handle(driver.capturing_graph(stream))[0],
+                    self.memory.release_pool,
                 )
             finally:
                 self.memory.captured_unseen()
         except Exception as err:
             why = f"the probe failed: {type(err).__name__}: {err}"[:200]
             layouts, seconds = Layouts(why=tuple((f, why) for f in FAMILIES)), 0.0
+            kept = why
         self.layouts[device] = layouts
         self.calibration[str(device)] = {
             "torch": layouts.torch,
             "probe_ms": round(seconds * 1e3, 1),
             "families": layouts.summary(),
+            # the probe's pool given back to the driver, or why its memory stayed cached
+            "probe_memory": "released" if kept is None else kept,
         }
 
     def walk(self, handle: int | None = None) -> Walk:

@@ -15,6 +15,7 @@ storage changes and cache releases turned into calls on the pure `Tracker`, over
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -112,6 +113,17 @@ class AllocatorWatch(AllocatorLog):
         """A replay was judged (see `DriverWatch.replay_judged`): this allocator made a graph's
         memory at its capture, so a stopped first launch leaves nothing to keep; 0."""
         return 0
+
+    def release_pool(self, pool: PoolId) -> str | None:
+        """Give a private pool nothing uses any more back to the driver, that pool alone (the
+        start-up probe's: its segments would otherwise stay in the program's snapshots and
+        `memory_reserved()`); None, or why not."""
+        if self.log is None:
+            return (
+                "the compiled tracker is not loaded: the pool's memory stays cached until the "
+                "program's own empty_cache()"
+            )
+        return self.log.release_pool(pool, os.path.join(tracelog.torch_lib_dir(), "libc10_cuda.so"))
 
     def _site_at(self, address: int) -> Site | None:
         """The interned allocation site of the live block at `address`, if one was recorded."""

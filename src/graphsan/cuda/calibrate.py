@@ -3,8 +3,9 @@ them): a handful of launches whose contents are known, each captured into a priv
 its own on a side stream, walked, and thrown away. It runs once per device, before the first
 capture there begins, in well under a second.
 
-The probe's graphs bypass graphsan's hooks (they are captured through the base class), capture
-in thread-local mode, and their memory is freed before the user's capture starts.
+The probe's graphs bypass graphsan's hooks (they are captured through the base class) and
+capture in thread-local mode; everything it allocates lives in one private pool, given back to
+the driver before the user's capture starts.
 """
 
 from __future__ import annotations
@@ -16,38 +17,70 @@ import torch
 
 from graphsan.core.argstructs import Layouts
 from graphsan.core.calibration import Probe, solve
-from graphsan.core.records import KernelArgs
+from graphsan.core.records import KernelArgs, PoolId
 
 Walk = Callable[[int], list]  # a capturing stream's handle -> its graph's nodes so far
 CHUNK = 65536  # elements per multi_tensor_apply block in every release so far (checked)
 
 
-def calibrate(walk: Walk) -> tuple[Layouts, float]:
-    """The confirmed layouts on the current device, and the seconds the probe took. Never
-    raises: whatever fails leaves its family unconfirmed, with the reason."""
+def calibrate(
+    walk: Walk, release: Callable[[PoolId], str | None]
+) -> tuple[Layouts, float, str | None]:
+    """The confirmed layouts on the current device, the seconds the probe took, and why its
+    memory could not be given back (None: it was). Never raises: whatever fails leaves its
+    family unconfirmed, with the reason.
+
+    Everything the probe allocates, its eager tensors as well as its graphs' memory, goes to
+    one private pool, which `release` gives back to the driver once the probe is done: the
+    program's snapshots, pools and `memory_reserved()` show nothing of it."""
     t0 = time.perf_counter()
     probes: list[Probe] = []
     failed: dict[str, str] = {}
+    device = torch.cuda.current_device()
+    pool = tuple(int(x) for x in torch.cuda.graph_pool_handle())
+    route, unroute = _routing()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for family, launch in _LAUNCHES:
-            try:
-                probes += launch(walk)
-            except Exception as err:  # a probe that cannot run leaves its family unconfirmed
-                failed.setdefault(family, f"the probe failed: {type(err).__name__}: {err}"[:200])
-        side.synchronize()
-    return solve(probes, torch.__version__, failed), time.perf_counter() - t0
+    route(device, pool)
+    try:
+        with torch.cuda.stream(side):
+            for family, launch in _LAUNCHES:
+                try:
+                    probes += launch(walk, pool)
+                except Exception as err:  # a probe that cannot run leaves its family unconfirmed
+                    why = f"the probe failed: {type(err).__name__}: {err}"
+                    failed.setdefault(family, why[:200])
+            side.synchronize()
+    finally:
+        unroute(device, pool)
+    kept = release(pool)  # every tensor and graph of the probe is gone: the pool is unused
+    return solve(probes, torch.__version__, failed), time.perf_counter() - t0, kept
 
 
-def _captured(walk: Walk, fn: Callable[[], object], known: Callable[[object], dict]):
+def _routing() -> tuple[Callable, Callable]:
+    """(route, unroute): this thread's allocations to a private pool, and back, as
+    `torch.cuda.use_mem_pool` does it; graphsan's own wrappers of these calls are passed by
+    (they would count the probe's tensors as the program's)."""
+    begin = torch._C._cuda_beginAllocateCurrentThreadToPool
+    end = torch._C._cuda_endAllocateToPool
+    begin, end = (getattr(fn, "__wrapped__", fn) for fn in (begin, end))
+
+    def unroute(device: int, pool: PoolId) -> None:
+        end(device, pool)
+        torch._C._cuda_releasePool(device, pool)  # the route's own use of the pool
+
+    return begin, unroute
+
+
+def _captured(walk: Walk, pool: PoolId, fn: Callable[[], object], known: Callable[[object], dict]):
     """Run `fn` once eagerly (kernels load outside the capture), then capture it into a graph
-    of its own and walk that graph before the capture ends; (kernel nodes, `known(output)`).
-    The output is dropped before the graph is reset: its memory belongs to the graph."""
+    of the probe's pool and walk that graph before the capture ends; (kernel nodes,
+    `known(output)`). The output is dropped before the graph is reset: its memory belongs to
+    the graph."""
     fn()
     graph = torch._C._CUDAGraph()
     stream = torch.cuda.current_stream()
-    graph.capture_begin(None, "thread_local")  # a pool of its own; other threads may run on
+    graph.capture_begin(pool, "thread_local")  # other threads may run on
     try:
         out = fn()
         nodes = walk(stream.cuda_stream)
@@ -79,21 +112,21 @@ def _ptrs(tensors) -> list[int]:
 _SIZES = (2 * CHUNK + 5, CHUNK + 1001, 3, 3 * CHUNK + 77)
 
 
-def _mta(walk: Walk) -> list[Probe]:
+def _mta(walk: Walk, pool: PoolId) -> list[Probe]:
     lists = [[_filled(n) for n in _SIZES] for _ in range(4)]
     a, b, c, d = lists
     steps = [torch.zeros((), device="cuda") for _ in _SIZES]
     scalars = [0.5, 1.5, 2.5, 3.5]
     numel = list(_SIZES)
     probes = []
-    nodes, _ = _captured(walk, lambda: torch._foreach_add_(a, b), lambda out: {})
+    nodes, _ = _captured(walk, pool, lambda: torch._foreach_add_(a, b), lambda out: {})
     probes += [
         Probe(
             "multi_tensor_apply", n, {"lists": [_ptrs(a), _ptrs(b)], "numel": numel, "chunk": CHUNK}
         )
         for n in _named(nodes, "TensorListMetadata<2")
     ]
-    nodes, _ = _captured(walk, lambda: torch._foreach_mul_(a, scalars), lambda out: {})
+    nodes, _ = _captured(walk, pool, lambda: torch._foreach_mul_(a, scalars), lambda out: {})
     probes += [
         Probe(
             "multi_tensor_apply",
@@ -121,7 +154,7 @@ def _mta(walk: Walk) -> list[Probe]:
             maximize=False,
         )
 
-    nodes, _ = _captured(walk, adam, lambda out: {})
+    nodes, _ = _captured(walk, pool, adam, lambda out: {})
     probes += [
         Probe(
             "multi_tensor_apply",
@@ -138,7 +171,7 @@ def _mta(walk: Walk) -> list[Probe]:
     return probes
 
 
-def _closure(walk: Walk) -> list[Probe]:
+def _closure(walk: Walk, pool: PoolId) -> list[Probe]:
     x = _filled(64, 258)  # rows of 258: its stepped views keep two dims
     line = _filled(4096)
     a, b = x[:, :256:2], x[:, 1:257:2]
@@ -150,6 +183,7 @@ def _closure(walk: Walk) -> list[Probe]:
     ):
         nodes, known = _captured(
             walk,
+            pool,
             fn,
             lambda out, inputs=inputs, dims=dims: {"data": _ptrs([out, *inputs]), "dims": dims},
         )
@@ -157,12 +191,13 @@ def _closure(walk: Walk) -> list[Probe]:
     return probes
 
 
-def _reduce(walk: Walk) -> list[Probe]:
+def _reduce(walk: Walk, pool: PoolId) -> list[Probe]:
     red = _filled(256, 64)
     probes = []
     for fn in (lambda: red.t().sum(dim=1), lambda: red.t().max(dim=1)):
         nodes, known = _captured(
             walk,
+            pool,
             fn,
             lambda out: {
                 "src": red.data_ptr(),
@@ -173,25 +208,25 @@ def _reduce(walk: Walk) -> list[Probe]:
     return probes
 
 
-def _cat(walk: Walk) -> list[Probe]:
+def _cat(walk: Walk, pool: PoolId) -> list[Probe]:
     parts = [_filled(3, 8) for _ in range(131)]  # a short last batch
-    nodes, _ = _captured(walk, lambda: torch.cat(parts, dim=0), lambda out: {})
+    nodes, _ = _captured(walk, pool, lambda: torch.cat(parts, dim=0), lambda out: {})
     return [Probe("cat", n, {"inputs": _ptrs(parts)}) for n in _named(nodes, "CatArrayBatchedCopy")]
 
 
-def _pointer_list(walk: Walk) -> list[Probe]:
+def _pointer_list(walk: Walk, pool: PoolId) -> list[Probe]:
     a = [_filled(n) for n in (7, 70000, 5)]
     nodes, known = _captured(
-        walk, lambda: torch._foreach_norm(a), lambda out: {"addresses": _ptrs(out)}
+        walk, pool, lambda: torch._foreach_norm(a), lambda out: {"addresses": _ptrs(out)}
     )
     return [Probe("pointer_list", n, known) for n in _named(nodes, "lpnorm_cleanup")]
 
 
-def _tensor_info(walk: Walk) -> list[Probe]:
+def _tensor_info(walk: Walk, pool: PoolId) -> list[Probe]:
     dst = torch.zeros(50, 8, device="cuda")
     idx = torch.arange(0, 40, 2, device="cuda")
     src = _filled(20, 8)
-    nodes, _ = _captured(walk, lambda: dst.index_add_(0, idx, src), lambda out: {})
+    nodes, _ = _captured(walk, pool, lambda: dst.index_add_(0, idx, src), lambda out: {})
     return [
         Probe("tensor_info", n, {"data": dst.data_ptr(), "dims_at_most": dst.dim()})
         for n in nodes

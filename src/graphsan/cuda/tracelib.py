@@ -63,6 +63,14 @@ class TraceLog:
         """Past this many undrained events the tracker drops events and the drain says so."""
         self.lib.gs_tracelog_set_cap(records)
 
+    def release_pool(self, pool: tuple[int, int], c10_cuda: str) -> str | None:
+        """Give private pool `pool`'s cached memory back to the driver (a pool nothing uses
+        any more: the start-up probe's); None, or why not (one line)."""
+        err = ctypes.create_string_buffer(256)
+        if self.lib.gs_release_pool(c10_cuda.encode(), pool[0], pool[1], err, len(err)) != 0:
+            return err.value.decode("utf-8", "replace")
+        return None
+
     def drain(self) -> tuple[dict[int, list[dict[str, Any]]], bool]:
         """The events since the last drain, per device, as snapshot trace entries; and whether
         some were dropped (the buffer was full)."""
@@ -144,6 +152,14 @@ def load(path: str, without_trace: str | None = None) -> TraceLog:
         lib.gs_tracelog_record_size.restype = ctypes.c_int32
         lib.gs_tracelog_attach.restype = ctypes.c_int32
         lib.gs_tracelog_attach.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.gs_release_pool.restype = ctypes.c_int32
+        lib.gs_release_pool.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
         lib.gs_tracelog_enable.argtypes = [ctypes.c_int32]
         lib.gs_tracelog_enable.restype = None
         lib.gs_tracelog_set_cap.argtypes = [ctypes.c_uint64]
