@@ -18,7 +18,7 @@ from graphsan.cli import main
 from graphsan.report import Report
 from graphsan.report.json_report import sample_path
 from graphsan.report.pages.report_page import render_report, report_view
-from graphsan.report.pages.templating import nice_ticks
+from graphsan.report.pages.templating import breakable, nice_ticks
 from tests.browser import BROWSER, check_page, needs_browser, open_page, screenshot_path
 from tests.test_report_pages import rank_report
 
@@ -87,6 +87,11 @@ def test_the_timelines_of_a_real_sample_have_round_ticks_on_the_page_clock():
         values = [float(t["label"].removeprefix("+").removesuffix(" s")) for t in ticks]
         assert_round_ticks(values, values[0], values[-1])
         assert [t["x"] for t in ticks] == sorted(t["x"] for t in ticks)
+
+
+def test_paths_and_kernel_names_may_wrap_between_their_parts_only_escaped():
+    assert str(breakable("lab/quant.py:3 in <module>")) == "lab/<wbr>quant.py:3 in &lt;module&gt;"
+    assert str(breakable("at::native::k<float>")) == "at::<wbr>native::<wbr>k&lt;float&gt;"
 
 
 # ----------------------------------------------------------------------------- folding

@@ -70,4 +70,14 @@ def _environment():
             trim_blocks=True,
             lstrip_blocks=True,
         )
+        _ENV.filters["breakable"] = breakable
     return _ENV
+
+
+def breakable(text: str):
+    """`text` escaped, with a line-break opportunity after each "/" and "::", so a narrow
+    table cell wraps a path or a kernel name between its parts rather than inside a word."""
+    import markupsafe
+
+    escaped = str(markupsafe.escape(text))
+    return markupsafe.Markup(escaped.replace("/", "/<wbr>").replace("::", "::<wbr>"))
