@@ -94,6 +94,19 @@ def test_paths_and_kernel_names_may_wrap_between_their_parts_only_escaped():
     assert str(breakable("at::native::k<float>")) == "at::<wbr>native::<wbr>k&lt;float&gt;"
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_time_that_is_not_a_number_is_left_off_the_timelines(bad):
+    rep = rank_report(0)
+    rep.events.insert(0, {"t": bad, "kind": "release", "rank": 0, "site": "x.py:1 in f"})
+    rep.findings[1] = dataclasses.replace(rep.findings[1], found_at=bad, freed_at=bad)
+    view = report_view([rep], ["out.json"])
+    xs = [m["x"] for m in view["overview"]["marks"]] + [t["x"] for t in view["overview"]["ticks"]]
+    assert xs and all(math.isfinite(x) for x in xs)
+    strip = view["findings"][1]["life"]["svg"]  # the capture's time is left to draw
+    assert all(math.isfinite(m["x"]) for m in strip["marks"]) and strip["ticks"]
+    assert_round_ticks([float(t["label"][1:-2]) for t in view["overview"]["ticks"]], 0, 6.1)
+
+
 # ----------------------------------------------------------------------------- folding
 def test_identical_findings_fold_into_one_row_with_their_count():
     rep = rank_report(0)

@@ -4,6 +4,7 @@ the report has times."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, frame_text
@@ -86,6 +87,9 @@ def life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
         f"(policy {report.policy})"
     )
     steps.append({"kind": "stop" if stopped else "judged", "t": f.found_at, "what": replay})
+    for s in steps:  # a time that is not a number counts as no time
+        if s["t"] is not None and not math.isfinite(s["t"]):
+            s["t"] = None
     timed = [s for s in steps if s["t"] is not None]
     timed.sort(key=lambda s: s["t"])
     untimed = [s for s in steps if s["t"] is None]

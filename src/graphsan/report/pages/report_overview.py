@@ -3,6 +3,7 @@ one lane per stream) with its captures, judged replays, frees, releases and find
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from graphsan.report.json_report import Report
@@ -70,6 +71,8 @@ class Marks:
     def add(self, x: float, y: float, shape: str, cls: str, title, href=None) -> None:
         """Draw a mark at (x, y) unless one of `cls` is there; `title` is called only when it
         is drawn (titles of hidden marks are never built)."""
+        if not math.isfinite(x):  # a time that is not a number has no place on the axis
+            return
         key = (round(x), y, cls)
         mark = self._at.get(key)
         if mark is not None:
@@ -95,7 +98,7 @@ def _latest(sources, t0: float) -> float:
         times += [e["t_last"] for e in r.events if "t_last" in e]
         times += [f.found_at for f in r.findings if f.found_at is not None]
         times += [g.get("captured_at") for g in r.graphs if g.get("captured_at") is not None]
-    return max(times)
+    return max(t for t in times if math.isfinite(t))
 
 
 def _lane_names(s) -> list[str]:

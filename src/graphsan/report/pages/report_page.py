@@ -9,6 +9,7 @@ timeline report_overview's.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -133,4 +134,5 @@ def _earliest(reports: list[Report]) -> float | None:
         times += [g["captured_at"] for g in r.graphs if g.get("captured_at") is not None]
         for f in r.findings:
             times += [t for t in (f.freed_at, f.found_at) if t is not None]
+    times = [t for t in times if math.isfinite(t)]  # a time that is not a number is not drawn
     return min(times) if times else None
