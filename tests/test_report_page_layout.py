@@ -127,6 +127,7 @@ def test_identical_findings_fold_into_one_row_with_their_count():
         "examples/other.py:9 in drop",
     ]
     html = render_report([rep], ["out.json"])
+    assert "<title>graphsan: 7 finding(s), rank 0</title>" in html
     assert "7 findings in 3 rows" in html and '<th class="num">count</th>' in html
     assert '<td class="num">5</td>' in html and "Found 5 times</strong>" in html
 

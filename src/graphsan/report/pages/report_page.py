@@ -55,7 +55,7 @@ def report_view(reports: list[Report], names: list[str]) -> dict[str, Any]:
 
 def _title(sources, findings) -> str:
     who = f"{len(sources)} ranks" if len(sources) > 1 else sources[0]["name"]
-    return f"graphsan: {len(findings)} finding(s), {who}"
+    return f"graphsan: {sum(f['count'] for f in findings)} finding(s), {who}"
 
 
 def _source(report: Report, path: str, index: int) -> dict[str, Any]:
