@@ -52,6 +52,7 @@ class Page:
     errors: list[str] = field(default_factory=list)  # console errors, exceptions, error logs
     requests: list[str] = field(default_factory=list)  # every URL the page asked for
     scripts_ran: bool = False
+    values: dict = field(default_factory=dict)  # what each probe expression gave, by name
 
 
 class DevToolsError(RuntimeError):
@@ -154,8 +155,16 @@ class _Pipe:
             self.proc.stderr.close()
 
 
-def open_page(binary: str, path: str, screenshot: str | None = None, width: int = 1280) -> Page:
-    """Open `path` from disk, let it load and run its scripts, and read what it shows."""
+def open_page(
+    binary: str,
+    path: str,
+    screenshot: str | None = None,
+    width: int = 1280,
+    probes: dict[str, str] | None = None,
+) -> Page:
+    """Open `path` from disk, let it load and run its scripts, and read what it shows;
+    `probes` are JavaScript expressions (by name) evaluated in the loaded page, their values
+    (JSON-able) kept in `Page.values`."""
     profile = tempfile.mkdtemp(prefix="graphsan-chromium-")
     pipe = _Pipe(binary, profile)
     try:
@@ -174,6 +183,8 @@ def open_page(binary: str, path: str, screenshot: str | None = None, width: int 
             res = pipe.send(
                 "Runtime.evaluate", {"expression": expr, "returnByValue": True}, session=session
             )
+            if "exceptionDetails" in res:  # a probe with a mistake fails here, not as a None
+                raise DevToolsError(f"{expr[:80]}: {res['exceptionDetails'].get('text')}")
             return res.get("result", {}).get("value")
 
         page = Page(
@@ -181,6 +192,7 @@ def open_page(binary: str, path: str, screenshot: str | None = None, width: int 
             dom=evaluate("document.documentElement.outerHTML") or "",
             scripts_ran=evaluate("document.documentElement.dataset.scripts") == "ran",
         )
+        page.values = {name: evaluate(expr) for name, expr in (probes or {}).items()}
         if screenshot:
             size = pipe.send("Page.getLayoutMetrics", session=session)["cssContentSize"]
             height = min(int(size["height"]) + 1, 16000)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 
 SVG_WIDTH = 960
+RIGHT_MARGIN = 36.0  # room for half of a time axis's last label (e.g. "+1000 s") right of it
 
 
 def rel(t: float | None, t0: float | None) -> str:

@@ -4,11 +4,19 @@ the report has times."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from graphsan.core.records import FREED_BEFORE_CAPTURE, Finding, frame_text
-from graphsan.report.pages.report_common import SVG_WIDTH, clock, human_bytes, phase_class, rel
-from graphsan.report.pages.templating import nice_ticks
+from graphsan.report.pages.report_common import (
+    RIGHT_MARGIN,
+    SVG_WIDTH,
+    clock,
+    human_bytes,
+    phase_class,
+    rel,
+)
+from graphsan.report.pages.templating import nice_ticks, tick_label
 from graphsan.report.text import NO_FREE_FRAMES, short_kernel, when
 
 
@@ -79,6 +87,9 @@ def life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
         f"(policy {report.policy})"
     )
     steps.append({"kind": "stop" if stopped else "judged", "t": f.found_at, "what": replay})
+    for s in steps:  # a time that is not a number counts as no time
+        if s["t"] is not None and not math.isfinite(s["t"]):
+            s["t"] = None
     timed = [s for s in steps if s["t"] is not None]
     timed.sort(key=lambda s: s["t"])
     untimed = [s for s in steps if s["t"] is None]
@@ -117,7 +128,7 @@ def _life_svg(steps: list[dict[str, Any]], phases: list[dict[str, Any]], t0) -> 
     times = [s["t"] for s in steps if s["t"] is not None]
     lo, hi = min(times), max(times)
     span = max(hi - lo, 1e-3)
-    left, right = 70.0, SVG_WIDTH - 20.0
+    left, right = 70.0, SVG_WIDTH - RIGHT_MARGIN
 
     def x_of(t: float) -> float:
         return left + (t - lo) / span * (right - left)
@@ -152,8 +163,10 @@ def _life_svg(steps: list[dict[str, Any]], phases: list[dict[str, Any]], t0) -> 
                 "cls": phase_class(e.get("phase") or ""),
             }
         )
+    # round times on the page's clock (seconds after t0), the times the table below prints
     ticks = [
-        {"x": round(x_of(t), 1), "label": f"+{t - t0:.4g} s"} for t in nice_ticks(lo, lo + span)
+        {"x": round(x_of(t0 + v), 1), "label": f"+{tick_label(v)} s"}
+        for v in nice_ticks(lo - t0, lo + span - t0)
     ]
     return {
         "width": SVG_WIDTH,

@@ -2,12 +2,14 @@
 
 The view model is plain dicts and lists; the template only lays them out. Geometry of the SVG
 timelines is computed here, so the template holds no arithmetic. This module assembles the page
-and its tables (the reports read, their graphs, findings by rank); each finding's block is
-report_finding's (its life: report_life), the process timeline report_overview's.
+and its tables (the reports read, their graphs, findings by rank); identical findings share a
+row (report_fold); each finding's block is report_finding's (its life: report_life), the process
+timeline report_overview's.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -15,9 +17,9 @@ from graphsan.core.records import frame_text
 from graphsan.report.json_report import SCHEMA_VERSION, Report
 from graphsan.report.pages.report_common import clock, rel
 from graphsan.report.pages.report_finding import finding_view
+from graphsan.report.pages.report_fold import fold_findings, fold_view
 from graphsan.report.pages.report_overview import overview
 from graphsan.report.pages.templating import render, replay_index
-from graphsan.report.ranks import finding_signature
 from graphsan.report.text import provenance_line
 
 
@@ -29,17 +31,10 @@ def report_view(reports: list[Report], names: list[str]) -> dict[str, Any]:
     """Everything the template shows, computed once."""
     sources = [_source(r, n, i) for i, (r, n) in enumerate(zip(reports, names, strict=True))]
     t0 = _earliest(reports)
-    groups: dict[tuple, dict[str, Any]] = {}
-    for src in sources:
-        for f in src["report"].findings:
-            sig = finding_signature(f)
-            g = groups.get(sig)
-            if g is None:
-                g = groups[sig] = {"finding": f, "source": src, "seen": {}}
-            g["seen"].setdefault(src["name"], f)
+    folds = fold_findings(sources)
     findings = [
-        finding_view(n, g["finding"], g["source"], g["seen"], t0)
-        for n, g in enumerate(groups.values(), 1)
+        finding_view(n, fold.finding, fold.source, fold.seen, t0) | fold_view(fold, t0)
+        for n, fold in enumerate(folds, 1)
     ]
     kinds = sorted({f["kind"] for f in findings})
     total = sum(len(r.findings) for r in reports)
@@ -57,6 +52,7 @@ def report_view(reports: list[Report], names: list[str]) -> dict[str, Any]:
         "findings": findings,
         "kinds": kinds,
         "total_findings": total,
+        "folded": total > len(findings),
         "graphs_total": sum(len(r.graphs) for r in reports),
         "multi": len(reports) > 1,
         "matrix": _rank_matrix(sources, findings),
@@ -70,7 +66,7 @@ def _title(sources, findings, idle: int) -> str:
     who = f"{len(sources)} ranks" if len(sources) > 1 else sources[0]["name"]
     if idle == len(sources):
         return f"graphsan: not watched, {who}"
-    return f"graphsan: {len(findings)} finding(s), {who}"
+    return f"graphsan: {sum(f['count'] for f in findings)} finding(s), {who}"
 
 
 def _watch_view(src: dict[str, Any]) -> dict[str, Any]:
@@ -155,4 +151,5 @@ def _earliest(reports: list[Report]) -> float | None:
         times += [g["captured_at"] for g in r.graphs if g.get("captured_at") is not None]
         for f in r.findings:
             times += [t for t in (f.freed_at, f.found_at) if t is not None]
+    times = [t for t in times if math.isfinite(t)]  # a time that is not a number is not drawn
     return min(times) if times else None
