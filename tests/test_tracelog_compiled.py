@@ -42,6 +42,15 @@ def compiled(tmp_path_factory):
         raise
 
 
+@BUILT_ONCE
+@pytest.mark.skipif(not native.SANITIZE, reason="GRAPHSAN_TEST_SANITIZE=1 builds it sanitized")
+def test_the_sanitized_library_is_instrumented(compiled):
+    """.ci/sanitizers would pass vacuously on a library built without the sanitizers."""
+    with open(compiled.path, "rb") as fh:
+        body = fh.read()
+    assert b"__asan_report" in body and b"__ubsan_handle" in body
+
+
 def feed_all(log: tracelib.TraceLog, entries: list[dict]) -> list[dict]:
     for e in entries:
         log.feed(
