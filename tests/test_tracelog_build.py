@@ -195,6 +195,20 @@ def test_before_python_3_11_the_library_is_the_tracker_alone(tmp_path, fake_cxx,
     assert loaded[0][1] == "the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)"
 
 
+@pytest.mark.parametrize(
+    ("version", "why"),
+    [
+        ((3, 11, 4), "Python 3.11 before 3.11.5 corrupts memory"),
+        ((3, 11, 5), None),
+        ((3, 12, 0), None),
+    ],
+)
+def test_pythons_that_corrupt_memory_when_making_frames_get_no_gpu_trace(monkeypatch, version, why):
+    monkeypatch.setattr(tracebuild.sys, "version_info", version)
+    found = tracebuild.why_no_trace()
+    assert found == why if why is None else found.startswith(why)
+
+
 def test_the_prebuild_names_the_library_or_says_why(tmp_path, fake_cxx, monkeypatch, capsys):
     monkeypatch.setattr(torch.version, "cuda", None)
     assert tracelog.main([]) == 1

@@ -299,12 +299,15 @@ def read_device(spans: list[tuple[int, int]], stream_handle: int) -> list[bytes]
     call it on a capturing stream."""
     bufs = [(ctypes.c_char * size)() for _, size in spans]
     stream = drv.CUstream(stream_handle)
-    for (ptr, size), buf in zip(spans, bufs, strict=True):
-        _check(
-            drv.cuMemcpyDtoHAsync(ctypes.addressof(buf), drv.CUdeviceptr(ptr), size, stream),
-            "cuMemcpyDtoHAsync",
-        )
-    _check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    try:
+        for (ptr, size), buf in zip(spans, bufs, strict=True):
+            _check(
+                drv.cuMemcpyDtoHAsync(ctypes.addressof(buf), drv.CUdeviceptr(ptr), size, stream),
+                "cuMemcpyDtoHAsync",
+            )
+    finally:  # the copies queued before a failed one still write into bufs: wait for them
+        synced = drv.cuStreamSynchronize(stream)
+    _check(synced, "cuStreamSynchronize")
     return [bytes(buf) for buf in bufs]
 
 

@@ -84,9 +84,9 @@ class GpuTrace:
     def freed_ranges(self, ranges: Sequence[tuple[int, int]]) -> None:
         """The (start, size) segments holding freed watched memory, sorted by start: frees and
         allocations in them call Python."""
-        flat = [v for r in ranges for v in r]
+        flat = [v for start, size in ranges for v in (start, size)]
         arr = (ctypes.c_uint64 * max(1, len(flat)))(*flat)
-        self.lib.gs_trace_freed_ranges(arr, len(ranges))
+        self.lib.gs_trace_freed_ranges(arr, len(flat) // 2)  # the library reads 2 per range
 
     def watched_count(self) -> int:
         return int(self.lib.gs_trace_watched_count())

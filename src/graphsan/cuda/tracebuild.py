@@ -334,6 +334,10 @@ def why_no_trace() -> str | None:
     """Why this interpreter cannot have the GPU trace, if it cannot."""
     if sys.version_info < (3, 11):
         return "the GPU trace reads frames with PyFrame_GetLasti (Python 3.11)"
+    if sys.version_info[:2] == (3, 11) and sys.version_info < (3, 11, 5):
+        # CPython issues 97002 and 106092: a collection while a frame object is made (which
+        # the trace does on every allocation) corrupts memory there
+        return "Python 3.11 before 3.11.5 corrupts memory when it collects while making frames"
     return None
 
 
