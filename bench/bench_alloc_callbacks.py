@@ -46,7 +46,8 @@ from alloc_site_walks import (
 from torch._utils import CallbackRegistry
 
 from graphsan.context import Context
-from graphsan.core.tracker import Tracker, WatchedBlock
+from graphsan.core.graph_state import WatchedBlock
+from graphsan.core.tracker import Tracker
 from graphsan.cuda import allocator, sites
 
 BASE = 0x7F00_0000_0000

@@ -1,5 +1,5 @@
-"""A replay that writes over an output the caller still holds (graphsan.core.order's
-`Overwrite`, graphsan.core.replay's `live-output` findings): a 1F1B pipeline's graphs replayed in
+"""A replay that writes over an output the caller still holds (graphsan.core.pool_order's
+`Overwrite`, graphsan.core.pool_orders's `live-output` findings): a 1F1B pipeline's graphs replayed in
 another schedule, capture-order cycles, graphs of one pool that pass no data, and a property test
 against a simulation of the pool's memory."""
 
@@ -8,10 +8,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphsan.core.judgement import ReplayJudge
 from graphsan.core.memory_map import MemoryMap
-from graphsan.core.order import PoolOrder, first_refs_into
-from graphsan.core.records import GraphInfo, Judged, Reference
-from graphsan.core.replay import ReplayOrders
+from graphsan.core.pool_order import PoolOrder, first_refs_into
+from graphsan.core.pool_orders import ReplayOrders
+from graphsan.core.records import GraphInfo, Judged, Reference, When
 from graphsan.core.tracker import Tracker
 
 BASE, SLOT, POOL = 0x7E00_0000_0000, 4096, (1, 3)
@@ -171,7 +172,7 @@ def orders_1f1b():
     for gid, (carved, refs) in CAPTURES.items():
         info = GraphInfo(gid, ["fwd mb0", "fwd mb1", "bwd mb1", "bwd mb0"][gid], [], POOL, 0)
         tracker.add_graph(info, refs, view)
-        orders.add_capture(info, carved, refs, view)
+        ReplayJudge(tracker, orders, None).join_order(info, carved, refs, view)
         states[gid] = tracker.graphs[gid]
     return orders, states
 
@@ -184,7 +185,9 @@ def test_the_finding_names_the_output_its_producer_the_node_and_both_replays():
         order.replayed(g)
     overs = orders.overwritten(states[F1])
     judged = Judged(rank=2, found_at=5.0)
-    (f,) = orders.live_outputs(states[F1].info, overs, pool_map({0, 1, 5}), "train", 3, judged)
+    (f,) = orders.live_outputs(
+        states[F1].info, overs, pool_map({0, 1, 5}), When("train", 3, judged)
+    )
     assert (f.kind, f.written_by, f.block_address, f.replays) == ("live-output", B0, at(1), (2, 3))
     assert (f.node, f.address) == (0, ref(1).address)  # forward mb1's kernel that writes there
     assert f.alloc_stack == (("train.py", 7, "site1"),)  # where backward mb0 carved its output
@@ -198,7 +201,7 @@ def test_an_output_the_caller_dropped_is_no_finding():
     for g in (F0, B0):
         order.replayed(g)
     overs = orders.overwritten(states[F1])
-    assert orders.live_outputs(states[F1].info, overs, pool_map({0, 5}), None, None, Judged()) == []
+    assert orders.live_outputs(states[F1].info, overs, pool_map({0, 5}), When()) == []
 
 
 # -- property: the model against the pool's memory ------------------------------------------

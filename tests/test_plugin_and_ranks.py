@@ -119,7 +119,7 @@ def test_report_path_per_rank():
 
 def test_three_ranks_merge(tmp_path, capsys, monkeypatch):
     """Each rank saves its report as under torchrun (RANK, WORLD_SIZE); one summary merges them."""
-    from graphsan.sanitizer import rank_from_env
+    from graphsan.command_line import rank_from_env
 
     paths = [str(tmp_path / f"out.rank{r}.json") for r in range(3)]
     monkeypatch.setenv("WORLD_SIZE", "3")

@@ -1,4 +1,4 @@
-"""Outputs the pool got back while the caller still used them (graphsan.core.order's release
+"""Outputs the pool got back while the caller still used them (graphsan.core.pool_order's release
 windows, `Overwrite.pending`): Transformer Engine's buffer reuse across microbatches, the window
 graphs, partial carves, the finding's wording, and property tests against a simulation of the
 pool's memory. The slot model is test_live_output's."""
@@ -8,9 +8,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphsan.core.order import PoolOrder, first_refs_into
-from graphsan.core.records import GraphInfo, Judged
-from graphsan.core.replay import ReplayOrders
+from graphsan.core.judgement import ReplayJudge
+from graphsan.core.pool_order import PoolOrder, first_refs_into
+from graphsan.core.pool_orders import ReplayOrders
+from graphsan.core.records import GraphInfo, Judged, When
 from graphsan.core.tracker import Tracker
 from tests.test_live_output import BASE, POOL, SLOT, at, carve, pool_map, ref
 
@@ -166,7 +167,7 @@ def test_the_finding_for_a_released_output_names_the_capture_that_held_it():
         info = GraphInfo(gid, labels[gid], [], POOL, 0)
         view = pool_map(set(slots) | {0, 2})
         tracker.add_graph(info, refs, view)
-        orders.add_capture(info, carve(*slots), refs, view)
+        ReplayJudge(tracker, orders, None).join_order(info, carve(*slots), refs, view)
         if gid == RB0:
             wb = tracker.graphs[R0].blocks[at(2)]
             orders.released(wb, in_capture=False)
@@ -176,7 +177,7 @@ def test_the_finding_for_a_released_output_names_the_capture_that_held_it():
     assert state.reads
     overs = orders.overwritten(state)
     # the allocator's view says nothing: the caller's tensor owns no block there
-    (f,) = orders.live_outputs(state.info, overs, pool_map(set()), "train", 4, Judged())
+    (f,) = orders.live_outputs(state.info, overs, pool_map(set()), When("train", 4, Judged()))
     assert (f.kind, f.written_by, f.block_address, f.nbytes) == ("live-output", R0, at(2), SLOT)
     assert "graph #1 'bwd mb0'" in f.now and "graph #0 'fwd mb0'" in f.now
     assert f.alloc_stack == (("train.py", 9, "site2"),)

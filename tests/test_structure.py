@@ -20,6 +20,7 @@ ALLOWED = {
     "graphsan.policies": (
         "graphsan.core",
         "graphsan.context",
+        "graphsan.report",  # what a policy does: StaleMemoryError, a finding as text
         "graphsan.cuda.allocator",
         "graphsan.cuda.owners",  # the tensors among all objects, as the pinner scans them
     ),
@@ -33,6 +34,7 @@ ALLOWED = {
         "graphsan.cuda.gputrace",  # the same library's GPU-trace interpreter
         "graphsan.cuda.graphwalk",  # the same library's walk of a graph being captured
         "graphsan.cuda.owners",  # the tensors among all objects (the driver watch's keep-alive)
+        "graphsan.cuda.device_reads",  # pointer tables read, as both memory watches read them
         # the allocator watch's parts: its event log's views, allocation sites, wrapped ops
         "graphsan.cuda.allocator_log",
         "graphsan.cuda.sites",
@@ -331,3 +333,67 @@ def test_the_lab_check_catches_an_upward_import_and_a_private_one(tmp_path):
     found = lab_violations(whole_graph(tmp_path))
     assert any("graphsan.lab.models.args imports graphsan.lab.train" in v for v in found), found
     assert any("graphsan.lab.train.cli imports graphsan.sanitizer" in v for v in found), found
+
+
+# a graph's state (core.graph_state.GraphState): its fields and its named transitions
+GRAPH_STATE_FIELDS = {"dirty", "handed_over", "order", "reads", "read_order", "own", "launched"}
+GRAPH_STATE_TRANSITIONS = {
+    "mark_changed",
+    "judged",
+    "block",
+    "went_ahead",
+    "drop_own",
+    "counted_in",
+    "checked_against",
+    "hand_over",
+}
+MAY_CHANGE_GRAPH_STATE = {
+    "graphsan.core.graph_state",  # the transitions themselves
+    "graphsan.core.tracker",  # memory events
+    "graphsan.core.judgement",  # replays
+}
+
+
+def graph_state_changes(src: Path = SRC) -> list[str]:
+    """Where a sanitizer module outside MAY_CHANGE_GRAPH_STATE assigns a graph state's field or
+    calls one of its transitions."""
+    out = []
+    for path in sorted((src / "graphsan").rglob("*.py")):
+        name = module_name(path, src)
+        if name.startswith("graphsan.lab") or name in MAY_CHANGE_GRAPH_STATE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = [n for target in node.targets for n in ast.walk(target)]
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr in GRAPH_STATE_FIELDS:
+                    out.append(f"{name}:{node.lineno} assigns .{t.attr}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in GRAPH_STATE_TRANSITIONS
+            ):
+                out.append(f"{name}:{node.lineno} calls .{node.func.attr}()")
+    return out
+
+
+def test_only_the_judge_and_the_tracker_change_a_graphs_state():
+    assert graph_state_changes() == []
+
+
+def test_the_graph_state_check_sees_an_assignment_and_a_transition(tmp_path):
+    pkg = tmp_path / "graphsan" / "cuda"
+    pkg.mkdir(parents=True)
+    (pkg / "watch.py").write_text(
+        "def f(state, g):\n    state.dirty = True\n    g.reads, g.read_order = True, 1\n"
+        "    state.block()\n"
+    )
+    assert graph_state_changes(tmp_path) == [
+        "graphsan.cuda.watch:2 assigns .dirty",
+        "graphsan.cuda.watch:3 assigns .reads",
+        "graphsan.cuda.watch:3 assigns .read_order",
+        "graphsan.cuda.watch:4 calls .block()",
+    ]

@@ -8,6 +8,7 @@ import pytest
 
 from graphsan import sanitizer
 from graphsan.core.records import KernelArgs
+from graphsan.report import StaleMemoryError
 from graphsan.report.timeline import Timeline, node_summary
 from tests import fake_cuda as fake_cuda_pieces
 
@@ -93,7 +94,7 @@ def test_the_sanitizer_times_capture_free_and_stopped_replay(fake_cuda):
     assert [e["kind"] for e in san.timeline.events] == ["capture"]
     san.memory._on_free(SEG)
     fake_cuda["map"] = _map([(8192, "inactive")])
-    with pytest.raises(sanitizer.StaleMemoryError):
+    with pytest.raises(StaleMemoryError):
         san.before_replay(g, state)
     rep = san.report()
     kinds = [e["kind"] for e in rep.events]

@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import types
 
 import pytest
 import torch
 
 from graphsan.context import Context
-from graphsan.core.records import DEFAULT_POOL
-from graphsan.core.tracker import Tracker, WatchedBlock
+from graphsan.core.graph_state import GraphState, WatchedBlock
+from graphsan.core.records import DEFAULT_POOL, GraphInfo, ReferenceCounts
+from graphsan.core.tracker import Tracker
 from graphsan.cuda import tracelib, tracelog
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.gputrace import GpuTrace
@@ -152,6 +152,11 @@ def traced(compiled, monkeypatch):
     assert not compiled.gpu_trace.current()
 
 
+def a_graph(gid: int) -> GraphState:
+    """A graph's state with nothing watched yet (the test adds its blocks to the tracker)."""
+    return GraphState(GraphInfo(gid, f"g{gid}", (), DEFAULT_POOL, 0), {}, {}, ReferenceCounts())
+
+
 def _raise(err: BaseException) -> None:
     raise err
 
@@ -213,7 +218,7 @@ def test_the_trace_calls_python_only_for_watched_frees_and_names_the_freeing_cod
     trace.fire("event_record", 0x1234)  # the other trace entries do nothing
     assert trace.python_calls() == before
     wb = WatchedBlock(0x7200_0000, 512, DEFAULT_POOL, (0x7200_0000, 1 << 20), [], {1})
-    tracker.graphs[1] = types.SimpleNamespace(dirty=False)
+    tracker.graphs[1] = a_graph(1)
     tracker.live[wb.address] = wb
     tracker.mirrored([wb.address])  # what add_graph tells the adapter
     assert trace.watched_count() >= 1
@@ -282,7 +287,7 @@ def test_the_trace_keeps_count_under_threads(traced):
 
     trace, tracker = traced.trace, traced.tracker
     watched = [0x7600_0000 + (i << 20) for i in range(4)]
-    tracker.graphs[1] = types.SimpleNamespace(dirty=False)
+    tracker.graphs[1] = a_graph(1)
     for addr in watched:
         tracker.live[addr] = WatchedBlock(addr, 512, DEFAULT_POOL, (addr, 1 << 20), [], {1})
     tracker.mirrored(watched)
@@ -323,7 +328,7 @@ def test_a_block_freed_while_its_capture_is_added_stays_watched(traced):
     `Tracker.live`: the address stays watched, so the next free there is judged; an address no
     graph watches any more leaves the set at its first free."""
     trace, tracker = traced.trace, traced.tracker
-    tracker.graphs[1] = types.SimpleNamespace(dirty=False)
+    tracker.graphs[1] = a_graph(1)
     a, stale = 0x7800_0000, 0x7900_0000
     tracker.mirrored([a])  # add_graph tells the library first ...
     before = trace.python_calls()

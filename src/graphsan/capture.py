@@ -12,9 +12,10 @@ Just before the original `capture_end`, `walk` reads the graph still being captu
 4. copies from host memory the allocator does not own are looked up among the live pinned host
    storages (`cuda.host`);
 5. the tracker registers the blocks to watch (`core.tracker`);
-6. the capture joins its pool's replay order (`core.replay`).
+6. the replay judge takes the graph, and the capture joins its pool's replay order
+   (`core.judgement`, `core.pool_orders`).
 
-At replay, `reread_tables` reads again the tables that named a freed block, before it is judged.
+At replay, the judge (`core.judgement`) reads again the tables that named a freed block.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from graphsan.core.argstructs import FAMILIES, NOT_CALIBRATED, Layouts
+from graphsan.core.graph_state import GraphState
+from graphsan.core.judgement import ReplayJudge
 from graphsan.core.records import (
     DEFAULT_POOL,
     AllocArgs,
@@ -34,7 +37,6 @@ from graphsan.core.records import (
     KernelArgs,
     WalkStats,
 )
-from graphsan.core.replay import ReplayOrders
 from graphsan.core.scan import (
     TABLE_BLOCK,
     TABLE_BUDGET,
@@ -42,8 +44,9 @@ from graphsan.core.scan import (
     table_candidates,
     table_references,
 )
-from graphsan.core.tracker import GraphState, Tracker
+from graphsan.core.tracker import Tracker
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.driverwatch import DriverWatch
 from graphsan.cuda.host import HostWatch
 from graphsan.report.timeline import Timeline, node_summary
 
@@ -72,10 +75,10 @@ class CaptureAnalysis:
     """Turns each capture's end into a watched graph. Reading pointer tables is bounded: blocks
     up to `table_block` bytes, `table_budget` bytes per graph (0 turns the reading off)."""
 
-    memory: AllocatorWatch
+    memory: AllocatorWatch | DriverWatch
     tracker: Tracker
     host: HostWatch
-    orders: ReplayOrders
+    judge: ReplayJudge
     timeline: Timeline
     table_block: int = TABLE_BLOCK
     table_budget: int = TABLE_BUDGET
@@ -89,8 +92,8 @@ class CaptureAnalysis:
         unconfirmed, and the scan keeps reading those structs word by word."""
         if device in self.layouts:
             return
-        if self.memory.polls:  # a backend without block map: its captured memory is the graph's
-            why = "not probed: under this allocator backend the probe's captures would own memory"
+        why = self.memory.probe_refused()
+        if why is not None:
             self.layouts[device] = Layouts(why=tuple((f, why) for f in FAMILIES))
             self.calibration[str(device)] = {"families": self.layouts[device].summary()}
             return
@@ -181,11 +184,9 @@ class CaptureAnalysis:
         outside = [a for a in copies if view.locate(a) is None and driver.is_host(a)]
         if outside:  # pinned host memory: blocks not recorded at pin_memory() are looked up
             self.host.find(outside)
-        state = self.tracker.add_graph(info, refs, view, host=self.host.pinned.locate)
-        state.own = tuple(own)
-        if self.memory.polls:  # frees are found by asking before each replay
-            state.dirty = True
-        self.orders.add_capture(info, carved, refs, view)
+        state = self.tracker.add_graph(info, refs, view, host=self.host.pinned.locate, own=own)
+        self.judge.watch(state)
+        self.judge.join_order(info, carved, refs, view)
         t3 = time.perf_counter()
         stats = GraphStats(
             info.id,
@@ -215,46 +216,13 @@ class CaptureAnalysis:
             return [], 0
         tables = table_candidates(refs, view, pool, self.table_block, self.table_budget)
         requested = view.requested
-        contents = _read_tables(
+        contents = self.memory.read_device(
             [(addr, min(size, requested.get(addr, size))) for addr, size, _ in tables]
         )
         out = []
         for (addr, _, via), data in zip(tables, contents, strict=True):
             out += table_references(addr, data, via, view)
         return out, sum(1 for data in contents if data)
-
-    def reread_tables(self, state: GraphState) -> None:
-        """Before judging: the tables that named a freed block are read again, and a reference
-        the table no longer holds (it was rewritten) is dropped."""
-        stale = {}  # freed block -> its indirect references
-        for addr, wb in state.blocks.items():
-            if wb.freed is not None:
-                refs = state.refs.get(addr, ())
-                if any(r.through is not None for r in refs):
-                    stale[addr] = refs
-        if not stale:
-            return
-        tables = sorted(
-            {
-                r.through
-                for refs in stale.values()
-                for r in refs
-                if r.through is not None
-                and r.through in state.blocks
-                and state.blocks[r.through].freed is None  # a freed table is a finding itself
-            }
-        )
-        spans = [(t, state.blocks[t].size) for t in tables]
-        words = {}
-        for t, data in zip(tables, _read_tables(spans), strict=True):
-            if data:
-                words[t] = {
-                    int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data) - 7, 8)
-                }
-        for addr, refs in stale.items():
-            keep = [r for r in refs if r.through not in words or r.address in words[r.through]]
-            if len(keep) != len(refs):
-                self.tracker.retain(state.info.id, addr, keep)
 
 
 def _describe(handle: int, is_kernel: bool) -> tuple[str, tuple[int, ...]]:
@@ -263,16 +231,3 @@ def _describe(handle: int, is_kernel: bool) -> tuple[str, tuple[int, ...]]:
 
     info = driver.function_info(handle, is_kernel)
     return info.name, info.offsets
-
-
-def _read_tables(spans: list[tuple[int, int]]) -> list[bytes]:
-    """The tables' bytes, or empty ones where they cannot be read now (a capture running on
-    this stream, a driver error): an unread table hides what it names, nothing more."""
-    if not spans or torch.cuda.is_current_stream_capturing():
-        return [b""] * len(spans)
-    from graphsan.cuda import driver
-
-    try:
-        return driver.read_device(spans, torch.cuda.current_stream().cuda_stream)
-    except driver.DriverError:
-        return [b""] * len(spans)

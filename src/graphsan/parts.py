@@ -3,7 +3,8 @@
 The tracker asks the pinned-host registry and the replay orders about a block, so those two
 come first (the orders share the tracker's dict of graphs, which is all they read of it); the
 watches that feed the tracker (the allocator's, or the driver's where the backend keeps no
-block map; the pinned host memory's) come after it, and the capture analysis last.
+block map; the pinned host memory's) come after it, then the replay judge, which asks the
+memory watch, and the capture analysis last, which hands each new graph to the judge.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from graphsan.capture import CaptureAnalysis
 from graphsan.context import Context
 from graphsan.core.eager import EagerInPools
-from graphsan.core.replay import ReplayOrders
+from graphsan.core.judgement import ReplayJudge
+from graphsan.core.pool_orders import ReplayOrders
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import driverwatch
 from graphsan.cuda.allocator import AllocatorWatch
@@ -28,6 +30,7 @@ class Parts:
     pool_orders: ReplayOrders
     memory: AllocatorWatch | driverwatch.DriverWatch
     host: HostWatch
+    judge: ReplayJudge
     capture: CaptureAnalysis
 
 
@@ -36,6 +39,7 @@ def build(
     timeline: Timeline,
     on_error: Callable[[BaseException], None],
     alloc_stacks: bool = True,
+    rank: int | None = None,
 ) -> Parts:
     eager = EagerInPools()
     graphs: dict = {}
@@ -51,15 +55,16 @@ def build(
         handed_over=pool_orders.released,
     )
     if native:
-        memory = AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline, eager)
+        memory = AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline, eager, driver)
     else:  # the driver sees no allocations, so no eager tensor in a graph's pool either
         why = f"the {backend} allocator backend keeps no block map and reports no frees"
         memory = driverwatch.DriverWatch(
             tracker, context, on_error, alloc_stacks, why, driver, timeline
         )
     host = HostWatch(tracker, pinned, memory.free_event, on_error)
-    capture = CaptureAnalysis(memory, tracker, host, pool_orders, timeline)
-    return Parts(tracker, pool_orders, memory, host, capture)
+    judge = ReplayJudge(tracker, pool_orders, memory, context.current, rank)
+    capture = CaptureAnalysis(memory, tracker, host, judge, timeline)
+    return Parts(tracker, pool_orders, memory, host, judge, capture)
 
 
 def driver():

@@ -1,11 +1,11 @@
-"""The sanitizer: routes graph hooks to the capture analysis, the replay orders and the tracker,
-and applies the policy.
+"""The sanitizer: routes the graph hooks to the capture analysis and the replay judge, and
+applies the policy.
 
 At capture end the capture analysis (`graphsan.capture`) turns the graph being captured into
-its watched blocks (`core.tracker`) and its place in its pool's replay order (`core.replay`).
-At replay, a graph whose watched memory changed is judged by the tracker *before* launch, and a
-graph that reads another graph's output in a shared pool is checked against the pool's replay
-order; the policy decides what happens to findings:
+its watched blocks (`core.tracker`) and hands it to the replay judge (`core.judgement`), which
+places it in its pool's replay order. At a replay the judge `needs` to see, `before_replay`
+flushes the pins, takes the judge's verdict, leaves out what the suppressions match, records
+the replay on the timeline, and lets the policy act (`graphsan.policies`):
 
 - "raise": `StaleMemoryError` from `replay()`; the graph is not launched (and stays blocked);
 - "warn": each finding is printed once, the replay goes on;
@@ -22,7 +22,6 @@ Any internal error disables the sanitizer with one message; the user's program r
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import sys
@@ -34,25 +33,20 @@ import torch
 from graphsan.capture import stream_handle
 from graphsan.command_line import rank_from_env
 from graphsan.context import Context, python_stack
-from graphsan.core.order import PoolOrder
-from graphsan.core.records import Finding, GraphInfo, GraphStats, Judged
+from graphsan.core.pool_order import PoolOrder
+from graphsan.core.records import Finding, GraphInfo, GraphStats
 from graphsan.cuda import driverwatch, hooks
 from graphsan.parts import build as build_parts
-from graphsan.parts import driver as driver_module
-from graphsan.policies import POLICIES, Policy
+from graphsan.policies import POLICIES, Policy, act
 from graphsan.policies.pin import Pinner
-from graphsan.report import Report, StaleMemoryError, format_finding, suppressions
+from graphsan.report import Report, suppressions
 from graphsan.report.suppressions import Suppression
 from graphsan.report.timeline import Timeline
 
-__all__ = ["POLICIES", "Policy", "Sanitizer", "check_policy", "rank_from_env"]
+__all__ = ["POLICIES", "Policy", "Sanitizer"]
 
 _PENDING = "_graphsan_pending"
 _YOUNG = "_graphsan_young"  # weak references to the young tensors at capture begin
-
-
-def check_policy(policy: str | Policy) -> Policy:
-    return Policy.parse(policy)
 
 
 class _PartSetting:
@@ -89,10 +83,13 @@ class Sanitizer:
         self._failed = False  # an internal error disabled it
         self.report_path: str | None = None
         self.timeline = Timeline(self.rank)
-        parts = build_parts(self.context, self.timeline, self._internal_error, alloc_stacks)
+        parts = build_parts(
+            self.context, self.timeline, self._internal_error, alloc_stacks, self.rank
+        )
         self.tracker, self.pool_orders = parts.tracker, parts.pool_orders
         self.memory, self.host, self.capture = parts.memory, parts.host, parts.capture
-        self.hooks = hooks.GraphHooks(self)
+        self.judge = parts.judge
+        self.hooks = hooks.GraphHooks(self, needs=self.judge.needs)
         self.pinner: Pinner | None = None  # while the policy is pin
         self._policy = Policy.RAISE
         self.policy = policy
@@ -338,57 +335,40 @@ class Sanitizer:
 
     # -- replay ------------------------------------------------------------------------------
     def before_replay(self, graph, state) -> None:
+        """A watched graph's replay that the judge `needs` to see, before its launch."""
         if not self.active:
             return
         try:
             if self.pinner is not None:
                 self.pinner.flush()
-            info = state.info
-            # the driver watch keeps no block map: nobody can say which outputs are held
-            view = None if self.memory.polls else functools.partial(self.memory.view, info.device)
-            findings = self.pool_orders.judge(state, self._when, view)
-            if self.memory.polls:
-                self.memory.poll(state)
-            if state.dirty and not any(wb.freed is not None for wb in state.blocks.values()):
-                state.dirty = False  # nothing the graph uses was freed: nothing to judge
-            judging = state.dirty
-            if judging:
-                self.capture.reread_tables(state)
-                as_of = self.tracker.free_seq  # frees after this are not in the view yet
-                view = self.memory.view(info.device)
-                judged = Judged(self.rank, time.time(), self.memory.last_release)
-                # the native allocator unmaps pages of expandable segments; the driver watch
-                # cannot tell unmapped from freed, and asks nothing of pages
-                mapped = None if self.memory.polls else driver_module().is_mapped
-                findings += self.tracker.judge(info.id, view, mapped, as_of, judged)
-                self.graph_stats[info.id].replays_judged += 1
-            if self.memory.polls or self.pool_orders.eager.marks.get(info.id):
-                state.dirty = True  # the next replay asks the driver or the allocator again
-            findings = self._suppress(findings)
+            verdict = self.judge.verdict(state)
+            findings = self._suppress(verdict.findings)
             stop = bool(findings) and self.policy.stops_replay
-            kept = self.memory.replay_judged(state, stop)
-            if kept:
-                self._say(
-                    f"graph #{info.id} '{info.label}' was stopped before its first launch under "
-                    f"{driverwatch.backend()}, which allocates a graph's memory when it launches: "
-                    f"freeing its outputs would abort the process, so the {kept} output "
-                    "storage(s) Python holds are kept alive until the process exits"
-                )
-            if findings or judging:
-                found_at = findings[0].found_at if findings else time.time()
-                self.timeline.replay(
-                    info.id, info.label, info.device, stream_handle(), len(findings), stop, found_at
-                )
+            self._say_kept(state.info, self.judge.decided(state, stop))
+            self._note_replay(state.info, verdict.judged, findings, stop)
         except Exception as err:
             self._internal_error(err)
             return
-        if findings:
-            self._apply_policy(state, findings)
+        act(self.policy, findings, self._new(findings), self._say)
 
-    def _when(self) -> tuple[str | None, int | None, Judged]:
-        """The phase and step now, and who judges when (for a finding of the replay order)."""
-        phase, step = self.context.current()
-        return phase, step, Judged(self.rank, time.time())
+    def _note_replay(self, info, judged: bool, findings: list[Finding], stop: bool) -> None:
+        """The graph's stats and the timeline of a judged replay."""
+        if judged:
+            self.graph_stats[info.id].replays_judged += 1
+        if findings or judged:
+            found_at = findings[0].found_at if findings else time.time()
+            self.timeline.replay(
+                info.id, info.label, info.device, stream_handle(), len(findings), stop, found_at
+            )
+
+    def _say_kept(self, info, kept: int) -> None:
+        if kept:
+            self._say(
+                f"graph #{info.id} '{info.label}' was stopped before its first launch under "
+                f"{driverwatch.backend()}, which allocates a graph's memory when it launches: "
+                f"freeing its outputs would abort the process, so the {kept} output "
+                "storage(s) Python holds are kept alive until the process exits"
+            )
 
     def _suppress(self, findings: list[Finding]) -> list[Finding]:
         """The findings no suppression matches; the others are counted (once each)."""
@@ -402,7 +382,8 @@ class Sanitizer:
                 self.suppressed.append((name, f))
         return kept
 
-    def _apply_policy(self, state, findings: list[Finding]) -> None:
+    def _new(self, findings: list[Finding]) -> list[Finding]:
+        """The findings not reported before, now kept in `findings` (once each)."""
         new = []
         for f in findings:
             key = (*f.key, f.kind)
@@ -410,12 +391,7 @@ class Sanitizer:
                 self._reported.add(key)
                 self.findings.append(f)
                 new.append(f)
-        if self.policy.stops_replay:
-            state.dirty = True  # stays blocked: every later replay raises again
-            raise StaleMemoryError(findings)
-        if self.policy is Policy.WARN:
-            for f in new:
-                self._say(format_finding(f))
+        return new
 
     def _phase_changed(self) -> None:
         try:

@@ -1,5 +1,5 @@
 """The caller as a reader of a shared pool's graphs (pure: no CUDA, no torch): the outputs a
-replay would write over before the caller is done with them. `core.order.PoolOrder` holds the
+replay would write over before the caller is done with them. `core.pool_order.PoolOrder` holds the
 pool's model and takes these methods; this module is their half of it.
 
 The caller is a reader too. A capture can carve memory an earlier graph of the pool used as

@@ -328,6 +328,15 @@ class Judged:
     release: Release | None = field(default=None)
 
 
+@dataclass(frozen=True)
+class When:
+    """When a replay is judged: the program's phase and step, and the judgement's `Judged`."""
+
+    phase: str | None = None
+    step: int | None = None
+    judged: Judged = field(default_factory=Judged)
+
+
 @dataclass
 class GraphStats:
     """What capturing and watching one graph cost and found (a report's `graphs` entry)."""

@@ -24,10 +24,9 @@ from __future__ import annotations
 import bisect
 import operator
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
+from graphsan.core.graph_state import GraphState, WatchedBlock
 from graphsan.core.memory_map import Block, MemoryMap, Segment, all_pages_mapped
-from graphsan.core.order import PoolOrder
 from graphsan.core.records import (
     DEFAULT_POOL,
     FREED_BEFORE_CAPTURE,
@@ -42,48 +41,12 @@ from graphsan.core.records import (
     Judged,
     Kind,
     OtherUse,
-    PoolId,
     Reference,
     ReferenceCounts,
     Release,
     display_path,
     pool_name,
 )
-
-
-@dataclass
-class WatchedBlock:
-    """A block that at least one live graph references."""
-
-    address: DataPtr
-    size: int
-    pool: PoolId
-    segment: tuple[DataPtr, int]
-    alloc_stack: list[Frame]
-    graphs: set[GraphId] = field(default_factory=set)
-    freed: FreeEvent | None = None
-
-
-@dataclass
-class GraphState:
-    info: GraphInfo
-    refs: dict[DataPtr, list[Reference]]  # watched block address -> its references, node order
-    blocks: dict[DataPtr, WatchedBlock]
-    counts: ReferenceCounts
-    dirty: bool = False
-    handed_over: int = 0  # blocks a later capture into the same pool consumed (see _hand_over)
-    # its pool's replay order (graphsan.core.order), which counts its replays when it carved
-    # memory there; `reads`: it reads a range another graph of the pool writes and a third
-    # re-carves, so each replay is checked against that order
-    order: PoolOrder | None = None
-    reads: bool = False
-    read_order: PoolOrder | None = None  # the pool order that checks its reads
-    # the graph's own memory, (address, bytes) of its memory-allocation nodes (how a capture
-    # allocates under the cudaMallocAsync backend: the memory exists once the graph launched),
-    # and whether a replay of it went ahead
-    own: tuple[tuple[int, int], ...] = ()
-    launched: bool = False
-
 
 _UNSEEN = object()
 _node = operator.itemgetter(0)  # Reference.node
@@ -93,9 +56,9 @@ class Tracker:
     """Holds the watched blocks of all live graphs and judges graphs on request.
 
     What it asks of its neighbours comes through the constructor: `graphs`, the dict of live
-    graphs it shares with the replay orders (`core.replay`), which read it; `host_owner(start,
+    graphs it shares with the replay orders (`core.pool_orders`), which read it; `host_owner(start,
     end)`, the live pinned host block overlapping the range (address, size, frames);
-    `order_reads(block)`, whether the pool's replay order (`core.order`) judges every graph that
+    `order_reads(block)`, whether the pool's replay order (`core.pool_order`) judges every graph that
     reads the block: then a free outside a capture hands it over, like one inside a capture; and
     `handed_over(block, in_capture)`, told of each such hand-over."""
 
@@ -142,10 +105,11 @@ class Tracker:
         refs: Iterable[Reference],
         memmap: MemoryMap,
         host: Callable[[DataPtr], object | None] | None = None,
+        own: Iterable[tuple[DataPtr, int]] = (),
     ) -> GraphState:
         """Register a freshly captured graph; returns its state (with capture statistics).
         `host(address)`: the live pinned host block (address, size, frames) holding a memcpy
-        node's address, if any."""
+        node's address, if any; `own`: the graph's memory-allocation nodes (address, size)."""
         by_block: dict[DataPtr, list[Reference]] = {}
         blocks: dict[DataPtr, WatchedBlock] = {}
         counts = dict.fromkeys(("default", "own", "other", "foreign", "temporary", "host"), 0)
@@ -196,7 +160,7 @@ class Tracker:
             by_block.setdefault(blk.address, []).append(ref)
         for rs in by_block.values():
             rs.sort(key=_node)
-        state = GraphState(info, by_block, blocks, ReferenceCounts(**counts))
+        state = GraphState(info, by_block, blocks, ReferenceCounts(**counts), own=tuple(own))
         self.graphs[info.id] = state
         if watched and self._on_watch is not None:
             self._on_watch([wb.address for wb in watched])  # before a free can find them
@@ -204,7 +168,8 @@ class Tracker:
             self.live[wb.address] = wb
         for wb in stale_at_capture:
             self._note_freed_segment(wb)
-        state.dirty = bool(stale_at_capture)
+        if stale_at_capture:
+            state.mark_changed()
         return state
 
     def forget(self, graph_id: GraphId) -> None:
@@ -239,9 +204,7 @@ class Tracker:
             self._hand_over(wb, in_capture)
             return True
         for gid in wb.graphs:
-            g = self.graphs.get(gid)
-            if g is not None:
-                g.dirty = True
+            self.recheck(gid)
         self._note_freed_segment(wb)
         return True
 
@@ -252,9 +215,7 @@ class Tracker:
         for gid in wb.graphs:
             g = self.graphs.get(gid)
             if g is not None:
-                g.blocks.pop(wb.address, None)
-                g.refs.pop(wb.address, None)
-                g.handed_over += 1
+                g.hand_over(wb.address)
         if self.handed_over is not None:
             self.handed_over(wb, in_capture)
 
@@ -287,18 +248,20 @@ class Tracker:
         start, size = self._freed_seg_keys[i]
         if ptr < start + size:
             for gid in list(self.freed_segments.get((start, size), ())):
-                self._mark_dirty(gid)
+                self.recheck(gid)
 
     def on_release(self) -> None:
         """Cached memory went back to the driver (empty_cache): freed references may be unmapped."""
         for gids in list(self.freed_segments.values()):
             for gid in list(gids):
-                self._mark_dirty(gid)
+                self.recheck(gid)
 
-    def _mark_dirty(self, gid: GraphId) -> None:
+    def recheck(self, gid: GraphId) -> None:
+        """Something the graph depends on may have changed (a free, memory given back, an
+        eager tensor in its pool, pins to take): its next replay is judged."""
         g = self.graphs.get(gid)
         if g is not None:
-            g.dirty = True
+            g.mark_changed()
 
     def _index_freed_segments(self) -> None:
         self._freed_seg_keys = sorted(self.freed_segments)
@@ -327,13 +290,13 @@ class Tracker:
         is left for the next replay, and the graph stays dirty."""
         judged = judged or Judged()
         state = self.graphs[graph_id]
-        state.dirty = False
+        state.judged(again=False)  # before the look: a free arriving meanwhile marks it again
         findings = []
         for addr, wb in list(state.blocks.items()):  # frees may arrive from autograd threads
             if wb.freed is None:
                 continue
             if as_of is not None and wb.freed.seq > as_of:
-                state.dirty = True
+                state.mark_changed()
                 continue
             kind, now = self._classify(wb, memmap, is_mapped, state.info, judged.release)
             if kind is None:

@@ -15,6 +15,7 @@ storage changes and cache releases turned into calls on the pure `Tracker`, over
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -31,6 +32,7 @@ from graphsan.core.records import Frame, FreeEvent, PoolId, Release
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import storage_ops, tracebuild, tracelog
 from graphsan.cuda.allocator_log import MAX_ENTRIES, AllocatorLog
+from graphsan.cuda.device_reads import read_now
 from graphsan.cuda.gputrace import GpuTrace
 from graphsan.cuda.graphwalk import GraphWalk
 from graphsan.cuda.sites import INTERN_BATCH, SITE_DEPTH, AllocSites, Site, site_frames, walk
@@ -62,9 +64,12 @@ class AllocatorWatch(AllocatorLog):
         alloc_stacks: bool = True,
         timeline: Timeline | None = None,
         eager: EagerInPools | None = None,
+        driver: Callable[[], object] | None = None,
     ) -> None:
         super().__init__()
         self.tracker = tracker
+        # the driver module (cuda.driver), loaded when first asked (it loads cuda-bindings)
+        self.driver = driver
         self.eager = eager  # the eager tensors in graphs' carves, where the replay order keeps them
         self.context = context
         self.on_error = on_error
@@ -106,13 +111,32 @@ class AllocatorWatch(AllocatorLog):
             return "tracker"
         return f"snapshot ({self.log_reason})" if self.log_reason is not None else None
 
-    polls = False  # frees arrive as events: a clean graph needs no look before its replay
+    # -- what the replay judge asks (core.memory_source.MemorySource) ------------------------
+    judges_every_replay = False  # frees arrive as events: a clean graph needs no look
+
+    def prepare(self, state) -> None:
+        """Nothing to ask before a judgement: the allocator's events told everything."""
+
+    def held(self, device: int) -> Callable[[], object]:
+        return functools.partial(self.view, device)
+
+    @property
+    def mapped(self) -> Callable[[int], bool] | None:
+        """The driver's answer (expandable segments unmap pages their range outlives)."""
+        return self.driver().is_mapped if self.driver is not None else None
+
+    def read_device(self, spans) -> list[bytes]:
+        return read_now(self.driver, spans)
 
     @staticmethod
-    def replay_judged(state, stopped: bool) -> int:
-        """A replay was judged (see `DriverWatch.replay_judged`): this allocator made a graph's
-        memory at its capture, so a stopped first launch leaves nothing to keep; 0."""
+    def keep_alive(own) -> int:
+        """This allocator makes a graph's memory at its capture: nothing to keep; 0."""
         return 0
+
+    @staticmethod
+    def probe_refused() -> str | None:
+        """The start-up probe may run here (its memory goes to a pool it gives back)."""
+        return None
 
     def release_pool(self, pool: PoolId) -> str | None:
         """Give a private pool nothing uses any more back to the driver, that pool alone (the
@@ -333,9 +357,7 @@ class AllocatorWatch(AllocatorLog):
             return
         phase, step = self.context.current()
         for gid in self.eager.allocated(device, pool, addr, size, self._site_at(addr), phase, step):
-            g = self.tracker.graphs.get(gid)
-            if g is not None:
-                g.dirty = True  # its next replay asks whether the tensor is still held
+            self.tracker.recheck(gid)  # its next replay asks whether the tensor is still held
 
     def route_begins(self, pool: PoolId, per_thread: bool) -> None:
         """Eager allocations go to `pool` from now (this thread's, or this stream's)."""

@@ -183,7 +183,7 @@ class AllocatorLog:
 
     def _note_carves(self, entries, view: AllocatorView) -> None:
         """Keep the allocations each capture made: the ranges its replays write (the replay
-        order of a shared pool, `graphsan.core.order`). An allocation carries the capture's tag,
+        order of a shared pool, `graphsan.core.pool_order`). An allocation carries the capture's tag,
         or (made by another thread, see `_pool_of`) lies in the pool of the one capture ending."""
         ending: dict[PoolId, list[str]] = {}
         for tag, (_, pool) in self.captures.items():

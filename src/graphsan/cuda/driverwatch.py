@@ -16,7 +16,7 @@ torch 2.11). What the driver knows is enough to keep watching:
 A graph stopped before its first launch needs one more thing: this backend allocates a graph's
 memory when it launches, so the capture's outputs point at memory that was never allocated, and
 PyTorch aborts the process when they are freed. Their storages are kept alive until the process
-exits (`replay_judged`; the sanitizer says so in one line).
+exits (`keep_alive`; the sanitizer says so in one line).
 
 What it cannot give: the stack and phase of a free (it is found, not seen: reports say so),
 allocation stacks, storage moves as such (they read as frees), pool replay order (no carves),
@@ -36,11 +36,13 @@ from dataclasses import dataclass, field
 import torch
 
 from graphsan.context import Context, python_stack
+from graphsan.core.graph_state import GraphState
 from graphsan.core.memory_map import AskedMap
 from graphsan.core.patches import Patches
 from graphsan.core.records import DEFAULT_POOL, FREED_UNSEEN, FreeEvent, PoolId, Release
-from graphsan.core.tracker import GraphState, Tracker
+from graphsan.core.tracker import Tracker
 from graphsan.cuda import storage_ops
+from graphsan.cuda.device_reads import read_now
 from graphsan.cuda.owners import storages_of
 from graphsan.report.timeline import Timeline
 
@@ -59,7 +61,7 @@ def backend() -> str:
 @dataclass(eq=False)
 class DriverWatch:
     """The allocator watch's interface (`cuda.allocator.AllocatorWatch`) answered through the
-    driver; `polls` tells the sanitizer to judge every replay of a watched graph."""
+    driver; `judges_every_replay` tells the replay judge to look before every replay."""
 
     tracker: Tracker
     context: Context
@@ -76,7 +78,6 @@ class DriverWatch:
     redirect_resize = None
     log = None
     trace = None
-    polls = True
     # watched address -> its allocation at watch time
     ids: dict[int, Identity] = field(default_factory=dict, init=False)
     # the storages kept alive for graphs stopped before their first launch (their addresses)
@@ -141,19 +142,27 @@ class DriverWatch:
                 self.ids.pop(wb.address, None)
                 self.tracker.on_free(wb.address, self._free_found)
 
-    def replay_judged(self, state: GraphState, stopped: bool) -> int:
-        """A replay of the graph was judged: it goes ahead, or it is `stopped`. This backend
-        allocates a graph's memory (its memory-allocation nodes) when the graph launches, and
-        PyTorch aborts the process when memory a graph never allocated is freed: so where a
-        graph is stopped before its first launch, the storages Python holds in that memory
-        (the capture's outputs) are kept alive until the process exits. Returns how many were
-        kept now."""
-        if not stopped:
-            state.launched = True
-            return 0
-        if state.launched or not state.own:
-            return 0
-        ranges, state.own = sorted(state.own), ()
+    # -- what the replay judge asks (core.memory_source.MemorySource) ------------------------
+    judges_every_replay = True  # frees are found by asking before each replay
+    mapped = None  # the driver cannot tell unmapped pages from freed memory here
+
+    def prepare(self, state: GraphState) -> None:
+        self.poll(state)
+
+    @staticmethod
+    def held(device: int) -> None:
+        """No block map: nobody can say which outputs the caller holds."""
+        return None
+
+    def read_device(self, spans) -> list[bytes]:
+        return read_now(self.driver, spans)
+
+    def keep_alive(self, own) -> int:
+        """This backend allocates a graph's memory (its memory-allocation nodes, `own`) when
+        the graph launches, and PyTorch aborts the process when memory a graph never allocated
+        is freed: the storages Python holds there (the capture's outputs) are kept alive until
+        the process exits. Returns how many were kept."""
+        ranges = sorted(own)
         starts = [start for start, _ in ranges]
         kept = 0
         for _, storage in storages_of(gc.get_objects(), self.device_type):
@@ -166,6 +175,10 @@ class DriverWatch:
             self.kept.add(ptr)
             kept += 1
         return kept
+
+    @staticmethod
+    def probe_refused() -> str | None:
+        return "not probed: under this allocator backend the probe's captures would own memory"
 
     def _free_found(self) -> FreeEvent:
         phase, step = self.context.current()

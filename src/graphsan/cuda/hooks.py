@@ -20,7 +20,7 @@ and torch's capture-start hooks run inside it. `retain_object`, where torch has 
 
 When nothing is pending, a replay costs two attribute checks, and for a graph that carved memory
 in a shared pool a clock tick and a stamp per range it writes that another graph reads (the
-pool's replay order, `graphsan.core.order`).
+pool's replay order, `graphsan.core.pool_order`).
 """
 
 from __future__ import annotations
@@ -151,19 +151,17 @@ def retainer(graph: torch.cuda.CUDAGraph, seams: Seams) -> Callable | None:
     return hold
 
 
-def _judge(listener: Listener, graph, state) -> None:
-    """The listener judges a replay only when something the graph uses may have changed: its
-    watched memory (`dirty`), or the order of its pool's replays where it reads another graph's
-    output."""
-    if state.dirty or (state.reads and not state.read_order.in_order(state.info.id)):
-        listener.before_replay(graph, state)
-
-
 class GraphHooks:
     """Installs and removes graphsan's hooks on `torch.cuda.CUDAGraph` (see the module)."""
 
-    def __init__(self, listener: Listener, seams: Seams | None = None) -> None:
+    def __init__(
+        self,
+        listener: Listener,
+        needs: Callable[[object], bool],
+        seams: Seams | None = None,
+    ) -> None:
         self.listener = listener
+        self.needs = needs  # whether a replay of the graph is judged (core.judgement)
         self.seams = seams if seams is not None else Seams.detect()
         self._patches = Patches()
         self._handles: list = []
@@ -177,7 +175,7 @@ class GraphHooks:
         if self.installed:
             return
         cls = torch.cuda.CUDAGraph
-        listener, seams = self.listener, self.seams
+        listener, seams, needs = self.listener, self.seams, self.needs
         names = ("capture_begin", "capture_end") + (() if seams.hooks else ("replay", "reset"))
         orig = {name: cls.__dict__[name] for name in names}
 
@@ -224,7 +222,8 @@ class GraphHooks:
                 state = graph.__dict__.get(_ATTR)
                 if state is None:
                     return orig["replay"](graph, *args, **kwargs)
-                _judge(listener, graph, state)
+                if needs(state):
+                    listener.before_replay(graph, state)
                 result = orig["replay"](graph, *args, **kwargs)
                 if state.order is not None:  # it went ahead: it wrote what it carved in its pool
                     state.order.replayed(state.info.id)
@@ -253,12 +252,12 @@ class GraphHooks:
         """The graph's own replay hooks (once per graph object: a re-capture keeps them)."""
         if _REPLAY_HOOKS in graph.__dict__:
             return
-        listener = self.listener
+        listener, needs = self.listener, self.needs
 
         def on_replay_start(g):  # torch lets what this raises through: the launch is aborted
             state = g.__dict__.get(_ATTR)
-            if state is not None:
-                _judge(listener, g, state)
+            if state is not None and needs(state):
+                listener.before_replay(g, state)
 
         def on_replay_end(g):  # torch runs this once the replay was launched
             state = g.__dict__.get(_ATTR)

@@ -1,9 +1,15 @@
-"""What the sanitizer does with findings: the one `Policy` type (no torch: the CLI and the pytest
-plugin read it before anything heavy loads). The pin policy's machinery is `policies.pin`."""
+"""What the sanitizer does with a replay's findings: the one `Policy` type and what each policy
+does (`act`), with no torch (the CLI and the pytest plugin read it before anything heavy loads).
+The pin policy's machinery, which keeps memory alive before a replay is judged, is
+`policies.pin`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from graphsan.core.choice import Choice
+from graphsan.core.records import Finding
+from graphsan.report import StaleMemoryError, format_finding
 
 
 class Policy(Choice):
@@ -32,3 +38,19 @@ class Policy(Choice):
 
 
 POLICIES = Policy.values()
+
+
+def act(
+    policy: Policy, findings: list[Finding], new: list[Finding], say: Callable[[str], None]
+) -> None:
+    """What `policy` does with a replay's `findings` (`new`: those not reported before): raise
+    and pin stop the replay before launch (`StaleMemoryError`; pin's findings are what it could
+    not keep alive), warn prints each new finding once and lets the replay go on, record only
+    keeps them."""
+    if not findings:
+        return
+    if policy.stops_replay:
+        raise StaleMemoryError(findings)
+    if policy is Policy.WARN:
+        for f in new:
+            say(format_finding(f))

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphsan.core.tracker import GraphState, Tracker, WatchedBlock
+from graphsan.core.graph_state import GraphState, WatchedBlock
+from graphsan.core.tracker import Tracker
 from graphsan.cuda.owners import storages_of
 
 if TYPE_CHECKING:
@@ -97,7 +98,9 @@ class Pinner:
         if young:
             self._scan([state], lambda: young, final=False)
         self.pending.append(state)
-        state.dirty = True  # its first replay goes through the sanitizer, which flushes
+        self.tracker.recheck(
+            state.info.id
+        )  # its first replay goes through the sanitizer, which flushes
 
     def attach(self) -> None:
         """Redirect reallocating resizes of pinned storages, and flush at phase changes."""

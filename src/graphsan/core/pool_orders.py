@@ -1,36 +1,49 @@
 """The replay orders of the process's shared pools, kept in step with the tracker's graphs, and
 the findings of a replay that would read another graph's data (pure: no CUDA, no torch).
 
-`core.order.PoolOrder` models one pool; `ReplayOrders` keeps one per (device, pool) that a
-capture carved memory in, tells each graph whether its replays are counted (`GraphState.order`)
-or checked (`GraphState.reads`), answers the tracker whether a freed pool block is the order's
-to judge (`judges`), and turns a reader's conflicts into `replay-order` findings.
+`core.pool_order.PoolOrder` models one pool; `ReplayOrders` keeps one per (device, pool) that a
+capture carved memory in, says which graphs' replays are now counted (`GraphState.order`) or
+checked (`GraphState.reads`) as a capture joins it (the replay judge tells their states),
+answers the tracker whether a freed pool block is the order's to judge (`judges`), and turns a
+reader's conflicts into `replay-order` findings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass
 
 from graphsan.core.eager import EagerInPools, EagerTensor
+from graphsan.core.graph_state import GraphState, WatchedBlock
 from graphsan.core.memory_map import SegmentIndex
-from graphsan.core.order import Conflict, PoolOrder, first_refs_into
 from graphsan.core.outputs import Overwrite
+from graphsan.core.pool_order import Conflict, PoolOrder, first_refs_into
 from graphsan.core.records import (
     DataPtr,
     Finding,
     Frame,
     GraphId,
     GraphInfo,
-    Judged,
     Kind,
     PoolId,
     Reference,
+    When,
     pool_name,
 )
-from graphsan.core.tracker import GraphState, WatchedBlock
 
 # a capture's carves: (address, requested size, allocation site as the adapter recorded it)
 Carves = list[tuple[DataPtr, int, object]]
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What a capture joining its pool's order changed: the graphs now checked against the
+    order at each replay (`checked`), and those whose replays it now counts (`counted`: the
+    pool is shared from here on)."""
+
+    order: PoolOrder
+    checked: tuple[GraphId, ...]
+    counted: tuple[GraphId, ...]
 
 
 class ReplayOrders:
@@ -53,11 +66,12 @@ class ReplayOrders:
 
     def add_capture(
         self, info: GraphInfo, carved: Carves, refs: list[Reference], view: SegmentIndex
-    ) -> None:
+    ) -> Joined | None:
         """Add the capture to its pool's replay order: what it carved in its own pool, what it
-        reads there; graphs a new conflict involves count replays."""
+        reads there. Returns the graphs a new conflict involves (the replay judge tells their
+        states), or None where the order changed for no graph."""
         if not self.enabled:
-            return
+            return None
         in_pool = []
         for addr, size, site in carved:
             seg = view.segment_at(addr)
@@ -69,24 +83,16 @@ class ReplayOrders:
         order = self.orders.get(key)
         if order is None:
             if not in_pool:
-                return  # nothing carved: no later graph of the pool can depend on this one
+                return None  # nothing carved: no later graph of the pool can depend on this one
             order = self.orders[key] = PoolOrder()
         firsts = first_refs_into(in_pool, refs) if in_pool else None
         if in_pool:
             order.carvers.add(info.id)
         if order.defer(info.id, in_pool, firsts):
-            return  # alone in its pool: registered when a second capture joins it
-        graphs = self.graphs
+            return None  # alone in its pool: registered when a second capture joins it
         checked = order.add_graph(info.id, in_pool, refs, firsts)
-        for gid in [*checked, *order.new_overwriters()]:
-            g = graphs.get(gid)
-            if g is not None:
-                g.reads, g.read_order = True, order
-        if len(order.sequence) > 1:  # shared: from now on the carvers' replays are counted
-            for gid in order.carvers:
-                g = graphs.get(gid)
-                if g is not None:
-                    g.order = order
+        counted = tuple(order.carvers) if len(order.sequence) > 1 else ()
+        return Joined(order, (*checked, *order.new_overwriters()), counted)
 
     def _order_of(self, gid: GraphId) -> PoolOrder | None:
         g = self.graphs.get(gid)
@@ -128,7 +134,7 @@ class ReplayOrders:
     def judge(
         self,
         state: GraphState,
-        when: Callable[[], tuple[str | None, int | None, Judged]],
+        when: Callable[[], When],
         view: Callable[[], SegmentIndex] | None,
     ) -> list[Finding]:
         """The findings of the order on a replay of `state`'s graph now: ranges it would read
@@ -139,18 +145,16 @@ class ReplayOrders:
         findings: list[Finding] = []
         hazards = self.hazards(state)
         if hazards:
-            phase, step, judged = when()
-            findings += [self._finding(info, c, phase, step, judged) for c in hazards]
+            now = when()
+            findings += [self._finding(info, c, now) for c in hazards]
         if view is None:
             return findings
         overs = self.overwritten(state)
         if overs:
-            phase, step, judged = when()
-            findings += self.live_outputs(info, overs, view(), phase, step, judged)
+            findings += self.live_outputs(info, overs, view(), when())
         eager = self.eager.marked(info.id)
         if eager:
-            phase, step, judged = when()
-            findings += self.eager_outputs(info, eager, state.blocks, view(), phase, step, judged)
+            findings += self.eager_outputs(info, eager, state.blocks, view(), when())
         return findings
 
     def hazards(self, state: GraphState) -> list[Conflict]:
@@ -169,13 +173,7 @@ class ReplayOrders:
         return order.overwritten(state.info.id) if order is not None else []
 
     def live_outputs(
-        self,
-        info: GraphInfo,
-        overs: list[Overwrite],
-        view: SegmentIndex,
-        phase: str | None,
-        step: int | None,
-        judged: Judged,
+        self, info: GraphInfo, overs: list[Overwrite], view: SegmentIndex, when: When
     ) -> list[Finding]:
         """A live-output finding per block the caller holds in the ranges of `overs`: memory a
         later graph of the pool carved as its output, and that graph's latest carve there."""
@@ -185,7 +183,7 @@ class ReplayOrders:
         for o in overs:
             if o.pending is not None:  # the pool has it back: the caller's tensor owns nothing
                 block = (o.start, o.end - o.start)
-                out.append(self._live_output(info, order, o, block, phase, step, judged))
+                out.append(self._live_output(info, order, o, block, when))
                 continue
             for seg in view.segments_in(o.start, o.end):
                 if seg.pool != info.pool:
@@ -197,7 +195,7 @@ class ReplayOrders:
                     continue  # another capture carved it since, or eager code allocated it
                 seen.add(blk.address)
                 block = (blk.address, blk.size)
-                out.append(self._live_output(info, order, o, block, phase, step, judged))
+                out.append(self._live_output(info, order, o, block, when))
         return out
 
     def eager_outputs(
@@ -206,9 +204,7 @@ class ReplayOrders:
         tensors: list[EagerTensor],
         watched: Container[DataPtr],
         view: SegmentIndex,
-        phase: str | None,
-        step: int | None,
-        judged: Judged,
+        when: When,
     ) -> list[Finding]:
         """A live-output finding per eager tensor (`EagerInPools.replaying`) whose block the
         allocator still holds, except blocks the graph watches (the tracker judges those); the
@@ -232,11 +228,7 @@ class ReplayOrders:
             )
             ref = ref or Reference(-1, "", "", 0, t.start)
             block = (t.start, t.size)
-            out.append(
-                self._order_finding(
-                    Kind.LIVE_OUTPUT, info, ref, block, t.site, now, phase, step, judged
-                )
-            )
+            out.append(self._order_finding(Kind.LIVE_OUTPUT, info, ref, block, t.site, now, when))
         return out
 
     def _live_output(
@@ -245,9 +237,7 @@ class ReplayOrders:
         order: PoolOrder,
         o: Overwrite,
         block: tuple[DataPtr, int],
-        phase: str | None,
-        step: int | None,
-        judged: Judged,
+        when: When,
     ) -> Finding:
         # no argument names the range (a pointer table, say): the range itself is the address
         ref = order.first_ref(o.writer, o.start, o.end) or Reference(-1, "", "", 0, o.start)
@@ -271,9 +261,7 @@ class ReplayOrders:
             block,
             o.site,
             now,
-            phase,
-            step,
-            judged,
+            when,
             written_by=o.producer,
             replays=(order.last.get(o.producer, 0), order.clock + 1),
         )
@@ -286,9 +274,7 @@ class ReplayOrders:
         block: tuple[DataPtr, int],
         site: object,
         now: str,
-        phase: str | None,
-        step: int | None,
-        judged: Judged,
+        when: When,
         **fields,
     ) -> Finding:
         """A finding of the pool's order: `ref` is the graph's argument, `block` (start, size)
@@ -301,11 +287,11 @@ class ReplayOrders:
             block_address=block[0],
             pool=pool_name(info.pool, info.pool),
             alloc_stack=tuple(self.site_frames(site)),
-            phase=phase,
-            step=step,
+            phase=when.phase,
+            step=when.step,
             now=now,
-            rank=judged.rank,
-            found_at=judged.found_at,
+            rank=when.judged.rank,
+            found_at=when.judged.found_at,
             **fields,
         )
 
@@ -313,9 +299,7 @@ class ReplayOrders:
         g = self.graphs.get(gid)
         return f"graph #{gid} '{g.info.label}'" if g is not None else f"graph #{gid} (gone)"
 
-    def _finding(
-        self, info: GraphInfo, c: Conflict, phase: str | None, step: int | None, judged: Judged
-    ) -> Finding:
+    def _finding(self, info: GraphInfo, c: Conflict, when: When) -> Finding:
         who = self._who
         now = (
             f"written by {who(c.producer)}; {who(c.carver)} also carved it in this pool "
@@ -328,9 +312,7 @@ class ReplayOrders:
             (c.start, c.end - c.start),
             c.site,
             now,
-            phase,
-            step,
-            judged,
+            when,
             written_by=c.producer,
             carved_by=c.carver,
         )

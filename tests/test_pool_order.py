@@ -1,4 +1,4 @@
-"""The replay order of graphs sharing a pool (graphsan.core.order): PyTorch's own out-of-order
+"""The replay order of graphs sharing a pool (graphsan.core.pool_order): PyTorch's own out-of-order
 sequence, legal orders, restarts, and a simulation of the pool's memory as the reference."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphsan.core.order import PoolOrder
+from graphsan.core.pool_order import PoolOrder
 from graphsan.core.records import Reference
 
 BASE = 0x7E00_0000_0000

@@ -1,12 +1,13 @@
-"""The process's replay orders (graphsan.core.replay) over a plain tracker and memory map, no CUDA:
+"""The process's replay orders (graphsan.core.pool_orders) over a plain tracker and memory map, no CUDA:
 which graphs a shared pool checks, the findings it names, and the frees it takes from the
 tracker."""
 
 from __future__ import annotations
 
+from graphsan.core.judgement import ReplayJudge
 from graphsan.core.memory_map import MemoryMap
-from graphsan.core.records import GraphInfo, Judged, Reference
-from graphsan.core.replay import ReplayOrders
+from graphsan.core.pool_orders import ReplayOrders
+from graphsan.core.records import GraphInfo, Judged, Reference, When
 from graphsan.core.tracker import Tracker
 
 SEG, SLOT, POOL = 0x7E00_0000_0000, 4096, (1, 3)
@@ -25,7 +26,9 @@ def capture(tracker, orders, gid, reads, carves):
     refs = [Reference(0, "k", i, 0, a) for i, a in enumerate(reads)]
     view = pool_map()
     tracker.add_graph(info, refs, view)
-    orders.add_capture(info, [(a, SLOT, f"site{gid}") for a in carves], refs, view)
+    ReplayJudge(tracker, orders, None).join_order(
+        info, [(a, SLOT, f"site{gid}") for a in carves], refs, view
+    )
     return tracker.graphs[gid]
 
 
@@ -52,14 +55,14 @@ def test_a_finding_names_writer_and_carver_and_a_forgotten_carver_as_gone():
     order = orders.orders[(0, POOL)]
     for gid in (0, 2):
         order.replayed(gid)
-    (f,) = orders.judge(g1, lambda: ("eval", 7, Judged(rank=3, found_at=12.5)), view=None)
+    (f,) = orders.judge(g1, lambda: When("eval", 7, Judged(rank=3, found_at=12.5)), view=None)
     assert (f.kind, f.written_by, f.carved_by, f.block_address) == ("replay-order", 0, 2, C)
     assert (f.phase, f.step, f.rank, f.found_at) == ("eval", 7, 3, 12.5)
     assert f.alloc_stack == tuple(SITE)  # the producer's carve site, as the adapter reads it
     assert "graph #2 'g2'" in f.now
     orders.forget(2)
     tracker.forget(2)
-    (f,) = orders.judge(g1, lambda: ("eval", 7, Judged()), view=None)
+    (f,) = orders.judge(g1, lambda: When("eval", 7, Judged()), view=None)
     assert "graph #2 (gone)" in f.now
 
 
