@@ -121,15 +121,17 @@ def watch(monkeypatch):
 
     monkeypatch.setattr(allocator_log, "_snapshot", snapshot)
     monkeypatch.setattr(allocator_log, "_empty_pool_id", lambda: (0, 99))
-    monkeypatch.setattr(allocator.AllocatorWatch, "_clear_log", lambda self: None)
+    monkeypatch.setattr(
+        allocator_log.AllocatorLog, "record_history", lambda self, clear=False: None
+    )
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7}))
     eager = EagerInPools()
     eager.add_capture(1, 0, POOL, [(SEG, 4096, None)])
     w = allocator.AllocatorWatch(Tracker(), Context(), lambda err: None, eager=eager)
-    w.views[0] = AllocatorView()
+    w.events.views[0] = AllocatorView()
     seg = {"address": SEG, "total_size": MB2, "segment_pool_id": POOL, "blocks": []}
-    w.views[0].seed({"segments": [seg]}, 0)
+    w.events.views[0].seed({"segments": [seg]}, 0)
     w._active = True
     return w, fake, eager
 

@@ -179,8 +179,12 @@ def test_a_graph_that_launched_once_keeps_nothing_when_stopped_later(async_backe
 # ----------------------------------------------------------------------------- refused and missing
 def test_snapshots_refused_leave_graphsan_idle_in_one_line(cuda_here, monkeypatch, capsys):
     monkeypatch.setattr(tracelog, "open_log", lambda: (None, "GRAPHSAN_TRACELOG=0"))
-    monkeypatch.setattr(allocator.AllocatorWatch, "_record", lambda self, clear=False: None)
-    monkeypatch.setattr(allocator.AllocatorWatch, "view", allocator.AllocatorWatch._new_view)
+    monkeypatch.setattr(
+        allocator_log.AllocatorLog, "record_history", lambda self, clear=False: None
+    )
+    monkeypatch.setattr(
+        allocator.AllocatorWatch, "view", lambda self, device, **kw: self.events._new_view(device)
+    )
 
     def refused(*args, **kwargs):
         raise RuntimeError("Calling snapshot with backend:X is not meaningful")

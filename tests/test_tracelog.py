@@ -104,7 +104,7 @@ def drive(seed: int, expandable: bool, to_entries) -> None:
             unsure: list = []
             # the watch's own pool lookup: with no capture or route known, only the records'
             # pools put the segments of streams 22 and 33 where the snapshot has them
-            view.apply(entries, functools.partial(watch._pool_of, unsure=unsure))
+            view.apply(entries, functools.partial(watch.events._pool_of, unsure=unsure))
             assert unsure == []
             same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
 
@@ -184,7 +184,7 @@ def test_sync_drains_the_tracker_reseeds_on_overflow_and_keeps_capture_allocatio
     live = [model.malloc(n, s) for n, s in [(512, 11), (3 << 20, 22), (100, 33)]]
     drained()
     assert watch.view(0) is view and len(seeds) == 1, "the events were applied, no snapshot"
-    assert watch.drains == 1
+    assert watch.events.drains == 1
     same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
 
     def capture(gid: int, overflow: bool) -> list[int]:
@@ -220,7 +220,7 @@ def test_sync_waits_while_the_current_stream_captures(monkeypatch):
     log.batches.append(([], False))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     watch.sync()
-    assert len(log.batches) == 1 and watch.drains == 0
+    assert len(log.batches) == 1 and watch.events.drains == 0
 
 
 def _model_watch(monkeypatch) -> tuple[ModelAllocator, AllocatorWatch, FakeLog]:
@@ -264,4 +264,4 @@ def test_the_first_capture_of_a_process_keeps_its_carves(monkeypatch):
     log.batches.append((list(model.log), False))
     model.log.clear()
     assert [(x, n) for x, n, _ in w.capture_ended(tag, STREAM_POOL[22])] == [(a, 1000)]
-    assert 0 in w.views
+    assert 0 in w.events.views

@@ -173,7 +173,7 @@ def free_in_user_code(trace: GpuTrace, addr: int) -> None:
 def test_the_trace_records_each_allocations_site_in_cpp(traced):
     trace = traced.trace
     allocate_in_user_code(trace, 0x7000_0000)
-    frames = traced._frames_of(0x7000_0000)
+    frames = traced.events.frames_of(0x7000_0000)
     assert frames[-1][2] == "allocate_in_user_code"
     # the file by its location: from the project root, whatever the folder it sits in
     assert frames[-1][0] == "tests/test_tracelog_compiled.py"

@@ -86,7 +86,7 @@ for round_ in range(40):
         graphs.pop(rng.randrange(len(graphs)))
     check(f"round {round_}")
 
-views = san.memory.views[dev]
+views = san.memory.events.views[dev]
 print(
     "RESULT "
     + json.dumps(
@@ -96,7 +96,7 @@ print(
             "first_bad": first_bad,
             "events": views.events,
             "seeds": views.seeds,
-            "drains": san.memory.drains,
+            "drains": san.memory.events.drains,
             "disabled": san.disabled_reason,
             "blocks": len(views),
             "log": san.memory.allocator_log,

@@ -30,7 +30,7 @@ from graphsan.core.eager import EagerInPools
 from graphsan.core.patches import Patches
 from graphsan.core.records import Frame, FreeEvent, PoolId, Release
 from graphsan.core.tracker import Tracker
-from graphsan.cuda import storage_ops, tracebuild, tracelog
+from graphsan.cuda import storage_ops, tracebuild, tracelib, tracelog
 from graphsan.cuda.allocator_log import MAX_ENTRIES, AllocatorLog
 from graphsan.cuda.device_reads import read_now
 from graphsan.cuda.gputrace import GpuTrace
@@ -53,8 +53,10 @@ def _say_fallback(reason: str | None) -> None:
     )
 
 
-class AllocatorWatch(AllocatorLog):
-    """Feeds allocator events into a Tracker while started."""
+class AllocatorWatch:
+    """Feeds allocator events into a Tracker while started. It holds the views kept from the
+    allocator's event log (`events`, an `AllocatorLog`) and the allocation sites of live blocks
+    (`sites`, where the compiled GPU trace does not keep them)."""
 
     def __init__(
         self,
@@ -66,7 +68,7 @@ class AllocatorWatch(AllocatorLog):
         eager: EagerInPools | None = None,
         driver: Callable[[], object] | None = None,
     ) -> None:
-        super().__init__()
+        self.events = AllocatorLog(self._site_at, self.check_trace, self._eager_allocated)
         self.tracker = tracker
         # the driver module (cuda.driver), loaded when first asked (it loads cuda-bindings)
         self.driver = driver
@@ -92,6 +94,39 @@ class AllocatorWatch(AllocatorLog):
         self.trace: GpuTrace | None = None
         self.trace_reason: str | None = None  # why PyTorch's trace is used instead
         self._arriving: set[int] = set()  # the blocks the capture being added is about to watch
+
+    # -- the event log's views and the captures' carves (`events`) ---------------------------
+    @property
+    def log(self) -> tracelib.TraceLog | None:
+        """The compiled tracker the events come from (None: memory history)."""
+        return self.events.log
+
+    @log.setter
+    def log(self, log: tracelib.TraceLog | None) -> None:
+        self.events.log = log
+
+    @property
+    def routes(self) -> list[list]:
+        """Eager allocations routed to a private pool now: [stream or None, pool]."""
+        return self.events.routes
+
+    def view(self, device: int, sync: bool = True, own=(), own_pool=None):
+        return self.events.view(device, sync, own, own_pool)
+
+    def sync(self) -> None:
+        self.events.sync()
+
+    def capture_started(self, gid: int, stream: int) -> str:
+        return self.events.capture_started(gid, stream)
+
+    def capture_ended(self, tag: str, pool: PoolId) -> list:
+        return self.events.capture_ended(tag, pool)
+
+    def capture_failed(self, tag: str) -> None:
+        self.events.capture_failed(tag)
+
+    def captured_unseen(self) -> None:
+        self.events.captured_unseen()
 
     def graph_walk(self) -> GraphWalk | None:
         """The tracker library's graph walk, where the library is loaded and found the driver
@@ -154,9 +189,6 @@ class AllocatorWatch(AllocatorLog):
         if self.trace is not None:
             return self.trace.site_of(address)
         return self.sites.at(address)
-
-    def _frames_of(self, address: int) -> list[Frame]:
-        return site_frames(self._site_at(address))
 
     @staticmethod
     def site_frames(site: Site | None) -> list[Frame]:
@@ -239,7 +271,7 @@ class AllocatorWatch(AllocatorLog):
             self.log.set_cap(MAX_ENTRIES)
             self.log.enable(True)
         else:
-            self._record(clear=True)
+            self.events.record_history(clear=True)
         self._active = True  # before the trace listens: its first free must not be dropped
         self._start_trace()
         storage_ops.patch_storage_ops(self._patches, self)
@@ -302,9 +334,6 @@ class AllocatorWatch(AllocatorLog):
             if uninstall:
                 trace.uninstall()
 
-    def _before_drain(self) -> None:
-        self.check_trace()
-
     def check_trace(self) -> None:
         """Go on through PyTorch's trace (one warning) where something replaced graphsan's
         interpreter since (torch._C._activate_gpu_trace(), torch.cuda._sanitizer): the Python
@@ -329,7 +358,7 @@ class AllocatorWatch(AllocatorLog):
             with contextlib.suppress(Exception):
                 if not torch.cuda.is_current_stream_capturing():
                     torch.cuda.memory._record_memory_history(enabled=None)
-        self.views.clear()
+        self.events.views.clear()
         self.sites.clear()
 
     # -- storage ops (storage_ops.OpsListener) -----------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from graphsan.core.allocview import AllocatorView, ViewError
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import DEFAULT_POOL, Frame, PoolId
 from graphsan.cuda import tracelib
-from graphsan.cuda.sites import Site
+from graphsan.cuda.sites import Site, site_frames
 
 # Trace entries kept between two drains; more than this and the history overwrites the oldest (the
 # tracker drops the newest), which the drain notices and answers with a fresh snapshot.
@@ -92,11 +93,19 @@ def _reseed_limit(view: AllocatorView) -> int:
 
 class AllocatorLog:
     """The allocator's views and the captures' carves, kept from its event log (`log`: the
-    compiled tracker, or None: memory history through snapshots). A subclass names live blocks'
-    allocation sites (`_site_at`, `_frames_of`) and may check its sources before each drain
-    (`_before_drain`)."""
+    compiled tracker, or None: memory history through snapshots). Its owner (the allocator
+    watch) hands it what it does not know itself: the allocation site of a live block
+    (`site_at`), a look at its sources before each drain (`before_drain`), and who hears of
+    eager allocations into a routed pool (`eager_allocated(device, pool, address, size)`)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        site_at: Callable[[int], Site | None] = lambda address: None,
+        before_drain: Callable[[], None] = lambda: None,
+        eager_allocated: Callable[[int, PoolId, int, int], None] | None = None,
+    ) -> None:
+        self.site_at, self.before_drain = site_at, before_drain
+        self.eager_allocated = eager_allocated
         self.log: tracelib.TraceLog | None = None  # the compiled tracker, when it could be used
         self.views: dict[int, AllocatorView] = {}
         # streams whose new segments belong to a pool: [stream or None (every stream), pool]
@@ -119,7 +128,7 @@ class AllocatorLog:
         return view if view is not None else self._new_view(device)
 
     def _new_view(self, device: int) -> AllocatorView:
-        view = self.views[device] = AllocatorView(self._frames_of)
+        view = self.views[device] = AllocatorView(self.frames_of)
         view.seed(_snapshot(), device)
         return view
 
@@ -128,7 +137,7 @@ class AllocatorLog:
         if torch.cuda.is_current_stream_capturing():
             # the history must not be touched mid-capture (the tracker's events simply wait)
             return
-        self._before_drain()
+        self.before_drain()
         if self.log is not None:
             raw, tags, lost = self.log.drain_raw()
             n = len(raw) // tracelib.RECORD.size
@@ -137,11 +146,11 @@ class AllocatorLog:
             reseed_all = lost or any(n >= _reseed_limit(v) for v in self.views.values())
             per_device = tracelib.entries_from_records(raw, tags, reseed_all)
         elif not self.views and not self.captures:
-            self._clear_log()
+            self.record_history(clear=True)
             return
         else:
             snap = _snapshot(_empty_pool_id(), traces=True)
-            self._clear_log()
+            self.record_history(clear=True)
             traces = snap.get("device_traces", [])
             per_device = dict(enumerate(traces))
             reseed_all = False
@@ -203,11 +212,13 @@ class AllocatorLog:
                 if tags is not None and len(tags) == 1:
                     carves = self.carves.get(tags[0])
             if carves is not None:
-                carves.append((addr, int(e["size"]), self._site_at(addr)))
+                carves.append((addr, int(e["size"]), self.site_at(addr)))
 
     def _note_eager(self, entries, view: AllocatorView, device: int) -> None:
-        """Hand `_eager_allocated` each allocation eager code made into a private pool it was
+        """Hand `eager_allocated` each allocation eager code made into a private pool it was
         routed to (`routes`): not a capture's, and in a routed pool on a routed stream."""
+        if self.eager_allocated is None:
+            return
         routed = {tuple(pool) for _, pool in self.routes}
         for e in entries:
             if e["action"] != "alloc" or e.get("user_metadata", "") in self.carves:
@@ -221,11 +232,7 @@ class AllocatorLog:
                 continue
             stream = int(e.get("stream", 0))
             if any(s is None or s == stream for s, p in self.routes if tuple(p) == tuple(pool)):
-                self._eager_allocated(device, tuple(pool), addr, int(e["size"]))
-
-    def _eager_allocated(self, device: int, pool: PoolId, addr: int, size: int) -> None:
-        """Eager code was handed [addr, addr + size) of private pool `pool` (a subclass keeps
-        it)."""
+                self.eager_allocated(device, tuple(pool), addr, int(e["size"]))
 
     def _pool_of(self, entry, following, unsure: list) -> PoolId:
         """The pool of a new segment (see the module docstring)."""
@@ -317,10 +324,8 @@ class AllocatorLog:
         if self.log is None:
             self._reseed = True
 
-    def _clear_log(self) -> None:
-        self._record(clear=True)
-
-    def _record(self, clear: bool = False) -> None:
+    def record_history(self, clear: bool = False) -> None:
+        """Memory history on (`clear`: from an empty log): the log where no tracker is loaded."""
         kwargs: dict[str, Any] = {
             "context": None,
             "stacks": "python",
@@ -334,12 +339,6 @@ class AllocatorLog:
         except TypeError:  # torch without skip_actions
             torch.cuda.memory._record_memory_history(enabled="all", **kwargs)
 
-    def _site_at(self, address: int) -> Site | None:
-        """The allocation site of the live block at `address` (None: not recorded)."""
-        return None
-
-    def _frames_of(self, address: int) -> list[Frame]:
-        return []
-
-    def _before_drain(self) -> None:
-        """Runs first at every drain."""
+    def frames_of(self, address: int) -> list[Frame]:
+        """The live block's allocation site as user frames, outermost first."""
+        return site_frames(self.site_at(address))
