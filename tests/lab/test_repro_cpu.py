@@ -224,8 +224,8 @@ def test_matrix_runs_each_case_once_and_compares_with_one_eager_reference(monkey
     assert f"at iteration {repro.WARMUP + 1}" in results[10].comparison
 
 
-# What each case showed on the H200 (docs/te-3316.md, the matrix at 126beb4), and the other
-# symptoms docs/te-3316.md reports for the same mechanism (b4cc33f, wider workspaces).
+# What each case has shown on GPUs (the report docs/te-3316.md quotes among them), and the other
+# symptoms docs/te-3316.md reports for the same mechanism (one module per expert, wider workspaces).
 FINDING = (
     "reowned: layers.0:layer fwd mb0 node 209 at::native::elementwise_kernel<> "
     "[where_kernel_impl] param 1+720 -> 2097152 B block at 0x2a92370000 (default pool), freed "
