@@ -1,6 +1,9 @@
 """The caller as a reader of a shared pool's graphs (pure: no CUDA, no torch): the outputs a
-replay would write over before the caller is done with them. `core.pool_order.PoolOrder` holds the
-pool's model and takes these methods; this module is their half of it.
+replay would write over before the caller is done with them. `CallerReads` is a part of the
+pool's replay order (`core.pool_order.PoolOrder`): it reads the pool's carves
+(`core.carves`), its capture order and clock (`core.passes`) and the ranges its graphs read, and
+keeps its own indexes (the outputs the pool got back, the carves made over them, the graphs
+whose replays can write over a later graph's output).
 
 The caller is a reader too. A capture can carve memory an earlier graph of the pool used as
 scratch and hand it out as an output the caller keeps (a backward's input gradient in a pipeline
@@ -33,6 +36,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field, replace
 
+from graphsan.core.carves import Carve, CarveIndex, overlapping
+from graphsan.core.passes import NEVER_IN_ORDER, PassOrder
+from graphsan.core.reads import Readers
 from graphsan.core.records import DataPtr, GraphId, Reference
 
 
@@ -68,19 +74,50 @@ class Reuse:
     carvers: bool = False
 
 
-NEVER_IN_ORDER = 1 << 62  # a reader's producer place that no pass reaches
+Piece = tuple[DataPtr, DataPtr, GraphId, object, int]  # (start, end, producer, site, place)
 
 
 @dataclass
 class CallerReads:
-    """PoolOrder's judgement of the outputs the caller holds (see the module docstring)."""
+    """The judgement of the outputs the caller holds (see the module docstring)."""
 
+    carves: CarveIndex
+    passes: PassOrder
+    readers: Readers
     # outputs the pool got back after a later capture: (start, end, place of the last capture
-    # before the release), sorted; and per graph the released outputs it carved again
+    # before the release), sorted, none longer than `_released_longest`
     _released: list[tuple[DataPtr, DataPtr, int]] = field(default_factory=list)
+    _released_longest: int = 0
+    # per graph, the released outputs it carved again
     reuses: dict[GraphId, list[Reuse]] = field(default_factory=dict)
+    # the carvers of each range that no later capture carved over yet; the carvers some later
+    # capture did carve over (their replays can overwrite), and those not announced yet
+    _not_carved_over: dict[tuple[DataPtr, DataPtr], list[GraphId]] = field(default_factory=dict)
+    carved_over: set[GraphId] = field(default_factory=set)
+    _newly_carved_over: list[GraphId] = field(default_factory=list)
+    # per carver, its first reference (node order) into each of its carves, by carve start
+    first_refs: dict[GraphId, dict[DataPtr, Reference]] = field(default_factory=dict)
 
     # -- capture ------------------------------------------------------------------------------
+    def carving(self, gid: GraphId, carves: list[Carve]) -> None:
+        """Before capture `gid`'s carves join the pool: the earlier carvers of memory it carves
+        again can write over its outputs from now on."""
+        for c in carves:
+            for key in self.carves.ranges_in(c.start, c.end):
+                for g in self._not_carved_over.pop(key, None) or ():
+                    if g != gid:
+                        self._carved_over_by(g)
+
+    def carved(self, gid: GraphId, carves: list[Carve]) -> None:
+        """Capture `gid`'s carves joined the pool: no later capture carved over them yet."""
+        for c in carves:
+            self._not_carved_over.setdefault((c.start, c.end), []).append(gid)
+
+    def _carved_over_by(self, gid: GraphId) -> None:
+        if gid not in self.carved_over:
+            self.carved_over.add(gid)
+            self._newly_carved_over.append(gid)
+
     def release(self, start: DataPtr, size: int, in_capture: bool) -> None:
         """Memory a capture of the pool carved went back to the pool, during a capture of the
         pool (`in_capture`) or between captures. Only a release between captures is the
@@ -89,22 +126,22 @@ class CallerReads:
         a capture carves the memory again, where captures came between producer and release."""
         if in_capture:
             return
-        self._settle()
-        place = len(self.sequence) - 1  # the latest capture
-        c = self._carve_at(start)
-        if c is None or self._place.get(c.graph, place) >= place:
+        place = len(self.passes.sequence) - 1  # the latest capture
+        c = self.carves.at(start)
+        if c is None or self.passes.place.get(c.graph, place) >= place:
             return  # released before any other capture came: the caller was done with it
         end = start + size
         lo = bisect.bisect_left(self._released, (start,))
         hi = bisect.bisect_left(self._released, (end,))
         self._released[lo:hi] = [(start, end, place)]
-        self._longest = max(self._longest, size)
+        self._released_longest = max(self._released_longest, size)
 
     def _take_released(self, start: DataPtr, end: DataPtr) -> list[tuple[DataPtr, DataPtr, int]]:
         """The released ranges' parts in [start, end), no longer released (a capture carved
         them); their parts outside stay."""
         taken, keep = [], []
-        for r in list(self._overlapping(self._released, start, end)):
+        hits = overlapping(self._released, start, end, self._released_longest)
+        for r in list(hits):
             self._released.remove(r)
             rs, re, place = r
             taken.append((max(rs, start), min(re, end), place))
@@ -113,46 +150,43 @@ class CallerReads:
             bisect.insort(self._released, r)
         return taken
 
-    def _released_under(self, gid: GraphId, start: DataPtr, end: DataPtr) -> list[tuple]:
-        """The released outputs a new carve [start, end) of `gid` lands on: (piece start, end,
-        producer, its site, the place of the last capture before the release)."""
+    def released_under(self, gid: GraphId, carves: list[Carve]) -> list[Piece]:
+        """The released outputs the new carves of `gid` land on (before they join the pool's
+        carves): (piece start, end, producer, its site, the place of the last capture before
+        the release)."""
         out = []
-        for lo, hi, place in self._take_released(start, end):
-            i = max(bisect.bisect_right(self._starts, lo) - 1, 0)
-            while i < len(self._latest) and self._latest[i].start < hi:
-                p = self._latest[i]
-                i += 1
-                if p.end > lo and p.graph != gid:
-                    out.append((max(lo, p.start), min(hi, p.end), p.graph, p.site, place))
+        for c in carves:
+            for lo, hi, place in self._take_released(c.start, c.end):
+                for p in self.carves.latest_in(lo, hi):
+                    if p.graph != gid:
+                        out.append((max(lo, p.start), min(hi, p.end), p.graph, p.site, place))
         return out
 
-    def _add_reuses(self, gid: GraphId, reused: list[tuple]) -> None:
+    def add_reuses(self, gid: GraphId, reused: list[Piece]) -> None:
         """Keep the released outputs `gid` carved again whose window holds a graph other than
         `gid`, and that no graph of the pool reads (those are their readers' to judge)."""
-        mine = self._place[gid]
+        passes = self.passes
+        mine = passes.place[gid]
         for start, end, producer, site, place in reused:
-            first = self._place.get(producer, mine) + 1
-            window = tuple(g for g in self.sequence[first : min(place, mine - 1) + 1])
+            first = passes.place.get(producer, mine) + 1
+            window = tuple(g for g in passes.sequence[first : min(place, mine - 1) + 1])
             if not window or any(
-                w.readers and w.producer == producer
-                for _, _, _, w in self._overlapping(self._watched, start, end)
+                w.readers and w.producer == producer for w in self.readers.overlapping(start, end)
             ):
                 continue
-            carvers = window[-1] in self._link
-            through = self._place[window[-1]]
+            carvers = window[-1] in passes.link
+            through = passes.place[window[-1]]
             self.reuses.setdefault(gid, []).append(
                 Reuse(gid, start, end, producer, window, site, through, carvers)
             )
             # capture order clears a replay of `gid` only once the pass reached the window
-            bound = through if carvers else NEVER_IN_ORDER
-            if bound > self._producers_up_to.get(gid, -1):
-                self._producers_up_to[gid] = bound
-            if gid not in self._carved_over:
-                self._carved_over.add(gid)
-                self._newly_carved_over.append(gid)
+            passes.reads_from(gid, through if carvers else NEVER_IN_ORDER)
+            self._carved_over_by(gid)
 
-    def _forget_reuses(self, gid: GraphId) -> None:
-        """`gid` is gone: its reuses, those of its outputs, and its place in every window."""
+    def forget(self, gid: GraphId) -> None:
+        """`gid` is gone: its first references, its reuses, those of its outputs, its place in
+        every window."""
+        self.first_refs.pop(gid, None)
         self.reuses.pop(gid, None)
         for writer, rs in list(self.reuses.items()):
             kept = []
@@ -161,53 +195,48 @@ class CallerReads:
                 if r.producer != gid and window:
                     kept.append(replace(r, window=window) if window != r.window else r)
             self.reuses[writer] = kept
+        self.carved_over.discard(gid)
 
     # -- replay -------------------------------------------------------------------------------
     def new_overwriters(self) -> list[GraphId]:
         """The graphs whose replays can now write over a later graph's output, each once, from
         when graphs of the pool pass data to each other (see the module docstring)."""
-        if not self.reads:
+        if not self.readers.reads:
             return []
         new, self._newly_carved_over = self._newly_carved_over, []
-        return [g for g in new if g in self._carved_over]
+        return [g for g in new if g in self.carved_over]
 
     def first_ref(self, gid: GraphId, start: DataPtr, end: DataPtr) -> Reference | None:
         """`gid`'s first reference into its carves that overlap [start, end)."""
-        self._settle()
-        refs = self._first_refs.get(gid, {})
+        refs = self.first_refs.get(gid, {})
         hits = [
-            refs[s] for s, e in self._carves_of.get(gid, ()) if s < end and e > start and s in refs
+            refs[s] for s, e in self.carves.of.get(gid, ()) if s < end and e > start and s in refs
         ]
         return min(hits, key=lambda r: r.node) if hits else None
 
     def overwritten(self, gid: GraphId) -> list[Overwrite]:
         """The ranges a replay of `gid` now would write that hold the latest carve of a graph
         captured later, which ran in this pass after `gid` last did (and nothing wrote there
-        since): outputs the caller has not read yet, if
-        the caller still holds them (that is the caller's to check). Judged out of capture
-        order, in pools whose graphs pass data to each other."""
-        if gid not in self._carved_over or not self.reads:
+        since): outputs the caller has not read yet, if the caller still holds them (that is
+        the caller's to check). Judged out of capture order, in pools whose graphs pass data to
+        each other."""
+        if gid not in self.carved_over or not self.readers.reads:
             return []
         out = self._reused_outputs(gid)
-        if self.in_order(gid):
+        passes = self.passes
+        if passes.in_order(gid):
             return out
         # outputs of an earlier pass were the caller's to read before the restart
-        mine, place, last = (
-            max(self.last.get(gid, 0), self._pass_start),
-            self._place[gid],
-            self.last,
-        )
-        for start, end in self._carves_of.get(gid, ()):
-            i = max(bisect.bisect_right(self._starts, start) - 1, 0)
-            while i < len(self._latest) and self._latest[i].start < end:
-                c = self._latest[i]
-                i += 1
-                if c.end <= start or c.graph == gid:
+        last = passes.last
+        mine, place = max(last.get(gid, 0), passes.pass_start), passes.place[gid]
+        for start, end in self.carves.of.get(gid, ()):
+            for c in self.carves.latest_in(start, end):
+                if c.graph == gid:
                     continue
                 theirs = last.get(c.graph, 0)
-                if self._place.get(c.graph, -1) <= place or theirs <= mine:
+                if passes.place.get(c.graph, -1) <= place or theirs <= mine:
                     continue
-                if self.clock > theirs:
+                if passes.clock > theirs:
                     continue  # another graph of the pool ran since: the caller took it before
                 lo, hi = max(start, c.start), min(end, c.end)
                 if self._written_since(lo, hi, c.graph, theirs):
@@ -222,12 +251,13 @@ class CallerReads:
         ran in this pass after `gid` last did, and the capture the release followed has not
         replayed since."""
         out: list[Overwrite] = []
-        last = self.last
+        passes = self.passes
+        last = passes.last
         for r in self.reuses.get(gid, ()):
-            if r.carvers and self._in_order and self._reached >= r.through:
+            if r.carvers and passes.in_order_since_restart and passes.reached >= r.through:
                 continue  # this pass reached the window in capture order
             theirs = last.get(r.producer, 0)
-            if theirs <= last.get(gid, 0) or theirs < self._pass_start:
+            if theirs <= last.get(gid, 0) or theirs < passes.pass_start:
                 continue
             pending = r.window[-1]  # the capture the release came right after
             if last.get(pending, 0) > theirs or self._written_since(
@@ -240,20 +270,16 @@ class CallerReads:
     def _consumed(self, lo: DataPtr, hi: DataPtr, producer: GraphId, clock: int) -> bool:
         """Whether `producer`'s output in [lo, hi) went to graphs of the pool that have all read
         it since `clock` (its last replay): a pipeline's activation or gradient, handed on."""
-        readers = [
-            w.readers
-            for _, _, _, w in self._overlapping(self._watched, lo, hi)
-            if w.producer == producer
-        ]
-        last = self.last
+        readers = [w.readers for w in self.readers.overlapping(lo, hi) if w.producer == producer]
+        last = self.passes.last
         return bool(readers) and all(r and all(last.get(g, 0) > clock for g in r) for r in readers)
 
     def _written_since(self, lo: DataPtr, hi: DataPtr, producer: GraphId, clock: int) -> bool:
         """Whether a graph other than `producer` that carved memory in [lo, hi) replayed after
         `clock`."""
-        last = self.last
+        last = self.passes.last
         return any(
             g != producer and last.get(g, 0) > clock
-            for key in self._overlapping(self._ranges, lo, hi)
-            for g in self._carved_by[key]
+            for key in self.carves.ranges_in(lo, hi)
+            for g in self.carves.carved_by[key]
         )
