@@ -45,10 +45,10 @@ from alloc_site_walks import (
 )
 from torch._utils import CallbackRegistry
 
-from graphsan.context import Context
 from graphsan.core.graph_state import WatchedBlock
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import allocator, sites
+from graphsan.cuda.context import Context
 
 BASE = 0x7F00_0000_0000
 FAR = BASE + (1 << 40)  # a freed watched segment no benchmark pointer falls in

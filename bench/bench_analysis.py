@@ -253,9 +253,9 @@ def empty_drain_us(snapshot: dict, rounds: int = 200) -> float:
     capture's begin and end pay before their own events (a stub log; no GPU)."""
     import torch
 
-    from graphsan.context import Context
     from graphsan.core.tracker import Tracker
     from graphsan.cuda import allocator, allocator_log
+    from graphsan.cuda.context import Context
 
     class EmptyLog:
         def drain_raw(self):

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T0 = 1_780_000_000.0
 GRAPHS, NODES, DEPTH = 8, 24, 16
 KINDS = ("freed", "reowned", "unmapped", "pool-reuse")
-MAX_EVENTS = 10_000  # graphsan.report.timeline's bound on recorded events
+MAX_EVENTS = 10_000  # graphsan.core.timeline's bound on recorded events
 
 
 def kernel_name(i: int) -> str:

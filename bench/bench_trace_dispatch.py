@@ -32,10 +32,10 @@ from collections.abc import Callable
 import torch  # noqa: F401  (torch.cuda must be importable, as in the traced process)
 import torch.cuda._gpu_trace as gpu_trace
 
-from graphsan.context import Context
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import tracelog
 from graphsan.cuda.allocator import SITE_DEPTH, AllocatorWatch
+from graphsan.cuda.context import Context
 
 BASE = 0x7F00_0000_0000
 TEMPORARY = "dispatch + graphsan allocation callback, then its free"

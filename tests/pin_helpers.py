@@ -7,10 +7,10 @@ import types
 
 import torch
 
-from graphsan.context import Context
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import GraphInfo, Reference
 from graphsan.core.tracker import Tracker
+from graphsan.cuda.context import Context
 from graphsan.policies.pin import Pinner
 
 

@@ -21,12 +21,12 @@ import threading
 import pytest
 from torch._utils import CallbackRegistry
 
-from graphsan.context import Context
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import FreeEvent, GraphInfo, Reference
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import allocator, sites
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.context import Context
 
 SEG = 0x7F00_0000_0000
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphsan.context import Context
 from graphsan.core.allocview import AllocatorView
 from graphsan.core.records import DEFAULT_POOL
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import allocator, allocator_log
+from graphsan.cuda.context import Context
 
 STREAM, OTHER, POOL = 0x5000, 0x6000, (0, 7)
 WARM, SEG, FORK = 0x7F00_0000_0000, 0x7F00_1000_0000, 0x7F00_2000_0000

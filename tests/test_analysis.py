@@ -341,7 +341,7 @@ def test_release_marks_graphs_with_freed_memory():
 
 
 def test_allocation_stacks_keep_only_user_frames():
-    from graphsan.context import user_frames
+    from graphsan.cuda.context import user_frames
 
     snap = snapshot((SEG, DEFAULT_POOL, [(0, 4096, "active_allocated")]))
     snap["segments"][0]["blocks"][0]["frames"] = [

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from graphsan import sanitizer
 from graphsan.core.records import FreeEvent
 from graphsan.report import StaleMemoryError
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG, SLOT, POOL = fake_cuda.SEG, 4096, (1, 3)

@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
-from graphsan import sanitizer
-from graphsan.context import Context
 from graphsan.core.allocview import AllocatorView
 from graphsan.core.eager import EagerInPools
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import allocator, allocator_log
+from graphsan.cuda.context import Context
 from graphsan.report import StaleMemoryError, format_finding
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 POOL, OTHER_POOL = (1, 3), (1, 4)

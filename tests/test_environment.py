@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from graphsan import sanitizer
 from graphsan.core.records import FREED_UNSEEN, AllocArgs, KernelArgs
 from graphsan.cuda import allocator, allocator_log, driver, driverwatch, tracebuild, tracelog
 from graphsan.report import StaleMemoryError, format_finding
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG

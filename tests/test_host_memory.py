@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from graphsan import sanitizer
 from graphsan.core.records import CopyArgs
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.report.json_report import Report
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG

@@ -8,11 +8,11 @@ import struct
 import numpy as np
 import pytest
 
-from graphsan import sanitizer
 from graphsan.core.records import FreeEvent, Reference
 from graphsan.core.scan import table_candidates, table_references
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.report.text import one_line
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from graphsan import sanitizer
 from graphsan.core.records import CopyArgs, KernelArgs
 from graphsan.cuda import driver
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG

@@ -14,8 +14,8 @@ import torch
 
 import graphsan
 from graphsan.cli import main
-from graphsan.context import python_stack
 from graphsan.core.locations import location, set_source_root
+from graphsan.cuda.context import python_stack
 from graphsan.report import Report, format_finding, suppressions
 from graphsan.report.json_report import sample_path
 from tests.test_plugin_and_ranks import finding
@@ -150,7 +150,7 @@ def test_run_and_report_take_a_source_root(tmp_path, capsys):
     prog = write(
         tmp_path,
         "proj/tools/prog.py",
-        "from graphsan.context import python_stack\nprint('frame at', python_stack()[-1][0])\n",
+        "from graphsan.cuda.context import python_stack\nprint('frame at', python_stack()[-1][0])\n",
     )
     assert main(["run", prog]) == 0
     assert "frame at prog.py" in capsys.readouterr().out  # no project root: the script's folder

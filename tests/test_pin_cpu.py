@@ -137,7 +137,7 @@ def test_an_input_young_when_the_capture_began_is_pinned_though_promoted_since(m
     import gc
     import weakref
 
-    from graphsan import sanitizer
+    from graphsan.runtime import sanitizer
     from tests import fake_cuda
 
     env = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)

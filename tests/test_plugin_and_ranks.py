@@ -263,7 +263,7 @@ def test_pytest_plugin_option_does_not_swallow_a_test_path(pytester):
 
 
 def test_pytest_plugin_help_names_every_policy(pytester):
-    from graphsan.sanitizer import POLICIES
+    from graphsan.runtime.sanitizer import POLICIES
 
     help_text = " ".join(pytester.runpytest("--help").outlines)
     start = help_text.index("--graphsan=[POLICY]")
@@ -305,7 +305,7 @@ def test_pytest_plugin_summary_counts_real_graph_records():
         )
         for gid, n in ((1, 5), (2, 7))
     }
-    from graphsan.sanitizer import Sanitizer
+    from graphsan.runtime.sanitizer import Sanitizer
 
     san = Sanitizer("record")  # not started: nothing of torch's is patched
     san.graph_stats, san.findings = stats, [finding()]

@@ -6,7 +6,7 @@ import pytest
 
 import graphsan
 from graphsan.policies import POLICIES, Policy
-from graphsan.sanitizer import Sanitizer
+from graphsan.runtime.sanitizer import Sanitizer
 
 
 def pin_is_attached(san: Sanitizer) -> bool:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from graphsan.context import Context
 from graphsan.core.patches import Patches
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import calibrate, storage_ops
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.context import Context
 
 
 class Routes:

@@ -1,4 +1,4 @@
-"""CPU: what a report records about where it was made (`graphsan.provenance`). The commit is read
+"""CPU: what a report records about where it was made (`graphsan.runtime.provenance`). The commit is read
 from the checkout's files (a branch, packed refs, a worktree, a detached HEAD) without running
 git; an installed copy or a damaged checkout gives None, never an error; the GPU and the
 driver's CUDA version are asked only of a process that initialised CUDA."""
@@ -10,7 +10,7 @@ import platform
 
 import pytest
 
-from graphsan import provenance
+from graphsan.runtime import provenance
 
 SHA = "5629b660d87258138caa43380fa35cd9b097669d"
 OTHER = "e1147c3aa9f0e0b6c1d2e3f405162738495a6b7c"

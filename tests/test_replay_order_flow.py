@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from graphsan import sanitizer
 from graphsan.core.records import FreeEvent
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.report.json_report import Report
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG, SLOT, POOL = fake_cuda.SEG, 4096, (1, 3)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from graphsan import sanitizer
 from graphsan.cli import main
 from graphsan.report import SCHEMA_VERSION, Report
 from graphsan.report.pages import write_report_outputs
 from graphsan.report.pages.report_page import render_report
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 from tests.browser import BROWSER, check_page, needs_browser, open_page, screenshot_path
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from graphsan import sanitizer
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import FreeEvent, Release
 from graphsan.cuda import allocator as memory
 from graphsan.report import StaleMemoryError
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG

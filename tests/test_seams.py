@@ -13,11 +13,11 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from graphsan import sanitizer
 from graphsan.core.records import FreeEvent
 from graphsan.cuda import driver, hooks
 from graphsan.cuda.hooks import Seams
 from graphsan.report import StaleMemoryError
+from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG

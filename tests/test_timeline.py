@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from graphsan import sanitizer
 from graphsan.core.records import KernelArgs
+from graphsan.core.timeline import Timeline, node_summary
 from graphsan.report import StaleMemoryError
-from graphsan.report.timeline import Timeline, node_summary
+from graphsan.runtime import sanitizer
 from tests import fake_cuda as fake_cuda_pieces
 
 T0 = 1_780_000_000.0

@@ -16,13 +16,13 @@ import random
 import pytest
 import torch
 
-from graphsan.context import Context
 from graphsan.core.allocview import AllocatorView
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import DEFAULT_POOL
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import allocator_log, tracelib
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.context import Context
 from tests.test_allocview import STREAM_POOL, ModelAllocator, random_event, same_answers
 
 

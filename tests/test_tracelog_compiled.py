@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 
-from graphsan.context import Context
 from graphsan.core.graph_state import GraphState, WatchedBlock
 from graphsan.core.records import DEFAULT_POOL, GraphInfo, ReferenceCounts
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import tracelib, tracelog
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.context import Context
 from graphsan.cuda.gputrace import GpuTrace
 from tests import native
 from tests.test_tracelog import drive, pool_of_entry

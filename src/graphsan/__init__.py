@@ -31,8 +31,8 @@ from graphsan.policies import POLICIES, Policy
 from graphsan.report import StaleMemoryError
 
 if TYPE_CHECKING:
-    from graphsan.context import Context, Phase
-    from graphsan.sanitizer import Sanitizer
+    from graphsan.cuda.context import Context, Phase
+    from graphsan.runtime.sanitizer import Sanitizer
 
 __all__ = [
     "POLICIES",
@@ -58,7 +58,7 @@ _context_obj: Context | None = None
 def __getattr__(name: str):
     # the sanitizer's names load torch: only when asked for
     if name == "Sanitizer":
-        from graphsan import sanitizer
+        from graphsan.runtime import sanitizer
 
         return getattr(sanitizer, name)
     if name == "_context":  # the process-wide phase and step
@@ -69,7 +69,7 @@ def __getattr__(name: str):
 def _get_context() -> Context:
     global _context_obj
     if _context_obj is None:
-        from graphsan.context import Context
+        from graphsan.cuda.context import Context
 
         _context_obj = Context()
     return _context_obj
@@ -82,7 +82,7 @@ def enable(policy: str | Policy = Policy.RAISE, *, alloc_stacks: bool = True) ->
     global _current, _enabled
     policy = Policy.parse(policy)
     _check_environment()
-    from graphsan.sanitizer import Sanitizer
+    from graphsan.runtime.sanitizer import Sanitizer
 
     if _enabled and _current is not None:
         _current.policy = policy
@@ -148,7 +148,7 @@ def phase(name: str, step: int | None = None) -> Phase:
 def step(count: int = 1) -> int:
     """Count training steps for optimizers that are not `torch.optim.Optimizer` (those are
     counted automatically). Returns the step number that frees are now tagged with."""
-    from graphsan.context import check_count
+    from graphsan.cuda.context import check_count
 
     ctx = _get_context()
     ctx.steps += check_count(count, "graphsan.step: count")

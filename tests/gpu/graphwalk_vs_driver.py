@@ -11,8 +11,8 @@ import time
 import torch
 from cuda.bindings import runtime as rt
 
-from graphsan.capture import _describe
 from graphsan.cuda import driver, tracelog
+from graphsan.runtime.capture import _describe
 
 log, _ = tracelog.for_this_torch(wait=True)
 compiled, why = log.graph_walk()

@@ -25,18 +25,18 @@ from collections.abc import Callable
 
 import torch
 
-from graphsan.context import Context, python_stack
 from graphsan.core.eager import EagerInPools
 from graphsan.core.patches import Patches
 from graphsan.core.records import Frame, FreeEvent, PoolId, Release
+from graphsan.core.timeline import Timeline
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import storage_ops, tracebuild, tracelib, tracelog
 from graphsan.cuda.allocator_log import MAX_ENTRIES, AllocatorLog
+from graphsan.cuda.context import Context, python_stack
 from graphsan.cuda.device_reads import read_now
 from graphsan.cuda.gputrace import GpuTrace
 from graphsan.cuda.graphwalk import GraphWalk
 from graphsan.cuda.sites import INTERN_BATCH, SITE_DEPTH, AllocSites, Site, site_frames, walk
-from graphsan.report.timeline import Timeline
 
 _freed = threading.local()  # the free event `free_event` made last, on this thread
 _SAID: list[str] = []

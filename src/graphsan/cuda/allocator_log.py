@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from graphsan.context import user_frames
 from graphsan.core.allocview import AllocatorView, ViewError
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import DEFAULT_POOL, Frame, PoolId
 from graphsan.cuda import tracelib
+from graphsan.cuda.context import user_frames
 from graphsan.cuda.sites import Site, site_frames
 
 # Trace entries kept between two drains; more than this and the history overwrites the oldest (the

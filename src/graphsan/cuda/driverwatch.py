@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphsan.context import Context, python_stack
 from graphsan.core.graph_state import GraphState
 from graphsan.core.memory_map import AskedMap
 from graphsan.core.patches import Patches
 from graphsan.core.records import DEFAULT_POOL, FREED_UNSEEN, FreeEvent, PoolId, Release
+from graphsan.core.timeline import Timeline
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import storage_ops
+from graphsan.cuda.context import Context, python_stack
 from graphsan.cuda.device_reads import read_now
 from graphsan.cuda.owners import storages_of
-from graphsan.report.timeline import Timeline
 
 Identity = tuple[int, int, int]  # an allocation's base, size and the driver's buffer id
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphsan.context import python_stack
 from graphsan.core.patches import Patches
 from graphsan.core.records import DataPtr, Frame, FreeEvent
 from graphsan.core.tracker import Tracker
+from graphsan.cuda.context import python_stack
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-from graphsan.context import user_frames
 from graphsan.core.records import Frame
+from graphsan.cuda.context import user_frames
 
 # Frames kept per allocation stack (innermost first while walking; user frames are picked later):
 # the innermost 24 reach the user's code through torch's call wrappers.

@@ -35,8 +35,8 @@ from graphsan.core.tracker import Tracker
 from graphsan.cuda.owners import storages_of
 
 if TYPE_CHECKING:
-    from graphsan.context import Context
     from graphsan.cuda.allocator import AllocatorWatch
+    from graphsan.cuda.context import Context
 
 YOUNG_SCAN_LIMIT = 200_000  # objects; past this (gc off for long) the capture-end scan waits
 

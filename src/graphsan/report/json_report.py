@@ -21,7 +21,7 @@ from graphsan.report.text import format_finding, provenance_line, watch_line
 
 SCHEMA = "graphsan.report"
 # 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
-# captured_at and node summary, and the process's events (see graphsan.report.timeline);
+# captured_at and node summary, and the process's events (see graphsan.core.timeline);
 # 4 added the replay-order kind and its Finding.written_by and carved_by, and indirect
 # references' Finding.through and through_slot, and Finding.host (pinned host memory);
 # 5 added Finding.caveat, the report's layouts (graphsan.core.argstructs, per device) and its
@@ -62,7 +62,7 @@ class Report:
     rank: int | None = None
     policy: str = "raise"
     pinned: dict[str, Any] = field(default_factory=dict)
-    # the process's timeline (graphsan.report.timeline.Event dicts, the first MAX_EVENTS) and how many
+    # the process's timeline (graphsan.core.timeline.Event dicts, the first MAX_EVENTS) and how many
     # later events were only counted
     events: list[dict[str, Any]] = field(default_factory=list)
     events_dropped: int = 0

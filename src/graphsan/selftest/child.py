@@ -47,7 +47,7 @@ class Dump:
         self.out = gzip.open(path, "wt")  # noqa: SIM115 (open for the whole run)
 
     def install(self) -> None:
-        from graphsan import capture
+        from graphsan.runtime import capture
 
         original = capture.references
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from graphsan.capture import CaptureAnalysis
-from graphsan.context import Context
 from graphsan.core.eager import EagerInPools
 from graphsan.core.judgement import ReplayJudge
 from graphsan.core.pool_orders import ReplayOrders
+from graphsan.core.timeline import Timeline
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import driverwatch
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.context import Context
 from graphsan.cuda.host import HostWatch, PinnedBlocks
-from graphsan.report.timeline import Timeline
+from graphsan.runtime.capture import CaptureAnalysis
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,11 @@ from graphsan.core.scan import (
     table_candidates,
     table_references,
 )
+from graphsan.core.timeline import Timeline, node_summary
 from graphsan.core.tracker import Tracker
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.driverwatch import DriverWatch
 from graphsan.cuda.host import HostWatch
-from graphsan.report.timeline import Timeline, node_summary
 
 __all__ = ["CaptureAnalysis", "Walk", "stream_handle"]
 

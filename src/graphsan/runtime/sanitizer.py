@@ -1,7 +1,7 @@
 """The sanitizer: routes the graph hooks to the capture analysis and the replay judge, and
 applies the policy.
 
-At capture end the capture analysis (`graphsan.capture`) turns the graph being captured into
+At capture end the capture analysis (`graphsan.runtime.capture`) turns the graph being captured into
 its watched blocks (`core.tracker`) and hands it to the replay judge (`core.judgement`), which
 places it in its pool's replay order. At a replay the judge `needs` to see, `before_replay`
 flushes the pins, takes the judge's verdict, leaves out what the suppressions match, records
@@ -30,18 +30,18 @@ import traceback
 
 import torch
 
-from graphsan.capture import stream_handle
 from graphsan.command_line import rank_from_env
-from graphsan.context import Context, python_stack
 from graphsan.core.pool_order import PoolOrder
 from graphsan.core.records import Finding, GraphInfo, GraphStats
+from graphsan.core.timeline import Timeline
 from graphsan.cuda import driverwatch, hooks
-from graphsan.parts import build as build_parts
+from graphsan.cuda.context import Context, python_stack
 from graphsan.policies import POLICIES, Policy, act
 from graphsan.policies.pin import Pinner
 from graphsan.report import Report, suppressions
 from graphsan.report.suppressions import Suppression
-from graphsan.report.timeline import Timeline
+from graphsan.runtime.capture import stream_handle
+from graphsan.runtime.parts import build as build_parts
 
 __all__ = ["POLICIES", "Policy", "Sanitizer"]
 
@@ -185,7 +185,7 @@ class Sanitizer:
     def report(self) -> Report:
         """Everything seen so far, with whether graphsan watched (an idle run's report says
         why, so that it never reads as clean) and what recorded it."""
-        from graphsan.provenance import collect
+        from graphsan.runtime.provenance import collect
 
         pinned = self.pinner.summary() if self.pinner is not None else {}
         graphs = [g.to_dict() for g in self.graph_stats.values()]

@@ -15,7 +15,7 @@ import platform
 import re
 import sys
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/graphsan
 _SHA = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
 _DRIVER_PROC = "/proc/driver/nvidia/version"
 
