@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import graphsan
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.report import Report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +27,7 @@ CONSOLE = [
     sys.executable,
     "-P",
     "-c",
-    "import sys; from graphsan.cli import main; sys.exit(main())",
+    "import sys; from graphsan.cli.main import main; sys.exit(main())",
 ]
 
 
@@ -46,7 +46,7 @@ def lines(text: str) -> list[str]:
 def test_help_and_version_load_neither_torch_nor_the_lab():
     code = (
         "import contextlib, io, sys\n"
-        "from graphsan.cli import main\n"
+        "from graphsan.cli.main import main\n"
         "for argv in (['--help'], ['--version'], ['report', '--help']):\n"
         "    out = io.StringIO()\n"
         "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
@@ -393,7 +393,7 @@ def test_the_report_format_document_is_rendered_from_the_schema():
 def test_help_and_listings_start_without_importing_torch(argv):
     """Importing torch costs seconds; a newcomer asking for help should not wait for it."""
     code = (
-        "import sys\nfrom graphsan.cli import main\n"
+        "import sys\nfrom graphsan.cli.main import main\n"
         f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
         "print('TORCH', 'torch' in sys.modules)"
     )

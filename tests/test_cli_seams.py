@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.report import Report
 
 

@@ -55,10 +55,10 @@ def test_no_graph():
 
 
 def _plugin_args() -> list[str]:
-    """`-p graphsan.pytest_plugin` where graphsan is not installed (PYTHONPATH only), so its
+    """`-p graphsan.cli.pytest_plugin` where graphsan is not installed (PYTHONPATH only), so its
     entry point is not registered; nothing where it is (the plugin would load twice)."""
     eps = importlib.metadata.entry_points(group="pytest11")
-    return [] if any(ep.name == "graphsan" for ep in eps) else ["-p", "graphsan.pytest_plugin"]
+    return [] if any(ep.name == "graphsan" for ep in eps) else ["-p", "graphsan.cli.pytest_plugin"]
 
 
 def test_plugin_over_a_suite_with_graphs_under_raise(pytester):

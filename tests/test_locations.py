@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import graphsan
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.core.locations import location, set_source_root
 from graphsan.cuda.context import python_stack
 from graphsan.report import Report, format_finding, suppressions

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.report import Report
 from graphsan.report.output import same_output, write_output, writing
 
@@ -98,9 +98,8 @@ def test_a_report_save_that_fails_keeps_the_previous_report(tmp_path, monkeypatc
 # the modules that write what users keep: none opens a file for writing or renames one itself
 WRITERS = [
     "src/graphsan/report",
-    "src/graphsan/commands",
+    "src/graphsan/cli",
     "src/graphsan/selftest/runner.py",
-    "src/graphsan/pytest_plugin.py",
     "src/graphsan/lab/repro/cli.py",
 ]
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from graphsan.cli import main
-from graphsan.commands.run import report_path_for
+from graphsan.cli.main import main
+from graphsan.cli.run import report_path_for
 from graphsan.report import (
     SCHEMA_VERSION,
     Finding,
@@ -288,8 +288,8 @@ def test_pytest_plugin_summary_counts_real_graph_records():
     report's dicts): a suite that captured graphs once ended in an AttributeError here."""
     from types import SimpleNamespace
 
+    from graphsan.cli.pytest_plugin import pytest_terminal_summary
     from graphsan.core.records import GraphStats, ReferenceCounts, WalkStats
-    from graphsan.pytest_plugin import pytest_terminal_summary
 
     stats = {
         gid: GraphStats(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.report import Report
 from graphsan.report.json_report import sample_path
 from graphsan.report.pages.report_page import render_report, report_view

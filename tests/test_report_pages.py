@@ -15,7 +15,7 @@ from html import unescape
 
 import pytest
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.report import SCHEMA_VERSION, Finding, GraphInfo, Report, short_kernel
 from graphsan.report.pages import check_output
 from graphsan.report.pages.report_finding import kernel_signature

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.report import SCHEMA_VERSION, Report
 from graphsan.report.pages import write_report_outputs
 from graphsan.report.pages.report_page import render_report

@@ -95,7 +95,7 @@ def test_under_torchrun_a_failed_rank_and_a_terminated_one_both_write_their_repo
 
 
 def test_report_refuses_to_write_over_a_report_it_reads(tmp_path, capsys):
-    from graphsan.cli import main
+    from graphsan.cli.main import main
     from graphsan.report import Report
 
     path = tmp_path / "r.json"
@@ -112,7 +112,7 @@ def test_report_refuses_to_write_over_a_report_it_reads(tmp_path, capsys):
 
 
 def test_the_shipped_samples_render_without_a_gpu(tmp_path, capsys):
-    from graphsan.cli import main
+    from graphsan.cli.main import main
 
     assert main(["report", "--sample", "stale-input"]) == 0
     out = capsys.readouterr().out
@@ -176,7 +176,7 @@ def test_run_gives_the_program_an_absolute_file_and_ranks_its_traceback(tmp_path
 
 
 def test_report_refuses_the_same_report_twice(tmp_path, capsys):
-    from graphsan.cli import main
+    from graphsan.cli.main import main
     from graphsan.report import Report
 
     path = tmp_path / "r.json"

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.selftest import BUG_SUFFIX, programs, runs
 from graphsan.selftest.case import Case
 

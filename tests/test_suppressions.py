@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.report import Report, suppressions
 from tests.test_plugin_and_ranks import finding
 

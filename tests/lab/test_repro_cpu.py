@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.lab import repro
 from graphsan.lab.models import build_model
 from graphsan.lab.repro import CaseResult, Outcome, child, compare, logparse, runner

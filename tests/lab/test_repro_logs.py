@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.lab.repro import CaseResult, logparse
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsan.cli import main
+from graphsan.cli.main import main
 from graphsan.lab import repro
 from graphsan.lab.repro import CaseResult, Outcome, RankResult, runner
 from graphsan.lab.repro.table import print_results

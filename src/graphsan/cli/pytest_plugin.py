@@ -154,8 +154,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _set_source_root(path: str | None) -> None:
+    from graphsan.cli.options import set_source_root
     from graphsan.command_line import CliError
-    from graphsan.commands import set_source_root
 
     try:
         set_source_root(path)

@@ -12,8 +12,8 @@ import argparse
 import os
 import sys
 
+from graphsan.cli.options import SOURCE_ROOT_HELP, load_suppressions, set_source_root
 from graphsan.command_line import CliError, DefaultsHelpFormatter, OneLineParser, check_report_file
-from graphsan.commands import SOURCE_ROOT_HELP, load_suppressions, set_source_root
 from graphsan.policies import Policy
 
 EXIT_FINDINGS = 3

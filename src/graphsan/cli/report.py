@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+from graphsan.cli.options import SOURCE_ROOT_HELP, load_suppressions, set_source_root
 from graphsan.command_line import CliError, OneLineParser, check_output_file
-from graphsan.commands import SOURCE_ROOT_HELP, load_suppressions, set_source_root
 
 
 def main(argv: list[str]) -> int:

@@ -8,7 +8,7 @@
     graphsan repro [...]      the Transformer Engine #3316 scenario matrix
 
 Every user mistake is one line on stderr and a non-zero exit. Each command builds its own parser
-when it is chosen (`graphsan.commands`: run, report, selftest; the lab's train and repro, below):
+when it is chosen (`graphsan.cli`: run, report, selftest; the lab's train and repro, below):
 `graphsan --help` loads neither torch nor the lab, `graphsan run` never loads the lab.
 """
 
@@ -20,6 +20,7 @@ import os
 import sys
 
 from graphsan import __version__
+from graphsan.cli import report, run, selftest
 from graphsan.command_line import (
     EXIT_USAGE,
     CliError,
@@ -27,7 +28,6 @@ from graphsan.command_line import (
     OneLineParser,
     check_output_file,
 )
-from graphsan.commands import report, run, selftest
 
 __all__ = ["CliError", "DefaultsHelpFormatter", "OneLineParser", "check_output_file", "main"]
 

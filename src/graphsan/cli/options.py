@@ -1,10 +1,6 @@
-"""The commands of `graphsan` (`graphsan.cli` dispatches to them): one module per command, its
-parser and its handler, `main(argv) -> exit status`. `train` and `repro` are the lab's and stay
-in `graphsan.cli`, the one sanitizer module that may import the lab.
-
-What more than one command needs lives here: the suppression file of `run` and `report`, and
-the source root by which both name the files of frames (`graphsan.core.locations`).
-"""
+"""What more than one of graphsan's commands needs (`run`, `report`, the pytest plugin): the
+suppression file, and the source root by which frames' files are named
+(`graphsan.core.locations`)."""
 
 from __future__ import annotations
 
