@@ -10,9 +10,9 @@ import json
 import pytest
 
 from graphsan.lab import repro
+from graphsan.lab.choices import StatePolicy
 from graphsan.lab.repro import CaseResult, RankResult, ResultError, logparse
 from graphsan.lab.repro.result import describe_ranks
-from graphsan.lab.vocab import StatePolicy
 
 # a result with every field set, as `graphsan repro --json` writes it (json.dumps)
 FULL = (

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphsan.lab.vocab import STATE_POLICIES, StatePolicy
+from graphsan.lab.choices import STATE_POLICIES, StatePolicy
 
 from .formats import MXFP8_BLOCK, NVFP4_BLOCK
 from .gemm import mm_fp32, quantized_mm

@@ -1,5 +1,6 @@
-"""The lab's own words, importable without torch (the command lines' help and checks read them):
-how a quantized module treats its cached weight, and which modules may be CUDA-graphed."""
+"""The lab's named choices, importable without torch (the command lines' help and checks read
+them): how a quantized module treats its cached weight, which modules may be CUDA-graphed, and
+the order of a step's microbatch passes."""
 
 from __future__ import annotations
 
