@@ -102,6 +102,7 @@ WRITERS = [
     "src/graphsan/selftest/runner.py",
     "src/graphsan/pytest_plugin.py",
     "src/graphsan/lab/repro/cli.py",
+    "src/graphsan/lab/repro/child.py",
 ]
 
 

@@ -5,7 +5,6 @@ in its parameters (where, how many dimensions, which divisors, how many bytes ar
 which of the operands' data pointers the scan still reports. Prints `RESULT {json}`.
 """
 
-
 import numpy as np
 import torch
 
