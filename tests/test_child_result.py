@@ -53,8 +53,9 @@ def test_output_without_a_result_line_reads_as_none(text):
     "damaged,message",
     [
         ('RESULT {"outcome": "stopp\n', "the RESULT line is not JSON (Unterminated string"),
-        ("RESULT [1, 2]\n", "the RESULT line holds a list; expected a JSON object"),
-        ("RESULT null\n", "the RESULT line holds a NoneType; expected a JSON object"),
+        ("RESULT [1, 2]\n", "the RESULT line holds an array; expected a JSON object"),
+        ("RESULT null\n", "the RESULT line holds null; expected a JSON object"),
+        ("RESULT 3.5\n", "the RESULT line holds a number; expected a JSON object"),
     ],
 )
 def test_a_damaged_last_line_is_one_error_even_after_a_good_one(damaged, message):

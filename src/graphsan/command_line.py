@@ -19,6 +19,9 @@ from typing import IO
 EXIT_USAGE = 2
 EXIT_NO_GPU = 4  # the command needs a CUDA GPU and this machine has none
 RESULT = "RESULT "  # how a child's result line starts; the JSON object follows on the same line
+# what a RESULT line holds instead of an object, in JSON's words
+_JSON_VALUES = {list: "an array", str: "a string", int: "a number", float: "a number"}
+_JSON_VALUES |= {bool: "true or false", type(None): "null"}
 
 
 class CliError(Exception):
@@ -117,5 +120,7 @@ def read_result(text: str) -> dict | None:
     except json.JSONDecodeError as err:
         raise ValueError(f"the RESULT line is not JSON ({err}): {body[:80]!r}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"the RESULT line holds a {type(data).__name__}; expected a JSON object")
+        raise ValueError(
+            f"the RESULT line holds {_JSON_VALUES[type(data)]}; expected a JSON object"
+        )
     return data

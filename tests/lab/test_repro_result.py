@@ -158,7 +158,7 @@ def test_a_result_that_is_no_object_or_no_json_is_named_too():
     listed = logparse.result_of(result_file([1, 2]), "", 0)  # no object: read_result says so
     assert listed.outcome == logparse.UNREADABLE
     assert listed.symptom == (
-        "the child's result file: the RESULT line holds a list; expected a JSON object"
+        "the child's result file: the RESULT line holds an array; expected a JSON object"
     )
     # unknown keys are a newer writer's: ignored
     assert CaseResult.from_json({"outcome": "trained through", "later": 1}) == CaseResult()
