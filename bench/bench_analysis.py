@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import random
 import re
@@ -39,6 +38,8 @@ import sys
 import tempfile
 import time
 import timeit
+
+from graphsan.command_line import read_result, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("apply", "references", "tables", "tracker")
@@ -330,9 +331,9 @@ def run_child(src: str, args: argparse.Namespace, blocks: int, rev: str = "") ->
         cmd.append("--expandable")
     cmd += ["--eager", str(args.eager)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+    res = read_result(proc.stdout)
+    if res is not None:
+        return res
     out = (proc.stdout + proc.stderr).strip()
     missing = re.search(r"^(ModuleNotFoundError|ImportError): .*$", out, re.MULTILINE)
     if rev and missing:
@@ -363,7 +364,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         out = child(args.n_blocks, args.graphs, args.nodes, args.expandable, args.eager)
-        print("RESULT " + json.dumps(out), flush=True)
+        write_result(out)
         return
     try:
         counts = [int(x) for x in args.blocks.split(",") if x]

@@ -22,13 +22,14 @@ variant differ by up to a third on the H200's host.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
+
+from graphsan.command_line import read_result, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("off", "record", "raise")
@@ -110,7 +111,7 @@ def child(args: argparse.Namespace) -> None:
         "findings": len(san.findings) if san is not None else 0,
         "kernel_nodes": sum(s.get("kernels", 0) for s in san.report().graphs) if san else None,
     }
-    print("RESULT " + json.dumps(out), flush=True)
+    write_result(out)
 
 
 def run(variant: str, blocks: int, graphs: int, nodes: int) -> dict:
@@ -119,9 +120,9 @@ def run(variant: str, blocks: int, graphs: int, nodes: int) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--n-blocks", str(blocks)]
     cmd += ["--n-graphs", str(graphs), "--n-nodes", str(nodes)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+    res = read_result(proc.stdout)
+    if res is not None:
+        return res
     raise SystemExit(f"{variant} at {blocks} blocks failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
 
 

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 import tracemalloc
+
+from graphsan.command_line import read_result, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T0 = 1_780_000_000.0
@@ -160,11 +162,17 @@ def run_child(src: str, n: int, sites: int, rev: str = "") -> dict:
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", str(n), "--sites", str(sites)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+    res = read_result(proc.stdout)
+    if res is not None:
+        return res
     where = f" (revision {rev})" if rev else ""
     out = (proc.stdout + proc.stderr).strip()
+    missing = re.search(r"^(ModuleNotFoundError|ImportError): .*$", out, re.MULTILINE)
+    if rev and missing:
+        raise SystemExit(
+            f"--against {rev}: graphsan at that revision lacks what the bench drives "
+            f"({missing.group(0)}); expected a revision with the current module layout"
+        )
     raise SystemExit(f"the run of {n} findings{where} failed:\n{out[-3000:]}")
 
 
@@ -195,7 +203,7 @@ def main() -> None:
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
-        print("RESULT " + json.dumps(child(args.child, args.sites)), flush=True)
+        write_result(child(args.child, args.sites))
         return
     if args.sites < 1 or args.repeat < 1:
         p.error("--sites and --repeat must be at least 1")

@@ -29,7 +29,6 @@ the median step time and the ratio to "off". The variants (`--variants`):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -37,6 +36,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from graphsan.command_line import read_result, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = (
@@ -139,26 +140,22 @@ def child(args: argparse.Namespace) -> None:
     for g in stats:
         for k, v in g.get("analysis_ms_by_stage", {}).items():
             stages[k] = stages.get(k, 0.0) + v
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "variant": args.child,
-                "step_ms": statistics.median(times),
-                "capture_s": capture_s,
-                "graphs": len(stats),
-                "nodes": nodes,
-                "references": sum(g["references"] for g in stats),
-                "analysis_ms": analysis_ms,
-                "analysis_ms_by_stage": stages,
-                "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "outcome": outcome,
-                "allocs_per_step": allocs_per_step,
-                "trace_events_per_step": events,
-                "allocator_log": san.report().allocator_log if san else None,
-            }
-        ),
-        flush=True,
+    write_result(
+        {
+            "variant": args.child,
+            "step_ms": statistics.median(times),
+            "capture_s": capture_s,
+            "graphs": len(stats),
+            "nodes": nodes,
+            "references": sum(g["references"] for g in stats),
+            "analysis_ms": analysis_ms,
+            "analysis_ms_by_stage": stages,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "outcome": outcome,
+            "allocs_per_step": allocs_per_step,
+            "trace_events_per_step": events,
+            "allocator_log": san.report().allocator_log if san else None,
+        }
     )
 
 
@@ -224,12 +221,11 @@ def run_child(variant: str, args: argparse.Namespace, extra=(), prefix=(), bug=F
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     wall = time.perf_counter() - t
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            res = json.loads(line[7:])
-            res["wall_s"] = wall
-            res["log"] = proc.stdout[-4000:] + proc.stderr[-4000:]
-            return res
+    res = read_result(proc.stdout)
+    if res is not None:
+        res["wall_s"] = wall
+        res["log"] = proc.stdout[-4000:] + proc.stderr[-4000:]
+        return res
     return {
         "variant": variant,
         "outcome": f"failed rc={proc.returncode}",

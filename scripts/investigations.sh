@@ -13,7 +13,7 @@ for part in ${*:-trace1}; do
   case $part in
     trace1)  # which kernel trips case 1's device-side assert (launches made synchronous)
       CUDA_LAUNCH_BLOCKING=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 \
-        python3 -m graphsan.cli repro --child 1 --preset small --result "$OUT/trace1.json" \
+        python3 -m graphsan.lab.repro.child 1 --preset small --result "$OUT/trace1.json" \
         > "$OUT/trace1.log" 2>&1; grep -n -m5 -B2 -A25 "Traceback\|device-side assert" "$OUT/trace1.log" | tail -60 ;;
     wide)  # cases 1 and 4 with wider Mamba out_proj workspaces (4 and 8 MiB per half)
       for h in 128 256; do echo "--- mamba heads $h"

@@ -4,10 +4,10 @@ graph buffer reuse, `--reuse-graph-buffers`); prints one RESULT line
 with the losses and, under record, the kinds graphsan found and its first finding."""
 
 import collections
-import json
 import sys
 
 import graphsan
+from graphsan.command_line import write_result
 from graphsan.lab.train import TrainConfig, train
 from graphsan.report import one_line
 
@@ -42,4 +42,4 @@ if mode == "record":
 else:
     out["losses"] = train(TrainConfig(**cfg)).losses
 out["losses"] = [round(x, 5) for x in out["losses"]]
-print("RESULT " + json.dumps(out))
+write_result(out)

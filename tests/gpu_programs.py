@@ -1,6 +1,6 @@
 """The runner of the GPU tests' programs (tests/gpu/programs/prog_<name>.py), each run in its own
 subprocess (a stale replay can kill the CUDA context). A program prints one line
-`RESULT {json}` that the test reads.
+`RESULT {json}` that the test reads (`graphsan.command_line.write_result`/`read_result`).
 
 Each program takes `GRAPHSAN` from the environment: "off" runs it without the sanitizer (to show
 what happens without it), any policy name runs it under `graphsan.enable(policy)`.
@@ -8,10 +8,11 @@ what happens without it), any policy name runs it under `graphsan.enable(policy)
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
+
+from graphsan.command_line import read_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,12 +60,7 @@ def _run(name: str, policy: str = "raise", env: dict | None = None, timeout: int
     proc = subprocess.run(
         [sys.executable, path], capture_output=True, text=True, timeout=timeout, env=full_env
     )
-    log = proc.stdout + proc.stderr
-    result = None
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-    return proc.returncode, result, log
+    return proc.returncode, read_result(proc.stdout), proc.stdout + proc.stderr
 
 
 def run_script(name: str, *argv: str, env: dict | None = None, timeout: int = 300) -> dict:
@@ -80,6 +76,6 @@ def run_script(name: str, *argv: str, env: dict | None = None, timeout: int = 30
         timeout=timeout,
         env=full_env,
     )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    result = read_result(proc.stdout)
+    assert proc.returncode == 0 and result is not None, (proc.stdout + proc.stderr)[-3000:]
+    return result

@@ -101,6 +101,7 @@ WRITERS = [
     "src/graphsan/cli",
     "src/graphsan/selftest/runner.py",
     "src/graphsan/lab/repro/cli.py",
+    "src/graphsan/lab/repro/child.py",
 ]
 
 

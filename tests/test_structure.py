@@ -62,7 +62,7 @@ TORCH_FREE = {
     "graphsan.command_line": False,
     "graphsan.environment": False,
     # the lab's command lines: help, listings and argument checks
-    "graphsan.lab.vocab": False,
+    "graphsan.lab.choices": False,
     "graphsan.lab.models.args": False,
     "graphsan.lab.train.cli": False,
     "graphsan.lab.train.config": False,
@@ -72,7 +72,7 @@ TORCH_FREE = {
 # the sanitizer only what a user would (the package, its command-line helpers, its reports) and
 # the base of its named choices
 LAB_LAYERS = (
-    "graphsan.lab.vocab",
+    "graphsan.lab.choices",
     "graphsan.lab.quant",
     "graphsan.lab.models",
     "graphsan.lab.train",

@@ -1,5 +1,7 @@
 """What every graphsan command line shares, the lab's `train` and `repro` included: one-line
-usage errors, defaults in `--help`, and output paths checked before the work starts.
+usage errors, defaults in `--help`, output paths checked before the work starts, and the line a
+child process reports its result on (`write_result`/`read_result`: selftest and repro children,
+the GPU tests' programs, the benches' runs).
 
 Kept apart from `graphsan.cli` so that the lab's commands can use it without importing the
 entry point that dispatches to them.
@@ -8,11 +10,18 @@ entry point that dispatches to them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 import tempfile
+from typing import IO
 
 EXIT_USAGE = 2
 EXIT_NO_GPU = 4  # the command needs a CUDA GPU and this machine has none
+RESULT = "RESULT "  # how a child's result line starts; the JSON object follows on the same line
+# what a RESULT line holds instead of an object, in JSON's words
+_JSON_VALUES = {list: "an array", str: "a string", int: "a number", float: "a number"}
+_JSON_VALUES |= {bool: "true or false", type(None): "null"}
 
 
 class CliError(Exception):
@@ -89,3 +98,29 @@ def check_report_file(path: str, option: str) -> None:
             f"{option} {path}: the file exists and is not a graphsan report; writing the report "
             "would replace it (expected a new path, or a report to overwrite)"
         )
+
+
+def write_result(obj: dict, stream: IO[str] | None = None) -> None:
+    """Write `obj` as one line `RESULT {json}` to `stream` (None: the current sys.stdout) and
+    flush it, so that the parent reads it even when the child dies right after."""
+    out = sys.stdout if stream is None else stream
+    out.write(RESULT + json.dumps(obj) + "\n")
+    out.flush()
+
+
+def read_result(text: str) -> dict | None:
+    """The object on the last `RESULT {json}` line of a child's output (None: no such line). A
+    damaged last line (cut short, not JSON, or no object) is a ValueError saying what is wrong."""
+    line = next((ln for ln in reversed(text.splitlines()) if ln.startswith(RESULT)), None)
+    if line is None:
+        return None
+    body = line[len(RESULT) :]
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the RESULT line is not JSON ({err}): {body[:80]!r}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"the RESULT line holds {_JSON_VALUES[type(data)]}; expected a JSON object"
+        )
+    return data

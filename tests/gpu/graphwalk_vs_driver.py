@@ -5,12 +5,12 @@ Prints `RESULT {json}`: whether the records and stats are equal, the kinds seen,
 cost per node (informational, not asserted).
 """
 
-import json
 import time
 
 import torch
 from cuda.bindings import runtime as rt
 
+from graphsan.command_line import write_result
 from graphsan.cuda import driver, tracelog
 from graphsan.runtime.capture import _describe
 
@@ -71,4 +71,4 @@ if compiled is not None:
                 fn()
             out[name] = (time.perf_counter() - t0) / 20 / max(got_stats.nodes, 1) * 1e6
     torch.cuda.synchronize()
-print("RESULT " + json.dumps(out), flush=True)
+write_result(out)

@@ -5,11 +5,10 @@ in its parameters (where, how many dimensions, which divisors, how many bytes ar
 which of the operands' data pointers the scan still reports. Prints `RESULT {json}`.
 """
 
-import json
-
 import numpy as np
 import torch
 
+from graphsan.command_line import write_result
 from graphsan.core import offset_calc
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.scan import references
@@ -66,4 +65,4 @@ for node in nodes:
             "references": len(refs),
         }
     )
-print("RESULT " + json.dumps(out), flush=True)
+write_result(out)

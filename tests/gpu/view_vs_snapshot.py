@@ -8,13 +8,13 @@ history was on at the end. A second argument: the view keeps a segment's blocks 
 that many (small ones split and join chunks all the time).
 """
 
-import json
 import random
 import sys
 
 import torch
 
 import graphsan
+from graphsan.command_line import write_result
 from graphsan.core import viewsegment
 from graphsan.core.memory_map import layout
 from graphsan.cuda.allocator_log import snapshot_map
@@ -87,21 +87,17 @@ for round_ in range(40):
     check(f"round {round_}")
 
 views = san.memory.events.views[dev]
-print(
-    "RESULT "
-    + json.dumps(
-        {
-            "checks": checks,
-            "mismatches": mismatches,
-            "first_bad": first_bad,
-            "events": views.events,
-            "seeds": views.seeds,
-            "drains": san.memory.events.drains,
-            "disabled": san.disabled_reason,
-            "blocks": len(views),
-            "log": san.memory.allocator_log,
-            "history": getattr(torch._C, "_cuda_isHistoryEnabled", lambda: None)(),
-        }
-    ),
-    flush=True,
+write_result(
+    {
+        "checks": checks,
+        "mismatches": mismatches,
+        "first_bad": first_bad,
+        "events": views.events,
+        "seeds": views.seeds,
+        "drains": san.memory.events.drains,
+        "disabled": san.disabled_reason,
+        "blocks": len(views),
+        "log": san.memory.allocator_log,
+        "history": getattr(torch._C, "_cuda_isHistoryEnabled", lambda: None)(),
+    }
 )

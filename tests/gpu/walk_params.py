@@ -5,12 +5,12 @@ blocks took the one-read path and the walk's cost per node (informational, not a
 """
 
 import ctypes
-import json
 import time
 
 import torch
 from cuda.bindings import driver as drv
 
+from graphsan.command_line import write_result
 from graphsan.core.records import WalkStats
 from graphsan.cuda import driver
 
@@ -61,4 +61,4 @@ with torch.cuda.graph(g, stream=stream):
     out["walk_kernels"] = stats.kernels
     out["walk_unreadable"] = stats.unreadable
 torch.cuda.synchronize()
-print("RESULT " + json.dumps(out), flush=True)
+write_result(out)

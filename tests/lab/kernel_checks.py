@@ -52,12 +52,16 @@ def use_fp8_path(tk, path, monkeypatch):
 
 
 def launchers() -> Launchers:
-    """The launcher modules, once the kernels are known to import (`kernels.available()`)."""
+    """The launcher modules, once the kernels are known to import (`kernels.launchers()`): the
+    very ones its accessors hand the quantize and GEMM entry points, so what a test patches on
+    them is what those run."""
     from graphsan.lab.quant import kernels
 
-    assert kernels.available(), "triton imports but the kernels do not"
+    found = kernels.launchers()
+    assert found is not None, "triton imports but the kernels do not"
     from graphsan.lab.quant.kernels import launch_common, launch_gemm, launch_mxfp8, launch_nvfp4
 
+    assert (found.mxfp8, found.nvfp4, found.gemm) == (launch_mxfp8, launch_nvfp4, launch_gemm)
     return Launchers(launch_mxfp8, launch_nvfp4, launch_gemm, launch_common)
 
 

@@ -11,6 +11,7 @@ from graphsan.lab.quant import (
     NVFP4Options,
     QuantLinear,
     Recipe,
+    RecipeKind,
     SkipFlag,
     WeightWorkspace,
     get_recipe,
@@ -325,7 +326,7 @@ def test_errors():
 
 def test_recipes_and_errors():
     r = get_recipe("nvfp4", order="legacy", rht=True, sr=True, weight_2d=True)
-    assert r.kind == "nvfp4" and r.order == "legacy"
+    assert r.kind is RecipeKind.NVFP4 and r.nvfp4.order == "legacy"
     assert get_recipe("nvfp4") == Recipe("nvfp4")
     with pytest.raises(AttributeError):
         r.kind = "bf16"

@@ -16,10 +16,10 @@ import torch
 
 from graphsan.cli.main import main
 from graphsan.lab import repro
+from graphsan.lab.choices import StatePolicy
 from graphsan.lab.models import build_model
 from graphsan.lab.repro import CaseResult, Outcome, child, compare, logparse, runner
 from graphsan.lab.train.recipes import bind_precision
-from graphsan.lab.vocab import StatePolicy
 
 
 @pytest.mark.parametrize("case", repro.CASES, ids=lambda c: f"case{c.n}")

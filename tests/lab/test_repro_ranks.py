@@ -33,6 +33,7 @@ RANK_PROGRAM = textwrap.dedent(
     print("ITERATION 5 t=1.0", flush=True)
     if rank == 1 and os.environ.get("FAKE_HANG"):
         time.sleep(120)
+    from graphsan.command_line import write_result
     from graphsan.core.records import Finding, GraphInfo
     from graphsan.report import Report
     g = GraphInfo(1, "layers.0:layer fwd mb0", [("graphs.py", 246, "capture")], (1, 0), 0)
@@ -45,7 +46,7 @@ RANK_PROGRAM = textwrap.dedent(
     out = {"outcome": "StaleMemoryError", "iteration": 6, "symptom": json.dumps(env),
            "finding": "reowned: graph 'layers.0:layer fwd mb0', freed in clear_workspace"}
     with open(result, "w") as fh:
-        json.dump(out, fh)
+        write_result(out, fh)
     """
 )
 
@@ -53,7 +54,8 @@ RANK_PROGRAM = textwrap.dedent(
 # a real rank: the child's own code, with the case trained on the CPU (tiny preset, gloo)
 CPU_CHILD = textwrap.dedent(
     """
-    import dataclasses, json, sys
+    import dataclasses, sys
+    from graphsan.command_line import write_result
     from graphsan.lab.repro import child
     n, reference, result = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
     config = child.case_config
@@ -69,7 +71,7 @@ CPU_CHILD = textwrap.dedent(
     res = child.run_child(n, "tiny", reference)
     res = res.replace(startup={**res.startup, **seen})
     with open(result, "w") as fh:
-        json.dump(res.to_json(), fh)
+        write_result(res.to_json(), fh)
     """
 )
 

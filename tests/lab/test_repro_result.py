@@ -5,14 +5,24 @@ child's result file that does not fit is one error naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 
 import pytest
 
+from graphsan.command_line import write_result
 from graphsan.lab import repro
+from graphsan.lab.choices import StatePolicy
 from graphsan.lab.repro import CaseResult, RankResult, ResultError, logparse
 from graphsan.lab.repro.result import describe_ranks
-from graphsan.lab.vocab import StatePolicy
+
+
+def result_file(data) -> str:
+    """What a child writes to its result file: `data` on one RESULT line."""
+    out = io.StringIO()
+    write_result(data, out)
+    return out.getvalue()
+
 
 # a result with every field set, as `graphsan repro --json` writes it (json.dumps)
 FULL = (
@@ -133,7 +143,7 @@ def test_a_field_that_does_not_fit_is_named(change, message):
         CaseResult.from_json(data)
     assert str(err.value).startswith(message), err.value
     # from a child: one line that names the field, not a traceback in the parent
-    res = logparse.result_of(json.dumps(data), "ITERATION 5 t=4.0\n", 0)
+    res = logparse.result_of(result_file(data), "ITERATION 5 t=4.0\n", 0)
     assert res.outcome == logparse.UNREADABLE and res.kind is repro.Outcome.OTHER
     assert res.symptom.startswith(f"the child's result file: {message}"), res.symptom
     assert res.iteration == 6 and "\n" not in res.symptom
@@ -142,9 +152,14 @@ def test_a_field_that_does_not_fit_is_named(change, message):
 def test_a_result_that_is_no_object_or_no_json_is_named_too():
     with pytest.raises(ResultError, match="the result: expected an object, got list"):
         CaseResult.from_json([1, 2])
-    res = logparse.result_of('{"outcome": "trained', "", 0)
+    res = logparse.result_of('RESULT {"outcome": "trained', "", 0)
     assert res.outcome == logparse.UNREADABLE
-    assert res.symptom.startswith("the child's result file is not JSON (")
+    assert res.symptom.startswith("the child's result file: the RESULT line is not JSON (")
+    listed = logparse.result_of(result_file([1, 2]), "", 0)  # no object: read_result says so
+    assert listed.outcome == logparse.UNREADABLE
+    assert listed.symptom == (
+        "the child's result file: the RESULT line holds an array; expected a JSON object"
+    )
     # unknown keys are a newer writer's: ignored
     assert CaseResult.from_json({"outcome": "trained through", "later": 1}) == CaseResult()
 

@@ -1,12 +1,12 @@
-"""Microbatch schedules (graphsan.lab.vocab): the orders, their checks, the trainer's options,
+"""Microbatch schedules (graphsan.lab.choices): the orders, their checks, the trainer's options,
 and an eager 1F1B run on CPU against the sequential one."""
 
 from __future__ import annotations
 
 import pytest
 
+from graphsan.lab.choices import StatePolicy, check_order, schedule_order
 from graphsan.lab.train.config import ConfigError, TrainConfig
-from graphsan.lab.vocab import StatePolicy, check_order, schedule_order
 
 
 def test_sequential_and_1f1b_orders():

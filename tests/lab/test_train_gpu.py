@@ -1,5 +1,6 @@
 """GPU tests of the trainer's per-scope CUDA graphs. Each run happens in a subprocess (a graph bug
-can kill the CUDA context); the subprocess prints one JSON line that the test checks."""
+can kill the CUDA context); the subprocess prints one `RESULT {json}` line that the test reads
+(`graphsan.command_line.read_result`)."""
 
 import json
 import os
@@ -8,11 +9,14 @@ import sys
 
 import pytest
 
+from graphsan.command_line import read_result
+
 pytestmark = pytest.mark.gpu
 
 WORKER = r"""
 import json, math, sys
 import torch
+from graphsan.command_line import write_result
 from graphsan.lab.train import TrainConfig, train
 
 spec = json.loads(sys.argv[1])
@@ -126,7 +130,7 @@ elif spec["kind"] == "resume":
         rest = run(train_iters=6, load=spec["save"], **cfg)
     out = {"whole": whole.losses, "rest": rest.losses, "stages": rest.graphed_stages,
            "findings": [str(f) for f in san.findings]}
-print("RESULT " + json.dumps(out))
+write_result(out)
 """
 
 
@@ -143,9 +147,11 @@ def _spawn(spec: dict, env_extra: dict | None = None) -> subprocess.CompletedPro
 
 def _run(spec: dict, env_extra: dict | None = None) -> dict:
     p = _spawn(spec, env_extra)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
+    res = read_result(p.stdout)
+    assert p.returncode == 0 and res is not None, (
+        f"rc={p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    )
+    return res
 
 
 SCOPE_SETS = [
@@ -211,8 +217,8 @@ def test_a_1f1b_schedule_with_its_graphs_captured_in_that_order_matches_eager():
 
 def _assert_losses_left_eagers(p: subprocess.CompletedProcess) -> None:
     """A mismatch run that finished: its graphed losses differ from eager's, or are NaN."""
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    res = json.loads(line[len("RESULT ") :])
+    res = read_result(p.stdout)
+    assert res is not None, p.stdout[-3000:]
     worst = max(abs(a - b) / abs(a) for a, b in zip(res["eager"], res["graphed"], strict=True))
     assert worst > 1e-3 or any(x != x for x in res["graphed"]), res
 

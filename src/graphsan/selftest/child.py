@@ -1,8 +1,9 @@
 """One selftest run in its own process: `python -m graphsan.selftest.child NAME [--dump PATH]`.
 
 The program runs under `graphsan.enable(policy="raise")`; the process prints one line
-`RESULT {json}`: how the program ended, the findings, the memory the twin broke. A stale replay
-graphsan misses can kill the CUDA context, which is why each run has a process of its own.
+`RESULT {json}` (`graphsan.command_line.write_result`): how the program ended, the findings, the
+memory the twin broke. A stale replay graphsan misses can kill the CUDA context, which is why
+each run has a process of its own.
 
 `--dump PATH` also writes, per captured graph, every node's name, parameter offsets, grid and
 argument bytes, the references graphsan took from them, and the storages of the live CUDA
@@ -18,6 +19,8 @@ import gzip
 import json
 import sys
 import traceback
+
+from graphsan.command_line import write_result
 
 
 def _finding(f) -> dict:
@@ -146,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump", metavar="PATH")
     args = p.parse_args(argv)
     result = run(args.name, args.dump)
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    write_result(result)
     return 0
 
 

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from graphsan.command_line import read_result
 from graphsan.report.output import STDOUT, writing
 from graphsan.selftest import BUG, CORRECT, runs
 
@@ -33,8 +34,13 @@ class Verdict:
     result: dict = field(default_factory=dict)
 
 
-def judge(name: str, kind: str, result: dict | None, log: str, code: int | None) -> Verdict:
-    """The verdict of one run from its child's result (None: it printed none)."""
+def judge(
+    name: str, kind: str, result: dict | None, log: str, code: int | None, damaged: str = ""
+) -> Verdict:
+    """The verdict of one run from its child's result (None: it printed none, or `damaged` says
+    why its result line could not be read)."""
+    if damaged:
+        return Verdict(name, kind, ERROR, f"the child's result: {damaged}")
     if result is None:
         last = log.strip().splitlines()[-1] if log.strip() else "no output"
         why = "timed out" if code is None else f"the process died (exit {code}): {last[:200]}"
@@ -100,11 +106,11 @@ def _run_one(name: str, kind: str, timeout: float, dump_dir: str | None) -> Verd
     except subprocess.TimeoutExpired as err:
         out = err.stdout or b""
         log, code = out.decode(errors="replace") if isinstance(out, bytes) else out, None
-    result = None
-    for line in log.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-    verdict = judge(name, kind, result, log, code)
+    try:
+        result, damaged = read_result(log), ""
+    except ValueError as err:  # the child died writing it, or wrote something else
+        result, damaged = None, str(err)
+    verdict = judge(name, kind, result, log, code, damaged)
     verdict.seconds = time.perf_counter() - t0
     if verdict.verdict == ERROR and result is not None and "traceback" in result:
         verdict.result["log_tail"] = log[-3000:]

@@ -1,13 +1,13 @@
 """What every GPU test program starts with: the sanitizer under the policy in $GRAPHSAN ("off":
-none), the `out` dict printed as one `RESULT {json}` line by `finish()`, a guarded replay, a
-health check of the CUDA context, and a side stream `s` to capture on."""
+none), the `out` dict printed as one `RESULT {json}` line by `finish()` (`write_result`), a
+guarded replay, a health check of the CUDA context, and a side stream `s` to capture on."""
 
-import json
 import os
 
 import torch
 
 import graphsan
+from graphsan.command_line import write_result
 
 POLICY = os.environ.get("GRAPHSAN", "raise")
 san = graphsan.enable(policy=POLICY) if POLICY != "off" else None
@@ -41,7 +41,7 @@ def finish():
     ]
     out["graphs"] = san.report().graphs if san else []
     out["disabled_reason"] = san.disabled_reason if san else None
-    print("RESULT " + json.dumps(out), flush=True)
+    write_result(out)
 
 
 def replay_guarded(g):

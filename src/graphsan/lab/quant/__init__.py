@@ -10,7 +10,8 @@ Formats (plain torch, bit-exact to docs/numerics.md on CPU and CUDA; Triton kern
 
 Recipes and the quantized Linear:
 
-    r = get_recipe("nvfp4", order="legacy", rht=True, sr=True, weight_2d=True)  # Recipe, r.kind
+    r = get_recipe("nvfp4", order="legacy", rht=True, sr=True, weight_2d=True)  # Recipe
+    r.kind, r.nvfp4                 # RecipeKind.NVFP4, NVFP4Settings(order="legacy", ...)
     lin = QuantLinear(1024, 1024, device="cuda"); lin.set_recipe(r); y = lin(x)
     lin.weight.main_grad            # float32 weight gradient, accumulated in place
     lin.workspace                   # WeightWorkspace(kind, rowwise, columnwise) or None
@@ -43,18 +44,30 @@ from .precision import (
     builtin_configs,
     format_precision_table,
 )
-from .recipe import Quantizer, Recipe, RecipeError, RowGroups, get_recipe
+from .recipe import (
+    MXFP8Settings,
+    NVFP4Settings,
+    Quantizer,
+    Recipe,
+    RecipeError,
+    RecipeKind,
+    RowGroups,
+    get_recipe,
+)
 
 __all__ = [
     "PrecisionConfig",
     "PrecisionConfigError",
     "GroupedQuantLinear",
+    "MXFP8Settings",
     "NVFP4Options",
+    "NVFP4Settings",
     "QuantLinear",
     "QuantModule",
     "Quantizer",
     "Recipe",
     "RecipeError",
+    "RecipeKind",
     "RowGroups",
     "SkipFlag",
     "WeightWorkspace",

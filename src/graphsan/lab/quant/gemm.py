@@ -24,7 +24,7 @@ def gemm_operand(q: QTensor) -> torch.Tensor:
     per-tensor factor (which goes into alpha). On CUDA one Triton pass over the packed MXFP8 or
     NVFP4 data (`kernels.launch_gemm.gemm_operand`); `gemm_operand_reference` is its
     oracle."""
-    fast = kernels.launcher(q.data, "gemm")
+    fast = kernels.gemm_launcher(q.data)
     if fast is not None:
         values = fast.gemm_operand(q)
         if values is not None:
@@ -104,7 +104,7 @@ def quantized_mm(
     Triton pass (`kernels.launch_gemm.gemm_epilogue`); with `kernels.launch_gemm.FUSED_GEMM`
     one Triton GEMM reads the packed operands instead (`kernels.launch_gemm.quantized_mm`,
     tested against `quantized_mm_reference`)."""
-    fast = kernels.launcher(a.data, "gemm")
+    fast = kernels.gemm_launcher(a.data)
     if fast is not None and fast.FUSED_GEMM:
         c = fast.quantized_mm(a, b, transpose_a, transpose_b, gemm_alpha(a, b), out)
         if c is not None:
@@ -133,7 +133,7 @@ def _values_mm(a_val, b_val, a, b, transpose_a, transpose_b, out, out_dtype, tor
     the addition is a single torch operation anyway)."""
     c = mm_fp32(a_val.t() if transpose_a else a_val, b_val.t() if transpose_b else b_val)
     x, y, mode = alpha_factors(a, b)
-    fast = None if torch_only else kernels.launcher(c, "gemm")
+    fast = None if torch_only else kernels.gemm_launcher(c)
     if fast is not None and mode and (out is not None or out_dtype == torch.bfloat16):
         return fast.gemm_epilogue(c, x, y, mode, out=out)
     alpha = gemm_alpha(a, b)

@@ -105,7 +105,7 @@ def _rows_epilogue(y, a: QTensor, b: QTensor, groups: RowGroups, dtype) -> torch
     """A quantized GEMM's rows times their group's alpha, padding rows zero, in `dtype`: one
     epilogue kernel on CUDA (`kernels.launch_gemm.gemm_epilogue`), the torch operations
     elsewhere."""
-    fast = kernels.launcher(y, "gemm")
+    fast = kernels.gemm_launcher(y)
     if fast is not None and dtype == torch.bfloat16:
         return fast.gemm_epilogue(y, *alpha_factors(a, b), row_groups=groups)
     return _rows_out(y, gemm_alpha(a, b), groups).to(dtype)
@@ -114,7 +114,7 @@ def _rows_epilogue(y, a: QTensor, b: QTensor, groups: RowGroups, dtype) -> torch
 def _groups_epilogue(dw, a: QTensor, b: QTensor, offsets, main_grad) -> None:
     """main_grad += each group's weight gradient times its alpha, an empty group's adding zero:
     one epilogue kernel on CUDA, the torch operations elsewhere."""
-    fast = kernels.launcher(dw, "gemm")
+    fast = kernels.gemm_launcher(dw)
     if fast is not None:
         fast.gemm_epilogue(dw, *alpha_factors(a, b), out=main_grad, offsets=offsets)
         return

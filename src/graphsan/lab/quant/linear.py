@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphsan.lab.vocab import STATE_POLICIES, StatePolicy
+from graphsan.lab.choices import STATE_POLICIES, RecipeKind, StatePolicy
 
 from .formats import MXFP8_BLOCK, NVFP4_BLOCK
 from .gemm import mm_fp32, quantized_mm
@@ -56,7 +56,7 @@ class WeightWorkspace:
     columnwise: the dgrad operand (W columnwise); None until a grad-enabled forward builds it.
     """
 
-    kind: str
+    kind: RecipeKind
     rowwise: QTensor
     columnwise: QTensor | None = None
 
@@ -416,7 +416,7 @@ def _requantize_into(dst: QTensor, src: QTensor, skip: torch.Tensor | None) -> N
             torch.where(keep, d, s, out=d)
 
 
-BLOCKS = {"mxfp8": MXFP8_BLOCK, "nvfp4": NVFP4_BLOCK}  # recipes whose blocks need alignment
+BLOCKS = {RecipeKind.MXFP8: MXFP8_BLOCK, RecipeKind.NVFP4: NVFP4_BLOCK}  # blocks to align
 
 
 def _check_tokens(

@@ -36,7 +36,7 @@ BLOCK = MXFP8_BLOCK
 def quantize(x: torch.Tensor, axis: int = -1, fmt: str = "e4m3") -> MXFP8Tensor:
     """Quantize a 2-D tensor to MXFP8 along `axis`; Triton on CUDA, the reference elsewhere."""
     _check_args(x, (axis,), fmt)
-    fast = kernels.launcher(x, "mxfp8")
+    fast = kernels.mxfp8_launcher(x)
     if fast is not None:
         return fast.mxfp8_quantize(x, axis, fmt)
     return _reference(x, axis, fmt)
@@ -45,7 +45,7 @@ def quantize(x: torch.Tensor, axis: int = -1, fmt: str = "e4m3") -> MXFP8Tensor:
 def quantize_both(x: torch.Tensor, fmt: str = "e4m3") -> tuple[MXFP8Tensor, MXFP8Tensor]:
     """Rowwise and columnwise MXFP8 of x; on CUDA one Triton kernel reads x once for both."""
     _check_args(x, (-1, 0), fmt)
-    fast = kernels.launcher(x, "mxfp8")
+    fast = kernels.mxfp8_launcher(x)
     if fast is not None:
         return fast.mxfp8_quantize_both(x, fmt)
     return _reference(x, -1, fmt), _reference(x, 0, fmt)

@@ -62,7 +62,7 @@ BLOCK = NVFP4_BLOCK
 def quantize(x: torch.Tensor, axis: int = -1, options: NVFP4Options = DEFAULT) -> NVFP4Tensor:
     """Quantize a 2-D tensor to NVFP4 along `axis`; Triton on CUDA, the reference elsewhere."""
     _check_args(x, axis, options)
-    fast = kernels.launcher(x, "nvfp4")
+    fast = kernels.nvfp4_launcher(x)
     if fast is not None:
         return fast.nvfp4_quantize(x, axis, options)
     return _reference(x, axis, options)
@@ -78,7 +78,7 @@ def quantize_both(
     calls read it four times."""
     _check_args(x, -1, options.for_rowwise())
     _check_args(x, 0, options)
-    fast = kernels.launcher(x, "nvfp4")
+    fast = kernels.nvfp4_launcher(x)
     if fast is not None:
         return fast.nvfp4_quantize_both(x, options)
     row = _reference(x, -1, options.for_rowwise())
@@ -128,7 +128,7 @@ def quantize_grouped(
     """
     _check_args(x, axis, options)
     check_groups(x, groups, "NVFP4")
-    fast = kernels.launcher(x, "nvfp4")
+    fast = kernels.nvfp4_launcher(x)
     if fast is not None:
         q = fast.nvfp4_quantize_grouped(x, groups, num_groups, axis, options)
         if q is not None:
@@ -145,7 +145,7 @@ def quantize_grouped_both(
     _check_args(x, -1, options.for_rowwise())
     _check_args(x, 0, options)
     check_groups(x, groups, "NVFP4")
-    fast = kernels.launcher(x, "nvfp4")
+    fast = kernels.nvfp4_launcher(x)
     if fast is not None:
         both = fast.nvfp4_quantize_grouped_both(x, groups, num_groups, options)
         if both is not None:

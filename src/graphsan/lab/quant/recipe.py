@@ -1,99 +1,170 @@
 """Recipes (what precision a module runs in) and the per-slot quantizers they make.
 
-A `Recipe` is a frozen dataclass; `kind` is its "recipe class" (TE's recipe type): "bf16", "fp8"
-(per-tensor current scaling, E4M3), "mxfp8" or "nvfp4". Options that do not apply to a kind keep
-their defaults and are ignored.
+A `Recipe` is a frozen dataclass: its `kind` (a `RecipeKind`: bf16, fp8 (per-tensor current
+scaling, E4M3), mxfp8 or nvfp4; a name is parsed into it) and, for the kinds that have some,
+its settings as one typed value: `MXFP8Settings` (the FP8 format) or `NVFP4Settings` (the op
+order, RHT, stochastic rounding, 2-D weight blocks). BF16 and FP8 have no settings.
 
     get_recipe("nvfp4")                                   # TE defaults: RHT, SR, 2-D weights, current order
     get_recipe("nvfp4", order="legacy", rht=False, sr=False, weight_2d=False)
     get_recipe("mxfp8", fp8_format="hybrid")              # E5M2 gradients
+    Recipe("nvfp4", nvfp4=NVFP4Settings(order="legacy"))  # the same, as values
 
 `Recipe.quantizers()` gives one `Quantizer` per GEMM slot ("weight", "input", "grad_output"); each
 knows which direction gets which treatment (docs/numerics.md, "The quantized Linear"):
 NVFP4 weights use 16x16 blocks, grad_output uses stochastic rounding in both directions, and the
-columnwise (wgrad) copies of input and grad_output get the random Hadamard transform.
+columnwise (wgrad) copies of input and grad_output get the random Hadamard transform
+(`NVFP4Settings.options` makes a slot's `NVFP4Options`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+from graphsan.lab.choices import RecipeKind
 
 from . import fp8, mxfp8, nvfp4
 from .options import ORDERS, NVFP4Options
 from .tensors import QTensor
 
-KINDS = ("bf16", "fp8", "mxfp8", "nvfp4")
+KINDS = RecipeKind.values()
 ROLES = ("weight", "input", "grad_output")
-
-# Options that each kind understands (the rest keep their defaults).
-OPTIONS = {
-    "bf16": (),
-    "fp8": (),
-    "mxfp8": ("fp8_format",),
-    "nvfp4": ("order", "rht", "sr", "weight_2d"),
-}
-_CHOICES = {
-    "fp8_format": ("e4m3", "hybrid"),
-    "order": ORDERS,
-}
+FP8_FORMATS = ("e4m3", "hybrid")
 
 
 class RecipeError(ValueError):
     """An unknown recipe name or an invalid option."""
 
 
+def parse_kind(name: str | RecipeKind) -> RecipeKind:
+    """The kind a recipe name names; a RecipeError naming the kinds otherwise."""
+    try:
+        return RecipeKind.parse(name, "recipe")
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+
+
+def _check_choice(kind: RecipeKind, name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise RecipeError(f"recipe {kind}: {name}={value!r}; expected one of {list(choices)}")
+
+
+def _check_flag(kind: RecipeKind, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise RecipeError(f"recipe {kind}: {name}={value!r}; expected true or false")
+
+
+@dataclass(frozen=True)
+class MXFP8Settings:
+    """What an MXFP8 recipe sets (its blocks are always 32 elements with an E8M0 scale)."""
+
+    fp8_format: str = "e4m3"
+    """"e4m3" for every tensor (TE's default) or "hybrid" (E5M2 grad_output)."""
+
+    def __post_init__(self) -> None:
+        _check_choice(RecipeKind.MXFP8, "fp8_format", self.fp8_format, FP8_FORMATS)
+
+    def element_format(self, role: str) -> str:
+        """The FP8 format of a slot's elements: E5M2 for grad_output under "hybrid", else E4M3."""
+        return "e5m2" if role == "grad_output" and self.fp8_format == "hybrid" else "e4m3"
+
+    def describe(self) -> tuple[str, ...]:
+        return (self.fp8_format,)
+
+
+@dataclass(frozen=True)
+class NVFP4Settings:
+    """What an NVFP4 recipe sets; `options(role)` is the treatment of one slot's copy."""
+
+    order: str = "current"
+    """The block scale's op order: "current" (TE >= 2.15) or "legacy" (TE 2.9-2.14)."""
+
+    rht: bool = True
+    """The random Hadamard transform on the wgrad copies of input and grad_output."""
+
+    sr: bool = True
+    """Stochastic rounding of grad_output."""
+
+    weight_2d: bool = True
+    """16x16 weight blocks."""
+
+    def __post_init__(self) -> None:
+        _check_choice(RecipeKind.NVFP4, "order", self.order, ORDERS)
+        for name in ("rht", "sr", "weight_2d"):
+            _check_flag(RecipeKind.NVFP4, name, getattr(self, name))
+
+    def options(self, role: str, generator: torch.Generator | None = None) -> NVFP4Options:
+        """The NVFP4 treatment of `role`'s columnwise copy (`for_rowwise()` gives the rowwise
+        one's: no RHT); `generator` is used where the slot is stochastically rounded."""
+        weight = role == "weight"
+        return NVFP4Options(
+            block_2d=weight and self.weight_2d,
+            order=self.order,
+            rht=self.rht and not weight,
+            generator=generator if (self.sr and role == "grad_output") else None,
+        )
+
+    def describe(self) -> tuple[str, ...]:
+        on = (("rht", self.rht), ("sr", self.sr), ("2d-weights", self.weight_2d))
+        return (self.order, *(name for name, flag in on if flag))
+
+
+# the options `get_recipe` takes for each kind: its settings' fields
+OPTIONS = {
+    RecipeKind.BF16: (),
+    RecipeKind.FP8: (),
+    RecipeKind.MXFP8: tuple(f.name for f in fields(MXFP8Settings)),
+    RecipeKind.NVFP4: tuple(f.name for f in fields(NVFP4Settings)),
+}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """The precision of one module.
 
-    kind: "bf16" | "fp8" | "mxfp8" | "nvfp4" (the recipe class).
-    fp8_format: mxfp8 only; "e4m3" for every tensor (TE default) or "hybrid" (E5M2 grad_output).
-    order: nvfp4 only; "current" (TE >= 2.15) or "legacy" (TE 2.9-2.14) block-scale op order.
-    rht: nvfp4 only; random Hadamard transform on the wgrad copies of input and grad_output.
-    sr: nvfp4 only; stochastic rounding of grad_output.
-    weight_2d: nvfp4 only; 16x16 weight blocks.
+    kind: the recipe class (a name such as "nvfp4" is parsed into its `RecipeKind`).
+    mxfp8: an MXFP8 recipe's settings (their defaults where not given); None for other kinds.
+    nvfp4: an NVFP4 recipe's settings (their defaults where not given); None for other kinds.
     """
 
-    kind: str = "bf16"
-    fp8_format: str = "e4m3"
-    order: str = "current"
-    rht: bool = True
-    sr: bool = True
-    weight_2d: bool = True
+    kind: RecipeKind = RecipeKind.BF16
+    mxfp8: MXFP8Settings | None = None
+    nvfp4: NVFP4Settings | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise RecipeError(f"unknown recipe {self.kind!r}; expected one of {list(KINDS)}")
-        for name, choices in _CHOICES.items():
-            if getattr(self, name) not in choices:
+        kind = parse_kind(self.kind)
+        object.__setattr__(self, "kind", kind)
+        for name, own, settings_type in (
+            ("mxfp8", RecipeKind.MXFP8, MXFP8Settings),
+            ("nvfp4", RecipeKind.NVFP4, NVFP4Settings),
+        ):
+            value = getattr(self, name)
+            if kind is not own:
+                if value is not None:
+                    raise RecipeError(f"recipe {kind}: {name}={value!r}; expected None")
+            elif value is None:
+                object.__setattr__(self, name, settings_type())
+            elif not isinstance(value, settings_type):
                 raise RecipeError(
-                    f"recipe {self.kind}: {name}={getattr(self, name)!r}; expected one of {list(choices)}"
-                )
-        for name in ("rht", "sr", "weight_2d"):
-            if not isinstance(getattr(self, name), bool):
-                raise RecipeError(
-                    f"recipe {self.kind}: {name}={getattr(self, name)!r}; expected true or false"
+                    f"recipe {kind}: {name}={value!r}; expected {settings_type.__name__}"
                 )
 
     @property
     def quantized(self) -> bool:
-        return self.kind != "bf16"
+        return self.kind is not RecipeKind.BF16
+
+    @property
+    def settings(self) -> MXFP8Settings | NVFP4Settings | None:
+        """This kind's settings (None for BF16 and FP8, which have none)."""
+        return self.mxfp8 or self.nvfp4
 
     def describe(self) -> str:
         """Short text, e.g. `nvfp4(current, rht, sr, 2d-weights)` or `mxfp8(e4m3)`."""
-        if self.kind == "mxfp8":
-            parts = [self.fp8_format]
-        elif self.kind == "nvfp4":
-            parts = [self.order] + [
-                name
-                for name, on in (("rht", self.rht), ("sr", self.sr), ("2d-weights", self.weight_2d))
-                if on
-            ]
-        else:
-            return self.kind
-        return f"{self.kind}({', '.join(parts)})"
+        if self.settings is None:
+            return str(self.kind)
+        return f"{self.kind}({', '.join(self.settings.describe())})"
 
     def quantizers(self) -> dict[str, Quantizer]:
         """One quantizer per GEMM slot (empty for bf16)."""
@@ -102,17 +173,21 @@ class Recipe:
         return {role: Quantizer(self, role) for role in ROLES}
 
 
-def get_recipe(name: str, **options) -> Recipe:
-    """A recipe by name ("bf16", "fp8", "mxfp8", "nvfp4") with kind-specific options."""
-    if name not in KINDS:
-        raise RecipeError(f"unknown recipe {name!r}; expected one of {list(KINDS)}")
-    allowed = OPTIONS[name]
+def get_recipe(name: str | RecipeKind, **options) -> Recipe:
+    """A recipe by name ("bf16", "fp8", "mxfp8", "nvfp4") with its kind's options (`OPTIONS`:
+    the fields of its settings)."""
+    kind = parse_kind(name)
+    allowed = OPTIONS[kind]
     for key in options:
         if key not in allowed:
             raise RecipeError(
-                f"recipe {name}: unknown option {key!r}; expected one of {list(allowed) or 'none'}"
+                f"recipe {kind}: unknown option {key!r}; expected one of {list(allowed) or 'none'}"
             )
-    return Recipe(kind=name, **options)
+    if kind is RecipeKind.MXFP8:
+        return Recipe(kind, mxfp8=MXFP8Settings(**options))
+    if kind is RecipeKind.NVFP4:
+        return Recipe(kind, nvfp4=NVFP4Settings(**options))
+    return Recipe(kind)
 
 
 @dataclass(frozen=True)
@@ -153,15 +228,14 @@ class Quantizer:
         groups: RowGroups | None = None,
     ) -> QTensor:
         r = self.recipe
-        if r.kind == "fp8":
+        if r.kind is RecipeKind.FP8:
             if groups is not None:
                 return fp8.quantize_grouped(x, groups.index, groups.count, axis=axis)
             return fp8.quantize(x, axis=axis)
-        if r.kind == "mxfp8":
-            fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
-            return mxfp8.quantize(x, axis=axis, fmt=fmt)
-        if r.kind == "nvfp4":
-            options = self.nvfp4_options(generator)
+        if r.mxfp8 is not None:
+            return mxfp8.quantize(x, axis=axis, fmt=r.mxfp8.element_format(self.role))
+        if r.nvfp4 is not None:
+            options = r.nvfp4.options(self.role, generator)
             options = options if axis == 0 else options.for_rowwise()
             if groups is not None:
                 return nvfp4.quantize_grouped(x, groups.index, groups.count, axis, options)
@@ -177,11 +251,10 @@ class Quantizer:
         """(rowwise, columnwise) copies, equal to `quantize(x, -1)` then `quantize(x, 0)`. On
         CUDA MXFP8 uses the fused one-pass kernel, NVFP4 one read for both global amaxes."""
         r = self.recipe
-        if r.kind == "mxfp8":
-            fmt = "e5m2" if (self.role == "grad_output" and r.fp8_format == "hybrid") else "e4m3"
-            return mxfp8.quantize_both(x, fmt=fmt)
-        if r.kind == "nvfp4":
-            options = self.nvfp4_options(generator)
+        if r.mxfp8 is not None:
+            return mxfp8.quantize_both(x, fmt=r.mxfp8.element_format(self.role))
+        if r.nvfp4 is not None:
+            options = r.nvfp4.options(self.role, generator)
             if groups is not None:
                 return nvfp4.quantize_grouped_both(x, groups.index, groups.count, options)
             return nvfp4.quantize_both(x, options)
@@ -201,15 +274,3 @@ class Quantizer:
             return self.quantize_both(x, generator, groups)
         row = self.quantize(x, -1, generator, groups) if rowwise else None
         return row, self.quantize(x, 0, generator, groups) if columnwise else None
-
-    def nvfp4_options(self, generator: torch.Generator | None = None) -> NVFP4Options:
-        """NVFP4's treatment of this slot's columnwise copy (`for_rowwise()` gives the rowwise
-        one's: no RHT); `generator` is used where the slot is stochastically rounded."""
-        r = self.recipe
-        weight = self.role == "weight"
-        return NVFP4Options(
-            block_2d=weight and r.weight_2d,
-            order=r.order,
-            rht=r.rht and not weight,
-            generator=generator if (r.sr and self.role == "grad_output") else None,
-        )

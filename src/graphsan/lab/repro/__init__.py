@@ -19,9 +19,9 @@ not.
 
 Modules: `cases` (the table and each case's training configuration), `result` (`CaseResult`
 and `RankResult`, frozen, with `to_json`/`from_json`: the `--json` format, checked field by field),
-`child` (one case in this process), `runner` (one process per case, the matrix side by side),
-`logparse` (a dead child's log), `compare` (losses against eager, the verdict), `table`
-(markdown), `cli` (the command).
+`child` (one case in this process: `python -m graphsan.lab.repro.child`), `runner` (one process
+per case, the matrix side by side), `logparse` (the child's result file, a dead child's log),
+`compare` (losses against eager, the verdict), `table` (markdown), `cli` (the command).
 """
 
 from graphsan.lab.repro.cases import (

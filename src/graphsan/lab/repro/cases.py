@@ -6,7 +6,7 @@ import enum
 import os
 from dataclasses import dataclass
 
-from graphsan.lab.vocab import Schedule, StatePolicy
+from graphsan.lab.choices import Schedule, StatePolicy
 
 SCENARIO_SCOPES = ("attn", "mamba", "moe_router", "moe_preprocess")
 NO_MAMBA = ("attn", "moe_router", "moe_preprocess")

@@ -1,16 +1,28 @@
-"""The child side: one case trained in this process, and what happened to it."""
+"""The child side: one case trained in this process, and what happened to it.
+
+    python -m graphsan.lab.repro.child N --result PATH [--preset P] [--reference]
+        [--mamba-heads H] [--report-file PATH]
+
+`graphsan repro` starts one such process per case (per rank with --nproc). The result goes to
+PATH as one `RESULT {json}` line (`graphsan.command_line.write_result`), in a file of its own:
+the parent merges the child's stdout and stderr into one log, where lines may interleave.
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import sys
 import time
 import traceback
 
+from graphsan.command_line import DefaultsHelpFormatter, OneLineParser, write_result
 from graphsan.lab.repro import logparse
 from graphsan.lab.repro.cases import BY_NUMBER, Outcome, case_config
 from graphsan.lab.repro.result import CaseResult
 from graphsan.lab.train.callbacks import Callback
+from graphsan.report.output import writing
 
 _T0 = time.perf_counter()  # the child's start, for the start-up phases and the timeline
 
@@ -120,3 +132,42 @@ def run_child(
             torch.cuda.synchronize()
     # the start-up phases as the progress callback recorded them, the first steps' included
     return out.replace(startup=startup)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="python -m graphsan.lab.repro.child",
+        description="One case of `graphsan repro` in this process (the matrix starts one per "
+        "case and rank); its result goes to --result as one RESULT line.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    parser.add_argument("case", type=int, metavar="N", help=f"the case (1-{len(BY_NUMBER)})")
+    parser.add_argument(
+        "--result", required=True, metavar="PATH", help="the file the parent reads the result from"
+    )
+    parser.add_argument("--preset", default="small", help="model preset")
+    parser.add_argument(
+        "--reference", action="store_true", help="the case's eager reference run instead"
+    )
+    parser.add_argument(
+        "--mamba-heads", type=int, default=0, metavar="N", help="Mamba heads (0: the default)"
+    )
+    parser.add_argument(
+        "--report-file", metavar="PATH", help="where graphsan's JSON report of the case goes"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.case not in BY_NUMBER:
+        parser.error(f"no case {args.case}; expected 1-{len(BY_NUMBER)}")
+    res = run_child(args.case, args.preset, args.reference, args.mamba_heads, args.report_file)
+    with writing(args.result) as fh:
+        write_result(res.to_json(), fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

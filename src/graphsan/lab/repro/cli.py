@@ -1,4 +1,5 @@
-"""The `graphsan repro` command line: list the cases, run the matrix, or run one case (child)."""
+"""The `graphsan repro` command line: list the cases, or run the matrix (each case in a process
+of its own: `graphsan.lab.repro.child`)."""
 
 from __future__ import annotations
 
@@ -74,10 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write graphsan's JSON report of each case that runs it to DIR/caseN.json "
         "(DIR/caseN.rankR.json per rank with --nproc; `graphsan report` merges them)",
     )
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--report-file", help=argparse.SUPPRESS)
-    parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,14 +122,6 @@ def _check_args(args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.child is not None:
-        if not args.result:
-            return _error("--child needs --result PATH (the file the parent reads)")
-        from graphsan.lab.repro.child import run_child  # the child trains: it needs torch
-
-        res = run_child(args.child, args.preset, args.reference, args.mamba_heads, args.report_file)
-        write_output(args.result, json.dumps(res.to_json()))
-        return 0
     unknown = [n for n in args.case or [] if n not in BY_NUMBER]
     if unknown:
         return _error(f"no case {unknown[0]}; expected 1-{len(CASES)}")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import re
 
+from graphsan.command_line import read_result
 from graphsan.lab.repro.cases import Outcome
 from graphsan.lab.repro.result import CaseResult, ResultError
 
@@ -53,20 +53,23 @@ UNREADABLE = "unreadable result"
 
 
 def result_of(result: str, log: str, rc: int) -> CaseResult:
-    """The child's own result (JSON it wrote), or what its log and exit status say. A result
-    of an error the child could not name is named from the log where the log shows the crash:
-    a kernel's assertion makes the CUDA context fail for every later call, so the exception the
-    child caught can be the next library's (cuBLAS: "CUBLAS_STATUS_EXECUTION_FAILED") while the
-    kernel's own message went to its stderr. A result file cut short (the child died writing
-    it) or one whose fields do not fit counts as no result; the latter, unless the log or the
-    exit status says more, is `UNREADABLE` with the field named in its symptom."""
+    """The child's own result (the `RESULT {json}` line of its result file, `result`), or what
+    its log and exit status say. A result of an error the child could not name is named from
+    the log where the log shows the crash: a kernel's assertion makes the CUDA context fail for
+    every later call, so the exception the child caught can be the next library's (cuBLAS:
+    "CUBLAS_STATUS_EXECUTION_FAILED") while the kernel's own message went to its stderr. A
+    result line cut short (the child died writing it) or one whose fields do not fit counts as
+    no result; unless the log or the exit status says more, it is `UNREADABLE` with what was
+    wrong (the field, for the latter) in its symptom."""
     crash = crash_kind(log)
     problem = ""
-    if result:
+    try:
+        data = read_result(result)
+    except ValueError as err:
+        data, problem = None, f"the child's result file: {err}"
+    if data is not None:
         try:
-            res = CaseResult.from_json(json.loads(result))
-        except json.JSONDecodeError as err:
-            problem = f"the child's result file is not JSON ({err})"
+            res = CaseResult.from_json(data)
         except ResultError as err:
             problem = f"the child's result file: {err}"
         else:

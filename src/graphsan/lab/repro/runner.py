@@ -30,7 +30,7 @@ def child_command(
     report_path: str | None = None,
 ) -> list[str]:
     """The command line of one case's process (one rank's, on several)."""
-    cmd = [sys.executable, "-m", "graphsan.cli", "repro", "--child", str(case.n)]
+    cmd = [sys.executable, "-m", "graphsan.lab.repro.child", str(case.n)]
     cmd += ["--preset", preset, "--result", result_path]
     cmd += ["--reference"] if reference else []
     cmd += ["--mamba-heads", str(mamba_heads)] if mamba_heads else []

@@ -5,8 +5,8 @@ result = train(TrainConfig(preset="tiny", train_iters=10, quiet=True))
 result.losses, result.eval_losses, result.main_grads
 """
 
+from graphsan.lab.choices import GRAPH_SCOPES
 from graphsan.lab.train.config import ConfigError, TrainConfig
-from graphsan.lab.vocab import GRAPH_SCOPES
 
 __all__ = ["GRAPH_SCOPES", "ConfigError", "TrainConfig", "TrainResult", "train"]
 

@@ -19,10 +19,10 @@ import argparse
 import signal
 import sys
 
+from graphsan.lab.choices import GRAPH_SCOPES, SCHEDULES, STATE_POLICIES
 from graphsan.lab.models.args import PRESETS
 from graphsan.lab.train.config import ConfigError, TrainConfig
 from graphsan.lab.train.interrupt import COMMAND_LINE_SIGNALS, StoppedAtOnce, StopSignals
-from graphsan.lab.vocab import GRAPH_SCOPES, SCHEDULES, STATE_POLICIES
 
 # out of memory: the options that size a run's memory are named in the line (README, "Exit
 # statuses"; 1 is a diverged run, 2 a bad option, 3 and 4 other commands' findings and no GPU)

@@ -9,8 +9,8 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 
+from graphsan.lab.choices import Schedule, StatePolicy, check_scopes
 from graphsan.lab.models.args import PRESETS, ModelArgs, get_preset
-from graphsan.lab.vocab import Schedule, StatePolicy, check_scopes
 
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
@@ -38,7 +38,7 @@ class TrainConfig:
     cuda_graph_modules: tuple = ()
     cuda_graph_warmup_steps: int = 3
     state_policy: StatePolicy = StatePolicy.FIXED  # a string names one too (validate parses it)
-    microbatch_schedule: str = "sequential"  # graphsan.lab.vocab.Schedule
+    microbatch_schedule: str = "sequential"  # graphsan.lab.choices.Schedule
     microbatches_in_flight: int = 2  # 1F1B: forwards before the first backward
     capture_schedule: str | None = None  # the graphs' capture order; None: the step's schedule
     reuse_graph_buffers: bool = False  # TE's _reuse_graph_input_output_buffers (graphs.py)

@@ -55,9 +55,7 @@ import torch
 from torch import nn
 
 import graphsan
-from graphsan.lab.quant import QuantModule
-from graphsan.lab.train.config import TrainConfig
-from graphsan.lab.vocab import (
+from graphsan.lab.choices import (
     Pass,
     Schedule,
     StatePolicy,
@@ -65,6 +63,8 @@ from graphsan.lab.vocab import (
     check_scopes,
     schedule_order,
 )
+from graphsan.lab.quant import QuantModule
+from graphsan.lab.train.config import TrainConfig
 
 
 class MicrobatchCounter:
@@ -247,7 +247,7 @@ def capture(
     reuse_buffers: bool = False,
 ) -> None:
     """Warm up, capture every stage's forward and backward graphs per microbatch in `order`
-    (`graphsan.lab.vocab.schedule_order`; default: sequential), install them; `reuse_buffers`:
+    (`graphsan.lab.choices.schedule_order`; default: sequential), install them; `reuse_buffers`:
     give the pool back what TE's buffer reuse does (the module docstring)."""
     device = next(model.parameters()).device
     pool = torch.cuda.graph_pool_handle()

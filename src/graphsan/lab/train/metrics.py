@@ -12,9 +12,9 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from graphsan.lab.choices import Schedule
 from graphsan.lab.train.config import TrainConfig
 from graphsan.lab.train.distributed import Dist
-from graphsan.lab.vocab import Schedule
 
 
 def memory_gib(device: torch.device) -> float:

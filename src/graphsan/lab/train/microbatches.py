@@ -1,5 +1,5 @@
 """A train step's microbatches: every forward and backward in the order of a microbatch
-schedule (`graphsan.lab.vocab.schedule_order`: sequential, or 1F1B with N in flight)."""
+schedule (`graphsan.lab.choices.schedule_order`: sequential, or 1F1B with N in flight)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import torch
 
+from graphsan.lab.choices import Pass
 from graphsan.lab.quant import SkipFlag
 from graphsan.lab.train.graphs import MicrobatchCounter
-from graphsan.lab.vocab import Pass
 
 
 def run_microbatches(

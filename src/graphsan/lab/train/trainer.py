@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphsan.lab.choices import schedule_order
 from graphsan.lab.models import build_model, count_parameters
 from graphsan.lab.models.moe import shard_experts
 from graphsan.lab.quant import SkipFlag
@@ -52,7 +53,6 @@ from graphsan.lab.train.metrics import Clock, Metrics, memory_gib
 from graphsan.lab.train.microbatches import run_microbatches
 from graphsan.lab.train.optim import MainGradAdamW, linear_warmup
 from graphsan.lab.train.recipes import bind_precision, dry_run, share_skip_flag
-from graphsan.lab.vocab import schedule_order
 
 __all__ = ["TrainResult", "Trainer", "TrainingDiverged", "TrainingInterrupted", "train"]
 

@@ -1,9 +1,30 @@
-"""The lab's own words, importable without torch (the command lines' help and checks read them):
-how a quantized module treats its cached weight, and which modules may be CUDA-graphed."""
+"""The lab's named choices, importable without torch (the command lines' help and checks read
+them): the precision a quantized module runs in, how it treats its cached weight, which modules
+may be CUDA-graphed, and the order of a step's microbatch passes."""
 
 from __future__ import annotations
 
 from graphsan.core.choice import Choice
+
+
+class RecipeKind(Choice):
+    """A recipe's class (Transformer Engine's recipe type): what precision a module's GEMMs run in.
+
+    BF16: no quantization. FP8: per-tensor current scaling, E4M3. MXFP8: 32-element blocks with
+    an E8M0 scale each. NVFP4: E2M1 elements in 16-element blocks with an E4M3 scale each, under
+    one FP32 per-tensor factor. (`graphsan.lab.quant.recipe` holds each kind's settings.)
+    """
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+
+    @classmethod
+    def unknown(cls, value: object, what: str) -> str:
+        """E.g. "unknown recipe 'fp4'; expected one of [...]": the name quoted, since it comes
+        from a file or a keyword where an empty or odd one must show."""
+        return f"unknown {what} {value!r}; expected one of {list(cls.values())}"
 
 
 class StatePolicy(Choice):
