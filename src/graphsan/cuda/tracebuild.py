@@ -118,8 +118,8 @@ class TorchFlags:
 
 
 def extension_standard(cpp_extension: object) -> str:
-    """The C++ standard `torch.utils.cpp_extension` compiles extensions with (`c++17` up to torch
-    2.9, `c++20` after; torch's headers need it): the newest `-std=c++NN` flag its code passes,
+    """The C++ standard `torch.utils.cpp_extension` compiles extensions with (`c++17` on torch
+    2.10, `c++20` on 2.13; torch's headers need it): the newest `-std=c++NN` flag its code passes,
     read from the module's own source (docstrings' examples are not flags), since it offers no
     function that says it. `c++17` where the source cannot be read."""
     try:
