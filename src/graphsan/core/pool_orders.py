@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from graphsan.core.eager import EagerInPools, EagerTensor
 from graphsan.core.graph_state import GraphState, WatchedBlock
+from graphsan.core.kinds import Kind
 from graphsan.core.memory_map import SegmentIndex
 from graphsan.core.outputs import Overwrite
 from graphsan.core.pool_order import Conflict, PoolOrder, first_refs_into
@@ -24,7 +25,6 @@ from graphsan.core.records import (
     Frame,
     GraphId,
     GraphInfo,
-    Kind,
     PoolId,
     Reference,
     When,

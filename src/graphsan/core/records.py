@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from graphsan.core.choice import Choice
+from graphsan.core.kinds import Kind, likely_cause
 from graphsan.core.locations import location
 
 DataPtr = int
@@ -29,63 +29,6 @@ FREED_BEFORE_CAPTURE = "freed before capture ended"
 FREED_UNSEEN = "found freed before the replay"
 # storage changes that free a tensor's old memory while the tensor lives on
 MOVE_OPS = ("resize_", "set_", ".data =", "storage.resize_")
-
-
-class Kind(Choice):
-    """What became of memory a graph references (a `str`, so JSON and `kind == "freed"` work)."""
-
-    FREED = "freed"
-    REOWNED = "reowned"
-    MOVED = "moved"
-    UNMAPPED = "unmapped"
-    POOL_REUSE = "pool-reuse"
-    REPLAY_ORDER = "replay-order"
-    LIVE_OUTPUT = "live-output"
-
-    @property
-    def cause(self) -> str:
-        """The likely cause, as a person reads it; `{op}` names the storage change."""
-        return _CAUSES[self]
-
-
-_CAUSES = {
-    Kind.FREED: "eager code dropped the last reference to memory this graph still uses; the "
-    "replay would read stale data or write into memory the allocator may hand out at any time",
-    Kind.REOWNED: "the memory was freed and now belongs to another live tensor; the replay would "
-    "silently corrupt that tensor (and read its data as if it were the graph's)",
-    Kind.MOVED: "a tensor the graph uses changed its storage ({op}); the graph still points at "
-    "the old memory",
-    Kind.UNMAPPED: "the memory was freed and released to the driver (empty_cache, OOM retry or "
-    "an expandable segment unmapping pages); the replay would fault with 'an illegal memory "
-    "access'",
-    Kind.POOL_REUSE: "a later capture re-carved memory of a shared graph pool that this graph "
-    "still uses; the graphs now overwrite each other's data",
-    Kind.REPLAY_ORDER: "graphs sharing a memory pool replayed out of capture order: another "
-    "graph of the pool carved memory this graph reads and ran after the graph that writes it; "
-    "the replay would read the later graph's data (replay the writer first, or give the graphs "
-    "separate pools)",
-    Kind.LIVE_OUTPUT: "graphs sharing a memory pool replayed out of capture order: a graph "
-    "captured later carved its output from this graph's scratch memory and ran after this graph "
-    "last did; the caller still holds that output and would read this graph's data there "
-    "(replay in capture order, read the output first, or give the graphs separate pools; pin "
-    "cannot help: this is an order, not a lifetime)",
-}
-KINDS = Kind.values()
-# the causes of findings about pinned host memory (a graph's memcpy node reads or writes it)
-_HOST_CAUSES = {
-    Kind.FREED: "eager code dropped the last reference to pinned host memory a graph's memcpy "
-    "still reads or writes; PyTorch's pinned-memory cache hands those pages to the next "
-    "pin_memory() of a fitting size",
-    Kind.REOWNED: "the pinned host memory was freed and the pinned-memory cache handed it to "
-    "another tensor; the replay would copy that tensor's data (or overwrite it)",
-}
-# the cause of a live-output finding whose tensor no graph produced (`Finding.written_by` None)
-_EAGER_CAUSE = (
-    "eager code allocated a tensor into the graph's memory pool (use_mem_pool, or PyTorch's "
-    "begin-allocate-to-pool calls) and was handed memory the graph's capture used as scratch; "
-    "every replay writes there (allocate the tensor outside the pool, or free it before the "
-    "replay; pin cannot help: the graph owns that memory)"
-)
 
 
 def display_path(filename: str) -> str:
@@ -282,6 +225,14 @@ class Finding:
     # why the graph may not read this address at all: every reference to the block sits in an
     # argument struct whose layout could not be confirmed ("unconfirmed layout (...)")
     caveat: str | None = None
+    # what a graph baked at capture (mode, baked-value, superseded): the entry the program
+    # changed since (`model.layers.3.mlp.weight`, `optimizer.param_groups[0]['lr']`), what it
+    # was at capture and what it is now; for mode, the modules switched (a few of them). Where
+    # it changed is `free_stack` (with `phase` and `step`)
+    entry: str | None = None
+    captured: str | None = None
+    current: str | None = None
+    modules: tuple[str, ...] = ()
 
     @classmethod
     def at(cls, kind: Kind | str, graph: GraphInfo, ref: Reference, **fields) -> Finding:
@@ -305,18 +256,17 @@ class Finding:
         object.__setattr__(self, "free_stack", _stack(self.free_stack))
         others = tuple(u if isinstance(u, OtherUse) else OtherUse(**u) for u in self.also_used_by)
         object.__setattr__(self, "also_used_by", others)
+        object.__setattr__(self, "modules", tuple(self.modules))
 
     @property
-    def key(self) -> tuple[int, int]:
-        return (self.graph.id, self.block_address)
+    def key(self) -> tuple[int, int, str]:
+        """What makes a finding the same one at a later replay: its graph, its block, and for
+        what a graph baked at capture, the entry."""
+        return (self.graph.id, self.block_address, self.entry or "")
 
     @property
     def likely_cause(self) -> str:
-        if self.host and self.kind in _HOST_CAUSES:
-            return _HOST_CAUSES[self.kind]
-        if self.kind is Kind.LIVE_OUTPUT and self.written_by is None:
-            return _EAGER_CAUSE
-        return self.kind.cause.format(op=self.free_op or "resize_/set_/.data=")
+        return likely_cause(self.kind, self.host, self.written_by, self.free_op)
 
 
 @dataclass(frozen=True)

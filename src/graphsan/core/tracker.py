@@ -26,6 +26,7 @@ import operator
 from collections.abc import Callable, Iterable
 
 from graphsan.core.graph_state import GraphState, WatchedBlock
+from graphsan.core.kinds import Kind
 from graphsan.core.memory_map import Block, MemoryMap, Segment, all_pages_mapped
 from graphsan.core.records import (
     DEFAULT_POOL,
@@ -39,7 +40,6 @@ from graphsan.core.records import (
     GraphId,
     GraphInfo,
     Judged,
-    Kind,
     OtherUse,
     Reference,
     ReferenceCounts,

@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from graphsan.core.records import KINDS, Finding, Frame, GraphInfo, Kind, OtherUse, display_path
+from graphsan.core.kinds import KINDS, Kind
+from graphsan.core.records import Finding, Frame, GraphInfo, OtherUse, display_path
 from graphsan.report.json_report import (
     READABLE_VERSIONS,
     SCHEMA,

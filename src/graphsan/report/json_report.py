@@ -27,9 +27,11 @@ SCHEMA = "graphsan.report"
 # 5 added Finding.caveat, the report's layouts (graphsan.core.argstructs, per device) and its
 # suppressed findings (graphsan.report.suppressions); 6 added the live-output kind and its
 # Finding.replays; 7 added whether graphsan watched (watched, disabled_reason) and what
-# recorded the report (provenance: graphsan, torch, CUDA, driver, GPU, Python)
-SCHEMA_VERSION = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)  # older reports read with the newer fields empty
+# recorded the report (provenance: graphsan, torch, CUDA, driver, GPU, Python); 8 added the
+# kinds of what a graph baked at capture (mode, baked-value, superseded) and their
+# Finding.entry, captured, current and modules
+SCHEMA_VERSION = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)  # older reports read with the newer fields empty
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:
@@ -50,6 +52,7 @@ def finding_from_dict(d: dict[str, Any]) -> Finding:
         d[k] = tuple(tuple(x) for x in d.get(k, []))
     if d.get("replays") is not None:
         d["replays"] = tuple(d["replays"])
+    d["modules"] = tuple(d.get("modules", ()))
     return Finding(graph=GraphInfo(**g), **d)
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from graphsan.core.records import KINDS, Finding, frame_text
+from graphsan.core.kinds import KINDS
+from graphsan.core.records import Finding, frame_text
 
 FIELDS = ("name", "kind", "kernel", "graph", "alloc", "free")
 

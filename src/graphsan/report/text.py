@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 
+from graphsan.core.kinds import Kind
 from graphsan.core.records import (
     FREED_BEFORE_CAPTURE,
     FREED_UNSEEN,
     Finding,
     Frame,
-    Kind,
     frame_text,
 )
 
