@@ -11,7 +11,8 @@ pool and must replay in capture order, and a second model graphed with
 `torch.cuda.make_graphed_callables` (2 MLP blocks, hidden 512, 1,024 tokens, forward and
 backward graphs in one pool, its captured backward allocating on the autograd worker thread),
 trained one step with its own AdamW per lab step and run eagerly in eval mode on validation
-steps. After a random step one fault is injected into memory some live graph uses, or, in
+steps, and a small network (Linear, dropout, Linear) whose whole step with a capturable Adam is
+one graph, validated eagerly in eval mode and put back in train mode. After a random step one fault is injected into memory some live graph uses, or, in
 control trials, nothing:
 
     free          a graphed stage's static input is replaced by a new tensor; the old one dies
@@ -41,6 +42,13 @@ control trials, nothing:
                   a graphed block's sample input re-pointed at a new batch with `.data =`
                   instead of filled with `copy_`: the callable keeps that very tensor and
                   copies each new input into it, but its forward graph reads the old storage
+    mode          a small network whose whole training step (forward, backward and a
+                  capturable Adam step) is one graph is left in eval mode after an eager
+                  validation: its graph still applies dropout
+    baked-value   that step's float lr is changed (as a scheduler does): its graph keeps the
+                  value it captured
+    superseded    that network's weight is re-assigned as a new Parameter while the optimizer
+                  keeps the old one alive: the graph reads and updates the old one
     internal-driver / internal-node
                   graphsan's own graph walk fails, or returns a malformed node, during the
                   capture: graphsan must disable itself with one warning and training go on

@@ -21,8 +21,9 @@ OTHER_FAULTS = (
     "eager-in-pool",
 )
 MGC_FAULTS = ("mgc-data-rebind", "mgc-input-rebind")
+BAKED_FAULTS = ("mode", "baked-value", "superseded")
 INTERNAL = ("internal-driver", "internal-node")
-KINDS = ("control", *DEVICE_FAULTS, *OTHER_FAULTS, *MGC_FAULTS, *INTERNAL)
+KINDS = ("control", *DEVICE_FAULTS, *OTHER_FAULTS, *MGC_FAULTS, *BAKED_FAULTS, *INTERNAL)
 TRAIN_ITERS, WARMUP, EVAL_INTERVAL = 5, 1, 3
 # the make_graphed_callables model: big enough that its captured backward needs new segments
 MGC_BLOCKS, MGC_HIDDEN, MGC_TOKENS = 2, 512, 1024
@@ -127,6 +128,60 @@ class GraphedBlocks:
         return f"mgc-input-rebind: block {i}'s sample input at {old:#x}"
 
 
+class WholeStep:
+    """A small network (Linear, dropout, Linear) whose whole training step (forward, backward
+    and a capturable Adam step with a float lr) is one graph, replayed every lab step; on the
+    lab's validation steps it runs eagerly in eval mode and goes back to train mode, as it should.
+    """
+
+    def __init__(self, torch, width=256):
+        self.torch = torch
+        nn = torch.nn
+        self.model = nn.Sequential(
+            nn.Linear(width, width), nn.Dropout(0.1), nn.Linear(width, width)
+        )
+        self.model.cuda()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3, capturable=True, foreach=True)
+        self.x = torch.randn(64, width, device="cuda")
+        self.y = torch.randn(64, width, device="cuda")
+
+        def step():
+            loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+            loss.backward()
+            self.opt.step()
+            return loss.detach()
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.opt.zero_grad(set_to_none=True)
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.opt.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = step()
+
+    def evaluate(self) -> None:
+        self.model.eval()
+        with self.torch.no_grad():
+            self.model(self.x)
+        self.model.train()
+
+    def inject(self, kind: str) -> str:
+        """Change what the step graph baked the way it never sees."""
+        if kind == "mode":
+            self.model.eval()  # validation that forgets model.train()
+            return "left the whole-step model in eval mode"
+        if kind == "baked-value":
+            self.opt.param_groups[0]["lr"] *= 0.5  # a scheduler over a float lr
+            return "halved the whole-step optimizer's float lr"
+        old = self.model[0].weight  # the optimizer keeps it alive
+        self.model[0].weight = self.torch.nn.Parameter(old.detach().clone())
+        return f"re-pointed the whole-step model's weight ({old.data_ptr():#x} lives on)"
+
+
 class SideGraphs:
     """The small graphs and the make_graphed_callables model beside the lab model, stepped after
     every training step."""
@@ -168,6 +223,7 @@ class SideGraphs:
         self.eager = EagerInPool(torch)
         self.keep = []
         self.mgc = GraphedBlocks(torch)
+        self.whole = WholeStep(torch)
 
     def replay(self, order=(0, 1, 2)) -> None:
         self.loader.replay()
@@ -177,12 +233,14 @@ class SideGraphs:
         self.pipeline.replay()
         self.reused.replay()
         self.eager.graph.replay()
+        self.whole.graph.replay()
 
     def step(self, iteration: int) -> None:
         self.replay()
         self.mgc.step()
         if iteration % EVAL_INTERVAL == 0:  # when the lab validates
             self.mgc.evaluate()
+            self.whole.evaluate()
 
 
 class Pipeline:
@@ -391,6 +449,8 @@ class Injector:
             self.injected = self.side.mgc.rebind_weight(self.rng)
         elif kind == "mgc-input-rebind":
             self.injected = self.side.mgc.rebind_input(self.rng)
+        elif kind in BAKED_FAULTS:
+            self.injected = self.side.whole.inject(kind)
         elif kind not in INTERNAL:  # the internal faults are patched in for the whole trial
             raise ValueError(f"unknown fault kind {kind!r}")
 

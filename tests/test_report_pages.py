@@ -357,3 +357,81 @@ def test_the_report_reads_without_scripts(tmp_path):
     page = open_page(BROWSER, str(html))
     assert not page.scripts_ran and "open all stacks" not in page.text  # the toolbar stays hidden
     assert short_kernel(GEMM) in page.text and "release_weight_workspace" in page.text
+
+
+def baked_report() -> Report:
+    """A report of the three kinds about state a graph baked at capture: a dropout switched to
+    eval in validation, a float lr a scheduler changed, a weight re-pointed."""
+    g = _graph(5, "train step", T0 + 1.0, [MUL, GEMM], 0)
+    switch = [("examples/train.py", 60, "main"), ("examples/train.py", 31, "validate")]
+    common = dict(nbytes=0, block_address=0, pool="", alloc_stack=[], node=-1, kernel="")
+    mode = _finding(
+        0,
+        "mode",
+        g,
+        **common,
+        block=0,
+        modules=("Net.drop", "Net.block.drop"),
+        captured="train",
+        current="eval",
+        free_stack=switch,
+        phase="validation",
+        step=40,
+        now="2 module(s) captured in train mode are in eval mode now",
+    )
+    value = _finding(
+        0,
+        "baked-value",
+        g,
+        **common,
+        block=0,
+        entry="Adam.param_groups[0]['lr']",
+        captured="0.001",
+        current="0.0005",
+        free_stack=[],
+        phase="train",
+        step=41,
+    )
+    superseded = _finding(
+        0,
+        "superseded",
+        g,
+        1,
+        GEMM,
+        0x7F3A00400000,
+        entry="Net.lin.weight",
+        captured="a Parameter of shape (4, 4) at 0x7f3a00400000",
+        current="a Parameter of shape (4, 4) at 0x7f3a00900000",
+        free_stack=[("examples/train.py", 77, "swap_weights")],
+        alloc_stack=[],
+    )
+    return Report([mode, value, superseded], [g], 0, "raise", {}, [], 0)
+
+
+def test_baked_findings_read_as_what_changed_not_as_a_block(tmp_path):
+    text = render_report([baked_report()], ["out.json"])
+    assert "Net.drop, Net.block.drop" in text and "train &rarr; eval" in text
+    assert "switched at <code>examples/train.py:31 in validate</code>" in text.replace("<wbr>", "")
+    assert "changed before this replay, by a plain assignment no hook sees" in text  # the lr
+    assert "freed or changed at" in text
+    assert "The block&#39;s life" not in text and "The block's life" not in text
+    assert "Net.lin.weight" in text and "0x7f3a00400000" in text
+
+
+@needs_browser
+def test_baked_findings_in_a_browser(tmp_path):
+    rep = save(tmp_path, baked_report(), "baked.json")
+    html = tmp_path / "baked.html"
+    assert main(["report", "--html", str(html), rep]) == 0
+    page = open_page(BROWSER, str(html), screenshot_path(tmp_path, "report-baked.png"))
+    check_page(
+        page,
+        [
+            "mode",
+            "baked-value",
+            "superseded",
+            "Adam.param_groups[0]['lr']",
+            "0.001 → 0.0005",
+            "examples/train.py:77 in swap_weights",
+        ],
+    )

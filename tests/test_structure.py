@@ -339,7 +339,16 @@ def test_the_lab_check_catches_an_upward_import_and_a_private_one(tmp_path):
 
 
 # a graph's state (core.graph_state.GraphState): its fields and its named transitions
-GRAPH_STATE_FIELDS = {"dirty", "handed_over", "order", "reads", "read_order", "own", "launched"}
+GRAPH_STATE_FIELDS = {
+    "dirty",
+    "handed_over",
+    "order",
+    "reads",
+    "read_order",
+    "own",
+    "launched",
+    "baked",
+}
 GRAPH_STATE_TRANSITIONS = {
     "mark_changed",
     "judged",
@@ -349,6 +358,7 @@ GRAPH_STATE_TRANSITIONS = {
     "counted_in",
     "checked_against",
     "hand_over",
+    "depends_on",
 }
 MAY_CHANGE_GRAPH_STATE = {
     "graphsan.core.graph_state",  # the transitions themselves

@@ -4,6 +4,7 @@ finding never stops a replay and is counted), by `graphsan run`, `graphsan repor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -72,6 +73,23 @@ def test_generated_entries_suppress_the_findings_they_came_from(tmp_path):
     entries = suppressions.load(write(tmp_path, text))
     kept, supp = suppressions.split(entries, fs)
     assert kept == [] and len(supp) == 3
+
+
+def test_findings_about_baked_state_match_by_entry_and_generate_their_own(tmp_path):
+    def baked(kind, **fields):
+        return dataclasses.replace(finding(kind=kind, node=-1), kernel="", alloc_stack=(), **fields)
+
+    mode = baked("mode", modules=("Net.block.0.drop", "Net.block.1.drop"))
+    lr = baked("baked-value", entry="Adam.param_groups[0]['lr']")
+    entries = suppressions.load(
+        write(tmp_path, '- name: drops\n  entry: "Net.block.1.*"\n- name: lr\n  entry: "*lr*"\n')
+    )
+    assert [suppressions.first_match(entries, f).name for f in (mode, lr)] == ["drops", "lr"]
+    assert suppressions.first_match(entries, finding()) is None  # names no entry: no match
+    text = suppressions.generate([mode, lr])
+    assert "kernel:" not in text and "entry: \"Adam.param_groups[[]0][[]'lr']\"" in text
+    kept, supp = suppressions.split(suppressions.load(write(tmp_path, text)), [mode, lr])
+    assert kept == [] and len(supp) == 2
 
 
 def test_report_applies_suppressions_and_error_exitcode(tmp_path, capsys):

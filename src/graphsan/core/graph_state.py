@@ -25,6 +25,7 @@ from graphsan.core.records import (
 )
 
 if TYPE_CHECKING:
+    from graphsan.core.baked import Baked
     from graphsan.core.pool_order import PoolOrder
 
 
@@ -60,6 +61,8 @@ class GraphState:
     # and whether a replay of it went ahead
     own: tuple[tuple[DataPtr, int], ...] = ()
     launched: bool = False
+    # the state it baked at capture beside addresses: modes, values, entries (core.baked)
+    baked: Baked | None = None
 
     # -- transitions (the tracker's and the replay judge's) ----------------------------------
     def mark_changed(self) -> None:
@@ -73,6 +76,10 @@ class GraphState:
     def block(self) -> None:
         """A replay was stopped: every later one is judged, and stopped while the cause lasts."""
         self.dirty = True
+
+    def depends_on(self, baked: Baked | None) -> None:
+        """What the graph baked at capture beside addresses (None or empty: nothing)."""
+        self.baked = baked or None
 
     def went_ahead(self) -> None:
         """A replay was let through to its launch."""

@@ -6,10 +6,14 @@
    graph's memory may have changed (`dirty`: a free, memory given back, an eager tensor in its
    pool, a watch that asks before every replay), or it reads another graph's range of a shared
    pool and the pool's graphs have not replayed in capture order;
+   Or something it baked at capture beside addresses changed (a module it ran was switched
+   between train and eval, an entry re-registered; both marked by hooks), or a param group's
+   hyperparameter or tensor it took differs now (`core.baked.Baked.changed`, looked at here);
 2. `verdict(state)`: the pool's replay order (`core.pool_orders`: replay-order and live-output
    findings), then, where something the graph uses was freed, the pointer tables that named it
    read again and the tracker's judgement of the graph's memory (`core.tracker`: freed,
-   reowned, moved, unmapped, pool-reuse);
+   reowned, moved, unmapped, pool-reuse), then what it baked (`core.baked`: mode, baked-value,
+   superseded);
 3. `decided(state, stopped)`: the policy's outcome, kept in the graph's state (a stopped graph
    stays blocked; one stopped before its first launch has its own memory kept alive where the
    watch allocates it at launch).
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from graphsan.core.baked import Baked, Change
 from graphsan.core.graph_state import GraphState
 from graphsan.core.memory_map import SegmentIndex
 from graphsan.core.memory_source import MemorySource
@@ -52,14 +57,17 @@ class ReplayJudge:
         memory: MemorySource | None,
         phase: Callable[[], tuple[str | None, int | None]] = lambda: (None, None),
         rank: int | None = None,
+        change_of: Callable[[object, str | None], Change | None] = lambda owner, name: None,
     ) -> None:
         self.tracker, self.orders, self.memory = tracker, orders, memory
         self.phase, self.rank = phase, rank
+        self.change_of = change_of  # where a hook saw a baked mode or entry change
 
     # -- capture ------------------------------------------------------------------------------
-    def watch(self, state: GraphState) -> None:
-        """A graph was captured: under a watch that finds frees by asking, every replay is
-        judged."""
+    def watch(self, state: GraphState, baked: Baked | None = None) -> None:
+        """A graph was captured, having baked `baked` beside addresses: under a watch that finds
+        frees by asking, every replay is judged."""
+        state.depends_on(baked)
         if self.memory is not None and self.memory.judges_every_replay:
             state.mark_changed()
 
@@ -83,9 +91,14 @@ class ReplayJudge:
     # -- replay -------------------------------------------------------------------------------
     @staticmethod
     def needs(state: GraphState) -> bool:
-        """Whether this replay is judged: the hot path, two attribute reads when nothing is
-        pending."""
-        return state.dirty or (state.reads and not state.read_order.in_order(state.info.id))
+        """Whether this replay is judged: the hot path, three attribute reads when nothing is
+        pending (and a look at the few param-group entries of a graph that stepped an
+        optimizer)."""
+        return (
+            state.dirty
+            or (state.reads and not state.read_order.in_order(state.info.id))
+            or (state.baked is not None and state.baked.changed())
+        )
 
     def verdict(self, state: GraphState) -> Verdict:
         """The findings of a replay of the graph now, before its launch."""
@@ -101,6 +114,8 @@ class ReplayJudge:
             findings += self.tracker.judge(info.id, view, memory.mapped, as_of, judged)
         else:
             state.judged(again=False)  # nothing the graph uses was freed: nothing to judge
+        if state.baked is not None:
+            findings += state.baked.findings(info, self._when(), self.change_of)
         if memory.judges_every_replay or self.orders.eager.marks.get(info.id):
             state.mark_changed()  # the next replay asks the driver or the allocator again
         return Verdict(findings, judging)

@@ -259,6 +259,11 @@ class Finding:
         object.__setattr__(self, "modules", tuple(self.modules))
 
     @property
+    def change_stack(self) -> Stack:
+        """For state the graph baked: where the program changed it (stored as `free_stack`)."""
+        return self.free_stack if self.kind.baked else ()
+
+    @property
     def key(self) -> tuple[int, int, str]:
         """What makes a finding the same one at a later replay: its graph, its block, and for
         what a graph baked at capture, the entry."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import threading
 import traceback
 
 import torch
@@ -93,6 +94,10 @@ class Context:
         # called on every train()/eval() and phase() entry: the moments eager code is about to
         # change state (validation clears caches); the pin policy pins pending graphs here
         self.on_phase_change: list = []
+        # called with (module, mode) for every module a train()/eval() call reaches, before it
+        # switches: what a graph baked of its mode is watched here (cuda.baked)
+        self.on_mode_switch: list = []
+        self._switch = threading.local()  # .depth of train() calls, .site of the outermost
 
     def current(self) -> tuple[str, int]:
         if self._explicit:
@@ -120,6 +125,14 @@ class Context:
             step = check_count(step, "graphsan.phase: step", "None or an integer >= 0")
         return Phase(self, name, step)
 
+    def switch_site(self) -> tuple[Frame, ...]:
+        """The stack of the outermost `train()`/`eval()` call in progress on this thread (user
+        frames), read once per call however many modules it switches."""
+        switch = self._switch
+        if getattr(switch, "site", None) is None:
+            switch.site = tuple(python_stack())
+        return switch.site
+
     def start(self) -> None:
         if self._patches:
             return
@@ -128,9 +141,20 @@ class Context:
 
         def train(module, mode: bool = True):
             ctx.module_training = bool(mode)
+            switch = ctx._switch
+            depth = getattr(switch, "depth", 0)
+            if depth == 0:
+                switch.site = None  # the call's stack, read once where someone asks for it
+            if ctx.on_mode_switch:
+                for fn in list(ctx.on_mode_switch):
+                    fn(module, bool(mode))
             if ctx.on_phase_change:
                 ctx._notify()
-            return orig(module, mode)
+            switch.depth = depth + 1
+            try:
+                return orig(module, mode)
+            finally:
+                switch.depth = depth
 
         train.__wrapped__ = orig
         self._patches.set(torch.nn.Module, "train", train)

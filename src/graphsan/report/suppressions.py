@@ -10,6 +10,11 @@ is counted, per entry, in every summary: nothing is hidden silently.
       graph: "layers.*:layer bwd*"                   # the graph's label
       alloc: "*quant/linear.py:* in _alloc*"         # any frame of the allocation stack
       free: "* in clear_workspace"                    # any frame of the free stack
+    - name: dropout left in eval on purpose
+      kind: mode                                      # mode, baked-value, superseded
+      entry: "HybridLM.layers.*.drop"                # the entry, or any module a mode names
+
+`free` matches, for the kinds about state a graph baked, where the program changed it.
 
 Frames are matched as reports print them: `file:line in function`, the file by its location
 (`graphsan.core.locations`: its path within its package or from its project's root), so one
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 from graphsan.core.kinds import KINDS
 from graphsan.core.records import Finding, frame_text
 
-FIELDS = ("name", "kind", "kernel", "graph", "alloc", "free")
+FIELDS = ("name", "kind", "kernel", "graph", "alloc", "free", "entry")
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class Suppression:
     graph: str | None = None
     alloc: str | None = None
     free: str | None = None
+    entry: str | None = None
 
     def matches(self, f: Finding) -> bool:
         if self.kind is not None and not fnmatch.fnmatchcase(str(f.kind), self.kind):
@@ -51,6 +57,9 @@ class Suppression:
                 fnmatch.fnmatchcase(frame_text(fr), pattern) for fr in stack
             ):
                 return False
+        if self.entry is not None:
+            names = f.modules if f.modules else (f.entry,) if f.entry else ()
+            return any(fnmatch.fnmatchcase(n, self.entry) for n in names)
         return True
 
 
@@ -137,9 +146,11 @@ def generate(findings: list[Finding]) -> str:
     """A suppression entry for each finding (the same entry once), as YAML text to edit."""
     seen, lines = set(), ["# graphsan suppressions (graphsan report --gen-suppressions)"]
     for f in findings:
-        alloc = f"*{frame_text(f.alloc_stack[-1])}" if f.alloc_stack else None
-        free = f"*{frame_text(f.free_stack[-1])}" if f.free_stack else None
-        entry = (str(f.kind), f.kernel, f.graph.label, alloc, free)
+        alloc = f"*{_literal(frame_text(f.alloc_stack[-1]))}" if f.alloc_stack else None
+        free = f"*{_literal(frame_text(f.free_stack[-1]))}" if f.free_stack else None
+        named = f.entry or (f.modules[0] if f.modules else None)
+        kernel, label = f.kernel or None, f.graph.label
+        entry = (str(f.kind), *(_literal(v) for v in (kernel, label)), alloc, free, _literal(named))
         if entry in seen:
             continue
         seen.add(entry)
@@ -148,6 +159,12 @@ def generate(findings: list[Finding]) -> str:
             if value is not None:
                 lines.append(f"  {key}: {_quote(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _literal(text: str | None) -> str | None:
+    """`text` as a pattern that matches itself: a `[` would open a character class
+    (`param_groups[0]`, kernels' array types); `*` and `?` may stay, matching themselves too."""
+    return text.replace("[", "[[]") if text is not None else None
 
 
 def _quote(text: str) -> str:

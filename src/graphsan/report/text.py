@@ -15,7 +15,10 @@ from graphsan.core.records import (
 
 
 def one_line(f: Finding) -> str:
-    """The finding in one line: kind, graph, kernel, buffer, free site."""
+    """The finding in one line: kind, graph, kernel, buffer, free site (for state the graph
+    baked: what it baked, what it is now, where it changed)."""
+    if f.kind.baked:
+        return _baked_line(f)
     if f.kind is Kind.REPLAY_ORDER:
         what = f"written by graph #{f.written_by}, overwritten by graph #{f.carved_by}"
     elif f.kind is Kind.LIVE_OUTPUT and f.written_by is None:
@@ -30,6 +33,16 @@ def one_line(f: Finding) -> str:
         f"param {f.param}+{f.offset}{_via(f)} -> {f.nbytes} B block at {f.block_address:#x}"
         f" ({f.pool}), {what}{when(f.phase, f.step)}"
         + (f" [{f.caveat.split(' (', 1)[0]}]" if f.caveat else "")
+    )
+
+
+def _baked_line(f: Finding) -> str:
+    what = ", ".join(f.modules) if f.kind is Kind.MODE else f.entry
+    where = f", changed at {frame_text(f.change_stack[-1])}" if f.change_stack else ""
+    address = f" (reads {f.block_address:#x})" if f.kind is Kind.SUPERSEDED else ""
+    return (
+        f"{f.kind}: {f.graph.label} {what}{address}: {f.captured} at capture, {f.current} "
+        f"now{where}{when(f.phase, f.step)}"
     )
 
 
@@ -121,6 +134,8 @@ def _argument(f: Finding) -> str:
 
 def format_finding(f: Finding) -> str:
     """A multi-line bug report for one finding."""
+    if f.kind.baked:
+        return _format_baked(f)
     rank = f"[rank {f.rank}] " if f.rank is not None else ""
     lines = [
         f"{rank}{f.kind.upper()}: {f.graph.describe()}",
@@ -180,6 +195,39 @@ def format_finding(f: Finding) -> str:
 
 
 MAX_ALSO = 6  # graphs listed under "also used by"; the JSON report keeps them all
+
+# what each kind about baked state calls what it names, and where the program changed it
+BAKED_LABELS = {
+    Kind.MODE: ("modules", "switched"),
+    Kind.BAKED_VALUE: ("entry", "changed"),
+    Kind.SUPERSEDED: ("entry", "re-pointed"),
+}
+
+
+def _format_baked(f: Finding) -> str:
+    """A finding about state the graph baked at capture: what it names, the value at capture
+    and now, and where the program changed it (no block or allocation: no memory was freed)."""
+    rank = f"[rank {f.rank}] " if f.rank is not None else ""
+    noun, verb = BAKED_LABELS[f.kind]
+    lines = [f"{rank}{f.kind.upper()}: {f.graph.describe()}"]
+    lines.append(f"  {noun}: {', '.join(f.modules) if f.kind is Kind.MODE else f.entry}")
+    if f.kind is Kind.SUPERSEDED:
+        lines.append(f"  node {f.node}: {_node_kernel(f.kernel)}")
+        lines.append(_argument(f))
+    lines.append(f"  at capture: {f.captured}")
+    lines.append(f"  now: {f.current}")
+    if f.now:
+        lines.append(f"  which means: {f.now}")
+    if f.change_stack:
+        lines.append(f"  {verb}{when(f.phase, f.step)} at (most recent call last):")
+        lines += _stack_text(f.change_stack)
+    else:
+        lines.append(
+            f"  {verb} before this replay{when(f.phase, f.step)}: by a plain assignment no hook "
+            "sees, found by comparing the value at the replay"
+        )
+    lines.append(f"  likely cause: {f.likely_cause}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- a report's header

@@ -12,7 +12,8 @@ Just before the original `capture_end`, `walk` reads the graph still being captu
 4. copies from host memory the allocator does not own are looked up among the live pinned host
    storages (`cuda.host`);
 5. the tracker registers the blocks to watch (`core.tracker`);
-6. the replay judge takes the graph, and the capture joins its pool's replay order
+6. the replay judge takes the graph with what its capture baked beside addresses (modes,
+   hyperparameters, entries: `cuda.baked`), and the capture joins its pool's replay order
    (`core.judgement`, `core.pool_orders`).
 
 At replay, the judge (`core.judgement`) reads again the tables that named a freed block.
@@ -47,6 +48,7 @@ from graphsan.core.scan import (
 from graphsan.core.timeline import Timeline, node_summary
 from graphsan.core.tracker import Tracker
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.baked import BakedRecorder, Recording
 from graphsan.cuda.driverwatch import DriverWatch
 from graphsan.cuda.host import HostWatch
 
@@ -80,6 +82,7 @@ class CaptureAnalysis:
     host: HostWatch
     judge: ReplayJudge
     timeline: Timeline
+    recorder: BakedRecorder  # what captures bake beside addresses
     table_block: int = TABLE_BLOCK
     table_budget: int = TABLE_BUDGET
     # per device: the argument-struct layouts the startup probe confirmed, and its report
@@ -157,10 +160,11 @@ class CaptureAnalysis:
         return nodes, stats
 
     def ended(
-        self, info: GraphInfo, tag: str, walk: Walk | None
+        self, info: GraphInfo, tag: str, walk: Walk | None, recording: Recording | None = None
     ) -> tuple[GraphState, GraphStats] | None:
-        """The capture tagged `tag` in the allocator's log ended: its graph's state and stats,
-        or None without a walk (the allocator's bookkeeping of the capture is done either way)."""
+        """The capture tagged `tag` in the allocator's log ended (having run what `recording`
+        lists): its graph's state and stats, or None without a walk (the allocator's
+        bookkeeping of the capture is done either way)."""
         t0 = time.perf_counter()
         carved = self.memory.capture_ended(tag, info.pool)
         if walk is None:
@@ -185,7 +189,7 @@ class CaptureAnalysis:
         if outside:  # pinned host memory: blocks not recorded at pin_memory() are looked up
             self.host.find(outside)
         state = self.tracker.add_graph(info, refs, view, host=self.host.pinned.locate, own=own)
-        self.judge.watch(state)
+        self.judge.watch(state, self.recorder.baked(recording, state))
         self.judge.join_order(info, carved, refs, view)
         t3 = time.perf_counter()
         stats = GraphStats(

@@ -4,7 +4,9 @@ The tracker asks the pinned-host registry and the replay orders about a block, s
 come first (the orders share the tracker's dict of graphs, which is all they read of it); the
 watches that feed the tracker (the allocator's, or the driver's where the backend keeps no
 block map; the pinned host memory's) come after it, then the replay judge, which asks the
-memory watch, and the capture analysis last, which hands each new graph to the judge.
+memory watch and learns from the recorder of what captures bake beside addresses (`cuda.baked`)
+where a mode or an entry changed, and the capture analysis last, which hands each new graph to
+the judge.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from graphsan.core.timeline import Timeline
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import driverwatch
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.cuda.baked import BakedRecorder
 from graphsan.cuda.context import Context
 from graphsan.cuda.host import HostWatch, PinnedBlocks
 from graphsan.runtime.capture import CaptureAnalysis
@@ -32,6 +35,7 @@ class Parts:
     host: HostWatch
     judge: ReplayJudge
     capture: CaptureAnalysis
+    recorder: BakedRecorder
 
 
 def build(
@@ -62,9 +66,10 @@ def build(
             tracker, context, on_error, alloc_stacks, why, driver, timeline
         )
     host = HostWatch(tracker, pinned, memory.free_event, on_error)
-    judge = ReplayJudge(tracker, pool_orders, memory, context.current, rank)
-    capture = CaptureAnalysis(memory, tracker, host, judge, timeline)
-    return Parts(tracker, pool_orders, memory, host, judge, capture)
+    recorder = BakedRecorder(context, tracker, on_error)
+    judge = ReplayJudge(tracker, pool_orders, memory, context.current, rank, recorder.change_of)
+    capture = CaptureAnalysis(memory, tracker, host, judge, timeline, recorder)
+    return Parts(tracker, pool_orders, memory, host, judge, capture, recorder)
 
 
 def driver():

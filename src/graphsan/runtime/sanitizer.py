@@ -88,7 +88,7 @@ class Sanitizer:
         )
         self.tracker, self.pool_orders = parts.tracker, parts.pool_orders
         self.memory, self.host, self.capture = parts.memory, parts.host, parts.capture
-        self.judge = parts.judge
+        self.judge, self.recorder = parts.judge, parts.recorder
         self.hooks = hooks.GraphHooks(self, needs=self.judge.needs)
         self.pinner: Pinner | None = None  # while the policy is pin
         self._policy = Policy.RAISE
@@ -163,6 +163,7 @@ class Sanitizer:
                 "each replay (frees are found, not seen: no free stacks; no allocation stacks)"
             )
         self.host.start()
+        self.recorder.start()
         self.hooks.install()
         if self.pinner is not None:
             self.pinner.attach()
@@ -176,6 +177,7 @@ class Sanitizer:
         if self.pinner is not None:
             self.pinner.detach()
         self.hooks.uninstall()
+        self.recorder.stop()
         self.host.stop()
         self.memory.stop()
         with contextlib.suppress(ValueError):
@@ -259,6 +261,7 @@ class Sanitizer:
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
             self.memory.capture_pool = tuple(int(x) for x in pool) if pool is not None else None
+            self.recorder.begin(gid)
             return gid
         except Exception as err:
             self._internal_error(err)
@@ -287,13 +290,16 @@ class Sanitizer:
     def after_capture_end(self, graph, walked) -> None:
         self.memory.capture_pool = None
         pending = graph.__dict__.pop(_PENDING, None)
-        if pending is None or not self.active:
+        if pending is None:
             return
         gid, label, site, device, tag = pending
+        recording = self.recorder.end(gid)  # the capture's own hooks go, active or not
+        if not self.active:
+            return
         walk, young = walked if walked is not None else (None, None)
         try:
             info = GraphInfo(gid, label, tuple(site), tuple(int(x) for x in graph.pool()), device)
-            captured = self.capture.ended(info, tag, walk)
+            captured = self.capture.ended(info, tag, walk, recording)
             if captured is None:
                 return
             state, stats = captured
@@ -310,6 +316,7 @@ class Sanitizer:
         pending = graph.__dict__.pop(_PENDING, None)
         if pending is not None:
             try:
+                self.recorder.end(pending[0])
                 self.memory.capture_failed(pending[4])
             except Exception as err:
                 self._internal_error(err)
@@ -328,6 +335,7 @@ class Sanitizer:
         try:
             self.pool_orders.forget(gid)
             self.tracker.forget(gid)
+            self.recorder.forget(gid)
             if self.pinner is not None:
                 self.pinner.release(gid)
         except Exception as err:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 CORRECT, BUG = "correct", "bug"
 BUG_SUFFIX = ":bug"
-CORPUS = ("optim", "graphed", "elementwise", "kernels", "patterns", "triton_kernels")
+CORPUS = ("optim", "graphed", "elementwise", "kernels", "patterns", "triton_kernels", "baked")
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from graphsan.core.kinds import Kind
 from graphsan.core.records import Finding, OtherUse, frame_text
 from graphsan.report.pages.report_common import human_bytes, rel
 from graphsan.report.pages.report_life import life
-from graphsan.report.text import no_free_stack, short_kernel, when
+from graphsan.report.text import BAKED_LABELS, no_free_stack, short_kernel, when
 
 NODE_WINDOW = 6  # nodes shown either side of the offending one (the rest fold away)
 
@@ -51,7 +52,28 @@ def finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict[
         "also": [_also_view(u, src, t0) for u in f.also_used_by],
         "ranks": list(seen),
         "nodes": _nodes_view(f, src["graphs"].get(f.graph.id)),
-        "life": life(f, src, t0),
+        "life": life(f, src, t0) if not f.kind.baked else {"steps": [], "svg": None},
+        "baked": _baked_view(f) if f.kind.baked else None,
+    }
+
+
+def _baked_view(f: Finding) -> dict[str, Any]:
+    """What a finding about state the graph baked at capture shows instead of a block's life:
+    what it names, the value at capture and now, where the program changed it."""
+    noun, verb = BAKED_LABELS[f.kind]
+    named = ", ".join(f.modules) if f.kind is Kind.MODE else (f.entry or "")
+    site = frame_text(f.change_stack[-1]) if f.change_stack else ""
+    return {
+        "noun": noun,
+        "verb": verb,
+        "named": named,
+        "captured": f.captured or "",
+        "current": f.current or "",
+        "site": site,
+        "where": f"{verb} at {site}"
+        if site
+        else f"{verb} before this replay, by a plain assignment no hook sees",
+        "reads": f.kind is Kind.SUPERSEDED,
     }
 
 
