@@ -9,7 +9,8 @@
 #            the replay-overhead bench, ~1 min)
 # Other parts: tests (every GPU test in one process, ~8 min), or its halves sanitizer-tests
 # (~1.5 min) and lab-tests (~6.5 min); faults-snapshot (the faults with GRAPHSAN_TRACELOG=0);
-# example, scale
+# example, scale; faults-baked (the mode, baked-value and superseded faults and controls);
+# samples (scripts/make_samples.py, with the new samples and docs copied under $OUT/samples)
 #   (selftest: `graphsan selftest` with its JSON and each program's argument bytes under $OUT)
 #   (tracker: the compiled allocator tracker's GPU tests; overhead: a profile of a graphed training
 #   step under graphsan and the bench without allocation stacks; ranks: the distributed lab on two GPUs)
@@ -30,6 +31,7 @@ if [ "${GRAPHSAN_TEST_TORCH_HOOKS:-}" = 1 ]; then
   python3 -c 'from graphsan.cuda.hooks import Seams; print("graphsan attaches through:", Seams.detect().names())'
 fi
 OUT=${OUT:-/tmp/graphsan-out}; mkdir -p "$OUT"
+TAG=${GRAPHSAN_TEST_TORCH_HOOKS:+-hooks}  # the logs of a run through the hooks keep apart
 # graphsan's default, the compiled tracker, into this fresh machine's cache before any part runs
 # (a cold cache would leave the first runs on snapshots while a background process compiles it)
 [ "${GRAPHSAN_TRACELOG:-}" = 0 ] || timeout 120 python3 -m graphsan.cuda.tracelog
@@ -42,24 +44,31 @@ for part in ${*:-tests}; do
       # run again alone, so that a test that only fails beside others shows as such
       # (-v names each test as it ends, so a run cut short by its limit still says what failed)
       timeout "${TESTS_LIMIT:-480}" python3 -m pytest -v -m gpu tests -n "${GPU_WORKERS:-6}" -rfE \
-        --durations=15 --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/tests-parallel.log" | tail -40
-      if grep -qE "[0-9]+ (failed|error)" "$OUT/tests-parallel.log"; then
-        timeout 240 python3 -m pytest -q -m gpu tests --lf --lfnf=none -rfE 2>&1 | tee "$OUT/tests-rerun.log" | tail -15
+        --durations=15 --junitxml="$OUT/gpu-tests$TAG.xml" 2>&1 | tee "$OUT/tests-parallel$TAG.log" | tail -40
+      if grep -qE "[0-9]+ (failed|error)" "$OUT/tests-parallel$TAG.log"; then
+        timeout 240 python3 -m pytest -q -m gpu tests --lf --lfnf=none -rfE 2>&1 | tee "$OUT/tests-rerun$TAG.log" | tail -15
       fi ;;
     sanitizer-tests)
-      timeout 300 python3 -m pytest -q -m gpu tests --ignore=tests/lab -p no:cacheprovider 2>&1 \
-        | tee "$OUT/sanitizer-tests.log" | tail -15 ;;
+      timeout 300 python3 -m pytest -q -m gpu tests --ignore=tests/lab -p no:cacheprovider \
+        -n "${GPU_WORKERS:-1}" 2>&1 | tee "$OUT/sanitizer-tests$TAG.log" | tail -15 ;;
     lab-tests)
       timeout 540 python3 -m pytest -q -m gpu tests/lab -p no:cacheprovider 2>&1 \
         | tee "$OUT/lab-tests.log" | tail -15 ;;
     selftest)  # the corpus of correct programs and their broken twins (docs/coverage.md)
       mkdir -p /tmp/selftest-dump
       timeout 300 python3 -m graphsan.cli selftest --jobs 12 --dump /tmp/selftest-dump \
-        --json "$OUT/selftest.json" 2>&1 | tee "$OUT/selftest.log" | tail -40
-      tar czf "$OUT/selftest-dump.tar.gz" -C /tmp selftest-dump ;;
+        --json "$OUT/selftest$TAG.json" 2>&1 | tee "$OUT/selftest$TAG.log" | tail -40
+      tar czf "$OUT/selftest-dump$TAG.tar.gz" -C /tmp selftest-dump ;;
     faults)  # docs/coverage.md (FAULTS_SEED picks the trials)
       timeout 540 python3 bench/bench_faults.py --trials 1000 --workers 16 --time-limit 450 \
         --seed "${FAULTS_SEED:-0}" --json "$OUT/faults.json" 2>&1 | tee "$OUT/faults.log" | tail -40 ;;
+    faults-baked)  # the three baked-state faults and controls only (FAULTS_TRIALS of them)
+      timeout 300 python3 bench/bench_faults.py --trials "${FAULTS_TRIALS:-64}" --workers 16 \
+        --time-limit 240 --kinds control,mode,baked-value,superseded --seed "${FAULTS_SEED:-0}" \
+        --json "$OUT/faults-baked.json" 2>&1 | tee "$OUT/faults-baked.log" | tail -30 ;;
+    samples)  # the shipped samples and the docs' quotes of them, recorded again (make_samples.py)
+      timeout 240 python3 scripts/make_samples.py 2>&1 | tee "$OUT/samples.log" | tail -8
+      mkdir -p "$OUT/samples" && cp src/graphsan/report/samples/* README.md docs/te-3316.md "$OUT/samples/" ;;
     faults-snapshot)  # the same on the fallback: allocator snapshots (docs/coverage.md)
       GRAPHSAN_TRACELOG=0 timeout 540 python3 bench/bench_faults.py --trials 1000 --workers 16 \
         --time-limit 450 --seed "${FAULTS_SEED:-0}" --json "$OUT/faults-snapshot.json" 2>&1 \
@@ -150,6 +159,6 @@ for part in ${*:-tests}; do
       bash scripts/diag_replay.sh 2>&1 | tee "$OUT/overhead.log" | tail -45 ;;
     *) echo "unknown part $part (tests, sanitizer-tests, lab-tests, faults, example, repro, bench," \
          "quant, quantlinear, train, sweep, scale, tracker, overhead, ranks, faults-snapshot," \
-         "capture-profile, tests-parallel, ncu-quant, train-profile, host)" ;;
+         "capture-profile, tests-parallel, ncu-quant, train-profile, host, faults-baked, samples)" ;;
   esac
 done

@@ -121,6 +121,8 @@ class Baked:
 
     def __post_init__(self) -> None:
         self._polled = [e for e in self.entries if e.polled]
+        # whether a replay must look (`changed`): hooks tell every other change
+        self.polls = bool(self.values or self._polled)
 
     def __bool__(self) -> bool:
         return bool(self.modes or self.values or self.entries)

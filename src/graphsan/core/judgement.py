@@ -97,7 +97,7 @@ class ReplayJudge:
         return (
             state.dirty
             or (state.reads and not state.read_order.in_order(state.info.id))
-            or (state.baked is not None and state.baked.changed())
+            or (state.baked is not None and state.baked.polls and state.baked.changed())
         )
 
     def verdict(self, state: GraphState) -> Verdict:
