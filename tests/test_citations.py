@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import functools
 import gzip
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -23,20 +22,14 @@ from pathlib import Path
 import pytest
 
 from graphsan.report.json_report import SAMPLES, sample_path
+from tests import scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP_FOLDERS = ("examples", "tests", "bench", "scripts")
 CITE = re.compile(r"(?P<path>[\w./-]*\w\.py):(?P<line>\d+)(?: in (?P<func><\w+>|\w+))?")
 
 
-def _load_make_samples():
-    spec = importlib.util.spec_from_file_location("make_samples", ROOT / "scripts/make_samples.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_samples = _load_make_samples()
+make_samples = scripts.load("make_samples")
 
 
 # ----------------------------------------------------------------------------- the check

@@ -8,11 +8,12 @@ rewrites); its addresses are 0x-prefixed and never read as hashes anyway."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+
+from tests import scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 # docs whose table rows are the project's record of figures, with their dates
@@ -23,14 +24,7 @@ DATE = re.compile(r"(?<!\d)20\d\d-\d\d-\d\d(?!\d)")
 PHRASES = re.compile(r"\b(so far|still to come|not yet run)\b", re.IGNORECASE)
 
 
-def _load_make_samples():
-    spec = importlib.util.spec_from_file_location("make_samples", ROOT / "scripts/make_samples.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_samples = _load_make_samples()
+make_samples = scripts.load("make_samples")
 
 
 def history(doc: str, text: str) -> list[str]:
