@@ -174,31 +174,49 @@ int32_t gs_tracelog_record_size() {
   return static_cast<int32_t>(sizeof(Record));
 }
 
-// Attach the tracker to the allocator of the loaded libc10_cuda (once per process). Returns 0,
-// or non-zero with one line in err.
-int32_t gs_tracelog_attach(const char* c10_cuda, char* err, size_t err_len) {
-  if (g_attached.load()) {
-    return 0;
-  }
+}  // extern "C"
+
+// The CUDA caching allocator of the loaded libc10_cuda (c10::cuda::CUDACachingAllocator::allocator,
+// looked up so that this library also loads where libc10_cuda is absent: the CPU tests feed it by
+// hand), initialized; nullptr with one line in err and the failure's number in code otherwise.
+static cca::CUDAAllocator* caching_allocator(const char* c10_cuda, char* err, size_t err_len,
+                                             int32_t* code) {
   void* lib = dlopen(c10_cuda, RTLD_NOW | RTLD_NOLOAD);
   if (lib == nullptr) {
     lib = dlopen("libc10_cuda.so", RTLD_NOW | RTLD_NOLOAD);
   }
   if (lib == nullptr) {
     put_error(err, err_len, "libc10_cuda is not loaded in this process");
-    return 1;
+    *code = 1;
+    return nullptr;
   }
-  // c10::cuda::CUDACachingAllocator::allocator, looked up so that this library also loads where
-  // libc10_cuda is absent (the CPU tests feed it by hand)
   void* sym = dlsym(lib, "_ZN3c104cuda20CUDACachingAllocator9allocatorE");
   if (sym == nullptr) {
     put_error(err, err_len, "libc10_cuda has no c10::cuda::CUDACachingAllocator::allocator");
-    return 2;
+    *code = 2;
+    return nullptr;
   }
   cca::CUDAAllocator* allocator = static_cast<std::atomic<cca::CUDAAllocator*>*>(sym)->load();
   if (allocator == nullptr || !allocator->initialized()) {
     put_error(err, err_len, "the CUDA caching allocator is not initialized");
-    return 3;
+    *code = 3;
+    return nullptr;
+  }
+  return allocator;
+}
+
+extern "C" {
+
+// Attach the tracker to the allocator of the loaded libc10_cuda (once per process). Returns 0,
+// or non-zero with one line in err.
+int32_t gs_tracelog_attach(const char* c10_cuda, char* err, size_t err_len) {
+  if (g_attached.load()) {
+    return 0;
+  }
+  int32_t code = 0;
+  cca::CUDAAllocator* allocator = caching_allocator(c10_cuda, err, err_len, &code);
+  if (allocator == nullptr) {
+    return code;
   }
   try {
     allocator->attachAllocatorTraceTracker(&on_trace);
@@ -220,25 +238,16 @@ int32_t gs_release_pool(const char* c10_cuda, uint64_t first, uint64_t second, c
     put_error(err, err_len, "(0, 0) names every pool: refused");
     return 1;
   }
-  void* lib = dlopen(c10_cuda, RTLD_NOW | RTLD_NOLOAD);
-  if (lib == nullptr) {
-    lib = dlopen("libc10_cuda.so", RTLD_NOW | RTLD_NOLOAD);
-  }
-  void* sym = lib == nullptr ? nullptr : dlsym(lib, "_ZN3c104cuda20CUDACachingAllocator9allocatorE");
-  if (sym == nullptr) {
-    put_error(err, err_len, "libc10_cuda is not loaded in this process");
-    return 2;
-  }
-  cca::CUDAAllocator* allocator = static_cast<std::atomic<cca::CUDAAllocator*>*>(sym)->load();
-  if (allocator == nullptr || !allocator->initialized()) {
-    put_error(err, err_len, "the CUDA caching allocator is not initialized");
-    return 3;
+  int32_t code = 0;
+  cca::CUDAAllocator* allocator = caching_allocator(c10_cuda, err, err_len, &code);
+  if (allocator == nullptr) {
+    return code + 1;
   }
   try {
     allocator->emptyCache(c10::MempoolId_t{first, second});
   } catch (const std::exception& ex) {
     put_error(err, err_len, std::string("emptyCache: ") + ex.what());
-    return 4;
+    return 5;
   }
   return 0;
 }
