@@ -35,9 +35,10 @@ import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 import timeit
+
+from revisions import revisions
 
 from graphsan.command_line import read_result, write_result
 
@@ -344,12 +345,6 @@ def run_child(src: str, args: argparse.Namespace, blocks: int, rev: str = "") ->
     raise SystemExit(f"the run at {blocks} blocks failed:\n{out[-3000:]}")
 
 
-def git(*argv: str) -> str:
-    return subprocess.run(
-        ["git", "-C", ROOT, *argv], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", default="1000,20000,100000", help="live blocks, comma-separated")
@@ -372,57 +367,43 @@ def main() -> None:
         p.error(f"--blocks: expected comma-separated integers, got {args.blocks!r}")
     if args.graphs < 1 or args.nodes < 3 or args.repeat < 1 or args.eager < 1:
         p.error("--graphs, --repeat and --eager must be at least 1, --nodes at least 3")
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = " (with uncommitted changes)" if git("status", "--porcelain", "src") else ""
-    revs = [(f"{head}{dirty}", os.path.join(ROOT, "src"), "")]
-    tmp = None
-    if args.against:
-        try:
-            rev = git("rev-parse", "--short", args.against)
-        except subprocess.CalledProcessError:
-            p.error(f"--against: {args.against!r} is not a git revision of {ROOT}")
-        tmp = tempfile.TemporaryDirectory(prefix="graphsan-bench-")
-        archive = subprocess.run(
-            ["git", "-C", ROOT, "archive", rev, "src"], capture_output=True, check=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp.name], input=archive, check=True)
-        revs.insert(0, (rev, os.path.join(tmp.name, "src"), rev))
-    kind = "one expandable segment" if args.expandable else "2 MiB / 20 MiB segments"
-    print(
-        f"{args.graphs} graphs of {args.nodes} kernel nodes; live blocks in {kind}; "
-        f"{args.eager} eager free+alloc pairs before each capture"
-    )
-    print("us per kernel node (us per graph); target: 1000 us per graph + 20 us per node")
-    print(
-        "| live blocks | revision | seed ms | " + " | ".join(STAGES) + " | total | empty drain us |"
-    )
-    print("|---|---|---|" + "---|" * (len(STAGES) + 2))
-    per_graph = None
-    for blocks in counts:
-        for name, src, rev in revs:
-            runs = [run_child(src, args, blocks, rev) for _ in range(args.repeat)]
-            r = runs[0]  # each stage's best median of the runs (the machine may be shared)
-            st = {s: min(x["stages_us"][s] for x in runs) for s in STAGES}
-            r["seed_ms"] = min(x["seed_ms"] for x in runs)
-            cells = [f"{st[s] / args.nodes:.2f} ({st[s]:.0f})" for s in STAGES]
-            total = sum(st.values())
-            cells.append(f"{total / args.nodes:.2f} ({total:.0f})")
-            cells.append(f"{min(x['drain_us'] for x in runs):.1f}")
-            print(f"| {blocks} | {name} | {r['seed_ms']:.1f} | " + " | ".join(cells) + " |")
-            per_graph = r["per_graph"]
-    if per_graph:
+    with revisions(args.against, p.error) as revs:
+        kind = "one expandable segment" if args.expandable else "2 MiB / 20 MiB segments"
         print(
-            "per graph: {entries:.0f} log entries, {refs:.0f} references, {tables:.0f} table "
-            "candidates, {foreign_asked:.0f} words asked of the driver".format(**per_graph)
+            f"{args.graphs} graphs of {args.nodes} kernel nodes; live blocks in {kind}; "
+            f"{args.eager} eager free+alloc pairs before each capture"
         )
-    reads = parameter_reads(args.graphs, args.nodes)
-    if reads is not None:
+        print("us per kernel node (us per graph); target: 1000 us per graph + 20 us per node")
         print(
-            "the walk's parameter reads (host side, kernels with a layout): {:.2f} us per kernel "
-            "node one parameter at a time, {:.2f} us with driver.gather".format(*reads)
+            "| live blocks | revision | seed ms | "
+            + " | ".join(STAGES)
+            + " | total | empty drain us |"
         )
-    if tmp is not None:
-        tmp.cleanup()
+        print("|---|---|---|" + "---|" * (len(STAGES) + 2))
+        per_graph = None
+        for blocks in counts:
+            for name, src, rev in revs:
+                runs = [run_child(src, args, blocks, rev) for _ in range(args.repeat)]
+                r = runs[0]  # each stage's best median of the runs (the machine may be shared)
+                st = {s: min(x["stages_us"][s] for x in runs) for s in STAGES}
+                r["seed_ms"] = min(x["seed_ms"] for x in runs)
+                cells = [f"{st[s] / args.nodes:.2f} ({st[s]:.0f})" for s in STAGES]
+                total = sum(st.values())
+                cells.append(f"{total / args.nodes:.2f} ({total:.0f})")
+                cells.append(f"{min(x['drain_us'] for x in runs):.1f}")
+                print(f"| {blocks} | {name} | {r['seed_ms']:.1f} | " + " | ".join(cells) + " |")
+                per_graph = r["per_graph"]
+        if per_graph:
+            print(
+                "per graph: {entries:.0f} log entries, {refs:.0f} references, {tables:.0f} table "
+                "candidates, {foreign_asked:.0f} words asked of the driver".format(**per_graph)
+            )
+        reads = parameter_reads(args.graphs, args.nodes)
+        if reads is not None:
+            print(
+                "the walk's parameter reads (host side, kernels with a layout): {:.2f} us per kernel "
+                "node one parameter at a time, {:.2f} us with driver.gather".format(*reads)
+            )
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import tempfile
 import time
 import tracemalloc
 
+from revisions import revisions
+
 from graphsan.command_line import read_result, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,12 +178,6 @@ def run_child(src: str, n: int, sites: int, rev: str = "") -> dict:
     raise SystemExit(f"the run of {n} findings{where} failed:\n{out[-3000:]}")
 
 
-def git(*argv: str) -> str:
-    return subprocess.run(
-        ["git", "-C", ROOT, *argv], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
 def counts_arg(text: str) -> list[int]:
     try:
         counts = [int(x) for x in text.split(",") if x.strip()]
@@ -207,35 +203,21 @@ def main() -> None:
         return
     if args.sites < 1 or args.repeat < 1:
         p.error("--sites and --repeat must be at least 1")
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = " (with uncommitted changes)" if git("status", "--porcelain", "src") else ""
-    revs = [(f"{head}{dirty}", os.path.join(ROOT, "src"), "")]
-    tmp = None
-    if args.against:
-        try:
-            rev = git("rev-parse", "--short", args.against)
-        except subprocess.CalledProcessError:
-            p.error(f"--against: {args.against!r} is not a git revision of {ROOT}")
-        tmp = tempfile.TemporaryDirectory(prefix="graphsan-bench-")
-        archive = subprocess.run(
-            ["git", "-C", ROOT, "archive", rev, "src"], capture_output=True, check=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp.name], input=archive, check=True)
-        revs.insert(0, (rev, os.path.join(tmp.name, "src"), rev))
-    print(f"{args.sites} distinct sites, {GRAPHS} graphs of {NODES} nodes, {DEPTH}-frame stacks")
-    print("| findings | revision | page MB | write s | peak MiB (tracemalloc) |")
-    print("|---:|---|---:|---:|---:|")
-    for n in args.findings:
-        for name, src, rev in revs:
-            runs = [run_child(src, n, args.sites, rev) for _ in range(args.repeat)]
-            best = min(runs, key=lambda r: r["seconds"])
-            print(
-                f"| {n:,} | {name} | {best['bytes'] / 1e6:.2f} | {best['seconds']:.2f} | "
-                f"{best['peak_bytes'] / 2**20:.0f} |",
-                flush=True,
-            )
-    if tmp is not None:
-        tmp.cleanup()
+    with revisions(args.against, p.error) as revs:
+        print(
+            f"{args.sites} distinct sites, {GRAPHS} graphs of {NODES} nodes, {DEPTH}-frame stacks"
+        )
+        print("| findings | revision | page MB | write s | peak MiB (tracemalloc) |")
+        print("|---:|---|---:|---:|---:|")
+        for n in args.findings:
+            for name, src, rev in revs:
+                runs = [run_child(src, n, args.sites, rev) for _ in range(args.repeat)]
+                best = min(runs, key=lambda r: r["seconds"])
+                print(
+                    f"| {n:,} | {name} | {best['bytes'] / 1e6:.2f} | {best['seconds']:.2f} | "
+                    f"{best['peak_bytes'] / 2**20:.0f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

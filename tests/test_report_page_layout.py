@@ -7,9 +7,7 @@ whose timeline labels are not cut off. Without a Chromium the browser tests skip
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from graphsan.report import Report
 from graphsan.report.json_report import sample_path
 from graphsan.report.pages.report_page import render_report, report_view
 from graphsan.report.pages.templating import breakable, nice_ticks
+from tests import scripts
 from tests.browser import BROWSER, check_page, needs_browser, open_page, screenshot_path
 from tests.test_report_pages import rank_report
 
@@ -42,12 +41,7 @@ PROBES = {"tables": TABLES_PAST_EDGE, "svg_text": SVG_TEXT_CUT, "overflow": PAGE
 
 def bench_module():
     """bench/bench_report_page.py as a module (its synthetic reports)."""
-    path = ROOT / "bench" / "bench_report_page.py"
-    spec = importlib.util.spec_from_file_location("bench_report_page", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_report_page"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return scripts.bench("bench_report_page")
 
 
 def assert_round_ticks(ticks: list[float], lo: float, hi: float) -> None:
