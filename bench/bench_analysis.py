@@ -30,17 +30,15 @@ import argparse
 import ctypes
 import os
 import random
-import re
 import statistics
 import struct
-import subprocess
 import sys
 import time
 import timeit
 
-from revisions import revisions
+from revisions import revisions, run_at
 
-from graphsan.command_line import read_result, write_result
+from graphsan.command_line import write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("apply", "references", "tables", "tracker")
@@ -324,25 +322,12 @@ def parameter_reads(graphs: int, nodes: int) -> tuple[float, float] | None:
 def run_child(src: str, args: argparse.Namespace, blocks: int, rev: str = "") -> dict:
     """One timed run in a fresh process with graphsan from `src` (`rev`: the revision it was
     extracted from, for `--against`)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--n-blocks", str(blocks)]
-    cmd += ["--graphs", str(args.graphs), "--nodes", str(args.nodes)]
+    argv = [os.path.abspath(__file__), "--child", "--n-blocks", str(blocks)]
+    argv += ["--graphs", str(args.graphs), "--nodes", str(args.nodes)]
     if args.expandable:
-        cmd.append("--expandable")
-    cmd += ["--eager", str(args.eager)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    res = read_result(proc.stdout)
-    if res is not None:
-        return res
-    out = (proc.stdout + proc.stderr).strip()
-    missing = re.search(r"^(ModuleNotFoundError|ImportError): .*$", out, re.MULTILINE)
-    if rev and missing:
-        raise SystemExit(
-            f"--against {rev}: graphsan at that revision lacks what the bench drives "
-            f"({missing.group(0)}); expected a revision with the current module layout"
-        )
-    raise SystemExit(f"the run at {blocks} blocks failed:\n{out[-3000:]}")
+        argv.append("--expandable")
+    argv += ["--eager", str(args.eager)]
+    return run_at(src, argv, rev, f"at {blocks} blocks", timeout=1800)
 
 
 def main() -> None:

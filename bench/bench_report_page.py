@@ -21,16 +21,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
-import subprocess
-import sys
 import tempfile
 import time
 import tracemalloc
 
-from revisions import revisions
+from revisions import revisions, run_at
 
-from graphsan.command_line import read_result, write_result
+from graphsan.command_line import write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T0 = 1_780_000_000.0
@@ -160,22 +157,8 @@ def child(n: int, sites: int) -> dict:
 
 def run_child(src: str, n: int, sites: int, rev: str = "") -> dict:
     """One count in a fresh process with graphsan from `src`."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(n), "--sites", str(sites)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    res = read_result(proc.stdout)
-    if res is not None:
-        return res
-    where = f" (revision {rev})" if rev else ""
-    out = (proc.stdout + proc.stderr).strip()
-    missing = re.search(r"^(ModuleNotFoundError|ImportError): .*$", out, re.MULTILINE)
-    if rev and missing:
-        raise SystemExit(
-            f"--against {rev}: graphsan at that revision lacks what the bench drives "
-            f"({missing.group(0)}); expected a revision with the current module layout"
-        )
-    raise SystemExit(f"the run of {n} findings{where} failed:\n{out[-3000:]}")
+    argv = [os.path.abspath(__file__), "--child", str(n), "--sites", str(sites)]
+    return run_at(src, argv, rev, f"of {n} findings", timeout=3600)
 
 
 def counts_arg(text: str) -> list[int]:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
+
+from graphsan.command_line import read_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,3 +42,26 @@ def revisions(against: str | None, error) -> Iterator[list[tuple[str, str, str]]
         ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         yield [(rev, os.path.join(tmp, "src"), rev), *revs]
+
+
+def run_at(src: str, argv: list[str], rev: str, what: str, timeout: int) -> dict:
+    """`python argv` in a fresh process importing graphsan from `src`: its RESULT line;
+    SystemExit naming `what` (and the revision, where one lacks a module the bench imports)
+    when it printed none."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    res = read_result(proc.stdout)
+    if res is not None:
+        return res
+    out = (proc.stdout + proc.stderr).strip()
+    missing = re.search(r"^(ModuleNotFoundError|ImportError): .*$", out, re.MULTILINE)
+    if rev and missing:
+        raise SystemExit(
+            f"--against {rev}: graphsan at that revision lacks what the bench drives "
+            f"({missing.group(0)}); expected a revision with the current module layout"
+        )
+    where = f" (revision {rev})" if rev else ""
+    raise SystemExit(f"the run {what}{where} failed:\n{out[-3000:]}")
