@@ -171,6 +171,27 @@ def test_an_eager_validation_between_replays_is_quiet(san):
     assert san.findings == []
 
 
+class Unhashable(Net):
+    """A module that defines `__eq__` and so no hash (as an `eq=True` dataclass does)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other):
+        return self is other
+
+
+def test_a_module_without_a_hash_is_watched_like_any_other(san):
+    model, x = Unhashable(), torch.randn(2, 4)
+    g = san.test_capture(lambda: model(x), reads=[model.lin.weight])
+    model.eval()
+    (f,) = replay(san, g)
+    assert (f.kind, f.modules) == (Kind.MODE, ("Unhashable.drop",))
+    assert f.free_stack, "where it switched"
+    model.train()
+    model.scale = torch.ones(4)  # a buffer of the unhashable module re-registered: not read
+    assert replay(san, g) == [] and san.active
+
+
 def test_a_model_without_mode_dependent_modules_is_quiet_in_eval(san):
     model, x = Net(p=0.0), torch.randn(2, 4)
     g = san.test_capture(lambda: model(x))
@@ -398,3 +419,33 @@ def test_any_sequence_is_judged_against_what_the_graph_reads(monkeypatch, steps)
             s.hooks.uninstall()
             s.recorder.stop()
             s.context.stop()
+
+
+def test_the_identity_map_forgets_a_collected_object_and_keeps_a_new_one_at_its_id():
+    import gc
+
+    from graphsan.cuda.baked import ByIdentity
+
+    seen = ByIdentity()
+    a = Unhashable()
+    assert seen.setdefault(a, {1}) == {1} and seen.setdefault(a, {2}) == {1}
+    del a
+    gc.collect()
+    assert not seen and seen.items() == []
+    b = Unhashable()
+    seen.setdefault(b, "b")
+    assert seen.get(b) == "b" and seen.get(Unhashable(), "none") == "none"
+    assert [v for _, v in seen.items()] == ["b"]
+    seen.pop(b)
+    assert not seen
+
+
+def test_a_failure_ending_the_recording_disables_graphsan_not_the_capture(san, monkeypatch):
+    def broken(gid):
+        raise RuntimeError("recorder broke")
+
+    monkeypatch.setattr(san.recorder, "end", broken)
+    model, x = Net(), torch.randn(2, 4)
+    g = san.test_capture(lambda: model(x))  # capture_end returns as without graphsan
+    assert not san.active
+    g.replay()

@@ -74,6 +74,45 @@ def _tensor(value: object) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+class ByIdentity:
+    """A map keyed by objects' identity that forgets an object once it is collected. (A
+    WeakKeyDictionary hashes its keys, and a module that defines `__eq__` without `__hash__`,
+    as an `eq=True` dataclass does, has none.)"""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref, object]] = {}  # id -> (the object, value)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def get(self, obj: object, default: object = None) -> object:
+        item = self._items.get(id(obj))
+        return item[1] if item is not None and item[0]() is obj else default
+
+    def setdefault(self, obj: object, default: object) -> object:
+        item = self._items.get(id(obj))
+        if item is not None and item[0]() is obj:
+            return item[1]
+        key, items = id(obj), self._items
+
+        def gone(ref: weakref.ref) -> None:  # the object was collected: its id may come back
+            if items.get(key, (None,))[0] is ref:
+                del items[key]
+
+        items[key] = (weakref.ref(obj, gone), default)
+        return default
+
+    def pop(self, obj: object) -> None:
+        item = self._items.get(id(obj))
+        if item is not None and item[0]() is obj:
+            del self._items[id(obj)]
+
+    def items(self) -> list[tuple[object, object]]:
+        """The live objects and their values, as a list (the map may change meanwhile)."""
+        pairs = [(ref(), value) for ref, value in list(self._items.values())]
+        return [(obj, value) for obj, value in pairs if obj is not None]
+
+
 class BakedRecorder:
     """Records what captures bake and watches it after (see the module)."""
 
@@ -87,8 +126,8 @@ class BakedRecorder:
         self._capture_hooks: list = []  # the forward and step hooks, while one is in flight
         self._hooks: list = []  # the registration hooks, while started
         # the modules graphs depend on -> their graphs, and where each last changed
-        self._graphs_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._changes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._graphs_of = ByIdentity()
+        self._changes = ByIdentity()
 
     # -- start / stop ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -205,20 +244,15 @@ class BakedRecorder:
     def forget(self, gid: GraphId) -> None:
         """The graph is gone: nothing it depended on is watched for it any more."""
         with self._lock:
-            for owner, gids in list(self._graphs_of.items()):
+            for owner, gids in self._graphs_of.items():
                 gids.discard(gid)
                 if not gids:
-                    self._graphs_of.pop(owner, None)
+                    self._graphs_of.pop(owner)
 
     # -- changes after the capture ------------------------------------------------------------
     def change_of(self, owner: object, name: str | None) -> Change | None:
         """Where the owner's mode (`name` None) or entry last changed, as a hook saw it."""
-        if owner is None:
-            return None
-        try:
-            return self._changes.get(owner, {}).get(name)
-        except TypeError:  # an owner that cannot be weakly referenced
-            return None
+        return None if owner is None else self._changes.get(owner, {}).get(name)
 
     def _switched(self, module, mode: bool) -> None:
         try:

@@ -293,7 +293,11 @@ class Sanitizer:
         if pending is None:
             return
         gid, label, site, device, tag = pending
-        recording = self.recorder.end(gid)  # the capture's own hooks go, active or not
+        try:
+            recording = self.recorder.end(gid)  # the capture's own hooks go, active or not
+        except Exception as err:
+            self._internal_error(err)
+            return
         if not self.active:
             return
         walk, young = walked if walked is not None else (None, None)
