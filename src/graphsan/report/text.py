@@ -36,8 +36,17 @@ def one_line(f: Finding) -> str:
     )
 
 
+def _baked_names(f: Finding) -> str:
+    """What a finding about baked state names: the switched modules, or the entry."""
+    return ", ".join(f.modules) if f.kind is Kind.MODE else f.entry
+
+
+def _rank(f: Finding) -> str:
+    return f"[rank {f.rank}] " if f.rank is not None else ""
+
+
 def _baked_line(f: Finding) -> str:
-    what = ", ".join(f.modules) if f.kind is Kind.MODE else f.entry
+    what = _baked_names(f)
     where = f", changed at {frame_text(f.change_stack[-1])}" if f.change_stack else ""
     address = f" (reads {f.block_address:#x})" if f.kind is Kind.SUPERSEDED else ""
     return (
@@ -136,9 +145,8 @@ def format_finding(f: Finding) -> str:
     """A multi-line bug report for one finding."""
     if f.kind.baked:
         return _format_baked(f)
-    rank = f"[rank {f.rank}] " if f.rank is not None else ""
     lines = [
-        f"{rank}{f.kind.upper()}: {f.graph.describe()}",
+        f"{_rank(f)}{f.kind.upper()}: {f.graph.describe()}",
         f"  node {f.node}: {_node_kernel(f.kernel)}",
         _argument(f),
         f"  memory: block {f.block_address:#x} of {f.nbytes} bytes in the {f.pool}"
@@ -207,10 +215,9 @@ BAKED_LABELS = {
 def _format_baked(f: Finding) -> str:
     """A finding about state the graph baked at capture: what it names, the value at capture
     and now, and where the program changed it (no block or allocation: no memory was freed)."""
-    rank = f"[rank {f.rank}] " if f.rank is not None else ""
     noun, verb = BAKED_LABELS[f.kind]
-    lines = [f"{rank}{f.kind.upper()}: {f.graph.describe()}"]
-    lines.append(f"  {noun}: {', '.join(f.modules) if f.kind is Kind.MODE else f.entry}")
+    lines = [f"{_rank(f)}{f.kind.upper()}: {f.graph.describe()}"]
+    lines.append(f"  {noun}: {_baked_names(f)}")
     if f.kind is Kind.SUPERSEDED:
         lines.append(f"  node {f.node}: {_node_kernel(f.kernel)}")
         lines.append(_argument(f))
