@@ -15,7 +15,7 @@ import torch
 import graphsan
 from graphsan.cli.main import main
 from graphsan.core.locations import location, set_source_root
-from graphsan.cuda.context import python_stack
+from graphsan.cuda.context import is_user_frame, python_stack
 from graphsan.report import Report, format_finding, suppressions
 from graphsan.report.json_report import sample_path
 from tests.test_plugin_and_ranks import finding
@@ -144,6 +144,24 @@ def test_a_file_outside_every_project_is_named_from_its_sys_path_folder(tmp_path
 
 def test_recorded_stacks_hold_locations():
     assert python_stack()[-1][0] == "tests/test_locations.py"
+
+
+def test_every_file_of_the_sanitizer_is_graphsans_own_frame_and_the_labs_the_users():
+    """Wherever the filter's own file sits in the package, a frame in any of the sanitizer's
+    files is graphsan's (left out of stacks, never a capture site) and one of the lab's is the
+    user's."""
+    package = os.path.dirname(os.path.abspath(graphsan.__file__))
+    files = [
+        os.path.join(folder, name)
+        for folder, _, names in os.walk(package)
+        for name in names
+        if name.endswith(".py")
+    ]
+    lab = os.path.join(package, "lab") + os.sep
+    sanitizer = [f for f in files if not f.startswith(lab)]
+    assert len(sanitizer) > 50 and any(os.sep + "runtime" + os.sep in f for f in sanitizer)
+    assert [f for f in sanitizer if is_user_frame(f)] == []
+    assert all(is_user_frame(f) for f in files if f.startswith(lab))
 
 
 def test_run_and_report_take_a_source_root(tmp_path, capsys):

@@ -172,7 +172,8 @@ def _exit_status(code) -> int:
 
 # frames in these files lead into the program (the entry point, this module): not its traceback
 _OWN_FILES = {
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cli.py"),
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "main.py"),
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py"),
     os.path.abspath(__file__),
 }
 

@@ -31,6 +31,10 @@ import sysconfig
 INSTALL_FOLDERS = ("site-packages", "dist-packages")
 PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py")
 
+# graphsan's own package folder, found from the package itself so that it holds wherever this
+# module sits within it
+GRAPHSAN_DIR = os.path.dirname(os.path.abspath(sys.modules[__name__.partition(".")[0]].__file__))
+
 _source_root: str | None = None
 _cache: dict[str, str] = {}  # absolute path -> location (files are few; frames are many)
 

@@ -17,14 +17,13 @@ import traceback
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from graphsan.core.locations import location
+from graphsan.core.locations import GRAPHSAN_DIR, location
 from graphsan.core.patches import Patches
 from graphsan.core.records import Frame
 
-_GRAPHSAN_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_SKIP_DIRS = (_GRAPHSAN_DIR + os.sep, _TORCH_DIR + os.sep)
-_LAB_DIR = os.path.join(_GRAPHSAN_DIR, "lab") + os.sep
+_SKIP_DIRS = (GRAPHSAN_DIR + os.sep, _TORCH_DIR + os.sep)
+_LAB_DIR = os.path.join(GRAPHSAN_DIR, "lab") + os.sep
 MAX_FRAMES = 12
 
 

@@ -15,7 +15,8 @@ import platform
 import re
 import sys
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/graphsan
+from graphsan.core.locations import GRAPHSAN_DIR
+
 _SHA = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
 _DRIVER_PROC = "/proc/driver/nvidia/version"
 
@@ -41,7 +42,7 @@ def collect() -> dict[str, str | None]:
 
 
 @functools.lru_cache(maxsize=4)
-def git_commit(package: str = _PACKAGE) -> str | None:
+def git_commit(package: str = GRAPHSAN_DIR) -> str | None:
     """The commit checked out where graphsan runs from a git checkout (`<root>/src/graphsan`),
     read from the repository's files; None for an installed copy or anything unreadable."""
     try:
