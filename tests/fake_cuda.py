@@ -7,6 +7,7 @@ table holds (`state["memory"]`), and use `graph_class` for a
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -142,3 +143,140 @@ def retained(graph) -> list[tuple[object, bool]]:
     """What torch 2.14's `retain_object` holds for `graph` now: (object, synchronize)."""
     holder = graph._retained
     return [(obj, holder.sync_before_fire) for obj in holder.objects.values()]
+
+
+class FakeAllocator:
+    """PyTorch's caching allocator as far as private pools go, refusing what it refuses:
+
+    - `begin(device, pool)` (a thread's route, or a capture) takes a use of the pool (a new
+      pool, or one still in use: reusing a pool nothing uses fails torch's internal assert),
+      then refuses a pool that is already being allocated to ("already recording");
+    - `end` refuses a pool that is not; `release` gives a use back;
+    - every allocation is a segment of its own, in the pool allocated to last (else the
+      default pool, (0, 0)), and `empty_cache(pool)` frees a private pool's segments only
+      once nothing uses it and none of its blocks is alive.
+
+    `Graph` is `torch._C._CUDAGraph` over it: `capture_begin` registers the default generator
+    (whose seed and offset holders, two blocks, are made for the first graph registered and
+    freed with the last), enters the generator's capture, then begins allocating to the pool,
+    in that order, as torch 2.11 does; so a capture that cannot begin leaves the generator
+    capturing (`generator_capturing`)."""
+
+    def __init__(self) -> None:
+        self.uses: dict[tuple, int] = {}
+        self.recording: list[tuple] = []
+        self.segments: dict[tuple, int] = {}
+        self.live: dict[tuple, int] = {}
+        self.registered: set[int] = set()  # graphs registered with the default generator
+        self.holders: list = []
+        self.generator_capturing = False
+        self.handles = 0
+        alloc = self
+
+        class Tensor:
+            def __init__(self) -> None:
+                self.pool = alloc._allocate()
+
+            def __del__(self) -> None:
+                alloc.live[self.pool] -= 1
+
+        class Graph:
+            def __init__(self) -> None:
+                self.pool, self.ended = None, False
+
+            def register_generator_state(self, generator) -> None:
+                alloc._register(self)
+
+            def capture_begin(self, pool=None, capture_error_mode="global") -> None:
+                alloc._register(self)
+                alloc.generator_capturing = True
+                pool = tuple(pool) if pool is not None else alloc.graph_pool_handle()
+                alloc.begin(0, pool)
+                self.pool = pool
+
+            def capture_end(self) -> None:
+                alloc.end(0, self.pool)
+                alloc.generator_capturing = False
+                self.ended = True
+
+            def reset(self) -> None:
+                if self.ended:
+                    alloc.release(0, self.pool)
+                    self.ended = False
+
+            def __del__(self) -> None:
+                self.reset()
+                alloc.registered.discard(id(self))
+                if not alloc.registered:
+                    alloc.holders.clear()
+
+        self.Tensor, self.Graph = Tensor, Graph
+
+    def graph_pool_handle(self) -> tuple:
+        self.handles += 1
+        return (0, self.handles)
+
+    def begin(self, device: int, pool) -> None:
+        pool = tuple(pool)
+        if pool in self.uses:
+            assert self.uses[pool] > 0, "INTERNAL ASSERT FAILED: it->second->use_count > 0"
+            self.uses[pool] += 1
+        else:
+            self.uses[pool] = 1
+        if pool in self.recording:
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+        self.recording.append(pool)
+
+    def end(self, device: int, pool) -> None:
+        if tuple(pool) not in self.recording:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.recording.remove(tuple(pool))
+
+    def release(self, device: int, pool) -> None:
+        self.uses[tuple(pool)] -= 1
+        assert self.uses[tuple(pool)] >= 0, "INTERNAL ASSERT FAILED: uc >= 0"
+
+    def empty_cache(self, pool) -> str | None:
+        """The pool's segments given back where nothing uses it; None, or why not."""
+        pool = tuple(pool)
+        if self.uses.get(pool, 0) or self.live.get(pool, 0):
+            return f"{self.segments.get(pool, 0)} segment(s) stayed: the pool is in use"
+        self.segments.pop(pool, None)
+        self.uses.pop(pool, None)
+        return None
+
+    def pools_holding_segments(self) -> dict[tuple, int]:
+        return {pool: n for pool, n in self.segments.items() if n}
+
+    def _allocate(self) -> tuple:
+        pool = self.recording[-1] if self.recording else (0, 0)
+        self.segments[pool] = self.segments.get(pool, 0) + 1
+        self.live[pool] = self.live.get(pool, 0) + 1
+        return pool
+
+    def _register(self, graph) -> None:
+        if not self.registered:
+            self.holders = [self.Tensor(), self.Tensor()]
+        self.registered.add(id(graph))
+
+
+def install_allocator(monkeypatch) -> FakeAllocator:
+    """`torch`'s device, streams, pool routing and graph class on a `FakeAllocator`."""
+    alloc = FakeAllocator()
+    stream = types.SimpleNamespace(
+        cuda_stream=7, wait_stream=lambda other: None, synchronize=lambda: None
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", alloc.graph_pool_handle)
+    monkeypatch.setattr(torch.cuda, "default_generators", ("generator",), raising=False)
+    for name, fn in (
+        ("_cuda_beginAllocateCurrentThreadToPool", alloc.begin),
+        ("_cuda_endAllocateToPool", alloc.end),
+        ("_cuda_releasePool", alloc.release),
+        ("_CUDAGraph", alloc.Graph),
+    ):
+        monkeypatch.setattr(torch._C, name, fn, raising=False)
+    return alloc

@@ -1,7 +1,9 @@
 """The start-up probe's memory (graphsan.cuda.calibrate) on CPU: its eager tensors are routed to
 its pool through torch's own calls, not graphsan's wrappers of them, and the allocator watch
-gives the pool back only through the compiled library (else it says why). The probe itself and
-the snapshot it leaves untouched are tested on the GPU (tests/test_gpu_probe_memory.py)."""
+gives the pool back only through the compiled library (else it says why). The probe runs end
+to end over a fake allocator that refuses what PyTorch's refuses (tests/fake_cuda.py), each
+family's launch replaced by its recorded H200 nodes; the probe's real launches and the snapshot
+it leaves untouched are tested on the GPU (tests/test_gpu_probe_memory.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from graphsan.core.tracker import Tracker
 from graphsan.cuda import calibrate, storage_ops
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.context import Context
+from tests import fake_cuda
+from tests.test_argstructs import h200_probes
 
 
 class Routes:
@@ -39,9 +43,9 @@ def test_the_probe_routes_through_torchs_calls_not_graphsans_wrappers(monkeypatc
     listener, patches = Routes(), Patches()
     storage_ops.patch_pool_routing(patches, listener)
     try:
-        route, unroute = calibrate._routing()
-        route(0, (0, 9))
-        unroute(0, (0, 9))
+        route = calibrate.Route(0, (0, 9))
+        route.open()
+        route.close()
     finally:
         patches.restore()
     assert listener.heard == [], "graphsan's wrappers would count the probe's tensors as eager"
@@ -59,3 +63,63 @@ def test_without_the_compiled_tracker_the_probes_pool_stays_and_says_why():
         "the compiled tracker is not loaded: the pool's memory stays cached until the "
         "program's own empty_cache()"
     )
+
+
+def recorded_launches(alloc: fake_cuda.FakeAllocator) -> tuple:
+    """Each family's launch as the probe makes it (eager inputs, a warm-up, a captured call
+    whose output the graph owns), its nodes those the H200 recorded."""
+    by_family: dict[str, list] = {}
+    for probe in h200_probes():
+        by_family.setdefault(probe.family, []).append(probe)
+
+    def launch(family):
+        def run(walk, route):
+            inputs = [alloc.Tensor() for _ in range(3)]  # noqa: F841 (alive through the capture)
+            probes = by_family[family]
+            nodes, _ = calibrate._captured(
+                lambda stream: [p.node for p in probes], route, alloc.Tensor, lambda out: {}
+            )
+            return [p for p in probes if p.node in nodes]
+
+        return family, run
+
+    return tuple(launch(family) for family in by_family)
+
+
+def test_the_probe_confirms_every_family_and_leaves_no_pool_holding_memory(monkeypatch):
+    """The allocator refuses a capture into a pool the thread's allocations are routed to: the
+    probe pauses its route around each capture, keeps the pool's use counts even, lands the
+    generator's graph-safe state in its own pool, and gives the pool back whole."""
+    alloc = fake_cuda.install_allocator(monkeypatch)
+    monkeypatch.setattr(calibrate, "_LAUNCHES", recorded_launches(alloc))
+    layouts, _, kept = calibrate.calibrate(lambda stream: [], alloc.empty_cache)
+    assert layouts.summary() == dict.fromkeys(calibrate_families(), "confirmed"), layouts.why
+    assert kept is None
+    assert alloc.pools_holding_segments() == {}, "the program's snapshot would show them"
+    assert alloc.recording == [] and not alloc.generator_capturing
+    assert alloc.uses == {}, "a pool the probe made is still in use"
+
+
+def test_a_capture_that_cannot_begin_stops_the_probe_and_says_why(monkeypatch):
+    alloc = fake_cuda.install_allocator(monkeypatch)
+    monkeypatch.setattr(calibrate, "_LAUNCHES", recorded_launches(alloc))
+
+    def refused(graph, pool=None, capture_error_mode="global"):
+        alloc._register(graph)
+        alloc.generator_capturing = True
+        alloc.uses[tuple(pool)] += 1  # torch takes a use of the pool before it can fail
+        raise RuntimeError("CUDA error: operation not permitted")
+
+    monkeypatch.setattr(alloc.Graph, "capture_begin", refused)
+    layouts, _, kept = calibrate.calibrate(lambda stream: [], alloc.empty_cache)
+    why = layouts.summary()
+    first = "the probe stopped: a capture could not begin (RuntimeError: CUDA error: operation"
+    assert all(w.startswith(first) for w in why.values()), why
+    assert kept is not None and kept.endswith("segment(s) stayed: the pool is in use"), kept
+    assert alloc.recording == []
+
+
+def calibrate_families() -> tuple[str, ...]:
+    from graphsan.core.argstructs import FAMILIES
+
+    return FAMILIES

@@ -31,7 +31,7 @@ from graphsan.core.records import Frame, FreeEvent, PoolId, Release
 from graphsan.core.timeline import Timeline
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import storage_ops, tracebuild, tracelib, tracelog
-from graphsan.cuda.allocator_log import MAX_ENTRIES, AllocatorLog
+from graphsan.cuda.allocator_log import MAX_ENTRIES, AllocatorLog, pool_segments
 from graphsan.cuda.context import Context, python_stack
 from graphsan.cuda.device_reads import read_now
 from graphsan.cuda.gputrace import GpuTrace
@@ -173,6 +173,11 @@ class AllocatorWatch:
         """The start-up probe may run here (its memory goes to a pool it gives back)."""
         return None
 
+    def probe_waits(self) -> bool:
+        """The start-up probe must wait: a capture graphsan watches is in progress (on any
+        stream or thread), or eager allocations are routed to a graph pool."""
+        return bool(self.events.captures or self.events.routes)
+
     def release_pool(self, pool: PoolId) -> str | None:
         """Give a private pool nothing uses any more back to the driver, that pool alone (the
         start-up probe's: its segments would otherwise stay in the program's snapshots and
@@ -182,7 +187,11 @@ class AllocatorWatch:
                 "the compiled tracker is not loaded: the pool's memory stays cached until the "
                 "program's own empty_cache()"
             )
-        return self.log.release_pool(pool, os.path.join(tracelog.torch_lib_dir(), "libc10_cuda.so"))
+        why = self.log.release_pool(pool, os.path.join(tracelog.torch_lib_dir(), "libc10_cuda.so"))
+        if why is not None:
+            return why
+        left = pool_segments(pool)  # the allocator skips a pool something still uses, silently
+        return f"{left} segment(s) of the pool stayed cached: it is still in use" if left else None
 
     def _site_at(self, address: int) -> Site | None:
         """The interned allocation site of the live block at `address`, if one was recorded."""

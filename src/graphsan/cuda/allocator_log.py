@@ -58,6 +58,15 @@ def _snapshot(pool: PoolId = (0, 0), traces: bool = False) -> dict[str, Any]:
         return torch.cuda.memory._snapshot()
 
 
+def pool_segments(pool: PoolId) -> int:
+    """How many segments private pool `pool` holds now (a snapshot filtered by the pool: its
+    cost is that pool's, not the process's)."""
+    if tuple(pool) == (0, 0):
+        raise ValueError("(0, 0) names every pool, not one")
+    segments = _snapshot(pool)["segments"]
+    return sum(1 for seg in segments if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
+
+
 _EMPTY_POOL: list = []
 
 

@@ -5,11 +5,14 @@ capture there begins, in well under a second.
 
 The probe's graphs bypass graphsan's hooks (they are captured through the base class) and
 capture in thread-local mode; everything it allocates lives in one private pool, given back to
-the driver before the user's capture starts.
+the driver before the user's capture starts. Its eager tensors reach that pool through a route
+of the thread's allocations, which is paused while a graph captures into the pool: the
+allocator refuses a capture into a pool that is already being allocated to.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -36,56 +39,92 @@ def calibrate(
     t0 = time.perf_counter()
     probes: list[Probe] = []
     failed: dict[str, str] = {}
-    device = torch.cuda.current_device()
-    pool = tuple(int(x) for x in torch.cuda.graph_pool_handle())
-    route, unroute = _routing()
+    route = Route(
+        torch.cuda.current_device(), tuple(int(x) for x in torch.cuda.graph_pool_handle())
+    )
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    route(device, pool)
+    route.open()
     try:
         with torch.cuda.stream(side):
             for family, launch in _LAUNCHES:
+                if route.broken is not None:  # a capture that cannot begin may leak: stop here
+                    failed.setdefault(family, route.broken)
+                    continue
                 try:
-                    probes += launch(walk, pool)
+                    probes += launch(walk, route)
                 except Exception as err:  # a probe that cannot run leaves its family unconfirmed
-                    why = f"the probe failed: {type(err).__name__}: {err}"
+                    why = route.broken or f"the probe failed: {type(err).__name__}: {err}"
                     failed.setdefault(family, why[:200])
             side.synchronize()
     finally:
-        unroute(device, pool)
-    kept = release(pool)  # every tensor and graph of the probe is gone: the pool is unused
+        route.close()
+    kept = release(route.pool)  # every tensor and graph of the probe is gone: the pool is unused
+    if route.broken is not None and kept is None:
+        kept = route.broken  # the failed capture's use of the pool was never given back
     return solve(probes, torch.__version__, failed), time.perf_counter() - t0, kept
 
 
-def _routing() -> tuple[Callable, Callable]:
-    """(route, unroute): this thread's allocations to a private pool, and back, as
-    `torch.cuda.use_mem_pool` does it; graphsan's own wrappers of these calls are passed by
-    (they would count the probe's tensors as the program's)."""
-    begin = torch._C._cuda_beginAllocateCurrentThreadToPool
-    end = torch._C._cuda_endAllocateToPool
-    begin, end = (getattr(fn, "__wrapped__", fn) for fn in (begin, end))
+class Route:
+    """This thread's allocations routed to the probe's private pool, as `torch.cuda.use_mem_pool`
+    does it, through torch's own calls: graphsan's wrappers of them are passed by (they would
+    count the probe's tensors as the program's).
 
-    def unroute(device: int, pool: PoolId) -> None:
-        end(device, pool)
-        torch._C._cuda_releasePool(device, pool)  # the route's own use of the pool
+    The route holds one use of the pool, so the pool lives from `open` to `close`; `paused`
+    lets a graph capture into the pool meanwhile (the allocator refuses a capture into a pool
+    that is being allocated to) and keeps the use counts even."""
 
-    return begin, unroute
+    def __init__(self, device: int, pool: PoolId) -> None:
+        self.device, self.pool = device, pool
+        self.broken: str | None = None  # why a capture could not begin (the probe stops)
+        begin = torch._C._cuda_beginAllocateCurrentThreadToPool
+        end = torch._C._cuda_endAllocateToPool
+        self._begin, self._end = (getattr(fn, "__wrapped__", fn) for fn in (begin, end))
+
+    def open(self) -> None:
+        self._begin(self.device, self.pool)  # a use of the pool, and the thread's route to it
+
+    def close(self) -> None:
+        self._end(self.device, self.pool)
+        torch._C._cuda_releasePool(self.device, self.pool)  # the route's own use of the pool
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The route stopped (the pool kept alive by its use) while the body runs."""
+        self._end(self.device, self.pool)
+        try:
+            yield
+        finally:
+            self._begin(self.device, self.pool)
+            torch._C._cuda_releasePool(self.device, self.pool)  # begin took a second use
 
 
-def _captured(walk: Walk, pool: PoolId, fn: Callable[[], object], known: Callable[[object], dict]):
+def _captured(walk: Walk, route: Route, fn: Callable[[], object], known: Callable[[object], dict]):
     """Run `fn` once eagerly (kernels load outside the capture), then capture it into a graph
     of the probe's pool and walk that graph before the capture ends; (kernel nodes,
     `known(output)`). The output is dropped before the graph is reset: its memory belongs to
     the graph."""
     fn()
     graph = torch._C._CUDAGraph()
+    # the generator's graph-safe seed and offset, made for the first graph that registers it,
+    # land in the probe's pool while the route is open (and go with the probe's last graph)
+    register = getattr(graph, "register_generator_state", None)
+    if register is not None:
+        register(torch.cuda.default_generators[route.device])
     stream = torch.cuda.current_stream()
-    graph.capture_begin(pool, "thread_local")  # other threads may run on
-    try:
-        out = fn()
-        nodes = walk(stream.cuda_stream)
-    finally:
-        graph.capture_end()
+    with route.paused():
+        try:
+            graph.capture_begin(route.pool, "thread_local")  # other threads may run on
+        except Exception as err:
+            route.broken = (
+                f"the probe stopped: a capture could not begin ({type(err).__name__}: {err})"[:200]
+            )
+            raise
+        try:
+            out = fn()
+            nodes = walk(stream.cuda_stream)
+        finally:
+            graph.capture_end()
     what = known(out)
     del out
     graph.reset()
@@ -112,21 +151,21 @@ def _ptrs(tensors) -> list[int]:
 _SIZES = (2 * CHUNK + 5, CHUNK + 1001, 3, 3 * CHUNK + 77)
 
 
-def _mta(walk: Walk, pool: PoolId) -> list[Probe]:
+def _mta(walk: Walk, route: Route) -> list[Probe]:
     lists = [[_filled(n) for n in _SIZES] for _ in range(4)]
     a, b, c, d = lists
     steps = [torch.zeros((), device="cuda") for _ in _SIZES]
     scalars = [0.5, 1.5, 2.5, 3.5]
     numel = list(_SIZES)
     probes = []
-    nodes, _ = _captured(walk, pool, lambda: torch._foreach_add_(a, b), lambda out: {})
+    nodes, _ = _captured(walk, route, lambda: torch._foreach_add_(a, b), lambda out: {})
     probes += [
         Probe(
             "multi_tensor_apply", n, {"lists": [_ptrs(a), _ptrs(b)], "numel": numel, "chunk": CHUNK}
         )
         for n in _named(nodes, "TensorListMetadata<2")
     ]
-    nodes, _ = _captured(walk, pool, lambda: torch._foreach_mul_(a, scalars), lambda out: {})
+    nodes, _ = _captured(walk, route, lambda: torch._foreach_mul_(a, scalars), lambda out: {})
     probes += [
         Probe(
             "multi_tensor_apply",
@@ -154,7 +193,7 @@ def _mta(walk: Walk, pool: PoolId) -> list[Probe]:
             maximize=False,
         )
 
-    nodes, _ = _captured(walk, pool, adam, lambda out: {})
+    nodes, _ = _captured(walk, route, adam, lambda out: {})
     probes += [
         Probe(
             "multi_tensor_apply",
@@ -171,7 +210,7 @@ def _mta(walk: Walk, pool: PoolId) -> list[Probe]:
     return probes
 
 
-def _closure(walk: Walk, pool: PoolId) -> list[Probe]:
+def _closure(walk: Walk, route: Route) -> list[Probe]:
     x = _filled(64, 258)  # rows of 258: its stepped views keep two dims
     line = _filled(4096)
     a, b = x[:, :256:2], x[:, 1:257:2]
@@ -183,7 +222,7 @@ def _closure(walk: Walk, pool: PoolId) -> list[Probe]:
     ):
         nodes, known = _captured(
             walk,
-            pool,
+            route,
             fn,
             lambda out, inputs=inputs, dims=dims: {"data": _ptrs([out, *inputs]), "dims": dims},
         )
@@ -191,13 +230,13 @@ def _closure(walk: Walk, pool: PoolId) -> list[Probe]:
     return probes
 
 
-def _reduce(walk: Walk, pool: PoolId) -> list[Probe]:
+def _reduce(walk: Walk, route: Route) -> list[Probe]:
     red = _filled(256, 64)
     probes = []
     for fn in (lambda: red.t().sum(dim=1), lambda: red.t().max(dim=1)):
         nodes, known = _captured(
             walk,
-            pool,
+            route,
             fn,
             lambda out: {
                 "src": red.data_ptr(),
@@ -208,25 +247,25 @@ def _reduce(walk: Walk, pool: PoolId) -> list[Probe]:
     return probes
 
 
-def _cat(walk: Walk, pool: PoolId) -> list[Probe]:
+def _cat(walk: Walk, route: Route) -> list[Probe]:
     parts = [_filled(3, 8) for _ in range(131)]  # a short last batch
-    nodes, _ = _captured(walk, pool, lambda: torch.cat(parts, dim=0), lambda out: {})
+    nodes, _ = _captured(walk, route, lambda: torch.cat(parts, dim=0), lambda out: {})
     return [Probe("cat", n, {"inputs": _ptrs(parts)}) for n in _named(nodes, "CatArrayBatchedCopy")]
 
 
-def _pointer_list(walk: Walk, pool: PoolId) -> list[Probe]:
+def _pointer_list(walk: Walk, route: Route) -> list[Probe]:
     a = [_filled(n) for n in (7, 70000, 5)]
     nodes, known = _captured(
-        walk, pool, lambda: torch._foreach_norm(a), lambda out: {"addresses": _ptrs(out)}
+        walk, route, lambda: torch._foreach_norm(a), lambda out: {"addresses": _ptrs(out)}
     )
     return [Probe("pointer_list", n, known) for n in _named(nodes, "lpnorm_cleanup")]
 
 
-def _tensor_info(walk: Walk, pool: PoolId) -> list[Probe]:
+def _tensor_info(walk: Walk, route: Route) -> list[Probe]:
     dst = torch.zeros(50, 8, device="cuda")
     idx = torch.arange(0, 40, 2, device="cuda")
     src = _filled(20, 8)
-    nodes, _ = _captured(walk, pool, lambda: dst.index_add_(0, idx, src), lambda out: {})
+    nodes, _ = _captured(walk, route, lambda: dst.index_add_(0, idx, src), lambda out: {})
     return [
         Probe("tensor_info", n, {"data": dst.data_ptr(), "dims_at_most": dst.dim()})
         for n in nodes

@@ -101,9 +101,10 @@ class CaptureAnalysis:
             self.calibration[str(device)] = {"families": self.layouts[device].summary()}
             return
         try:
-            if torch.cuda.is_current_stream_capturing() or getattr(self.memory, "routes", None):
+            if torch.cuda.is_current_stream_capturing() or self.memory.probe_waits():
                 # a capture in progress, or eager allocations routed to a graph pool (CUDA-graph
-                # trees' warm-up): the probe's memory must not land there; the next one tries
+                # trees' warm-up): the probe's memory must not land there, nor its allocations
+                # and synchronisation invalidate a capture; the next one tries
                 return
             from graphsan.cuda import driver
             from graphsan.cuda.calibrate import calibrate
