@@ -127,6 +127,25 @@ def test_a_model_switched_to_eval_is_named_with_where_it_switched(san):
         assert replay(san, g) == [] and g.launched == launched + 1
 
 
+def test_a_mode_finding_reads_as_one_wherever_it_is_written(san):
+    """The selftest's verdict line and a generated suppression name the switched module and
+    the modes, never an argument the finding has not (`node -1 param +0 -> 0x0`)."""
+    from graphsan.report import suppressions
+    from graphsan.report.json_report import finding_to_dict
+    from graphsan.selftest.runner import _one_line
+
+    model, x = Net(), torch.randn(2, 4)
+    g = san.test_capture(lambda: model(x))
+    model.eval()
+    (f,) = replay(san, g)
+    line = _one_line(finding_to_dict(f))
+    assert line.startswith(f"mode: {f.graph.label} Net.drop: train at capture, eval now"), line
+    assert "node -1" not in line and "0x0" not in line
+    generated = suppressions.generate([f])
+    assert f'name: "mode in {f.graph.label}: Net.drop"' in generated, generated
+    assert "node -1" not in generated
+
+
 def test_a_submodule_switched_on_its_own_is_caught(san):
     model, x = Net(), torch.randn(2, 4)
     g = san.test_capture(lambda: model(x))
@@ -210,6 +229,24 @@ def test_a_graph_per_mode_each_replayed_in_its_own_is_quiet(san):
         assert replay(san, train_g) == []
         model.eval()
     assert san.findings == []
+
+
+def test_a_graph_per_mode_is_quiet_whichever_the_module_is_in(san):
+    """The program picks the mode by the graph it replays (selftest's transformer-layer: its
+    inference graph replayed after `train()`), so neither graph is stale while both live; once
+    the training graph is gone, the inference graph replayed in train mode is."""
+    model, x = Net(), torch.randn(2, 4)
+    train_g = san.test_capture(lambda: model(x))
+    model.eval()
+    eval_g = san.test_capture(lambda: model(x))
+    model.train()
+    assert replay(san, eval_g) == []
+    model.eval()
+    assert replay(san, train_g) == []
+    model.train()
+    train_g.reset()
+    (f,) = replay(san, eval_g)
+    assert f.kind == "mode" and (f.captured, f.current) == ("eval", "train")
 
 
 def test_capture_hooks_live_only_while_a_capture_runs(san):

@@ -15,6 +15,10 @@ captured). Mode switches and re-registered parameters and buffers are seen by ho
 the graph to be judged; a param group is a plain dict, so its few entries are looked at on every
 replay (`changed`). `Baked.findings` says what differs now, as `mode`, `baked-value` and
 `superseded` findings.
+
+A program that keeps a graph per mode of a module (a training step and an inference graph of
+the same layer) picks the mode by the graph it replays, not by the module's flag: a mode
+finding is raised only for a module that no live graph captured in the mode it is in now.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from graphsan.core.kinds import Kind
 from graphsan.core.records import Finding, Frame, GraphInfo, Reference, When
@@ -38,6 +43,28 @@ class Change:
     stack: tuple[Frame, ...] = ()
     phase: str | None = None
     step: int | None = None
+
+
+class BakedWatch(Protocol):
+    """What the hooks after the captures (`cuda.baked`) tell the judgement of baked state."""
+
+    def change_of(self, owner: object, name: str | None) -> Change | None:
+        """Where the owner's mode (`name` None) or entry last changed, where a hook saw it."""
+
+    def captured_in(self, module: object, training: bool) -> bool:
+        """Whether a live graph captured `module` in that mode."""
+
+
+class Unwatched:
+    """No hook saw anything: no change has a place, no module a graph per mode."""
+
+    @staticmethod
+    def change_of(owner: object, name: str | None) -> Change | None:
+        return None
+
+    @staticmethod
+    def captured_in(module: object, training: bool) -> bool:
+        return False
 
 
 @dataclass(frozen=True)
@@ -139,12 +166,11 @@ class Baked:
         except Exception:
             return True
 
-    def findings(
-        self, info: GraphInfo, when: When, change_of: Callable[[object, str | None], Change | None]
-    ) -> list[Finding]:
-        """What differs now, as findings; `change_of(owner, name)` says where an owner's mode
-        (name None) or entry changed, where a hook saw it."""
-        out = self._mode_findings(info, when, change_of)
+    def findings(self, info: GraphInfo, when: When, watch: BakedWatch) -> list[Finding]:
+        """What differs now, as findings; `watch` says where an owner's mode or entry changed
+        and which modules live graphs captured in which modes."""
+        change_of = watch.change_of
+        out = self._mode_findings(info, when, watch)
         for v in self.values:
             now = v.now()
             if now is _GONE or same_value(now, v.value):
@@ -187,11 +213,14 @@ class Baked:
             )
         return out
 
-    def _mode_findings(self, info, when, change_of) -> list[Finding]:
+    def _mode_findings(self, info, when, watch: BakedWatch) -> list[Finding]:
         switched = []
         for d in self.modes:
             m = d.module()
-            if m is not None and bool(getattr(m, "training", d.training)) != d.training:
+            if m is None:
+                continue
+            training = bool(getattr(m, "training", d.training))
+            if training != d.training and not watch.captured_in(m, training):
                 switched.append(d)
         if not switched:
             return []
@@ -206,7 +235,7 @@ class Baked:
                 info,
                 NO_ARGUMENT,
                 when,
-                change_of(first.module(), None),
+                watch.change_of(first.module(), None),
                 modules=tuple(names[:SHOWN_MODULES]),
                 captured=was,
                 current=now,

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from graphsan.core.baked import Baked, Change
+from graphsan.core.baked import Baked, BakedWatch, Unwatched
 from graphsan.core.graph_state import GraphState
 from graphsan.core.memory_map import SegmentIndex
 from graphsan.core.memory_source import MemorySource
@@ -57,11 +57,11 @@ class ReplayJudge:
         memory: MemorySource | None,
         phase: Callable[[], tuple[str | None, int | None]] = lambda: (None, None),
         rank: int | None = None,
-        change_of: Callable[[object, str | None], Change | None] = lambda owner, name: None,
+        baked: BakedWatch = Unwatched(),
     ) -> None:
         self.tracker, self.orders, self.memory = tracker, orders, memory
         self.phase, self.rank = phase, rank
-        self.change_of = change_of  # where a hook saw a baked mode or entry change
+        self.baked = baked  # where hooks saw baked modes and entries change
 
     # -- capture ------------------------------------------------------------------------------
     def watch(self, state: GraphState, baked: Baked | None = None) -> None:
@@ -115,7 +115,7 @@ class ReplayJudge:
         else:
             state.judged(again=False)  # nothing the graph uses was freed: nothing to judge
         if state.baked is not None:
-            findings += state.baked.findings(info, self._when(), self.change_of)
+            findings += state.baked.findings(info, self._when(), self.baked)
         if memory.judges_every_replay or self.orders.eager.marks.get(info.id):
             state.mark_changed()  # the next replay asks the driver or the allocator again
         return Verdict(findings, judging)

@@ -128,6 +128,7 @@ class BakedRecorder:
         # the modules graphs depend on -> their graphs, and where each last changed
         self._graphs_of = ByIdentity()
         self._changes = ByIdentity()
+        self._modes_of = ByIdentity()  # mode-dependent modules -> {graph: training at capture}
 
     # -- start / stop ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -239,6 +240,10 @@ class BakedRecorder:
             for owner in [d.module() for d in modes] + [e.owner() for e in entries if not e.polled]:
                 if owner is not None:
                     self._graphs_of.setdefault(owner, set()).add(state.info.id)
+            for d in modes:
+                module = d.module()
+                if module is not None:
+                    self._modes_of.setdefault(module, {})[state.info.id] = d.training
         return baked
 
     def forget(self, gid: GraphId) -> None:
@@ -248,11 +253,21 @@ class BakedRecorder:
                 gids.discard(gid)
                 if not gids:
                     self._graphs_of.pop(owner)
+            for module, modes in self._modes_of.items():
+                modes.pop(gid, None)
+                if not modes:
+                    self._modes_of.pop(module)
 
     # -- changes after the capture ------------------------------------------------------------
     def change_of(self, owner: object, name: str | None) -> Change | None:
         """Where the owner's mode (`name` None) or entry last changed, as a hook saw it."""
         return None if owner is None else self._changes.get(owner, {}).get(name)
+
+    def captured_in(self, module: object, training: bool) -> bool:
+        """Whether a live graph captured `module` in that mode (the program keeps a graph per
+        mode and picks one by replaying it)."""
+        modes = self._modes_of.get(module)
+        return bool(modes) and training in modes.values()
 
     def _switched(self, module, mode: bool) -> None:
         try:

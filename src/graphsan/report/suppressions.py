@@ -154,7 +154,8 @@ def generate(findings: list[Finding]) -> str:
         if entry in seen:
             continue
         seen.add(entry)
-        lines.append(f"- name: {_quote(f'{f.kind} in {f.graph.label} node {f.node}')}")
+        where = f": {named}" if f.kind.baked else f" node {f.node}"
+        lines.append(f"- name: {_quote(f'{f.kind} in {f.graph.label}{where}')}")
         for key, value in zip(FIELDS[1:], entry, strict=True):
             if value is not None:
                 lines.append(f"  {key}: {_quote(value)}")

@@ -67,7 +67,7 @@ def build(
         )
     host = HostWatch(tracker, pinned, memory.free_event, on_error)
     recorder = BakedRecorder(context, tracker, on_error)
-    judge = ReplayJudge(tracker, pool_orders, memory, context.current, rank, recorder.change_of)
+    judge = ReplayJudge(tracker, pool_orders, memory, context.current, rank, recorder)
     capture = CaptureAnalysis(memory, tracker, host, judge, timeline, recorder)
     return Parts(tracker, pool_orders, memory, host, judge, capture, recorder)
 

@@ -13,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from graphsan.command_line import read_result
+from graphsan.report.json_report import finding_from_dict
 from graphsan.report.output import STDOUT, writing
+from graphsan.report.text import one_line
 from graphsan.selftest import BUG, CORRECT, runs
 
 # verdicts
@@ -82,12 +84,8 @@ def _names_the_mistake(finding: dict, result: dict) -> bool:
 
 
 def _one_line(f: dict) -> str:
-    kernel = f["kernel"] if len(f["kernel"]) <= 80 else f["kernel"][:77] + "..."
-    caveat = f" [{f['caveat']}]" if f.get("caveat") else ""
-    return (
-        f"{f['kind']}: graph '{f['label']}' node {f['node']} {kernel} param {f['param']} "
-        f"+{f['offset']} -> {f['address']:#x} ({f['pool']}){caveat}"
-    )
+    """A finding of the child's report as the text report writes it in one line."""
+    return one_line(finding_from_dict(f))
 
 
 def _run_one(name: str, kind: str, timeout: float, dump_dir: str | None) -> Verdict:

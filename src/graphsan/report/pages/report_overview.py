@@ -149,10 +149,13 @@ def _finding_marks(marks: Marks, s, views, names, lane_y, x_of, t0: float) -> No
             lane = names[2] if len(names) > 2 else "allocator"
 
         def title(f=f, fv=fv) -> str:
-            kernel = fv["kernel_short"] if fv else f.kernel
+            if f.kind.baked:
+                where = ", ".join(f.modules) if f.modules else f.entry
+            else:
+                where = f"node {f.node} {fv['kernel_short'] if fv else f.kernel}"
             return (
                 f"finding {fv['n'] if fv else ''}: {f.kind} graph #{f.graph.id} "
-                f"node {f.node} {kernel} {rel(f.found_at, t0)}"
+                f"{where} {rel(f.found_at, t0)}"
             )
 
         href = f"#{fv['anchor']}" if fv else None
