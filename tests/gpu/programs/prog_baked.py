@@ -217,6 +217,7 @@ def compile_reduce_overhead_train_eval_train():
     model = Net().cuda()
     compiled = torch.compile(model, mode="reduce-overhead")
     for mode in ("train", "train", "train", "eval", "eval", "train", "train"):
+        torch.compiler.cudagraph_mark_step_begin()  # each call is a step of its own (the docs')
         getattr(model, mode)()
         ctx = torch.no_grad() if mode == "eval" else torch.enable_grad()
         with ctx:
