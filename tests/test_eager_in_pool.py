@@ -12,7 +12,7 @@ import torch
 from graphsan.core.allocview import AllocatorView
 from graphsan.core.eager import EagerInPools
 from graphsan.core.tracker import Tracker
-from graphsan.cuda import allocator, allocator_log
+from graphsan.cuda import allocator, allocator_log, hooks
 from graphsan.cuda.context import Context
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.runtime import sanitizer
@@ -129,9 +129,9 @@ def watch(monkeypatch):
     eager = EagerInPools()
     eager.add_capture(1, 0, POOL, [(SEG, 4096, None)])
     w = allocator.AllocatorWatch(Tracker(), Context(), lambda err: None, eager=eager)
-    w.events.views[0] = AllocatorView()
+    w.ledger.views[0] = AllocatorView()
     seg = {"address": SEG, "total_size": MB2, "segment_pool_id": POOL, "blocks": []}
-    w.events.views[0].seed({"segments": [seg]}, 0)
+    w.ledger.views[0].seed({"segments": [seg]}, 0)
     w._active = True
     return w, fake, eager
 
@@ -142,7 +142,7 @@ def test_an_allocation_routed_into_the_pool_is_marked(watch):
     fake["log"] = [_entry("alloc", SEG, 1024)]
     w.route_ends(POOL)
     assert [(t.start, t.size) for t in eager.marked(1)] == [(SEG, 1024)]
-    assert w.routes == []
+    assert w.ledger.routes == []
 
 
 def test_allocations_outside_a_route_or_on_another_stream_are_not_eager(watch):
@@ -161,7 +161,7 @@ def test_allocations_outside_a_route_or_on_another_stream_are_not_eager(watch):
 def test_a_captures_tagged_allocation_inside_a_route_is_the_captures(watch):
     w, fake, eager = watch
     w.route_begins(POOL, per_thread=True)
-    tag = w.capture_started(2, STREAM)
+    tag = w.capture_started(2, STREAM, None)
     fake["log"] = [_entry("alloc", SEG, 1024, tag=tag)]
     w.sync()
     w.capture_failed(tag)
@@ -225,7 +225,7 @@ def test_once_the_tensor_is_freed_replays_are_quiet_and_cost_no_more_asks(san):
         g.replay()
     assert g.launched == 3 and s.findings == []
     assert s.pool_orders.eager.marks == {}
-    assert not g.__dict__["_graphsan_state"].dirty
+    assert not hooks.graph_state(g).dirty
 
 
 def test_a_tensor_outside_the_graphs_carves_is_quiet(san):

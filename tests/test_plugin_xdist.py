@@ -29,6 +29,7 @@ import os
 
 import graphsan
 from graphsan.core.records import FreeEvent
+from graphsan.cuda import hooks
 from tests import fake_cuda
 
 
@@ -49,7 +50,7 @@ def stale_replay(monkeypatch):
     event = FreeEvent([("train.py", 7, "evaluate")], "eval", 5)
     assert san.tracker.on_free(fake_cuda.SEG, lambda: event)
     env["map"] = fake_cuda.one_segment([(8192, "inactive")])
-    san.before_replay(g, g.__dict__["_graphsan_state"])
+    san.before_replay(g, hooks.graph_state(g))
 
 
 def test_one(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from graphsan.core.records import FreeEvent
+from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.report.json_report import Report
 from graphsan.runtime import sanitizer
@@ -72,7 +73,7 @@ def test_out_of_order_replay_raises_before_launch_and_names_both_graphs(env, uni
         g1.replay()
     assert g1.launched == 1, "the stale replay must not run"
     (f,) = err.value.findings
-    ids = [g.__dict__["_graphsan_state"].info.id for g in (g0, g1, g2)]
+    ids = [hooks.graph_state(g).info.id for g in (g0, g1, g2)]
     assert f.kind == "replay-order" and f.graph.id == ids[1]
     assert (f.written_by, f.carved_by) == (ids[0], ids[2])
     assert f.block_address == C and f.nbytes == SLOT and f.param == 0 and f.node == 0
@@ -104,10 +105,10 @@ def test_a_graph_alone_in_its_pool_pays_no_tick_until_the_pool_is_shared(env, un
     san.hooks.install()
     uninstall.append(san)
     g0 = capture(env, san, [fake_cuda.kernel(0, B, C)], [B, C])
-    s0 = g0.__dict__["_graphsan_state"]
+    s0 = hooks.graph_state(g0)
     assert s0.order is None and not s0.reads
     g1 = capture(env, san, [fake_cuda.kernel(0, C)], [D])
-    assert s0.order is not None and g1.__dict__["_graphsan_state"].order is s0.order
+    assert s0.order is not None and hooks.graph_state(g1).order is s0.order
 
 
 def test_replay_order_can_be_turned_off(env, uninstall):
@@ -188,6 +189,6 @@ def test_an_output_the_pool_got_back_between_captures_is_protected(env, uninstal
         f1.replay()
     assert f1.launched == 2, "the replay that overwrites the output must not run"
     (f,) = err.value.findings
-    ids = [g.__dict__["_graphsan_state"].info.id for g in (f0, b0, f1)]
+    ids = [hooks.graph_state(g).info.id for g in (f0, b0, f1)]
     assert f.kind == "live-output" and f.graph.id == ids[2] and f.written_by == ids[0]
     assert f.block_address == C and f"graph #{ids[1]}" in f.now

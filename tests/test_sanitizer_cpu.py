@@ -10,6 +10,7 @@ import pytest
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import FreeEvent, Release
 from graphsan.cuda import allocator as memory
+from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError
 from graphsan.runtime import sanitizer
 from tests import fake_cuda
@@ -43,7 +44,7 @@ def free_block(san, ptr=SEG):
 
 def test_capture_registers_the_graph_and_its_reference(env):
     san, g = captured("raise")
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     assert state.counts.default == 1 and not state.dirty
     (stats,) = san.report().graphs
     assert stats["nodes"] == 1 and stats["references"] == 1 and stats["pool"] == [1, 3]
@@ -56,7 +57,7 @@ def test_capture_registers_the_graph_and_its_reference(env):
 
 def test_raise_stops_every_later_replay_too(env):
     san, g = captured("raise")
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     assert free_block(san)
     env["map"] = snapshot([(8192, "inactive")])
     for _ in range(2):
@@ -69,7 +70,7 @@ def test_raise_stops_every_later_replay_too(env):
 
 def test_warn_prints_each_finding_once_and_goes_on(env, capsys):
     san, g = captured("warn")
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     free_block(san)
     env["map"] = snapshot([(8192, "inactive")])
     san.before_replay(g, state)
@@ -93,7 +94,7 @@ def test_reset_forgets_the_graph(env):
 
 def test_internal_error_disables_and_says_so(env, monkeypatch, capsys):
     san, g = captured("raise")
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     free_block(san)
 
     def broken(self, device, sync=True):
@@ -110,7 +111,7 @@ def test_internal_error_disables_and_says_so(env, monkeypatch, capsys):
 
 def test_an_unmapped_finding_names_the_empty_cache_call_from_its_project_root(env, tmp_path):
     san, g = captured("raise")
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     assert free_block(san)
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "train.py").write_text("")

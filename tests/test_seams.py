@@ -99,7 +99,7 @@ def test_the_walk_reads_the_graph_torch_hands_over_and_a_stale_replay_never_laun
     san = started("raise")
     try:
         g = captured(env)
-        state = g.__dict__["_graphsan_state"]
+        state = hooks.graph_state(g)
         (stats,) = san.report().graphs
         assert stats["references"] == 1
         g.replay()
@@ -191,13 +191,13 @@ def test_reset_and_collection_forget_the_graph_through_its_destroy_callback(env)
     san = started("raise")
     try:
         g = captured(env)
-        gid = g.__dict__["_graphsan_state"].info.id
+        gid = hooks.graph_state(g).info.id
         assert gid in san.tracker.graphs
         g.reset()
         assert gid not in san.tracker.graphs
         g.capture_begin()
         g.capture_end()
-        gid2 = g.__dict__["_graphsan_state"].info.id
+        gid2 = hooks.graph_state(g).info.id
         assert gid2 != gid and gid2 in san.tracker.graphs
         del g
         gc.collect()
@@ -213,7 +213,7 @@ def test_pin_holds_what_it_pins_through_retain_object_until_the_policy_lets_go(e
         san.pinner.device_type = "cpu"
         env["map"] = fake_cuda.one_segment([(4096, "active_allocated"), (4096, "inactive")])
         g = captured(env)
-        state = g.__dict__["_graphsan_state"]
+        state = hooks.graph_state(g)
         (wb,) = state.blocks.values()
         wb.address = owner.untyped_storage().data_ptr()  # the block is the owner's memory
         san.pinner.flush()

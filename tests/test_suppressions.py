@@ -10,6 +10,7 @@ import json
 import pytest
 
 from graphsan.cli.main import main
+from graphsan.cuda import hooks
 from graphsan.report import Report, suppressions
 from tests.test_plugin_and_ranks import finding
 
@@ -149,7 +150,7 @@ def test_a_suppressed_finding_never_stops_the_replay_and_is_counted(monkeypatch)
     env = fake_cuda.install(monkeypatch, "void scale(float*)", stream=1)
     san, g = captured("raise")
     san.suppressions = [Suppression("scale's input", kernel="*scale*", free="* in evaluate")]
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     assert free_block(san)
     env["map"] = snapshot([(8192, "inactive")])
     san.before_replay(g, state)  # no StaleMemoryError: the one finding is suppressed

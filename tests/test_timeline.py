@@ -8,6 +8,7 @@ import pytest
 
 from graphsan.core.records import KernelArgs
 from graphsan.core.timeline import Timeline, node_summary
+from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError
 from graphsan.runtime import sanitizer
 from tests import fake_cuda as fake_cuda_pieces
@@ -87,7 +88,7 @@ def test_the_sanitizer_times_capture_free_and_stopped_replay(fake_cuda):
     g = FakeGraph()
     san.capture_begin(g, None)
     san.after_capture_end(g, san.before_capture_end(g))
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     (stats,) = san.report().graphs
     assert stats["captured_at"] > 0 and stats["node_summary"]["names"] == [MUL]
     san.memory._on_free(SEG + 4096)  # a block no graph uses: nothing recorded

@@ -138,7 +138,7 @@ def run(name: str, dump: str | None) -> dict:
         replays=case.replays,
         disabled=san.disabled_reason,
         graphs=len(san.graph_stats),
-        allocator_log=san.memory.allocator_log,
+        allocator_log=san.memory.event_source,
     )
     return result
 
