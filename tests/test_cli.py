@@ -171,7 +171,7 @@ def test_a_report_that_cannot_be_written_at_the_end_is_printed_instead(prog, tmp
     folder = tmp_path / "reports"
     folder.mkdir()
     script = prog(f"import shutil; shutil.rmtree({str(folder)!r})\n")
-    assert main(["run", "--report", str(folder / "out.json"), script]) == 1
+    assert main(["run", "--report", str(folder / "out.json"), script]) == 6
     err = lines(capsys.readouterr().err)
     assert err[0].startswith(f"graphsan run: error: could not write the report to {folder}")
     assert err[1].startswith("graphsan report: 0 graph(s), 0 node(s) analysed, 0 finding(s)")
@@ -406,3 +406,25 @@ def test_help_and_listings_start_without_importing_torch(argv):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "TORCH False", proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("path", ["/proc/x.html", "page.html"])
+def test_repro_list_checks_its_page_path_and_says_it_draws_none(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    proc = subprocess.run(
+        [*CONSOLE, "repro", "--list", "--html", path],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"graphsan repro: error: --html {path}: "), err
+    if path == "page.html":
+        assert err[0].endswith(
+            "--list runs no case, so there is no matrix to draw (expected --html without --list)"
+        )
+    else:
+        assert "cannot write in /proc" in err[0]
+    assert os.listdir(tmp_path) == []

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(_HANDLERS[command](rest) or 0)
     except CliError as err:
         sys.stderr.write(f"graphsan {command}: error: {err}\n")
-        return EXIT_USAGE
+        return err.exit_status
     except BrokenPipeError:  # `graphsan ... | head`: the reader is gone, nothing to report
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -12,7 +12,7 @@ import os
 import sys
 
 from graphsan.cli.options import SOURCE_ROOT_HELP, load_suppressions, set_source_root
-from graphsan.command_line import CliError, OneLineParser, check_output_file
+from graphsan.command_line import CannotWrite, CliError, OneLineParser, check_output_file
 
 
 def main(argv: list[str]) -> int:
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
         "--source-root",
         metavar="DIR",
         help=f"{SOURCE_ROOT_HELP}; for reports whose frames hold absolute paths, give the root "
-        "as it was where the report was written",
+        "as it was where the report was written)",
     )
     p.add_argument(
         "--gen-suppressions",
@@ -106,10 +106,10 @@ def main(argv: list[str]) -> int:
     if args.html or args.trace:
         from graphsan.report.pages import OutputError, write_report_outputs
 
-        try:
+        try:  # nothing runs here that changes folder: the paths are as checked
             said = write_report_outputs(reports, args.paths, args.html, args.trace)
-        except OutputError as err:
-            raise CliError(f"graphsan report: {err}") from None
+        except OutputError as err:  # the paths were checked: the disk refused the file
+            raise CannotWrite(str(err)) from None
         sys.stderr.write("".join(f"{line}\n" for line in said))
     elif len(reports) == 1:
         print(reports[0].render())
@@ -131,6 +131,8 @@ def _check_outputs(html: str | None, trace: str | None, inputs: set[str]) -> Non
             f"--html {html} and --trace {trace} name the same file; the trace would replace "
             "the page (expected two paths)"
         )
+    from graphsan.report.pages import OutputError, check_output
+
     for path, option in ((html, "--html"), (trace, "--trace")):
         if path is None or path == STDOUT:
             continue
@@ -140,6 +142,10 @@ def _check_outputs(html: str | None, trace: str | None, inputs: set[str]) -> Non
                 "replace the report (expected another path)"
             )
         check_output_file(path, option)
+        try:  # what the pages' writer checks again: refused here, before anything is written
+            check_output(path, option)
+        except OutputError as err:
+            raise CliError(str(err)) from None
 
 
 def _name(rep, path: str) -> str:
