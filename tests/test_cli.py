@@ -408,6 +408,59 @@ def test_help_and_listings_start_without_importing_torch(argv):
     assert proc.stdout.strip().splitlines()[-1] == "TORCH False", proc.stdout[-2000:]
 
 
+# ----------------------------------------------------------------------------- big and odd inputs
+def test_deeply_nested_json_is_one_line_not_a_recursion_traceback(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    data = _saved_report(tmp_path)
+    nest: list = []
+    for _ in range(900):  # within what the JSON reader follows, past what a report holds
+        nest = [nest]
+    data["graphs"][0]["extra"] = nest
+    inner = tmp_path / "inner.json"
+    inner.write_text(json.dumps(data))
+    for path in (deep, inner):
+        for extra in ([], ["--html", str(tmp_path / "p.html")]):
+            assert main(["report", str(path), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == 2 * [
+        f"graphsan report: error: {deep}: not a graphsan report (its JSON nests deeper than "
+        "Python's JSON reader follows; a report nests at most 64 levels)"
+    ] + 2 * [
+        f"graphsan report: error: {inner}: not a valid graphsan report: graphs[0].extra"
+        "[0][0][0][0][0][0][0][0][0][0][0][0][0][0]... nests deeper than 64 levels; expected at "
+        "most 64"
+    ]
+    assert not (tmp_path / "p.html").exists()
+
+
+def test_a_deeply_nested_suppression_file_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["report", "--sample", "stale-input", "--suppressions", str(deep)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"graphsan report: error: --suppressions {deep}: nested deeper than the YAML reader "
+        "follows; expected a list of suppressions (- name: ...)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--sample", "te3316-case4"], ["--sample", "te3316-case4", "--html", "-"]],
+    ids=["text", "page"],
+)
+def test_a_reader_that_leaves_early_ends_report_as_it_ends_cat(argv):
+    """`graphsan report ... | head -1` exited 1, which the exit table says report never does;
+    now 141 (128 + SIGPIPE), what a shell shows for `cat`, and nothing on stderr. The reader
+    here leaves before the command writes anything: every write then meets the closed pipe."""
+    proc = subprocess.Popen(
+        [*CONSOLE, "report", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV
+    )
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == ""
+
+
 @pytest.mark.parametrize("path", ["/proc/x.html", "page.html"])
 def test_repro_list_checks_its_page_path_and_says_it_draws_none(tmp_path, monkeypatch, path):
     monkeypatch.chdir(tmp_path)

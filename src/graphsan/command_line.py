@@ -22,6 +22,7 @@ from typing import IO
 EXIT_USAGE = 2
 EXIT_NO_GPU = 4  # the command needs a CUDA GPU and this machine has none
 EXIT_CANNOT_WRITE = 6  # an output could not be written at the end (a full disk, an I/O error)
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader left early (`| head`), as for `cat`
 RESULT = "RESULT "  # how a child's result line starts; the JSON object follows on the same line
 # what a RESULT line holds instead of an object, in JSON's words
 _JSON_VALUES = {list: "an array", str: "a string", int: "a number", float: "a number"}

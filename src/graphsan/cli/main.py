@@ -22,6 +22,7 @@ import sys
 from graphsan import __version__
 from graphsan.cli import report, run, selftest
 from graphsan.command_line import (
+    EXIT_BROKEN_PIPE,
     EXIT_USAGE,
     CliError,
     DefaultsHelpFormatter,
@@ -110,14 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("".join(f"graphsan {command}: error: {line}\n" for line in errors))
         return EXIT_USAGE
     try:
-        return int(_HANDLERS[command](rest) or 0)
+        code = int(_HANDLERS[command](rest) or 0)
+        sys.stdout.flush()  # here, so that a reader gone early is seen here, not at exit
+        return code
     except CliError as err:
         sys.stderr.write(f"graphsan {command}: error: {err}\n")
         return err.exit_status
-    except BrokenPipeError:  # `graphsan ... | head`: the reader is gone, nothing to report
-        with contextlib.suppress(OSError):
+    except BrokenPipeError:
+        # `graphsan ... | head`: the reader is gone, nothing to report; the status `cat` gets
+        # from the signal, and nothing more written to the closed pipe at exit
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

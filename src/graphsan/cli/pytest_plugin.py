@@ -136,6 +136,10 @@ def pytest_configure(config: pytest.Config) -> None:
             entries = suppressions.load(path)
         except ValueError as err:
             raise pytest.UsageError(f"--graphsan-suppressions {err}") from None
+        except RecursionError:
+            from graphsan.cli.options import deep_yaml
+
+            raise pytest.UsageError(f"--graphsan-suppressions {deep_yaml(path)}") from None
     report = config.getoption("graphsan_report", None)
     if report is not None:
         from graphsan.command_line import CliError, check_report_file
