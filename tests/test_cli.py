@@ -461,6 +461,37 @@ def test_a_reader_that_leaves_early_ends_report_as_it_ends_cat(argv):
     assert proc.wait(timeout=120) == 141 and err == ""
 
 
+def test_an_unknown_variable_is_warned_about_once(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    env = dict(ENV, GRAPHSAN_FOO="1")
+    proc = subprocess.run(
+        [*CONSOLE, "run", str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    said = [ln for ln in proc.stderr.splitlines() if "GRAPHSAN_FOO" in ln]
+    assert said == [
+        "graphsan run: warning: GRAPHSAN_FOO is set but graphsan reads no such variable (it "
+        "reads GRAPHSAN_TRACELOG, GRAPHSAN_ATTACH, GRAPHSAN_NO_TRITON)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv", [["run", "--help"], ["run", "-h", "x.py"], ["report", "--help"], ["selftest", "-h"]]
+)
+def test_help_holds_whatever_the_environment_says(monkeypatch, capsys, argv):
+    monkeypatch.setenv("GRAPHSAN_TRACELOG", "7")
+    assert status(argv) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("usage: graphsan ") and "GRAPHSAN_TRACELOG" not in out.err
+
+
+def test_the_programs_own_help_still_needs_a_good_environment(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GRAPHSAN_TRACELOG", "7")
+    assert status(["run", str(tmp_path / "x.py"), "--help"]) == 2
+    assert "GRAPHSAN_TRACELOG='7'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("path", ["/proc/x.html", "page.html"])
 def test_repro_list_checks_its_page_path_and_says_it_draws_none(tmp_path, monkeypatch, path):
     monkeypatch.chdir(tmp_path)
