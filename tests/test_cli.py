@@ -492,6 +492,18 @@ def test_the_programs_own_help_still_needs_a_good_environment(tmp_path, monkeypa
     assert "GRAPHSAN_TRACELOG='7'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option", ["--html", "--trace"])
+def test_gen_suppressions_with_a_page_is_refused_not_dropped(tmp_path, capsys, option):
+    out = tmp_path / "x.html"
+    argv = ["report", "--sample", "stale-input", "--gen-suppressions", option, str(out)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "graphsan report: error: --gen-suppressions prints suppression entries and exits; it "
+        f"writes no page or trace (expected {option} in a run of its own)"
+    ]
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("path", ["/proc/x.html", "page.html"])
 def test_repro_list_checks_its_page_path_and_says_it_draws_none(tmp_path, monkeypatch, path):
     monkeypatch.chdir(tmp_path)
@@ -512,3 +524,34 @@ def test_repro_list_checks_its_page_path_and_says_it_draws_none(tmp_path, monkey
     else:
         assert "cannot write in /proc" in err[0]
     assert os.listdir(tmp_path) == []
+
+
+def test_report_refuses_a_source_root_that_is_nowhere(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--sample", "stale-input", "--source-root", "missingdir"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "graphsan report: error: --source-root missingdir: does not exist here, and no frame of "
+        "the reports lies under it; expected the project's root folder (for another machine's "
+        "report: the root as it was there)"
+    ]
+    (tmp_path / "afile").write_text("")
+    assert main(["report", "--sample", "stale-input", "--source-root", "afile"]) == 2
+    assert "--source-root afile: is not a folder" in capsys.readouterr().err
+
+
+def test_the_page_and_trace_do_not_carry_the_folders_of_the_machine_that_drew_them(
+    tmp_path, monkeypatch
+):
+    from graphsan.report.json_report import sample_path
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--sample", "stale-input", "--html", "s.html", "--trace", "s.json"]) == 0
+    samples = os.path.dirname(sample_path("stale-input"))
+    for name in ("s.html", "s.json"):
+        text = (tmp_path / name).read_text()
+        assert samples not in text and "stale-input.json" in text, name
+    (tmp_path / "runs").mkdir()
+    Report(watched=True).save(str(tmp_path / "runs" / "r.json"))
+    assert main(["report", str(tmp_path / "runs" / "r.json"), "--html", "r.html"]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert str(tmp_path) not in page and "runs/r.json" in page
