@@ -248,6 +248,7 @@ rules:
         ('base: "abc\n', "line 2, column 1: found unexpected end of stream"),
         ("[" * 100_000 + "]" * 100_000, "nested deeper than the YAML reader follows"),
     ],
+    ids=["a bad flow", "an open quote", "deep nesting"],
 )
 def test_malformed_yaml_is_one_line(tmp_path, text, line):
     """PyYAML's own message is five lines, with a caret under the column."""
