@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -42,7 +43,7 @@ from graphsan.lab.models.moe import shard_experts
 from graphsan.lab.quant import SkipFlag
 from graphsan.lab.train import graphs as cuda_graphs
 from graphsan.lab.train.callbacks import Callback
-from graphsan.lab.train.checkpoint import Checkpointer
+from graphsan.lab.train.checkpoint import Checkpointer, CheckpointWriteError, SaveFailed
 from graphsan.lab.train.config import ConfigError, TrainConfig
 from graphsan.lab.train.data import RankBatches, build_data
 from graphsan.lab.train.device import check_memory, resolve_device
@@ -301,14 +302,38 @@ class Trainer:
         return loss
 
     def save(self, it: int) -> None:
-        """Save a checkpoint of iteration `it` (every rank takes part) and print where."""
-        path = self.checkpoints.save(it)
+        """Save a checkpoint of iteration `it` (every rank takes part) and print where; a write
+        the system refuses stops training (SaveFailed), the last good checkpoint kept."""
+        try:
+            path = self.checkpoints.save(it)
+        except CheckpointWriteError as err:
+            raise SaveFailed(
+                f"--save {self.cfg.save}: cannot write {err.path.name} of iteration {it} "
+                f"({err.reason}); {self.last_checkpoint()}"
+            ) from None
         self.saved_at = it
         self.metrics.print(
             f"saved checkpoint {path} at iteration {it}"
             + (" (+ empty_cache)" if self.cfg.empty_cache_on_save else "")
         )
         self.clock.restart_interval()
+
+    def last_checkpoint(self) -> str:
+        """Where the last good checkpoint of this run is, as an error line ends: the one it
+        saved last, else the one it loaded, else none (an older file in --save is named)."""
+        name = self.checkpoints.name
+        file = Path(self.cfg.save) / name
+        if self.saved_at is not None:
+            return f"the last checkpoint is {file} (iteration {self.saved_at})"
+        if self.cfg.load is not None:
+            loaded = Path(self.cfg.load) / name
+            return (
+                f"the last checkpoint is the one this run loaded, {loaded} "
+                f"(iteration {self.start_iteration - 1})"
+            )
+        if file.is_file():
+            return f"this run saved no checkpoint; {file} is from before it, unchanged"
+        return "this run saved no checkpoint"
 
     # ---- logging ----
     def _log(self, it: int, losses: list, mtp, norm) -> None:
