@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="graphsan train",
         description=__doc__.split("\n")[0],
         epilog="Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 finish the iteration in flight, save it to "
-        "--save and stop (a second one stops at once). Exit statuses: 0 trained, 1 the loss "
+        "--save and stop (a second one stops at once, but lets a checkpoint being written finish; "
+        "the line says what was saved and where the last good checkpoint is). Exit statuses: 0 trained, 1 the loss "
         f"diverged, 2 a bad option, {EXIT_OUT_OF_MEMORY} out of memory (the line names the "
         f"options to lower), {EXIT_SAVE_FAILED} a checkpoint could not be written (a full "
         "disk: the line names the last good one), 128 + N stopped by signal N (130 Ctrl-C, "
