@@ -8,6 +8,7 @@ same iteration."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -178,85 +179,106 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_iteration(tmp_path
     assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == done.pop()
 
 
-# A program that stops itself with SIGTERM twice in iteration 2: both signals come at points the
-# test chooses (a signal's Python handler runs before the next line), so each run is the same.
+# A program that runs `graphsan train` once per scenario, each stopping itself with SIGTERM twice
+# in iteration 2, at points the scenario chooses (a signal's Python handler runs before the next
+# line, so each run is the same), and prints each run's exit status and error lines as JSON.
 TWO_SIGNALS = r"""
-import os, signal, sys
+import contextlib, io, json, os, signal, sys
 import torch
 from graphsan.lab.train import cli, trainer
 
-where, argv = sys.argv[1], sys.argv[2:]
-step = trainer.Trainer.train_step
+def kill():
+    os.kill(os.getpid(), signal.SIGTERM)
 
-def step_with_signals(self, it):
-    if it == 2:
-        os.kill(os.getpid(), signal.SIGTERM)  # the first: finish iteration 2, save it, stop
-        if where == "step":
-            os.kill(os.getpid(), signal.SIGTERM)  # the second, while the iteration runs
-    return step(self, it)
+def scenario(where, argv):
+    step, save, train = trainer.Trainer.train_step, torch.save, trainer.train
 
-trainer.Trainer.train_step = step_with_signals
-if where == "save":
-    save = torch.save
+    def step_with_signals(self, it):
+        if it == 2:
+            kill()  # the first: finish iteration 2, save it, stop
+            if where == "step":
+                kill()  # the second, while the iteration runs
+        return step(self, it)
 
     def save_after_a_signal(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)  # the second, as the checkpoint is written
+        kill()  # the second, as the checkpoint is written
         return save(*args, **kwargs)
-
-    torch.save = save_after_a_signal
-if where == "late":
-    train = trainer.train
 
     def train_then_a_signal(*args, **kwargs):
         try:
             return train(*args, **kwargs)
         finally:
-            os.kill(os.getpid(), signal.SIGTERM)  # the second, as the stopped run unwinds
+            kill()  # the second, as the stopped run unwinds
 
-    trainer.train = train_then_a_signal
-sys.exit(cli.run(argv))
+    trainer.Trainer.train_step = step_with_signals
+    if where == "save":
+        torch.save = save_after_a_signal
+    if where == "late":
+        trainer.train = train_then_a_signal
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            rc = cli.run(argv)
+    finally:
+        trainer.Trainer.train_step, torch.save, trainer.train = step, save, train
+    return {"rc": rc, "lines": err.getvalue().splitlines()}
+
+runs = json.loads(sys.argv[1])
+print(json.dumps({name: scenario(where, argv) for name, (where, argv) in runs.items()}))
 """
+SCENARIOS = {  # name: (where the second signal comes, extra options)
+    "in-save": ("save", []),
+    "late": ("late", []),
+    "in-step-after-a-save": ("step", ["--save-interval", "1"]),
+    "in-step-before-any-save": ("step", []),
+}
 
 
-def two_signals(where: str, save, *extra: str) -> subprocess.CompletedProcess:
-    options = train_command(save, "--train-iters", "5", *extra)[4:]  # after `graphsan train`
-    return subprocess.run(
-        [sys.executable, "-c", TWO_SIGNALS, where, *options],
+@pytest.fixture(scope="module")
+def two_signals(tmp_path_factory):
+    """Each scenario's (exit status, error lines, --save folder), from one child process."""
+    root = tmp_path_factory.mktemp("two-signals")
+    runs = {
+        name: (where, train_command(root / name, "--train-iters", "5", *extra)[4:])
+        for name, (where, extra) in SCENARIOS.items()
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", TWO_SIGNALS, json.dumps(runs)],
         capture_output=True,
         text=True,
         env=ENV,
-        timeout=300,
+        timeout=600,
     )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {name: (r["rc"], r["lines"], root / name) for name, r in ended.items()}
 
 
-def test_a_second_signal_during_the_save_waits_for_it(tmp_path):
-    save = tmp_path / "ckpt"
-    proc = two_signals("save", save)
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [
+def test_a_second_signal_during_the_save_waits_for_it(two_signals):
+    rc, lines, save = two_signals["in-save"]
+    assert rc == 128 + signal.SIGTERM, lines
+    assert lines == [
         f"graphsan train: error: stopped by SIGTERM after iteration 2; checkpoint saved to {save}"
     ]
     assert sorted(os.listdir(save)) == ["latest.pt"]
     assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == 2
 
 
-def test_a_second_signal_as_the_stopped_run_ends_keeps_its_line(tmp_path):
-    save = tmp_path / "ckpt"
-    proc = two_signals("late", save)
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [
+def test_a_second_signal_as_the_stopped_run_ends_keeps_its_line(two_signals):
+    rc, lines, save = two_signals["late"]
+    assert rc == 128 + signal.SIGTERM, lines
+    assert lines == [
         f"graphsan train: error: stopped by SIGTERM after iteration 2; checkpoint saved to {save}"
     ]
     assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == 2
 
 
 def test_a_second_signal_during_the_iteration_says_nothing_was_saved_and_where_the_last_is(
-    tmp_path,
+    two_signals,
 ):
-    save = tmp_path / "ckpt"
-    proc = two_signals("step", save, "--save-interval", "1")
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [
+    rc, lines, save = two_signals["in-step-after-a-save"]
+    assert rc == 128 + signal.SIGTERM, lines
+    assert lines == [
         "graphsan train: error: stopped by SIGTERM during iteration 2, which was not saved; "
         f"the last checkpoint is {save / 'latest.pt'} (iteration 1)"
     ]
@@ -264,11 +286,10 @@ def test_a_second_signal_during_the_iteration_says_nothing_was_saved_and_where_t
     assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == 1
 
 
-def test_a_second_signal_before_any_save_says_this_run_saved_none(tmp_path):
-    save = tmp_path / "ckpt"
-    proc = two_signals("step", save)
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [
+def test_a_second_signal_before_any_save_says_this_run_saved_none(two_signals):
+    rc, lines, save = two_signals["in-step-before-any-save"]
+    assert rc == 128 + signal.SIGTERM, lines
+    assert lines == [
         "graphsan train: error: stopped by SIGTERM during iteration 2, which was not saved; "
         "this run saved no checkpoint"
     ]
