@@ -7,6 +7,7 @@ memory is replaced by a figure here: nothing large is ever allocated."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from graphsan.lab.train import device, trainer
 from graphsan.lab.train.cli import EXIT_OUT_OF_MEMORY, run
@@ -65,6 +66,19 @@ def test_the_meta_device_runs_each_preset_step(preset):
     (peak1, held1), (peak2, held2) = one, two
     assert 0 < held1 <= peak1 and 0 < held2 <= peak2
     assert held2 > held1 and peak2 > peak1
+
+
+def test_the_count_on_the_meta_device_is_what_the_cpu_step_holds():
+    """The same step run on the CPU, its tensors counted the same way: the meta device's count
+    (attention counted as the fused kernels allocate, not as the math path's scores) is close
+    to it."""
+    cfg = TrainConfig(preset="tiny", device="cpu", micro_batch_size=2, seq_length=256)
+    peak, _ = device.step_memory(cfg)
+    model = device.build_model(cfg.model_args(), device="cpu", seed=0)
+    tokens = torch.randint(0, cfg.model_args().vocab_size, (2, 256))
+    with device._LiveBytes() as count:
+        model(tokens, tokens)["loss"].backward()
+    assert 0.8 < peak / count.peak < 1.25, (peak, count.peak)
 
 
 MEMINFO = "MemTotal:       32000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20971520 kB\n"

@@ -19,8 +19,10 @@ import contextlib
 import os
 import weakref
 from pathlib import Path
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -113,12 +115,38 @@ def step_memory(cfg: TrainConfig) -> tuple[int, int] | None:
     return _STEPS[key]
 
 
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel (flash or memory-efficient, on CPU and CUDA) allocates: the
+    output and a float32 log-sum-exp per query, kept for the backward with the inputs, and the
+    three gradients. On the meta device torch takes the math path instead, which holds the
+    sequence-by-sequence scores that the real kernels never make."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fused_attention(q, k, v, *args, **kwargs):
+    return _FusedAttention.apply(q, k, v)
+
+
 def _count_step(args, micro_batch_size: int, seq_length: int) -> tuple[int, int] | None:
     model = build_model(args, device="meta")
     model.train()
     tokens = torch.zeros(micro_batch_size, seq_length, dtype=torch.long, device="meta")
     try:
-        with _LiveBytes() as count:
+        # the model calls F.scaled_dot_product_attention: counted as the fused kernels allocate
+        with (
+            mock.patch.object(F, "scaled_dot_product_attention", _fused_attention),
+            _LiveBytes() as count,
+        ):
             out = model(tokens, tokens)
             held = count.now  # what the forward keeps for the backward
             out["loss"].backward()
