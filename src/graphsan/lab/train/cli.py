@@ -230,9 +230,9 @@ def main(args: argparse.Namespace) -> int:
     """Run `graphsan train`: a bad option gives one error line and exit status 2, a run that
     diverges one line and exit status 1, running out of memory one line naming the options to
     lower and EXIT_OUT_OF_MEMORY, a checkpoint the system would not write one line naming the
-    last good one and EXIT_SAVE_FAILED; Ctrl-C, SIGTERM, SIGHUP and SIGUSR1 finish the iteration in
-    flight, save it and give one line and 128 + the signal's number (at once outside training's
-    loop, or for a second signal)."""
+    last good one and EXIT_SAVE_FAILED; Ctrl-C, SIGTERM, SIGHUP and SIGUSR1 finish the
+    iteration in flight, save it and give one line and 128 + the signal's number (at once
+    outside training's loop, or for a second signal, which lets a checkpoint's write finish)."""
     stop = StopSignals(COMMAND_LINE_SIGNALS)
     try:
         with stop.at_once():
@@ -289,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="graphsan train",
         description=__doc__.split("\n")[0],
         epilog="Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 finish the iteration in flight, save it to "
-        "--save and stop (a second one stops at once, but lets a checkpoint being written finish; "
-        "the line says what was saved and where the last good checkpoint is). Exit statuses: 0 trained, 1 the loss "
+        "--save and stop (a second one stops at once, but lets a checkpoint being written "
+        "finish; the line says what was saved and where the last good checkpoint is). Exit "
+        "statuses: 0 trained, 1 the loss "
         f"diverged, 2 a bad option, {EXIT_OUT_OF_MEMORY} out of memory (the line names the "
         f"options to lower), {EXIT_SAVE_FAILED} a checkpoint could not be written (a full "
         "disk: the line names the last good one), 128 + N stopped by signal N (130 Ctrl-C, "
