@@ -154,6 +154,9 @@ def pytest_configure(config: pytest.Config) -> None:
     _set_source_root(config.getoption("graphsan_source_root", None))
     import graphsan
 
+    # a session inside a process that already watches (pytest's own in-process runs) leaves
+    # that watch on at its end; otherwise the session's end turns off what it turned on
+    config._graphsan_owned = not graphsan._enabled
     config._graphsan = graphsan.enable(policy=policy)
     config._graphsan.suppressions = entries
     config._graphsan_workers = {}  # on xdist's controller: worker id -> its report's JSON text
@@ -176,6 +179,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         from graphsan.core.locations import set_source_root
 
         set_source_root(None)  # the next in-process session finds its own roots
+        if getattr(config, "_graphsan_owned", False):
+            import graphsan
+
+            graphsan.disable()
 
 
 @pytest.hookimpl(hookwrapper=True)
