@@ -158,12 +158,16 @@ class FakeAllocator:
 
     `Graph` is `torch._C._CUDAGraph` over it: `capture_begin` registers the default generator
     (whose seed and offset holders, two blocks, are made for the first graph registered and
-    freed with the last), enters the generator's capture, then begins allocating to the pool,
-    in that order, as torch 2.11 does; so a capture that cannot begin leaves the generator
-    capturing (`generator_capturing`)."""
+    freed with the last), enters the generator's capture, begins allocating to the pool, then
+    takes a use of the same pool in the pinned host allocator, in that order, as torch 2.11
+    does. The host allocator keeps a pool's use count apart (`host_uses`): a graph's reset gives
+    its use back, and a pool whose last graph was reset cannot be captured into again (torch's
+    internal assert). A capture that cannot begin leaves the generator capturing
+    (`generator_capturing`) and, past the first step, the pool being allocated to."""
 
     def __init__(self) -> None:
         self.uses: dict[tuple, int] = {}
+        self.host_uses: dict[tuple, int] = {}
         self.recording: list[tuple] = []
         self.segments: dict[tuple, int] = {}
         self.live: dict[tuple, int] = {}
@@ -192,6 +196,7 @@ class FakeAllocator:
                 alloc.generator_capturing = True
                 pool = tuple(pool) if pool is not None else alloc.graph_pool_handle()
                 alloc.begin(0, pool)
+                alloc._use(alloc.host_uses, pool)
                 self.pool = pool
 
             def capture_end(self) -> None:
@@ -202,6 +207,7 @@ class FakeAllocator:
             def reset(self) -> None:
                 if self.ended:
                     alloc.release(0, self.pool)
+                    alloc.host_uses[self.pool] -= 1
                     self.ended = False
 
             def __del__(self) -> None:
@@ -218,11 +224,7 @@ class FakeAllocator:
 
     def begin(self, device: int, pool) -> None:
         pool = tuple(pool)
-        if pool in self.uses:
-            assert self.uses[pool] > 0, "INTERNAL ASSERT FAILED: it->second->use_count > 0"
-            self.uses[pool] += 1
-        else:
-            self.uses[pool] = 1
+        self._use(self.uses, pool)
         if pool in self.recording:
             raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
         self.recording.append(pool)
@@ -247,6 +249,13 @@ class FakeAllocator:
 
     def pools_holding_segments(self) -> dict[tuple, int]:
         return {pool: n for pool, n in self.segments.items() if n}
+
+    @staticmethod
+    def _use(uses: dict, pool: tuple) -> None:
+        """A new pool's first use, or one more of a pool still in use (torch's assert else)."""
+        if pool in uses and uses[pool] <= 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        uses[pool] = uses.get(pool, 0) + 1
 
     def _allocate(self) -> tuple:
         pool = self.recording[-1] if self.recording else (0, 0)

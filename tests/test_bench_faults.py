@@ -107,6 +107,14 @@ def test_every_kind_is_described_in_the_docstring_and_in_coverage_md():
     assert set(fi.MGC_FAULTS) == set(MGC_KINDS) and set(MGC_KINDS) <= set(bf.KINDS)
 
 
+def test_every_kind_has_a_row_in_coverage_md_results_measured_or_not():
+    results = (ROOT / "docs" / "coverage.md").read_text().split("### Results")[1]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| ([a-z-]+) \| ([^|]+) \|", results, re.M)}
+    assert sorted(set(bf.KINDS) - set(rows)) == []
+    for kind in bf.KINDS:
+        assert rows[kind].strip().isdigit() or "not measured" in rows[kind], (kind, rows[kind])
+
+
 # ---- the make_graphed_callables side model ----
 def test_the_side_model_trains_and_goes_back_to_training_mode_after_eval():
     mgc = _blocks()

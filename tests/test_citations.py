@@ -175,15 +175,7 @@ def test_citations_are_found_in_text():
 
 # ----------------------------------------------------------------------------- what ships
 # recorded before the code moved on; scripts/make_samples.py records them again on a GPU
-STALE = {
-    "stale-input": "examples/stale_input.py gained its no-GPU check (8 lines above the code)",
-    "te3316-case4": "the lab's trainer, graphs and linear layers moved, and "
-    "lab/quant/kernels/launch.py was split",
-    "README.md:stale-input": "examples/stale_input.py gained its no-GPU check (8 lines above "
-    "the code)",
-    "docs/te-3316.md:te3316-case4": "the lab's models, trainer and linear layers moved, and "
-    "lab/quant/triton_kernels.py became lab/quant/kernels/",
-}
+STALE: dict[str, str] = {}  # sample name -> what moved since it was recorded
 
 
 def _stale(name: str):

@@ -171,7 +171,7 @@ def test_a_report_that_cannot_be_written_at_the_end_is_printed_instead(prog, tmp
     folder = tmp_path / "reports"
     folder.mkdir()
     script = prog(f"import shutil; shutil.rmtree({str(folder)!r})\n")
-    assert main(["run", "--report", str(folder / "out.json"), script]) == 1
+    assert main(["run", "--report", str(folder / "out.json"), script]) == 6
     err = lines(capsys.readouterr().err)
     assert err[0].startswith(f"graphsan run: error: could not write the report to {folder}")
     assert err[1].startswith("graphsan report: 0 graph(s), 0 node(s) analysed, 0 finding(s)")
@@ -406,3 +406,152 @@ def test_help_and_listings_start_without_importing_torch(argv):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "TORCH False", proc.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------- big and odd inputs
+def test_deeply_nested_json_is_one_line_not_a_recursion_traceback(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    data = _saved_report(tmp_path)
+    nest: list = []
+    for _ in range(900):  # within what the JSON reader follows, past what a report holds
+        nest = [nest]
+    data["graphs"][0]["extra"] = nest
+    inner = tmp_path / "inner.json"
+    inner.write_text(json.dumps(data))
+    for path in (deep, inner):
+        for extra in ([], ["--html", str(tmp_path / "p.html")]):
+            assert main(["report", str(path), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == 2 * [
+        f"graphsan report: error: {deep}: not a graphsan report (its JSON nests deeper than "
+        "Python's JSON reader follows; a report nests at most 64 levels)"
+    ] + 2 * [
+        f"graphsan report: error: {inner}: not a valid graphsan report: graphs[0].extra"
+        "[0][0][0][0][0][0][0][0][0][0][0][0][0][0]... nests deeper than 64 levels; expected at "
+        "most 64"
+    ]
+    assert not (tmp_path / "p.html").exists()
+
+
+def test_a_deeply_nested_suppression_file_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["report", "--sample", "stale-input", "--suppressions", str(deep)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"graphsan report: error: --suppressions {deep}: nested deeper than the YAML reader "
+        "follows; expected a list of suppressions (- name: ...)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--sample", "te3316-case4"], ["--sample", "te3316-case4", "--html", "-"]],
+    ids=["text", "page"],
+)
+def test_a_reader_that_leaves_early_ends_report_as_it_ends_cat(argv):
+    """`graphsan report ... | head -1` exited 1, which the exit table says report never does;
+    now 141 (128 + SIGPIPE), what a shell shows for `cat`, and nothing on stderr. The reader
+    here leaves before the command writes anything: every write then meets the closed pipe."""
+    proc = subprocess.Popen(
+        [*CONSOLE, "report", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV
+    )
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == ""
+
+
+def test_an_unknown_variable_is_warned_about_once(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    env = dict(ENV, GRAPHSAN_FOO="1")
+    proc = subprocess.run(
+        [*CONSOLE, "run", str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    said = [ln for ln in proc.stderr.splitlines() if "GRAPHSAN_FOO" in ln]
+    assert said == [
+        "graphsan run: warning: GRAPHSAN_FOO is set but graphsan reads no such variable (it "
+        "reads GRAPHSAN_TRACELOG, GRAPHSAN_ATTACH, GRAPHSAN_NO_TRITON)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv", [["run", "--help"], ["run", "-h", "x.py"], ["report", "--help"], ["selftest", "-h"]]
+)
+def test_help_holds_whatever_the_environment_says(monkeypatch, capsys, argv):
+    monkeypatch.setenv("GRAPHSAN_TRACELOG", "7")
+    assert status(argv) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("usage: graphsan ") and "GRAPHSAN_TRACELOG" not in out.err
+
+
+def test_the_programs_own_help_still_needs_a_good_environment(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GRAPHSAN_TRACELOG", "7")
+    assert status(["run", str(tmp_path / "x.py"), "--help"]) == 2
+    assert "GRAPHSAN_TRACELOG='7'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--html", "--trace"])
+def test_gen_suppressions_with_a_page_is_refused_not_dropped(tmp_path, capsys, option):
+    out = tmp_path / "x.html"
+    argv = ["report", "--sample", "stale-input", "--gen-suppressions", option, str(out)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "graphsan report: error: --gen-suppressions prints suppression entries and exits; it "
+        f"writes no page or trace (expected {option} in a run of its own)"
+    ]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("path", ["/proc/x.html", "page.html"])
+def test_repro_list_checks_its_page_path_and_says_it_draws_none(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    proc = subprocess.run(
+        [*CONSOLE, "repro", "--list", "--html", path],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"graphsan repro: error: --html {path}: "), err
+    if path == "page.html":
+        assert err[0].endswith(
+            "--list runs no case, so there is no matrix to draw (expected --html without --list)"
+        )
+    else:
+        assert "cannot write in /proc" in err[0]
+    assert os.listdir(tmp_path) == []
+
+
+def test_report_refuses_a_source_root_that_is_nowhere(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--sample", "stale-input", "--source-root", "missingdir"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "graphsan report: error: --source-root missingdir: does not exist here, and no frame of "
+        "the reports lies under it; expected the project's root folder (for another machine's "
+        "report: the root as it was there)"
+    ]
+    (tmp_path / "afile").write_text("")
+    assert main(["report", "--sample", "stale-input", "--source-root", "afile"]) == 2
+    assert "--source-root afile: is not a folder" in capsys.readouterr().err
+
+
+def test_the_page_and_trace_do_not_carry_the_folders_of_the_machine_that_drew_them(
+    tmp_path, monkeypatch
+):
+    from graphsan.report.json_report import sample_path
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "--sample", "stale-input", "--html", "s.html", "--trace", "s.json"]) == 0
+    samples = os.path.dirname(sample_path("stale-input"))
+    for name in ("s.html", "s.json"):
+        text = (tmp_path / name).read_text()
+        assert samples not in text and "stale-input.json" in text, name
+    (tmp_path / "runs").mkdir()
+    Report(watched=True).save(str(tmp_path / "runs" / "r.json"))
+    assert main(["report", str(tmp_path / "runs" / "r.json"), "--html", "r.html"]) == 0
+    page = (tmp_path / "r.html").read_text()
+    assert str(tmp_path) not in page and "runs/r.json" in page

@@ -1,16 +1,23 @@
 """CPU: nothing graphsan writes can cost the user a file. Every output goes through one helper
 (`graphsan.report.output.writing`: a temporary file beside the target, then a rename), so a
-failed write leaves the old file whole and no temporary file behind; `run --report` refuses
-the script itself and any existing file that is not a report; two outputs naming one file are
-refused; the loader refuses NaN and infinities, naming the field; `-` is stdout where an
-option takes it, and one line elsewhere."""
+failed write leaves the old file whole and no temporary file behind; a FIFO or a character
+device is written in place, never replaced; a relative path is resolved where the command
+started; a full disk is one line and exit 6 (a failing pytest run for the plugin); `run
+--report`, `selftest --json` and `repro --json` refuse the script itself and any existing file
+that is not their own output; two outputs naming one file are refused; the loader refuses NaN
+and infinities, naming the field; `-` is stdout where an option takes it, and one line
+elsewhere."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import errno
 import json
 import os
+import select
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +27,7 @@ from graphsan.report import Report
 from graphsan.report.output import same_output, write_output, writing
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["pytester"]
 
 
 def err_lines(capsys) -> list[str]:
@@ -234,11 +242,10 @@ def test_selftest_json_goes_to_stdout_with_dash(capsys):
 
 
 def test_repro_refuses_stdout_for_its_page(capsys):
-    with pytest.raises(SystemExit) as stop:  # the option's check ends the parse
-        main(["repro", "--html", "-", "--list"])
-    assert stop.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--html -: this page cannot go to stdout here" in err[0]
+    assert main(["repro", "--html", "-", "--list"]) == 2
+    assert err_lines(capsys) == [
+        "graphsan repro: error: --html -: the page cannot go to stdout; expected a file path"
+    ]
 
 
 # ----------------------------------------------------------------------------- the loader
@@ -272,3 +279,270 @@ def test_a_non_finite_number_in_a_free_form_field_is_refused_too(tmp_path):
     path.write_text(json.dumps(data).replace("1.0", "NaN"))
     with pytest.raises(ValueError, match=r"graphs\[0\]\.analysis_ms_by_stage\.walk is NaN"):
         Report.load(str(path))
+
+
+# ----------------------------------------------------------------------------- special files
+def _writers(tmp_path) -> dict:
+    """Each writer of graphsan, as a function of the output path: its exit status."""
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    report = tmp_path / "in.json"
+    Report(watched=True).save(str(report))
+    return {
+        "run --report": lambda out: main(["run", "--report", out, str(script)]),
+        "report --html": lambda out: main(["report", "--html", out, str(report)]),
+        "report --trace": lambda out: main(["report", "--trace", out, str(report)]),
+        "selftest --json": lambda out: main(["selftest", "--list", "-k", "optim/", "--json", out]),
+        "repro --json": lambda out: main(["repro", "--list", "--json", out]),
+    }
+
+
+WRITERS_BY_NAME = ["run --report", "report --html", "report --trace"]
+WRITERS_BY_NAME += ["selftest --json", "repro --json"]
+
+
+def _char_device(path: Path) -> None:
+    """A character device like /dev/null at `path` (root only: mknod), or skip."""
+    if os.geteuid() != 0:
+        pytest.skip("mknod needs root: the FIFO variant stands for this writer")
+    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    try:
+        os.close(os.open(path, os.O_WRONLY))
+    except OSError as err:  # a filesystem mounted nodev
+        pytest.skip(f"this filesystem refuses device nodes ({err.strerror})")
+
+
+@contextlib.contextmanager
+def _fifo_reader(path: Path):
+    """A FIFO at `path`, drained by a thread while the block runs; yields a list that holds what
+    was read once the block ends. The read end is open (non-blocking) before the writer comes,
+    so a writer that opens the FIFO never waits, and one that never does blocks nothing."""
+    os.mkfifo(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def drain():
+        while True:
+            select.select([fd], [], [], 0.05)
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if chunk:
+                got.append(chunk)
+            elif done.is_set():  # no writer any more, and the writer has finished
+                return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    out: list[bytes] = []
+    try:
+        yield out
+    finally:
+        done.set()
+        reader.join()
+        os.close(fd)
+        out.append(b"".join(got))
+
+
+@pytest.mark.parametrize("writer", WRITERS_BY_NAME)
+def test_a_character_device_is_written_in_place_never_replaced(tmp_path, capsys, writer):
+    """`graphsan run --report /dev/null x.py`, run as root, once deleted /dev/null."""
+    dev = tmp_path / "mynull"
+    _char_device(dev)
+    assert _writers(tmp_path)[writer](str(dev)) == 0
+    assert stat.S_ISCHR(os.stat(dev).st_mode) and os.stat(dev).st_rdev == os.makedev(1, 3)
+    assert sorted(os.listdir(tmp_path)) == ["hello.py", "in.json", "mynull"]
+
+
+@pytest.mark.parametrize("writer", WRITERS_BY_NAME)
+def test_a_fifo_is_written_in_place_never_replaced(tmp_path, capsys, writer):
+    fifo = tmp_path / "pipe"
+    with _fifo_reader(fifo) as got:
+        assert _writers(tmp_path)[writer](str(fifo)) == 0
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert got[0].lstrip()[:1] in (b"{", b"[", b"<")  # the output came through the FIFO
+    assert sorted(os.listdir(tmp_path)) == ["hello.py", "in.json", "pipe"]
+
+
+def test_the_plugin_writes_a_fifo_in_place(pytester):
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    fifo = pytester.path / "pipe"
+    with _fifo_reader(fifo) as got:
+        result = pytester.runpytest("--graphsan=record", "--graphsan-report", str(fifo))
+    assert result.ret == 0 and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert json.loads(got[0])["schema"] == "graphsan.report"
+
+
+def test_a_block_device_or_a_socket_is_refused_in_one_line(tmp_path, capsys):
+    import socket
+
+    sock_path = tmp_path / "s.sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    try:
+        assert main(["report", "--sample", "stale-input", "--html", str(sock_path)]) == 2
+    finally:
+        sock.close()
+    assert err_lines(capsys) == [
+        f"graphsan report: error: --html {sock_path}: is a socket; expected a regular file, a "
+        "FIFO or a character device"
+    ]
+    assert stat.S_ISSOCK(os.stat(sock_path).st_mode)
+
+
+def test_the_writer_itself_refuses_what_it_cannot_write_in_place(tmp_path):
+    import socket
+
+    sock_path = tmp_path / "s.sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    try:
+        with pytest.raises(OSError, match="is a socket; expected a regular file"):
+            write_output(str(sock_path), "x")
+    finally:
+        sock.close()
+    assert stat.S_ISSOCK(os.stat(sock_path).st_mode)
+
+
+# ----------------------------------------------------------------------------- the caller's folder
+def test_run_writes_the_report_where_it_started_whatever_folder_the_program_moves_to(
+    tmp_path, monkeypatch, capsys
+):
+    """Hydra apps change folder by default: the report once went to other/keep.txt, a text
+    file the guard had not looked at."""
+    (tmp_path / "other").mkdir()
+    kept = tmp_path / "other" / "keep.txt"
+    kept.write_text("notes\n")
+    (tmp_path / "s.py").write_text("import os\nos.chdir('other')\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--policy", "record", "--report", "keep.txt", "s.py"]) == 0
+    assert kept.read_text() == "notes\n"
+    assert Report.load(str(tmp_path / "keep.txt")).policy == "record"
+    assert "graphsan: report written to keep.txt" in capsys.readouterr().err
+
+
+def test_output_paths_are_resolved_once_in_the_current_folder(tmp_path, monkeypatch):
+    from graphsan.report.output import output_path
+
+    monkeypatch.chdir(tmp_path)
+    assert output_path("out.json") == str(tmp_path / "out.json") and output_path("-") == "-"
+
+
+# ----------------------------------------------------------------------------- a full disk
+@pytest.fixture
+def full_disk(monkeypatch):
+    """Every file graphsan writes fails as on a full disk (when its data reaches the disk)."""
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+
+
+def _no_temporary(folder) -> bool:
+    return not [name for name in os.listdir(folder) if name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["selftest", "--list", "-k", "optim/", "--json"], "--json"),
+        (["repro", "--list", "--json"], "--json"),
+        (["report", "--sample", "stale-input", "--html"], "--html"),
+        (["report", "--sample", "stale-input", "--trace"], "--trace"),
+    ],
+)
+def test_a_full_disk_is_one_line_and_exit_6(tmp_path, capsys, full_disk, argv, option):
+    out = str(tmp_path / "out.json")
+    assert main([*argv, out]) == 6
+    command = argv[0]
+    lines = [ln for ln in err_lines(capsys) if "error" in ln]
+    assert lines == [
+        f"graphsan {command}: error: {option} {out}: cannot write (No space left on device)"
+    ]
+    assert os.listdir(tmp_path) == []
+
+
+def test_run_on_a_full_disk_prints_the_report_instead_and_exits_6(tmp_path, capsys, full_disk):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    out = tmp_path / "out.json"
+    assert main(["run", "--report", str(out), str(script)]) == 6
+    err = err_lines(capsys)
+    assert err[0] == (
+        f"graphsan run: error: could not write the report to {out} (No space left on device); "
+        "here it is instead:"
+    )
+    assert err[1].startswith("graphsan report: 0 graph(s)")
+    assert sorted(os.listdir(tmp_path)) == ["hello.py"]
+
+
+def test_the_plugin_on_a_full_disk_fails_the_pytest_run(pytester, full_disk):
+    """It once said so and exited 0: CI passed without a report."""
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    result = pytester.runpytest("--graphsan=record", "--graphsan-report", "out.json")
+    assert result.ret == 6
+    said = [ln for ln in result.outlines if "could not write" in ln]
+    assert said == [
+        "graphsan: error: could not write the report to out.json (No space left on device)"
+    ]
+    assert _no_temporary(pytester.path) and not (pytester.path / "out.json").exists()
+
+
+def test_the_plugin_keeps_a_failing_runs_own_status(pytester, full_disk):
+    pytester.makepyfile("def test_bad():\n    assert False\n")
+    result = pytester.runpytest("--graphsan=record", "--graphsan-report", "out.json")
+    assert result.ret == 1 and _no_temporary(pytester.path)
+
+
+# ----------------------------------------------------------------------------- what is replaced
+@pytest.mark.parametrize("command", ["selftest", "repro"])
+@pytest.mark.parametrize("content", ["notes\n", "graphsan report"])
+def test_selftest_and_repro_json_refuse_a_file_that_is_not_their_own(
+    tmp_path, capsys, command, content
+):
+    path = tmp_path / "out.json"
+    if content == "graphsan report":
+        Report(watched=True).save(str(path))
+    else:
+        path.write_text(content)
+    before = path.read_bytes()
+    argv = ["selftest", "--list", "-k", "optim/"] if command == "selftest" else ["repro", "--list"]
+    assert main([*argv, "--json", str(path)]) == 2
+    assert err_lines(capsys) == [
+        f"graphsan {command}: error: --json {path}: the file exists and is not graphsan "
+        f"{command}'s JSON; writing the JSON would replace it (expected a new path, or an earlier "
+        f"{command} JSON to overwrite)"
+    ]
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", ["selftest", "repro"])
+def test_selftest_and_repro_json_replace_an_empty_file_or_their_own(tmp_path, capsys, command):
+    path = tmp_path / "out.json"
+    path.write_text("")
+    argv = ["selftest", "--list", "-k", "optim/"] if command == "selftest" else ["repro", "--list"]
+    assert main([*argv, "--json", str(path)]) == 0
+    first = json.loads(path.read_text())
+    assert main([*argv, "--json", str(path)]) == 0
+    assert json.loads(path.read_text()) == first and first
+
+
+def test_selftest_results_are_their_own_too(tmp_path):
+    from graphsan.selftest.runner import is_selftest_json, to_json, write_json
+
+    path = tmp_path / "results.json"
+    write_json(str(path), to_json([], {"torch": "x", "gpu": "y", "seconds": 1.0}))
+    assert is_selftest_json(str(path))
+
+
+def test_repro_results_are_their_own_too(tmp_path):
+    from graphsan.lab.repro.cases import CASES
+    from graphsan.lab.repro.cli import is_repro_json
+
+    path = tmp_path / "results.json"
+    rows = [{"case": CASES[0].to_json(), "result": {"outcome": "trained"}}]
+    write_output(str(path), json.dumps(rows, indent=1) + "\n")
+    assert is_repro_json(str(path))

@@ -1,10 +1,18 @@
-"""CPU: what the package index shows and the wheel holds. README.md is the index page, where a
-link relative to the source tree (docs/*.md, examples/*) or to a heading leads nowhere: every
-link in it is absolute. The license, the typing marker and the page templates ship."""
+"""CPU: what the package index shows, and what the wheel and the source distribution hold.
+README.md is the index page, where a link relative to the source tree (docs/*.md, examples/*) or
+to a heading leads nowhere: every link in it is absolute, and the paths it names in code form
+are files of the source distribution, which holds the source tree (MANIFEST.in): the whole test
+suite, which collects there without an error, and the docs, examples, benches and scripts. The
+license, the typing marker and the page templates ship."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -70,3 +78,93 @@ def test_the_project_metadata_names_its_license_and_ships_the_typing_marker():
     license_text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert "Copyright 2026 The graphsan authors" in license_text
+
+
+# what the source distribution is built from: the tree less what a checkout gathers by running
+SOURCES = ["pyproject.toml", "MANIFEST.in", "README.md", "LICENSE"]
+SOURCES += ["src", "tests", "docs", "examples", "bench", "scripts"]
+NOT_SOURCE = ("__pycache__", "*.py[cod]", "*.egg-info", "*.so", "*.o")
+
+
+def tree_files(folder: Path) -> set[str]:
+    """The files under `folder`, as paths from the checkout's root, less built ones."""
+    out = set()
+    for path in folder.rglob("*"):
+        rel = path.relative_to(ROOT)
+        if path.is_file() and not any(
+            rel.match(p) or p.strip("*") in rel.parts for p in NOT_SOURCE
+        ):
+            out.add(rel.as_posix())
+    return out
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory) -> Path:
+    """The source distribution, built (as `python -m build --sdist` does, without its
+    isolated environment) from a copy of the tree, and unpacked: its top folder."""
+    pytest.importorskip("setuptools", minversion="77")  # pyproject.toml's build requirement
+    work = tmp_path_factory.mktemp("sdist")
+    tree = work / "tree"
+    tree.mkdir()
+    ignore = shutil.ignore_patterns(*NOT_SOURCE)
+    for name in SOURCES:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, tree / name, ignore=ignore)
+        elif src.is_file():
+            shutil.copy2(src, tree / name)
+    build = (
+        "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", build, str(work / "dist")],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    name = done.stdout.strip().splitlines()[-1]
+    with tarfile.open(work / "dist" / name) as tar:
+        tar.extractall(work / "unpacked", filter="data")
+    (top,) = (work / "unpacked").iterdir()
+    return top
+
+
+def sdist_files(top: Path) -> set[str]:
+    return {p.relative_to(top).as_posix() for p in top.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_the_sdist_ships_the_whole_test_suite(sdist):
+    shipped = sdist_files(sdist)
+    suite = tree_files(ROOT / "tests")
+    assert {"tests/conftest.py", "tests/fake_cuda.py", "tests/lab/conftest.py"} <= suite
+    assert sorted(suite - shipped) == []
+    assert sorted(p for p in shipped - suite if p.startswith("tests/")) == []
+
+
+@pytest.mark.slow
+def test_the_paths_the_readme_names_are_in_the_sdist(sdist):
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"`((?:docs|examples|bench|scripts|tests)/[\w./-]+\.\w+)`", readme))
+    files = {p for p in named if (ROOT / p).is_file()}  # not an example such as scripts/train.py
+    assert {"docs/te-3316.md", "examples/stale_input.py", "bench/bench_faults.py"} <= files
+    assert sorted(files - sdist_files(sdist)) == []
+
+
+@pytest.mark.slow
+def test_the_suite_collects_in_the_unpacked_sdist(sdist):
+    env = dict(os.environ, PYTHONPATH=str(sdist / "src"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=sdist,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    tail = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, tail
+    assert " error" not in done.stdout.splitlines()[-1], tail
+    assert re.search(r"^\d+ tests collected", done.stdout.splitlines()[-1]), tail

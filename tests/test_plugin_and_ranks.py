@@ -234,6 +234,22 @@ def test_step_counts_and_returns_the_step():
     assert graphsan.step(0) == start + 3
 
 
+def test_a_session_with_the_plugin_turns_off_what_it_turned_on(pytester):
+    """An in-process pytest session (pytest's own runs of pytest) leaves the process as it
+    found it: graphsan off again, or still on where the process had turned it on."""
+    import graphsan
+
+    pytester.makepyfile("def test_ok():\n    assert True\n")
+    assert pytester.runpytest("--graphsan=record").ret == 0
+    assert not graphsan._enabled
+    san = graphsan.enable("warn")
+    try:
+        assert pytester.runpytest("--graphsan=record").ret == 0
+        assert graphsan._enabled and graphsan.current() is san
+    finally:
+        graphsan.disable()
+
+
 def test_pytest_plugin_option(pytester):
     pytester.makepyfile("def test_ok():\n    assert True\n")
     result = pytester.runpytest("--graphsan=record")

@@ -123,6 +123,19 @@ def test_a_source_root_that_is_not_a_folder_is_one_usage_error(pytester):
     )
 
 
+def test_a_deeply_nested_suppression_file_is_one_usage_error(pytester):
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    (pytester.path / "deep.yaml").write_text("[" * 100_000 + "]" * 100_000)
+    result = pytester.runpytest("--graphsan=record", "--graphsan-suppressions", "deep.yaml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: --graphsan-suppressions deep.yaml: nested deeper than the YAML reader "
+            "follows; expected a list of suppressions (- name: ...)"
+        ]
+    )
+
+
 def test_combine_keeps_every_process_and_renumbers_graph_ids():
     a = Report([finding()], [{"id": 3, "nodes": 12}], events=[{"t": 2.0, "graph": 3}])
     second = GraphInfo(1, "other", [("train.py", 9, "capture")], (1, 0), 0)

@@ -181,3 +181,25 @@ def test_the_page_fits_its_width_in_a_browser(tmp_path, make, width):
     assert page.values["tables"] == []
     assert page.values["svg_text"] == []
     assert page.values["overflow"] <= 0
+
+
+# the labels under each block's-life axis ("before", then the ticks) that run into each other
+LIFE_AXIS_OVERLAP = """[...document.querySelectorAll("svg.life-strip")].flatMap(svg => {
+  const texts = [...svg.querySelectorAll("text")];
+  const low = Math.max(...texts.map(t => parseFloat(t.getAttribute("y"))));
+  const axis = texts.filter(t => parseFloat(t.getAttribute("y")) === low)
+    .map(t => ({text: t.textContent, box: t.getBBox()})).sort((a, b) => a.box.x - b.box.x);
+  return axis.slice(1).filter((t, i) => t.box.x < axis[i].box.x + axis[i].box.width + 2)
+    .map((t, i) => `${axis[i].text} / ${t.text}`);
+})"""
+
+
+@needs_browser
+def test_the_life_axis_labels_do_not_overlap_in_a_browser(tmp_path):
+    """The stale-input sample's first tick (+0.0412 s) sits 5 px right of the axis's start,
+    where its centred label ran into "before"."""
+    html = tmp_path / "stale.html"
+    assert main(["report", "--sample", "stale-input", "--html", str(html)]) == 0
+    page = open_page(BROWSER, str(html), None, probes={"overlap": LIFE_AXIS_OVERLAP})
+    check_page(page, ["The block's life", "before"])
+    assert page.values["overlap"] == []

@@ -289,12 +289,11 @@ def test_bad_output_paths_are_one_line_errors(tmp_path, capsys, option):
 
 
 def test_repro_html_path_is_checked_before_any_case_runs(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["repro", "--html", str(tmp_path / "nope" / "m.html"), "--list"])
-    assert exc.value.code == 2
+    assert main(["repro", "--html", str(tmp_path / "nope" / "m.html")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        f"error: graphsan repro: --html {tmp_path}/nope/m.html: folder {tmp_path}/nope does not exist"
+        f"graphsan repro: error: --html {tmp_path}/nope/m.html: the folder {tmp_path}/nope does "
+        "not exist"
     ]
 
 

@@ -92,20 +92,17 @@ def enable(policy: str | Policy = Policy.RAISE, *, alloc_stacks: bool = True) ->
     return _current.start()
 
 
-_environment_checked = False
-
-
 def _check_environment() -> None:
-    """Say once, in one line each, which GRAPHSAN_* variables are wrong or unknown (the
-    library never raises for its environment: the CLI refuses a wrong value instead)."""
-    global _environment_checked
-    if _environment_checked:
-        return
-    _environment_checked = True
+    """Say once per process, in one line each, which GRAPHSAN_* variables are wrong or unknown
+    (the library never raises for its environment: the CLI refuses a wrong value instead, and
+    says the rest itself)."""
     import sys
 
     from graphsan import environment
 
+    if environment.said:
+        return
+    environment.said = True
     errors, warnings = environment.problems()
     for line in errors + warnings:
         sys.stderr.write(f"graphsan: {line}\n")

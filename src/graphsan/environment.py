@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 PREFIX = "GRAPHSAN_"
+said = False  # the problems were said in this process (by the CLI or graphsan.enable())
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 

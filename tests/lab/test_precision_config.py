@@ -239,3 +239,22 @@ rules:
     assert kinds["layers.3.mixer.fc1_latent"] == "nvfp4"
     assert table["layers.3.mixer.experts.fc1"] == "mxfp8(e4m3) [rule *.experts.fc1]"
     assert "layers.3.mixer.experts" not in table  # the container is not a quantized module
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("base: [\n  a: : b\n", "line 2, column 6: expected the node content, but found ':'"),
+        ('base: "abc\n', "line 2, column 1: found unexpected end of stream"),
+        ("[" * 100_000 + "]" * 100_000, "nested deeper than the YAML reader follows"),
+    ],
+    ids=["a bad flow", "an open quote", "deep nesting"],
+)
+def test_malformed_yaml_is_one_line(tmp_path, text, line):
+    """PyYAML's own message is five lines, with a caret under the column."""
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(PrecisionConfigError) as err:
+        PrecisionConfig.from_yaml(f)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{f}: malformed YAML") and line in msg, msg

@@ -1,16 +1,21 @@
 """CPU: a stop signal in `graphsan train` (Ctrl-C, and SIGTERM, SIGHUP and SIGUSR1, which SLURM,
 Kubernetes and torchrun stop jobs with) finishes the iteration in flight, saves a checkpoint of it
 where --save names a folder, and ends in one line naming the signal with exit status 128 + its
-number (no traceback); outside the training loop, or a second time, a signal stops at once.
-Under torchrun a signal to one rank stops every rank after the same iteration."""
+number (no traceback); outside the training loop, or a second time, a signal stops at once,
+except that a checkpoint being written is finished first, and the line says what was saved and
+where the last good checkpoint is. Under torchrun a signal to one rank stops every rank after the
+same iteration."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -172,3 +177,168 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_iteration(tmp_path
     done = {int(ln[0].split("after iteration ")[1].split(";")[0]) for ln in lines}
     assert len(done) == 1, lines  # the same iteration on both ranks
     assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == done.pop()
+
+
+# A program that runs `graphsan train` once per scenario, each stopping itself with SIGTERM twice
+# in iteration 2, at points the scenario chooses (a signal's Python handler runs before the next
+# line, so each run is the same), and prints each run's exit status and error lines as JSON.
+TWO_SIGNALS = r"""
+import contextlib, io, json, os, signal, sys
+import torch
+from graphsan.lab.train import cli, trainer
+
+def kill():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+def scenario(where, argv):
+    step, save, train = trainer.Trainer.train_step, torch.save, trainer.train
+
+    def step_with_signals(self, it):
+        if it == 2:
+            kill()  # the first: finish iteration 2, save it, stop
+            if where == "step":
+                kill()  # the second, while the iteration runs
+        return step(self, it)
+
+    def save_after_a_signal(*args, **kwargs):
+        kill()  # the second, as the checkpoint is written
+        return save(*args, **kwargs)
+
+    def train_then_a_signal(*args, **kwargs):
+        try:
+            return train(*args, **kwargs)
+        finally:
+            kill()  # the second, as the stopped run unwinds
+
+    trainer.Trainer.train_step = step_with_signals
+    if where == "save":
+        torch.save = save_after_a_signal
+    if where == "late":
+        trainer.train = train_then_a_signal
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            rc = cli.run(argv)
+    finally:
+        trainer.Trainer.train_step, torch.save, trainer.train = step, save, train
+    return {"rc": rc, "lines": err.getvalue().splitlines()}
+
+runs = json.loads(sys.argv[1])
+print(json.dumps({name: scenario(where, argv) for name, (where, argv) in runs.items()}))
+"""
+SCENARIOS = {  # name: (where the second signal comes, extra options)
+    "in-save": ("save", []),
+    "late": ("late", []),
+    "in-step-after-a-save": ("step", ["--save-interval", "1"]),
+    "in-step-before-any-save": ("step", []),
+}
+
+
+@pytest.fixture(scope="module")
+def two_signals(tmp_path_factory):
+    """Each scenario's (exit status, error lines, --save folder), from one child process."""
+    root = tmp_path_factory.mktemp("two-signals")
+    runs = {
+        name: (where, train_command(root / name, "--train-iters", "5", *extra)[4:])
+        for name, (where, extra) in SCENARIOS.items()
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", TWO_SIGNALS, json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {name: (r["rc"], r["lines"], root / name) for name, r in ended.items()}
+
+
+def test_a_second_signal_during_the_save_waits_for_it(two_signals):
+    rc, lines, save = two_signals["in-save"]
+    assert rc == 128 + signal.SIGTERM, lines
+    assert lines == [
+        f"graphsan train: error: stopped by SIGTERM after iteration 2; checkpoint saved to {save}"
+    ]
+    assert sorted(os.listdir(save)) == ["latest.pt"]
+    assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == 2
+
+
+def test_a_second_signal_as_the_stopped_run_ends_keeps_its_line(two_signals):
+    rc, lines, save = two_signals["late"]
+    assert rc == 128 + signal.SIGTERM, lines
+    assert lines == [
+        f"graphsan train: error: stopped by SIGTERM after iteration 2; checkpoint saved to {save}"
+    ]
+    assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == 2
+
+
+def test_a_second_signal_during_the_iteration_says_nothing_was_saved_and_where_the_last_is(
+    two_signals,
+):
+    rc, lines, save = two_signals["in-step-after-a-save"]
+    assert rc == 128 + signal.SIGTERM, lines
+    assert lines == [
+        "graphsan train: error: stopped by SIGTERM during iteration 2, which was not saved; "
+        f"the last checkpoint is {save / 'latest.pt'} (iteration 1)"
+    ]
+    assert sorted(os.listdir(save)) == ["latest.pt"]
+    assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == 1
+
+
+def test_a_second_signal_before_any_save_says_this_run_saved_none(two_signals):
+    rc, lines, save = two_signals["in-step-before-any-save"]
+    assert rc == 128 + signal.SIGTERM, lines
+    assert lines == [
+        "graphsan train: error: stopped by SIGTERM during iteration 2, which was not saved; "
+        "this run saved no checkpoint"
+    ]
+    assert not save.exists()
+
+
+@pytest.mark.slow
+def test_two_sigterms_close_together_never_lose_the_checkpoint_silently(tmp_path):
+    """As a scheduler sends them: the second may come while the iteration runs or while its
+    checkpoint is written; either way the line says what is on disk, and it is."""
+    save = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        train_command(save, "--save-interval", "2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    wait_for_first_iteration(proc)
+    proc.send_signal(signal.SIGTERM)
+    # two signals sent at once reach the process as one (the kernel does not queue them): a
+    # moment between them, and wherever the second lands the line must be true
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)  # a safety bound, far above a tiny iteration
+    # the second signal may also come after the line, once the command has put the default
+    # handler back: SIGTERM's own end then, which a shell reports as 143 too
+    assert proc.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), err
+    (line,) = err.strip().splitlines()
+    on_disk = sorted(os.listdir(save)) if save.exists() else []
+    assert "latest.pt.tmp" not in on_disk
+    saved = re.fullmatch(
+        r"graphsan train: error: stopped by SIGTERM after iteration (\d+); "
+        f"checkpoint saved to {re.escape(str(save))}",
+        line,
+    )
+    not_saved = re.fullmatch(
+        r"graphsan train: error: stopped by SIGTERM during iteration (\d+), which was not "
+        rf"saved; (?:the last checkpoint is {re.escape(str(save / 'latest.pt'))} \(iteration "
+        r"(\d+)\)|this run saved no checkpoint)",
+        line,
+    )
+    assert saved or not_saved, line
+    if saved:
+        done = int(saved[1])
+        assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == done
+    elif not_saved[2] is not None:
+        last = int(not_saved[2])
+        assert last < int(not_saved[1])
+        assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == last
+    else:
+        assert on_disk == []

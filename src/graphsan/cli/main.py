@@ -22,6 +22,7 @@ import sys
 from graphsan import __version__
 from graphsan.cli import report, run, selftest
 from graphsan.command_line import (
+    EXIT_BROKEN_PIPE,
     EXIT_USAGE,
     CliError,
     DefaultsHelpFormatter,
@@ -103,21 +104,35 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     from graphsan import environment
 
-    errors, warnings = environment.problems()
-    for line in warnings:
-        sys.stderr.write(f"graphsan {command}: warning: {line}\n")
-    if errors:
-        sys.stderr.write("".join(f"graphsan {command}: error: {line}\n" for line in errors))
-        return EXIT_USAGE
+    if not _asks_for_help(command, rest):  # help holds whatever the environment says
+        errors, warnings = environment.problems()
+        environment.said = True  # graphsan.enable() in this process says nothing again
+        for line in warnings:
+            sys.stderr.write(f"graphsan {command}: warning: {line}\n")
+        if errors:
+            sys.stderr.write("".join(f"graphsan {command}: error: {line}\n" for line in errors))
+            return EXIT_USAGE
     try:
-        return int(_HANDLERS[command](rest) or 0)
+        code = int(_HANDLERS[command](rest) or 0)
+        sys.stdout.flush()  # here, so that a reader gone early is seen here, not at exit
+        return code
     except CliError as err:
         sys.stderr.write(f"graphsan {command}: error: {err}\n")
-        return EXIT_USAGE
-    except BrokenPipeError:  # `graphsan ... | head`: the reader is gone, nothing to report
-        with contextlib.suppress(OSError):
+        return err.exit_status
+    except BrokenPipeError:
+        # `graphsan ... | head`: the reader is gone, nothing to report; the status `cat` gets
+        # from the signal, and nothing more written to the closed pipe at exit
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return EXIT_BROKEN_PIPE
+
+
+def _asks_for_help(command: str, rest: list[str]) -> bool:
+    """Whether the command line asks for the command's --help (for `run`: among graphsan's
+    options, before the program's own)."""
+    if command == "run":
+        rest = run._split_run_argv(run.make_parser(), rest)[0]
+    return "-h" in rest or "--help" in rest
 
 
 if __name__ == "__main__":

@@ -24,6 +24,16 @@ def load_suppressions(path: str | None) -> list:
         return suppressions.load(path)
     except ValueError as err:
         raise CliError(f"--suppressions {err}") from None
+    except RecursionError:
+        raise CliError(f"--suppressions {deep_yaml(path)}") from None
+
+
+def deep_yaml(path: str) -> str:
+    """The line for a suppression file nested deeper than the YAML reader follows."""
+    return (
+        f"{path}: nested deeper than the YAML reader follows; expected a list of suppressions "
+        "(- name: ...)"
+    )
 
 
 def check_source_root(path: str, option: str = "--source-root", exists: bool = True) -> str:

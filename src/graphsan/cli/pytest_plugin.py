@@ -136,17 +136,27 @@ def pytest_configure(config: pytest.Config) -> None:
             entries = suppressions.load(path)
         except ValueError as err:
             raise pytest.UsageError(f"--graphsan-suppressions {err}") from None
+        except RecursionError:
+            from graphsan.cli.options import deep_yaml
+
+            raise pytest.UsageError(f"--graphsan-suppressions {deep_yaml(path)}") from None
     report = config.getoption("graphsan_report", None)
     if report is not None:
         from graphsan.command_line import CliError, check_report_file
+        from graphsan.report.output import output_path
 
         try:
             check_report_file(report, "--graphsan-report")
         except CliError as err:
             raise pytest.UsageError(str(err)) from None
+        # where it goes, resolved now in the folder pytest started in: a test may change folder
+        config._graphsan_report_path = output_path(report)
     _set_source_root(config.getoption("graphsan_source_root", None))
     import graphsan
 
+    # a session inside a process that already watches (pytest's own in-process runs) leaves
+    # that watch on at its end; otherwise the session's end turns off what it turned on
+    config._graphsan_owned = not graphsan._enabled
     config._graphsan = graphsan.enable(policy=policy)
     config._graphsan.suppressions = entries
     config._graphsan_workers = {}  # on xdist's controller: worker id -> its report's JSON text
@@ -169,6 +179,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         from graphsan.core.locations import set_source_root
 
         set_source_root(None)  # the next in-process session finds its own roots
+        if getattr(config, "_graphsan_owned", False):
+            import graphsan
+
+            graphsan.disable()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -187,17 +201,44 @@ def pytest_runtest_call(item: pytest.Item):
         pytest.fail(f"graphsan: {len(new)} stale graph reference(s)\n\n{text}", pytrace=False)
 
 
+@pytest.hookimpl(trylast=True)  # on xdist's controller: after the workers are all down
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """An xdist worker hands its report to the controller (xdist sends `workeroutput` after
-    this hook)."""
+    this hook); the controller, or a run without xdist, writes `--graphsan-report`."""
     config = session.config
     san = getattr(config, "_graphsan", None)
-    if san is None or not _is_worker(config):
+    if san is None:
+        return
+    if not _is_worker(config):
+        _finish(session, san)
         return
     try:
         config.workeroutput[WORKER_KEY] = json.dumps(san.report().to_dict())
     except Exception as err:  # the worker's tests ran: never fail them over the report
         config.workeroutput[WORKER_ERROR_KEY] = f"{type(err).__name__}: {err}"
+
+
+def _finish(session: pytest.Session, san) -> None:
+    """The run's report, written to --graphsan-report (the summary, later, says what became
+    of it). A report that cannot be written fails a run that passed: CI must not pass without
+    it (exit 6, graphsan's status for an output it could not write)."""
+    config = session.config
+    said: list[str] = []
+    report = _run_report(config, san, said.append)
+    path = config.getoption("graphsan_report", None)
+    if path is not None:  # idle too: the report says why
+        try:
+            report.save(getattr(config, "_graphsan_report_path", path))
+            said.append(f"graphsan: report written to {path}")
+        except OSError as err:  # the tests ran: say it, never end the session in a traceback
+            said.append(
+                f"graphsan: error: could not write the report to {path} ({err.strerror or err})"
+            )
+            if session.exitstatus == 0:
+                from graphsan.command_line import EXIT_CANNOT_WRITE
+
+                session.exitstatus = EXIT_CANNOT_WRITE
+    config._graphsan_finished = (report, said)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -240,14 +281,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if san is None or _is_worker(config):
         return
     say = terminalreporter.write_line
-    report = _run_report(config, san, say)
-    path = config.getoption("graphsan_report", None)
-    if path is not None:  # idle too: the report says why
-        try:
-            report.save(path)
-            say(f"graphsan: report written to {path}")
-        except OSError as err:  # the tests ran: say it, never end the session in a traceback
-            say(f"graphsan: could not write the report to {path} ({err.strerror})")
+    finished = getattr(config, "_graphsan_finished", None)
+    if finished is None:  # the session did not finish through pytest_sessionfinish
+        finished = (_run_report(config, san, say), [])
+    report, said = finished
+    for line in said:
+        say(line)
     if not san.active and san.disabled_reason and not (report.graphs or report.findings):
         say(f"graphsan: idle ({san.disabled_reason}), policy {san.policy}")
         return

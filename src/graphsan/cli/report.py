@@ -12,7 +12,7 @@ import os
 import sys
 
 from graphsan.cli.options import SOURCE_ROOT_HELP, load_suppressions, set_source_root
-from graphsan.command_line import CliError, OneLineParser, check_output_file
+from graphsan.command_line import CannotWrite, CliError, OneLineParser, check_output_file
 
 
 def main(argv: list[str]) -> int:
@@ -44,12 +44,14 @@ def main(argv: list[str]) -> int:
         "--source-root",
         metavar="DIR",
         help=f"{SOURCE_ROOT_HELP}; for reports whose frames hold absolute paths, give the root "
-        "as it was where the report was written",
+        "as it was where the report was written (a folder missing here must hold some frame "
+        "of the reports)",
     )
     p.add_argument(
         "--gen-suppressions",
         action="store_true",
-        help="print a suppression entry for each finding, ready to edit, and exit",
+        help="print a suppression entry for each finding, ready to edit, and exit (no page or "
+        "trace)",
     )
     p.add_argument(
         "--error-exitcode",
@@ -66,6 +68,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.error_exitcode is not None and not 1 <= args.error_exitcode <= 255:
         raise CliError(f"--error-exitcode {args.error_exitcode}: expected 1 to 255")
+    if args.gen_suppressions and (args.html or args.trace):
+        given = "--html" if args.html else "--trace"
+        raise CliError(
+            f"--gen-suppressions prints suppression entries and exits; it writes no page or "
+            f"trace (expected {given} in a run of its own)"
+        )
     entries = load_suppressions(args.suppressions)
     set_source_root(args.source_root, exists=False)
     if args.sample is not None:
@@ -92,6 +100,8 @@ def main(argv: list[str]) -> int:
             reports.append(Report.load(path))
         except ValueError as err:
             raise CliError(str(err)) from None
+    if args.source_root is not None and not os.path.isdir(args.source_root):
+        _check_recorded_root(args.source_root, reports)
     if entries:
         from graphsan.report import suppressions
 
@@ -106,10 +116,11 @@ def main(argv: list[str]) -> int:
     if args.html or args.trace:
         from graphsan.report.pages import OutputError, write_report_outputs
 
-        try:
-            said = write_report_outputs(reports, args.paths, args.html, args.trace)
-        except OutputError as err:
-            raise CliError(f"graphsan report: {err}") from None
+        names = _page_names(args.paths)
+        try:  # nothing runs here that changes folder: the paths are as checked
+            said = write_report_outputs(reports, names, args.html, args.trace)
+        except OutputError as err:  # the paths were checked: the disk refused the file
+            raise CannotWrite(str(err)) from None
         sys.stderr.write("".join(f"{line}\n" for line in said))
     elif len(reports) == 1:
         print(reports[0].render())
@@ -131,6 +142,8 @@ def _check_outputs(html: str | None, trace: str | None, inputs: set[str]) -> Non
             f"--html {html} and --trace {trace} name the same file; the trace would replace "
             "the page (expected two paths)"
         )
+    from graphsan.report.pages import OutputError, check_output
+
     for path, option in ((html, "--html"), (trace, "--trace")):
         if path is None or path == STDOUT:
             continue
@@ -140,6 +153,45 @@ def _check_outputs(html: str | None, trace: str | None, inputs: set[str]) -> Non
                 "replace the report (expected another path)"
             )
         check_output_file(path, option)
+        try:  # what the pages' writer checks again: refused here, before anything is written
+            check_output(path, option)
+        except OutputError as err:
+            raise CliError(str(err)) from None
+
+
+def _page_names(paths: list[str]) -> list[str]:
+    """How the page and the trace name each report: a file by its path from the current folder
+    when it is under it, else (a shipped sample too) by its file name. A page is passed around:
+    it does not carry the folders of the machine that drew it."""
+    here = os.getcwd()
+    names = []
+    for path in paths:
+        full = os.path.abspath(path)
+        inside = full.startswith(here.rstrip(os.sep) + os.sep)
+        names.append(os.path.relpath(full, here) if inside else os.path.basename(full))
+    return names
+
+
+def _check_recorded_root(root: str, reports: list) -> None:
+    """--source-root DIR that is no folder here: accepted only as the root the reports were
+    written under (some frame's file lies under it), which no longer exists on this machine."""
+    if os.path.exists(root):
+        raise CliError(f"--source-root {root}: is not a folder; expected the project's root folder")
+    prefix = os.path.abspath(root).rstrip(os.sep) + os.sep
+    for rep in reports:
+        for f in [*rep.findings, *(f for _, f in rep.suppressed)]:
+            for frame in (*f.alloc_stack, *f.free_stack, *f.graph.capture_site):
+                if str(frame[0]).startswith(prefix):
+                    return
+        for g in rep.graphs:
+            for frame in g.get("capture_site") or []:
+                if frame and str(frame[0]).startswith(prefix):
+                    return
+    raise CliError(
+        f"--source-root {root}: does not exist here, and no frame of the reports lies under it; "
+        "expected the project's root folder (for another machine's report: the root as it was "
+        "there)"
+    )
 
 
 def _name(rep, path: str) -> str:

@@ -13,7 +13,13 @@ import os
 import sys
 
 from graphsan.cli.options import SOURCE_ROOT_HELP, load_suppressions, set_source_root
-from graphsan.command_line import CliError, DefaultsHelpFormatter, OneLineParser, check_report_file
+from graphsan.command_line import (
+    EXIT_CANNOT_WRITE,
+    CliError,
+    DefaultsHelpFormatter,
+    OneLineParser,
+    check_report_file,
+)
 from graphsan.policies import Policy
 
 EXIT_FINDINGS = 3
@@ -50,7 +56,9 @@ def make_parser() -> OneLineParser:
         "--report",
         metavar="PATH",
         help="write a JSON report here, also when the program fails (per rank under torchrun: "
-        "out.rank{N}.json); an existing file is replaced only when it is empty or a report",
+        "out.rank{N}.json); a relative path is taken from the folder graphsan starts in, "
+        "whatever folder the program moves to; an existing file is replaced only when it is "
+        "empty or a report",
     )
     p.add_argument(
         "--fail-on-findings",
@@ -216,10 +224,11 @@ def _check_report_path(path: str, script: str | None) -> None:
     check_report_file(path, "--report")
 
 
-def _write_report(san, path: str) -> bool:
+def _write_report(san, path: str, target: str) -> bool:
+    """Write the report to `target` (`path` resolved at start); the user reads `path`."""
     who = f"[rank {san.rank}] " if san.rank is not None else ""
     try:
-        san.report().save(path)
+        san.report().save(target)
     except OSError as err:
         sys.stderr.write(
             f"{who}graphsan run: error: could not write the report to {path} ({err.strerror}); "
@@ -248,10 +257,13 @@ def main(argv: list[str]) -> int:
             raise CliError(f"{script} is a directory without __main__.py; expected a script")
     from graphsan.command_line import rank_from_env
 
-    path = None
+    path = target_path = None
     if args.report is not None:
+        from graphsan.report.output import output_path
+
         path = report_path_for(args.report, rank_from_env())
         _check_report_path(path, None if module is not None else target[0])
+        target_path = output_path(path)  # here: the program may change directory
     entries = load_suppressions(args.suppressions)
     set_source_root(args.source_root)
 
@@ -290,8 +302,8 @@ def main(argv: list[str]) -> int:
 
         who = f"[rank {san.rank}] " if san.rank is not None else ""
         sys.stderr.write(f"{who}graphsan: {summary(san.suppressed)}\n")
-    if path and not _write_report(san, path) and code == 0:
-        code = 1
+    if path and not _write_report(san, path, target_path) and code == 0:
+        code = EXIT_CANNOT_WRITE
     if signalled is not None:
         _end_by_signal(signalled)
     import signal

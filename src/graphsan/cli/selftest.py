@@ -14,9 +14,10 @@ from graphsan.command_line import (
     CliError,
     DefaultsHelpFormatter,
     OneLineParser,
-    check_output_file,
+    cannot_write,
+    check_kept_file,
 )
-from graphsan.report.output import STDOUT
+from graphsan.report.output import STDOUT, output_path
 
 
 def make_parser() -> OneLineParser:
@@ -33,7 +34,8 @@ def make_parser() -> OneLineParser:
         "--json",
         metavar="PATH",
         help="write the list (with --list) or the results as JSON; - for stdout (the progress "
-        "and summary then go to stderr)",
+        "and summary then go to stderr); an existing file is replaced only when it is empty or "
+        "an earlier selftest JSON",
     )
     p.add_argument("-k", dest="pattern", metavar="PATTERN", help="only runs whose name contains it")
     p.add_argument(
@@ -59,7 +61,17 @@ def main(argv: list[str]) -> int:
     if args.timeout <= 0:
         raise CliError(f"--timeout {args.timeout}: expected a positive number of seconds")
     if args.json is not None and args.json != STDOUT:
-        check_output_file(args.json, "--json")
+        from graphsan.selftest.runner import is_selftest_json
+
+        check_kept_file(
+            args.json,
+            "--json",
+            is_selftest_json,
+            "graphsan selftest's JSON",
+            "the JSON",
+            "an earlier selftest JSON",
+        )
+    target = None if args.json is None else output_path(args.json)
     if args.dump is not None and not os.path.isdir(args.dump):
         raise CliError(f"--dump {args.dump}: expected an existing folder")
     from graphsan.selftest import runner, runs
@@ -69,7 +81,7 @@ def main(argv: list[str]) -> int:
         if not listing:
             raise CliError(f"-k {args.pattern}: no run's name contains it (see --list alone)")
         if args.json:
-            _write(args.json, listing)
+            _write(target, listing, args.json)
             where = "stdout" if args.json == STDOUT else args.json
             sys.stderr.write(f"graphsan selftest: {len(listing)} runs listed in {where}\n")
         else:
@@ -80,11 +92,12 @@ def main(argv: list[str]) -> int:
     chosen = runner.selected(args.pattern)
     if not chosen:
         raise CliError(f"-k {args.pattern}: no run's name contains it (see --list)")
-    code = runner.run_and_report(chosen, args.jobs, args.timeout, args.dump, args.json)
+    code = runner.run_and_report(chosen, args.jobs, args.timeout, args.dump, target, args.json)
     return EXIT_NO_GPU if code is None else code
 
 
-def _write(path: str, data) -> None:
+def _write(path: str, data, name: str) -> None:
+    """The listing to `path` (resolved at start; the user named it `name`)."""
     from graphsan.selftest import runner
 
     try:
@@ -92,4 +105,4 @@ def _write(path: str, data) -> None:
     except BrokenPipeError:  # `... --json - | head`: the reader left (graphsan.cli says nothing)
         raise
     except OSError as err:
-        raise CliError(f"--json {path}: cannot write ({err.strerror or err})") from None
+        raise cannot_write("--json", name, err) from None

@@ -7,7 +7,9 @@ The probe's graphs bypass graphsan's hooks (they are captured through the base c
 capture in thread-local mode; everything it allocates lives in one private pool, given back to
 the driver before the user's capture starts. Its eager tensors reach that pool through a route
 of the thread's allocations, which is paused while a graph captures into the pool: the
-allocator refuses a capture into a pool that is already being allocated to.
+allocator refuses a capture into a pool that is already being allocated to. Its graphs all
+live until the probe ends: the pinned host allocator counts a graph pool's uses apart, and a
+pool whose graphs were all reset cannot be captured into again.
 """
 
 from __future__ import annotations
@@ -72,11 +74,14 @@ class Route:
 
     The route holds one use of the pool, so the pool lives from `open` to `close`; `paused`
     lets a graph capture into the pool meanwhile (the allocator refuses a capture into a pool
-    that is being allocated to) and keeps the use counts even."""
+    that is being allocated to) and keeps the use counts even. The probe's graphs are `kept`
+    until `close`: each holds the pool's use in the pinned host allocator, which refuses a
+    capture into a pool whose graphs were all reset."""
 
     def __init__(self, device: int, pool: PoolId) -> None:
         self.device, self.pool = device, pool
         self.broken: str | None = None  # why a capture could not begin (the probe stops)
+        self.kept: list = []  # the probe's graphs, reset at `close`
         begin = torch._C._cuda_beginAllocateCurrentThreadToPool
         end = torch._C._cuda_endAllocateToPool
         self._begin, self._end = (getattr(fn, "__wrapped__", fn) for fn in (begin, end))
@@ -85,6 +90,9 @@ class Route:
         self._begin(self.device, self.pool)  # a use of the pool, and the thread's route to it
 
     def close(self) -> None:
+        for graph in self.kept:
+            graph.reset()
+        self.kept.clear()  # the last graph goes: the generator's graph-safe state with it
         self._end(self.device, self.pool)
         torch._C._cuda_releasePool(self.device, self.pool)  # the route's own use of the pool
 
@@ -102,8 +110,8 @@ class Route:
 def _captured(walk: Walk, route: Route, fn: Callable[[], object], known: Callable[[object], dict]):
     """Run `fn` once eagerly (kernels load outside the capture), then capture it into a graph
     of the probe's pool and walk that graph before the capture ends; (kernel nodes,
-    `known(output)`). The output is dropped before the graph is reset: its memory belongs to
-    the graph."""
+    `known(output)`). The output is dropped; the graph is kept by the route until the probe
+    ends."""
     fn()
     graph = torch._C._CUDAGraph()
     # the generator's graph-safe seed and offset, made for the first graph that registers it,
@@ -112,6 +120,7 @@ def _captured(walk: Walk, route: Route, fn: Callable[[], object], known: Callabl
     if register is not None:
         register(torch.cuda.default_generators[route.device])
     stream = torch.cuda.current_stream()
+    route.kept.append(graph)  # also a capture that fails to end holds uses of the pool
     with route.paused():
         try:
             graph.capture_begin(route.pool, "thread_local")  # other threads may run on
@@ -127,7 +136,6 @@ def _captured(walk: Walk, route: Route, fn: Callable[[], object], known: Callabl
             graph.capture_end()
     what = known(out)
     del out
-    graph.reset()
     return [n for n in nodes if isinstance(n, KernelArgs) and n.buffer], what
 
 

@@ -125,6 +125,17 @@ class Report:
                 data = json.load(fh, parse_constant=seen.constant, parse_float=seen.number)
         except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: not a readable graphsan report ({err})") from None
+        except RecursionError:  # Python's JSON reader follows about 1000 levels
+            raise ValueError(
+                f"{path}: not a graphsan report (its JSON nests deeper than Python's JSON reader "
+                f"follows; a report nests at most {MAX_DEPTH} levels)"
+            ) from None
+        where = too_deep(data)
+        if where is not None:
+            raise ValueError(
+                f"{path}: not a valid graphsan report: {where} nests deeper than {MAX_DEPTH} "
+                f"levels; expected at most {MAX_DEPTH}"
+            )
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ValueError(f"{path}: not a graphsan report (expected schema '{SCHEMA}')")
         version = data.get("version")
@@ -222,6 +233,32 @@ class _NonFinite:
         value = float(text)
         self.seen = self.seen or not math.isfinite(value)
         return value
+
+
+MAX_DEPTH = 64  # a report's deepest field (a stack's frame in a finding) is 5 levels down
+
+
+def too_deep(data: Any, limit: int = MAX_DEPTH) -> str | None:
+    """The first field of `data` holding lists or objects nested more than `limit` levels deep
+    (found without recursion, which such data would exhaust; its name cut short), or None."""
+    # (container, depth, the entry of its parent, its key there); names are made only at the end
+    if not isinstance(data, (dict, list)):
+        return None
+    todo: list[tuple[Any, int, Any, Any]] = [(data, 0, None, None)]
+    while todo:
+        entry = todo.pop()
+        value, depth = entry[0], entry[1]
+        if depth > limit:
+            keys = []
+            while entry[2] is not None:
+                keys.append(entry[3])
+                entry = entry[2]
+            name = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in reversed(keys))
+            name = name.lstrip(".") or "the top level"
+            return name if len(name) <= 60 else name[:57] + "..."
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        todo += [(v, depth + 1, entry, k) for k, v in pairs if isinstance(v, (dict, list))]
+    return None
 
 
 def non_finite(data: Any, where: str = "") -> tuple[str, str] | None:

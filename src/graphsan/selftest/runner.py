@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from graphsan.command_line import read_result
+from graphsan.command_line import cannot_write, read_result
 from graphsan.report.json_report import finding_from_dict
 from graphsan.report.output import STDOUT, writing
 from graphsan.report.text import one_line
@@ -175,9 +176,11 @@ def run_and_report(
     timeout: float,
     dump: str | None,
     json_path: str | None,
+    json_name: str | None = None,
 ) -> int | None:
-    """`graphsan selftest`: run, print the summary, write the JSON; the exit status (None:
-    there is no CUDA GPU here, which the caller reports)."""
+    """`graphsan selftest`: run, print the summary, write the JSON to `json_path` (resolved at
+    start; the user named it `json_name`); the exit status (None: there is no CUDA GPU here,
+    which the caller reports). A JSON that cannot be written is CannotWrite."""
     import torch
 
     if not torch.cuda.is_available():
@@ -199,8 +202,29 @@ def run_and_report(
     print(f"({took:.0f} s; torch {torch.__version__}, {gpu})", file=out)
     if json_path:
         meta = {"torch": torch.__version__, "gpu": gpu, "seconds": round(took, 1)}
-        write_json(json_path, to_json(verdicts, meta))
+        try:
+            write_json(json_path, to_json(verdicts, meta))
+        except BrokenPipeError:  # `--json - | head`: the reader left (graphsan.cli says nothing)
+            raise
+        except OSError as err:
+            raise cannot_write("--json", json_name or json_path, err) from None
     return 1 if failed(verdicts) else 0
+
+
+# how selftest's JSON begins, as write_json writes it: the results, or the listing (--list)
+_RESULTS = re.compile(rb'"schema"\s*:\s*"graphsan\.selftest"')
+_LISTING = re.compile(rb'^\s*\[\s*\{\s*"name"\s*:\s*"[^"]*"\s*,\s*"kind"\s*:\s*"(correct|bug)"')
+
+
+def is_selftest_json(path: str) -> bool:
+    """Whether the file at `path` begins as `graphsan selftest --json` writes (the first bytes
+    are read, not the whole file)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    return bool(_RESULTS.search(head) or _LISTING.match(head))
 
 
 def write_json(path: str, data) -> None:
@@ -216,6 +240,7 @@ __all__ = [
     "CORRECT",
     "Verdict",
     "failed",
+    "is_selftest_json",
     "judge",
     "run_and_report",
     "run_corpus",

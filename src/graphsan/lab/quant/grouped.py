@@ -83,8 +83,9 @@ def _mm_dtype(a: torch.Tensor) -> torch.dtype:
     # CUDA: bf16 operands, the only sync-free grouped kernel (bf16 result: asking for bf16
     # makes no float32 copy, so the quantized GEMMs ask for this dtype too). CPU: float32 operands
     # hold the bf16 values and their products exactly: a float32-accumulated bf16 GEMM with a
-    # float32 result, as `mm_fp32` computes on CPU.
-    return torch.bfloat16 if a.is_cuda else torch.float32
+    # float32 result, as `mm_fp32` computes on CPU. The meta device (a step's memory counted
+    # without data, lab/train/device.py) takes CUDA's path: the loop would read the offsets.
+    return torch.bfloat16 if a.device.type in ("cuda", "meta") else torch.float32
 
 
 def _grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,12 @@ class PrecisionConfig:
         try:
             data = yaml.safe_load(file.read_text())
         except yaml.YAMLError as e:
-            raise PrecisionConfigError(f"{file}: malformed YAML: {e}") from None
+            raise PrecisionConfigError(f"{file}: malformed YAML{_yaml_problem(e)}") from None
+        except RecursionError:
+            raise PrecisionConfigError(
+                f"{file}: malformed YAML: nested deeper than the YAML reader follows; expected "
+                f"a mapping with keys {list(_TOP_KEYS)}"
+            ) from None
         return cls.from_dict(data, source=str(file), base=base)
 
     @classmethod
@@ -129,6 +134,14 @@ class PrecisionConfig:
             if rule.matches(path):
                 return rule.recipe, f"rule {rule.pattern}"
         return self.base, "base"
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error in one line (its own text spans five, with a caret under the column)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or " ".join(str(err).split())
+    return f"{where}: {problem}"
 
 
 def builtin_configs() -> list[str]:

@@ -7,16 +7,16 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
 
-from graphsan.command_line import EXIT_NO_GPU
+from graphsan.command_line import EXIT_CANNOT_WRITE, EXIT_NO_GPU, CliError
 from graphsan.lab.repro import runner
 from graphsan.lab.repro.cases import BY_NUMBER, CASES, model_overrides
 from graphsan.lab.repro.table import print_cases, print_results
-from graphsan.report.output import write_output
-from graphsan.report.pages import OutputPathAction, write_matrix_page
+from graphsan.report.output import STDOUT, output_path, write_output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--html",
         metavar="PATH",
-        action=OutputPathAction,
-        help="also write the matrix and per-case loss curves as one self-contained HTML page",
+        help="also write the matrix and per-case loss curves as one self-contained HTML page "
+        "(not with --list, which runs nothing)",
     )
     parser.add_argument(
         "--json",
@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const="-",
         metavar="PATH",
         help="also write the cases (--list) or the results as JSON to PATH; without PATH "
-        "(or with -) to stdout, the tables then go to stderr",
+        "(or with -) to stdout, the tables then go to stderr; an existing file is replaced "
+        "only when it is empty or an earlier repro JSON",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds a case may take")
     parser.add_argument(
@@ -127,19 +128,18 @@ def main(args: argparse.Namespace) -> int:
         return _error(f"no case {unknown[0]}; expected 1-{len(CASES)}")
     # a case named twice runs once: its result would only repeat, at the cost of another run
     cases = [BY_NUMBER[n] for n in dict.fromkeys(args.case)] if args.case else CASES
-    to_stdout = args.json == "-"
-    if args.json is not None and not to_stdout:
-        from graphsan.command_line import CliError, check_output_file
-
-        try:
-            check_output_file(args.json, "--json")
-        except CliError as err:
-            return _error(str(err))
+    to_stdout = args.json == STDOUT
+    problem = _check_outputs(args)
+    if problem:
+        return _error(problem)
+    # resolved here, in the folder the command started in
+    json_path = None if args.json is None else output_path(args.json)
+    html_path = None if args.html is None else output_path(args.html)
     out = sys.stderr if to_stdout else sys.stdout  # the JSON alone goes to stdout
     if args.list:
         print_cases(cases, out)
         if args.json is not None:
-            _write_json([c.to_json() for c in cases], args.json)
+            return _write_json([c.to_json() for c in cases], json_path, args.json)
         return 0
     problem = _check_args(args)
     if problem:
@@ -166,7 +166,8 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="graphsan-repro-reports-") as scratch:
         # on several ranks the reports are always written: the table's report merges them
-        report_dir = args.report or (scratch if args.nproc > 1 else None)
+        report_dir = output_path(args.report) if args.report else None
+        report_dir = report_dir or (scratch if args.nproc > 1 else None)
         results = runner.run_matrix(
             cases,
             args.preset,
@@ -193,10 +194,10 @@ def main(args: argparse.Namespace) -> int:
             f"\ngraphsan's reports: {args.report} (`graphsan report FILE...` reads them)", file=out
         )
     rows = [{"case": c.to_json(), "result": r.to_json()} for c, r in results]
-    if args.json is not None:
-        _write_json(rows, args.json)
-    if args.html and not write_matrix_page(args.html, rows):
-        return 2
+    if args.json is not None and _write_json(rows, json_path, args.json):
+        return EXIT_CANNOT_WRITE
+    if args.html and _write_page(rows, html_path, args.html):
+        return EXIT_CANNOT_WRITE
     missed = [(c, r) for c, r in results if not r.matched]
     for c, r in missed:
         sys.stderr.write(
@@ -206,9 +207,75 @@ def main(args: argparse.Namespace) -> int:
     return 1 if missed else 0
 
 
-def _write_json(data, path: str) -> None:
-    """The cases or results, whole (graphsan.report.output; `-`: stdout)."""
-    write_output(path, json.dumps(data, indent=1, default=str) + "\n")
+# how repro's JSON begins, as _write_json writes it: the cases (--list), or the results
+_CASES = re.compile(rb'^\s*\[\s*\{\s*"case"\s*:\s*\d+\s*,\s*"title"\s*:')
+_RESULTS = re.compile(rb'^\s*\[\s*\{\s*"case"\s*:\s*\{\s*"case"\s*:\s*\d+')
+
+
+def is_repro_json(path: str) -> bool:
+    """Whether the file at `path` begins as `graphsan repro --json` writes (the first bytes are
+    read, not the whole file)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    return bool(_CASES.match(head) or _RESULTS.match(head))
+
+
+def _check_outputs(args: argparse.Namespace) -> str:
+    """What is wrong with --json and --html ("" when nothing): each a path a file can be written
+    at, --json one whose loss costs nothing, --html not with --list (which draws nothing)."""
+    from graphsan.command_line import check_kept_file, check_output_file
+
+    try:
+        if args.html is not None:
+            if args.html == STDOUT:
+                raise CliError("--html -: the page cannot go to stdout; expected a file path")
+            check_output_file(args.html, "--html")
+            if args.list:
+                raise CliError(
+                    f"--html {args.html}: --list runs no case, so there is no matrix to draw "
+                    "(expected --html without --list)"
+                )
+        if args.json is not None and args.json != STDOUT:
+            check_kept_file(
+                args.json,
+                "--json",
+                is_repro_json,
+                "graphsan repro's JSON",
+                "the JSON",
+                "an earlier repro JSON",
+            )
+    except CliError as err:
+        return str(err)
+    return ""
+
+
+def _write_json(data, path: str, name: str) -> int:
+    """The cases or results, whole (graphsan.report.output; `-`: stdout) to `path` (resolved at
+    start; the user named it `name`): 0, or EXIT_CANNOT_WRITE after one line saying why."""
+    try:
+        write_output(path, json.dumps(data, indent=1, default=str) + "\n")
+    except BrokenPipeError:  # `--json | head`: the reader left (graphsan.cli says nothing)
+        raise
+    except OSError as err:
+        _error(f"--json {name}: cannot write ({err.strerror or err})")
+        return EXIT_CANNOT_WRITE
+    return 0
+
+
+def _write_page(rows: list, path: str, name: str) -> int:
+    """The matrix page, as `_write_json` writes the JSON."""
+    from graphsan.report.pages.matrix import render_matrix
+
+    try:
+        write_output(path, render_matrix(rows, None))
+    except OSError as err:
+        _error(f"--html {name}: cannot write ({err.strerror or err})")
+        return EXIT_CANNOT_WRITE
+    sys.stderr.write(f"graphsan: matrix page written to {name}\n")
+    return 0
 
 
 def _prepare_report_dir(path: str | None) -> str:

@@ -1,5 +1,10 @@
 """Checkpoints: save (torch.save of model, optimizer and iteration, written atomically) and load.
 
+A save writes `NAME.tmp` beside the file and renames it over `NAME` once the whole of it is on
+disk: a save that fails (a full disk, a file-size limit, an I/O error, a signal) removes the
+temporary file and leaves the previous `NAME` as it was; a failed write is a CheckpointWriteError
+naming the file and the system's reason.
+
 Megatron Core 0.19 calls `torch.cuda.empty_cache()` after every save; `empty_cache=True` does the
 same (under expandable segments that unmaps freed memory, which is how TE #3316 turns a stale
 pointer into an illegal address).
@@ -14,6 +19,7 @@ checkpoint that cannot resume this run as one ConfigError line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -25,6 +31,33 @@ from graphsan.lab.train.distributed import Dist
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and what was expected."""
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint the system would not let us write: `path` the file it was to become,
+    `reason` the system's words (`strerror`: "No space left on device")."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"cannot write {path} ({reason})")
+        self.path, self.reason = Path(path), reason
+
+
+class SaveFailed(Exception):
+    """Training stopped because a checkpoint could not be written; the message is the whole
+    line: the option, the file, the iteration, the reason and where the last good checkpoint
+    is."""
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The OSError behind `err`: itself, or one it was raised from or while handling (torch's
+    zip writer turns a failed write into a RuntimeError whose context is the OSError)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def save_checkpoint(
@@ -39,14 +72,14 @@ def save_checkpoint(
     extra: dict | None = None,
 ):
     """Write `name` in `directory` (unless `write` is False: a rank whose copy another rank
-    writes), then empty the CUDA cache if asked; returns the path."""
+    writes), then empty the CUDA cache if asked; returns the path. Raises CheckpointWriteError
+    where the system refuses the write; the previous file of that name is then kept."""
     directory = Path(directory)
     path = directory / name
     if not write:
         if empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
         return path
-    directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f"{name}.tmp"
     state = {
         "iteration": iteration,
@@ -55,8 +88,22 @@ def save_checkpoint(
         "model_args": vars(model.args),
         **(extra or {}),
     }
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # through a Python file: a failed write keeps its errno (torch's own file writer says
+        # only "iostream error"), and the data is on disk before the rename
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        cause = _os_error(err)
+        if cause is None or isinstance(err, KeyboardInterrupt):
+            raise
+        raise CheckpointWriteError(path, cause.strerror or str(cause)) from err
     if empty_cache and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return path

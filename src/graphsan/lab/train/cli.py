@@ -27,6 +27,9 @@ from graphsan.lab.train.interrupt import COMMAND_LINE_SIGNALS, StoppedAtOnce, St
 # out of memory: the options that size a run's memory are named in the line (README, "Exit
 # statuses"; 1 is a diverged run, 2 a bad option, 3 and 4 other commands' findings and no GPU)
 EXIT_OUT_OF_MEMORY = 5
+# a checkpoint the system would not let us write (a full disk, a quota, an I/O error): the line
+# names the file, the reason and the last good checkpoint
+EXIT_SAVE_FAILED = 6
 
 
 def _scopes(values: list[str]) -> tuple[str, ...]:
@@ -226,9 +229,10 @@ def _error(msg: str, status: int = 2) -> int:
 def main(args: argparse.Namespace) -> int:
     """Run `graphsan train`: a bad option gives one error line and exit status 2, a run that
     diverges one line and exit status 1, running out of memory one line naming the options to
-    lower and EXIT_OUT_OF_MEMORY; Ctrl-C, SIGTERM, SIGHUP and SIGUSR1 finish the iteration in
-    flight, save it and give one line and 128 + the signal's number (at once outside training's
-    loop, or for a second signal)."""
+    lower and EXIT_OUT_OF_MEMORY, a checkpoint the system would not write one line naming the
+    last good one and EXIT_SAVE_FAILED; Ctrl-C, SIGTERM, SIGHUP and SIGUSR1 finish the
+    iteration in flight, save it and give one line and 128 + the signal's number (at once
+    outside training's loop, or for a second signal, which lets a checkpoint's write finish)."""
     stop = StopSignals(COMMAND_LINE_SIGNALS)
     try:
         with stop.at_once():
@@ -239,6 +243,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     from graphsan.lab.quant import PrecisionConfigError, RecipeError
+    from graphsan.lab.train.checkpoint import SaveFailed
     from graphsan.lab.train.oom import is_out_of_memory, out_of_memory_line
     from graphsan.lab.train.trainer import TrainingDiverged, TrainingInterrupted, train
 
@@ -254,6 +259,8 @@ def _train(args: argparse.Namespace, stop: StopSignals) -> int:
         return _error(f"training diverged: {e} (a lower --lr may help)", status=1)
     except TrainingInterrupted as e:
         return _error(str(e), status=e.status)
+    except SaveFailed as e:
+        return _error(str(e), status=EXIT_SAVE_FAILED)
     except StoppedAtOnce as e:  # outside training's loop, or a second signal
         return _error(str(e), status=e.status)
     except KeyboardInterrupt:  # Ctrl-C where Python's own handler was in place
@@ -282,9 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="graphsan train",
         description=__doc__.split("\n")[0],
         epilog="Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 finish the iteration in flight, save it to "
-        "--save and stop (a second one stops at once). Exit statuses: 0 trained, 1 the loss "
+        "--save and stop (a second one stops at once, but lets a checkpoint being written "
+        "finish; the line says what was saved and where the last good checkpoint is). Exit "
+        "statuses: 0 trained, 1 the loss "
         f"diverged, 2 a bad option, {EXIT_OUT_OF_MEMORY} out of memory (the line names the "
-        "options to lower), 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM).",
+        f"options to lower), {EXIT_SAVE_FAILED} a checkpoint could not be written (a full "
+        "disk: the line names the last good one), 128 + N stopped by signal N (130 Ctrl-C, "
+        "143 SIGTERM).",
         formatter_class=DefaultsHelpFormatter,
     )
     add_arguments(parser)

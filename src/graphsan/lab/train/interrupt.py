@@ -1,7 +1,10 @@
 """Stop signals during `graphsan train`: Ctrl-C (SIGINT), and the signals schedulers stop jobs with
 (SIGTERM from SLURM, Kubernetes and torchrun; SIGHUP; SIGUSR1). Inside the training loop the first
 one finishes the iteration in flight, which is saved before training stops; a second one stops at
-once. Outside the loop (building the model, loading a checkpoint) a signal stops at once.
+once, except while a checkpoint is being written: the write is finished first, so that a signal
+never leaves a run without the checkpoint it was saving. Outside the loop (building the model,
+loading a checkpoint) a signal stops at once. A run stopped at once says what was saved and where
+the last good checkpoint is (the trainer adds that to StoppedAtOnce's line).
 
 `StopSignals` holds which signals stop a run and the first one received; `train()` callers other
 than the command line get Ctrl-C alone, as a library should not take over a process's signals.
@@ -13,7 +16,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # what SLURM, Kubernetes and torchrun send to stop a job (SIGUSR1: SLURM's --signal, a warning)
 SCHEDULER_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1")
@@ -48,11 +51,12 @@ class TrainingInterrupted(Exception):
 
 class StoppedAtOnce(KeyboardInterrupt):
     """A stop signal outside the training loop, or a second one inside it: training stopped
-    where it was, nothing saved. A KeyboardInterrupt, so that code which lets Ctrl-C through
-    lets these through as well."""
+    where it was, the iteration in flight not saved; `where` (the trainer's words) says when it
+    stopped and where the last good checkpoint is. A KeyboardInterrupt, so that code which lets
+    Ctrl-C through lets these through as well."""
 
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal_label(signum)}")
+    def __init__(self, signum: int, where: str = ""):
+        super().__init__(f"stopped by {signal_label(signum)}" + (f" {where}" if where else ""))
         self.signum = int(signum)
 
     @property
@@ -67,6 +71,8 @@ class StopSignals:
 
     names: tuple[str, ...] = ("SIGINT",)
     signum: int | None = None
+    held: int | None = None  # a later signal that came while holding (a checkpoint's write)
+    _holding: bool = field(default=False, init=False, repr=False)
 
     @property
     def asked(self) -> bool:
@@ -77,9 +83,14 @@ class StopSignals:
 
     @contextmanager
     def at_once(self) -> Iterator[StopSignals]:
-        """While inside: each signal raises StoppedAtOnce where the program is."""
+        """While inside: each signal raises StoppedAtOnce where the program is, unless a stop
+        is already under way (the loop received one: the run is ending, and its line will say
+        what was saved; a StoppedAtOnce then would replace that line with a poorer one)."""
 
         def stop(signum, frame):
+            if self.signum is not None:
+                self.held = signum
+                return
             raise StoppedAtOnce(signum)
 
         with self._handling(stop):
@@ -88,15 +99,29 @@ class StopSignals:
     @contextmanager
     def after_iteration(self) -> Iterator[StopSignals]:
         """While inside: the first signal is recorded in `signum` (the loop stops once its
-        iteration is done); a second raises StoppedAtOnce."""
+        iteration is done); a second raises StoppedAtOnce, unless `holding`."""
 
         def record(signum, frame):
-            if self.signum is not None:
+            if self.signum is None:
+                self.signum = signum
+            elif self._holding:
+                self.held = signum
+            else:
                 raise StoppedAtOnce(signum)
-            self.signum = signum
 
         with self._handling(record):
             yield self
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """While inside (a checkpoint being written): a signal that would stop at once is kept
+        in `held` instead, and the block finishes; the first signal is recorded as ever, so the
+        loop stops at the end of the iteration, with the checkpoint on disk."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
 
     @contextmanager
     def _handling(self, handler) -> Iterator[None]:

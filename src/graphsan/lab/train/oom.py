@@ -1,5 +1,6 @@
 """An out-of-memory error during `graphsan train`, told in one line: how much the failed
-allocation asked for, and the options of this run that size its memory, with their values."""
+allocation asked for (or, for a step found too large before allocating, what it needs and what
+the machine has), and the options of this run that size its memory, with their values."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 
 from graphsan.lab.models.args import PRESETS
 from graphsan.lab.train.config import TrainConfig
+from graphsan.lab.train.device import StepTooLarge
 
 # the CPU allocator's, the CUDA caching allocator's and cuBLAS's words for a failed allocation
 _OOM_TEXT = re.compile(r"can't allocate memory|not enough memory|out of memory|ALLOC_FAILED")
@@ -14,17 +16,21 @@ _ASKED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)? ?[KMGT]i?B|\d+ bytes)"
 
 
 def is_out_of_memory(err: BaseException) -> bool:
-    """torch.OutOfMemoryError (torch.cuda's is the same class), or a RuntimeError whose message
-    says an allocation failed (the CPU allocator raises a plain RuntimeError)."""
+    """torch.OutOfMemoryError (torch.cuda's is the same class), a step found too large before
+    allocating (StepTooLarge), or a RuntimeError whose message says an allocation failed (the
+    CPU allocator raises a plain RuntimeError)."""
     import torch
 
-    if isinstance(err, torch.OutOfMemoryError):
+    if isinstance(err, (torch.OutOfMemoryError, StepTooLarge)):
         return True
     return isinstance(err, RuntimeError) and bool(_OOM_TEXT.search(str(err)))
 
 
 def _asked(err: BaseException) -> str:
-    """ " (tried to allocate 2.00 GiB)" from the error's message ("" where it does not say)."""
+    """ " (tried to allocate 2.00 GiB)" from the error's message ("" where it does not say); for
+    a step found too large before allocating, what it needs against what the machine has."""
+    if isinstance(err, StepTooLarge):
+        return f" ({err.detail})"
     m = _ASKED.search(str(err))
     if m is None:
         return ""

@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -42,13 +43,13 @@ from graphsan.lab.models.moe import shard_experts
 from graphsan.lab.quant import SkipFlag
 from graphsan.lab.train import graphs as cuda_graphs
 from graphsan.lab.train.callbacks import Callback
-from graphsan.lab.train.checkpoint import Checkpointer
+from graphsan.lab.train.checkpoint import Checkpointer, CheckpointWriteError, SaveFailed
 from graphsan.lab.train.config import ConfigError, TrainConfig
 from graphsan.lab.train.data import RankBatches, build_data
 from graphsan.lab.train.device import check_memory, resolve_device
 from graphsan.lab.train.distributed import Dist, DistributedError, check_device_for_rank, setup
 from graphsan.lab.train.evaluate import evaluate
-from graphsan.lab.train.interrupt import StopSignals, TrainingInterrupted
+from graphsan.lab.train.interrupt import StoppedAtOnce, StopSignals, TrainingInterrupted
 from graphsan.lab.train.metrics import Clock, Metrics, memory_gib
 from graphsan.lab.train.microbatches import run_microbatches
 from graphsan.lab.train.optim import MainGradAdamW, linear_warmup
@@ -135,6 +136,7 @@ class Trainer:
         self.dist = dist = dist or Dist()
         self.stop = stop if stop is not None else StopSignals()
         self.saved_at: int | None = None  # the iteration of the last checkpoint
+        self.in_flight: int | None = None  # the iteration the loop is in (None: before it)
         name = check_device_for_rank(cfg.device, dist.local_rank) if dist.enabled else cfg.device
         self.device = device = resolve_device(name)
         check_memory(cfg, device)
@@ -191,20 +193,24 @@ class Trainer:
         with _manual_gc(cfg.manual_gc_interval), self.stop.after_iteration():
             self.model.train()
             first = self.start_iteration
-            for it in range(first, cfg.train_iters + 1):
-                if self.use_graphs and it == first + cfg.cuda_graph_warmup_steps:
-                    self.capture_graphs()
-                self.clock.start_iteration(it)
-                lm, mtp, norm = self.train_step(it)
-                losses.append(lm)
-                mtp_losses.append(mtp)
-                norms.append(norm)
-                for cb in self.callbacks:
-                    cb.on_step_end(it)
-                self._log(it, losses, mtp, norm)
-                with self.clock.side_work():
-                    self._side_work(it)
-                    self._stop_if_asked(it)
+            try:
+                for it in range(first, cfg.train_iters + 1):
+                    self.in_flight = it
+                    if self.use_graphs and it == first + cfg.cuda_graph_warmup_steps:
+                        self.capture_graphs()
+                    self.clock.start_iteration(it)
+                    lm, mtp, norm = self.train_step(it)
+                    losses.append(lm)
+                    mtp_losses.append(mtp)
+                    norms.append(norm)
+                    for cb in self.callbacks:
+                        cb.on_step_end(it)
+                    self._log(it, losses, mtp, norm)
+                    with self.clock.side_work():
+                        self._side_work(it)
+                        self._stop_if_asked(it)
+            except StoppedAtOnce as err:  # a second signal: say what is saved, and where
+                raise StoppedAtOnce(err.signum, self._stopped_where()) from None
             steady_s = self.clock.steady_seconds()
         result.losses = [x.item() for x in losses]
         result.mtp_losses = [x.item() for x in mtp_losses if x is not None]
@@ -301,14 +307,50 @@ class Trainer:
         return loss
 
     def save(self, it: int) -> None:
-        """Save a checkpoint of iteration `it` (every rank takes part) and print where."""
-        path = self.checkpoints.save(it)
+        """Save a checkpoint of iteration `it` (every rank takes part) and print where; a write
+        the system refuses stops training (SaveFailed), the last good checkpoint kept."""
+        try:
+            with self.stop.holding():  # a second stop signal waits for the file to be whole
+                path = self.checkpoints.save(it)
+        except CheckpointWriteError as err:
+            raise SaveFailed(
+                f"--save {self.cfg.save}: cannot write {err.path.name} of iteration {it} "
+                f"({err.reason}); {self.last_checkpoint()}"
+            ) from None
         self.saved_at = it
         self.metrics.print(
             f"saved checkpoint {path} at iteration {it}"
             + (" (+ empty_cache)" if self.cfg.empty_cache_on_save else "")
         )
         self.clock.restart_interval()
+
+    def _stopped_where(self) -> str:
+        """When a run stopped at once stopped, and what of it is on disk."""
+        it = self.in_flight
+        if it is None:
+            return f"before its first iteration; {self.last_checkpoint()}"
+        if self.saved_at == it:
+            return f"after iteration {it}; checkpoint saved to {self.cfg.save}"
+        return f"during iteration {it}, which was not saved; {self.last_checkpoint()}"
+
+    def last_checkpoint(self) -> str:
+        """Where the last good checkpoint of this run is, as an error line ends: the one it
+        saved last, else the one it loaded, else none (an older file in --save is named)."""
+        name = self.checkpoints.name
+        file = Path(self.cfg.save or ".") / name
+        if self.saved_at is not None:
+            return f"the last checkpoint is {file} (iteration {self.saved_at})"
+        if self.cfg.load is not None:
+            loaded = Path(self.cfg.load) / name
+            return (
+                f"the last checkpoint is the one this run loaded, {loaded} "
+                f"(iteration {self.start_iteration - 1})"
+            )
+        if not self.cfg.save:
+            return "this run saved no checkpoint (no --save)"
+        if file.is_file():
+            return f"this run saved no checkpoint; {file} is from before it, unchanged"
+        return "this run saved no checkpoint"
 
     # ---- logging ----
     def _log(self, it: int, losses: list, mtp, norm) -> None:
