@@ -18,7 +18,6 @@ from torch import nn
 from graphsan.core.kinds import Kind
 from graphsan.core.memory_map import MemoryMap
 from graphsan.report import StaleMemoryError
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 POOL = (1, 3)
@@ -64,14 +63,12 @@ def segments_at(tensors) -> MemoryMap:
 
 
 @pytest.fixture(params=("raise", "warn"))
-def san(request, monkeypatch, attach):
+def san(request, monkeypatch, attach, fake_sanitizer):
     env = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     cls = fake_cuda.graph_class(monkeypatch, POOL, attach)
-    s = sanitizer.Sanitizer(request.param)
-    s.active = True
+    s = fake_sanitizer(env, request.param)
     s.context.start()
     s.recorder.start()
-    s.hooks.install()
 
     def capture(run, reads=()):
         """A graph whose capture runs `run()` and whose one kernel reads `reads` (tensors)."""
@@ -87,7 +84,6 @@ def san(request, monkeypatch, attach):
 
     s.test_capture = capture
     yield s
-    s.hooks.uninstall()
     s.recorder.stop()
     s.context.stop()
 
@@ -412,11 +408,9 @@ def test_any_sequence_is_judged_against_what_the_graph_reads(monkeypatch, steps)
     with monkeypatch.context() as mp:
         env = fake_cuda.install(mp, "void k(float*)", stream=1)
         cls = fake_cuda.graph_class(mp, POOL, "wrapped")
-        s = sanitizer.Sanitizer("raise")
-        s.active = True
+        s = fake_cuda.started(env, "raise")
         s.context.start()
         s.recorder.start()
-        s.hooks.install()
         try:
             model, x = Net(), torch.randn(2, 4)
             old = model.lin.weight

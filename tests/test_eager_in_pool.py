@@ -15,7 +15,6 @@ from graphsan.core.tracker import Tracker
 from graphsan.cuda import allocator, allocator_log, hooks
 from graphsan.cuda.context import Context
 from graphsan.report import StaleMemoryError, format_finding
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 POOL, OTHER_POOL = (1, 3), (1, 4)
@@ -175,21 +174,18 @@ A, B = fake_cuda.SEG, fake_cuda.SEG + SLOT
 
 
 @pytest.fixture
-def san(monkeypatch, attach):
+def san(monkeypatch, attach, fake_sanitizer):
     """A sanitizer under `raise` whose one graph `g` reads A and carved B as scratch (free after
     the capture); `state["map"]` is the allocator view it sees."""
     state = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     state["map"] = fake_cuda.one_segment([(SLOT, "active_allocated"), (SLOT, "inactive")], POOL)
     cls = fake_cuda.graph_class(monkeypatch, POOL, attach)
-    s = sanitizer.Sanitizer("raise")
-    s.active = True
-    s.hooks.install()
+    s = fake_sanitizer(state, "raise")
     state["nodes"], state["carves"] = [fake_cuda.kernel(0, A, B)], [(B, SLOT, None)]
     g = cls()
     g.capture_begin(POOL)
     g.capture_end()
-    yield s, g, state
-    s.hooks.uninstall()
+    return s, g, state
 
 
 def _hold_b(state, held: bool) -> None:

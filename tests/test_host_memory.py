@@ -13,7 +13,6 @@ from graphsan.core.records import CopyArgs
 from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.report.json_report import Report
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG
@@ -30,13 +29,10 @@ def env(monkeypatch, attach):
 
 
 @pytest.fixture
-def san():
-    s = sanitizer.Sanitizer("raise")
-    s.active = True
+def san(env, fake_sanitizer):
+    s = fake_sanitizer(env, "raise")
     s.host._active = True  # start() needs CUDA; the registry does not
-    s.hooks.install()
-    yield s
-    s.hooks.uninstall()
+    return s
 
 
 def capture(env):

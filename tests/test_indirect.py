@@ -13,7 +13,6 @@ from graphsan.core.scan import table_candidates, table_references
 from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.report.text import one_line
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG
@@ -81,12 +80,8 @@ def env(monkeypatch, attach):
 
 
 @pytest.fixture
-def san():
-    s = sanitizer.Sanitizer("raise")
-    s.active = True
-    s.hooks.install()
-    yield s
-    s.hooks.uninstall()
+def san(env, fake_sanitizer):
+    return fake_sanitizer(env, "raise")
 
 
 def capture(env):

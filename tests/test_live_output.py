@@ -14,6 +14,7 @@ from graphsan.core.pool_order import PoolOrder, first_refs_into
 from graphsan.core.pool_orders import ReplayOrders
 from graphsan.core.records import GraphInfo, Judged, Reference, When
 from graphsan.core.tracker import Tracker
+from tests.fake_memory import FakeMemory
 
 BASE, SLOT, POOL = 0x7E00_0000_0000, 4096, (1, 3)
 
@@ -172,7 +173,7 @@ def orders_1f1b():
     for gid, (carved, refs) in CAPTURES.items():
         info = GraphInfo(gid, ["fwd mb0", "fwd mb1", "bwd mb1", "bwd mb0"][gid], [], POOL, 0)
         tracker.add_graph(info, refs, view)
-        ReplayJudge(tracker, orders, None).join_order(info, carved, refs, view)
+        ReplayJudge(tracker, orders, FakeMemory()).join_order(info, carved, refs, view)
         states[gid] = tracker.graphs[gid]
     return orders, states
 

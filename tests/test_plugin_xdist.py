@@ -42,6 +42,7 @@ def stale_replay(monkeypatch):
     env = fake_cuda.install(monkeypatch, "void scale(float*)", stream=1)
     san = graphsan.current()
     monkeypatch.setattr(san, "active", True)  # start() needs CUDA; the listeners do not
+    fake_cuda.answer_from(env, san.memory, monkeypatch)  # the plugin made its memory watch
     g = FakeGraph()
     san.push_label(os.environ["PYTEST_XDIST_WORKER"])
     san.capture_begin(g, None)

@@ -9,6 +9,7 @@ from graphsan.core.memory_map import MemoryMap
 from graphsan.core.pool_orders import ReplayOrders
 from graphsan.core.records import GraphInfo, Judged, Reference, When
 from graphsan.core.tracker import Tracker
+from tests.fake_memory import FakeMemory
 
 SEG, SLOT, POOL = 0x7E00_0000_0000, 4096, (1, 3)
 B, C, D, E = (SEG + i * SLOT for i in range(4))
@@ -26,7 +27,7 @@ def capture(tracker, orders, gid, reads, carves):
     refs = [Reference(0, "k", i, 0, a) for i, a in enumerate(reads)]
     view = pool_map()
     tracker.add_graph(info, refs, view)
-    ReplayJudge(tracker, orders, None).join_order(
+    ReplayJudge(tracker, orders, FakeMemory()).join_order(
         info, [(a, SLOT, f"site{gid}") for a in carves], refs, view
     )
     return tracker.graphs[gid]

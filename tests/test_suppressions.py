@@ -148,7 +148,7 @@ def test_a_suppressed_finding_never_stops_the_replay_and_is_counted(monkeypatch)
     from tests.test_sanitizer_cpu import captured, free_block, snapshot
 
     env = fake_cuda.install(monkeypatch, "void scale(float*)", stream=1)
-    san, g = captured("raise")
+    san, g = captured(env, "raise")
     san.suppressions = [Suppression("scale's input", kernel="*scale*", free="* in evaluate")]
     state = hooks.graph_state(g)
     assert free_block(san)

@@ -10,7 +10,6 @@ from graphsan.core.records import KernelArgs
 from graphsan.core.timeline import Timeline, node_summary
 from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError
-from graphsan.runtime import sanitizer
 from tests import fake_cuda as fake_cuda_pieces
 
 T0 = 1_780_000_000.0
@@ -82,8 +81,7 @@ class FakeGraph:
 
 
 def test_the_sanitizer_times_capture_free_and_stopped_replay(fake_cuda):
-    san = sanitizer.Sanitizer("raise")
-    san.active = True
+    san = fake_cuda_pieces.started(fake_cuda, "raise", hooks=False)
     san.memory._active = True  # the allocator callbacks without torch's GPU trace
     g = FakeGraph()
     san.capture_begin(g, None)

@@ -40,6 +40,7 @@ from graphsan.policies.pin import Pinner
 from graphsan.report import Report, suppressions
 from graphsan.report.suppressions import Suppression
 from graphsan.runtime.capture import stream_handle
+from graphsan.runtime.parts import MemoryFactory
 from graphsan.runtime.parts import build as build_parts
 
 __all__ = ["POLICIES", "Policy", "Sanitizer"]
@@ -67,7 +68,9 @@ class Sanitizer:
         policy: str | Policy = Policy.RAISE,
         context: Context | None = None,
         alloc_stacks: bool = True,
+        memory: MemoryFactory | None = None,
     ):
+        """`memory` makes the memory watch (`runtime.parts.build`; tests give a fake)."""
         policy = Policy.parse(policy)
         self.context = context or Context()
         self.findings: list[Finding] = []
@@ -80,7 +83,7 @@ class Sanitizer:
         self.report_path: str | None = None
         self.timeline = Timeline(self.rank)
         parts = build_parts(
-            self.context, self.timeline, self._internal_error, alloc_stacks, self.rank
+            self.context, self.timeline, self._internal_error, alloc_stacks, self.rank, memory
         )
         self.tracker, self.pool_orders = parts.tracker, parts.pool_orders
         self.memory, self.host, self.capture = parts.memory, parts.host, parts.capture
