@@ -22,8 +22,8 @@ pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# each test: a graph labelled with its worker's id captured over the faked allocator view, its
-# input freed in eval, the replay judged under the plugin's sanitizer (policy record)
+# each test: a graph labelled with its worker's id ("main" without xdist) captured over the faked
+# allocator view, its input freed in eval, the replay judged under the plugin's sanitizer
 SUITE = """
 import os
 
@@ -44,7 +44,7 @@ def stale_replay(monkeypatch):
     monkeypatch.setattr(san, "active", True)  # start() needs CUDA; the listeners do not
     fake_cuda.answer_from(env, san.memory, monkeypatch)  # the plugin made its memory watch
     g = FakeGraph()
-    san.push_label(os.environ["PYTEST_XDIST_WORKER"])
+    san.push_label(os.environ.get("PYTEST_XDIST_WORKER", "main"))
     san.capture_begin(g, None)
     san.after_capture_end(g, san.before_capture_end(g))
     san.pop_label()
@@ -92,6 +92,33 @@ def test_xdist_workers_findings_reach_the_summary_and_the_report(suite, tmp_path
     assert sorted(f.graph.id for f in rep.findings) == [1, 2]  # apart, though both were 1
     assert sorted((g["id"], g["label"]) for g in rep.graphs) == [(1, "gw0"), (2, "gw1")]
     assert not list(tmp_path.glob("run*.json.*"))  # no worker file left beside the report
+
+
+SWALLOWED = """
+
+def test_swallowed(monkeypatch):
+    try:
+        stale_replay(monkeypatch)
+    except graphsan.StaleMemoryError:
+        pass  # the test swallows the stop: under raise the plugin still fails it
+"""
+
+
+@pytest.mark.parametrize("policy", ["raise", "record"])
+def test_a_test_that_swallows_a_stop_fails_under_raise_and_keeps_its_outcome_under_record(
+    suite, policy
+):
+    suite.makepyfile(test_inner=SUITE + SWALLOWED)
+    result = suite.runpytest(f"--graphsan={policy}", "-rA", "-p", "no:cacheprovider")
+    if policy == "raise":
+        result.assert_outcomes(failed=3)  # two stopped replays, and the swallowed one
+        result.stdout.fnmatch_lines(["FAILED *test_swallowed - Failed: graphsan: 1 stale*"])
+    else:
+        result.assert_outcomes(passed=3)
+    assert result.stdout.str().count("Captured graphsan call") == 3
+    result.stdout.fnmatch_lines(
+        [f"graphsan: 3 graph(s), 3 node(s) watched, 3 finding(s), policy {policy}"]
+    )
 
 
 @pytest.mark.slow
