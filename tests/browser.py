@@ -53,6 +53,9 @@ class Page:
     requests: list[str] = field(default_factory=list)  # every URL the page asked for
     scripts_ran: bool = False
     values: dict = field(default_factory=dict)  # what each probe expression gave, by name
+    # seconds: "load" from navigation to the load event, "layout" for the whole page's layout
+    # after it, "screenshot" for the full-page screenshot (where one was asked for)
+    timings: dict = field(default_factory=dict)
 
 
 class DevToolsError(RuntimeError):
@@ -60,7 +63,8 @@ class DevToolsError(RuntimeError):
 
 
 class _Pipe:
-    def __init__(self, binary: str, profile: str) -> None:
+    def __init__(self, binary: str, profile: str, timeout: float = TIMEOUT_S) -> None:
+        self.timeout = timeout
         to_chrome_r, self._w = os.pipe()
         self._r, from_chrome_w = os.pipe()
         # the child's ends go above 4, and a small trampoline places them at 3 and 4 before it
@@ -116,11 +120,11 @@ class _Pipe:
                 return reply.get("result", {})
             self.events.append(reply)
 
-    def wait_event(self, method: str, timeout: float = TIMEOUT_S) -> dict:
+    def wait_event(self, method: str) -> dict:
         for i, ev in enumerate(self.events):
             if ev.get("method") == method:
                 return self.events.pop(i)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + self.timeout
         while True:
             ev = self._read(deadline)
             if ev.get("method") == method:
@@ -128,7 +132,7 @@ class _Pipe:
             self.events.append(ev)
 
     def _read(self, deadline: float | None = None) -> dict:
-        deadline = deadline or time.monotonic() + TIMEOUT_S
+        deadline = deadline or time.monotonic() + self.timeout
         while b"\0" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._r], [], [], left)[0]:
@@ -161,12 +165,15 @@ def open_page(
     screenshot: str | None = None,
     width: int = 1280,
     probes: dict[str, str] | None = None,
+    timeout: float = TIMEOUT_S,
+    whole: bool = True,
 ) -> Page:
     """Open `path` from disk, let it load and run its scripts, and read what it shows;
     `probes` are JavaScript expressions (by name) evaluated in the loaded page, their values
-    (JSON-able) kept in `Page.values`."""
+    (JSON-able) kept in `Page.values`; `timeout`: seconds any one step may take; `whole`: the
+    screenshot holds the whole page (up to 16,000 px), else the first screen."""
     profile = tempfile.mkdtemp(prefix="graphsan-chromium-")
-    pipe = _Pipe(binary, profile)
+    pipe = _Pipe(binary, profile, timeout)
     try:
         target = pipe.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = pipe.send("Target.attachToTarget", {"targetId": target, "flatten": True})[
@@ -176,8 +183,10 @@ def open_page(
             pipe.send(f"{domain}.enable", session=session)
         metrics = {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False}
         pipe.send("Emulation.setDeviceMetricsOverride", metrics, session=session)
+        start = time.perf_counter()
         pipe.send("Page.navigate", {"url": "file://" + os.path.abspath(path)}, session=session)
         pipe.wait_event("Page.loadEventFired")
+        timings = {"load": time.perf_counter() - start}
 
         def evaluate(expr: str):
             res = pipe.send(
@@ -187,25 +196,34 @@ def open_page(
                 raise DevToolsError(f"{expr[:80]}: {res['exceptionDetails'].get('text')}")
             return res.get("result", {}).get("value")
 
+        start = time.perf_counter()
+        evaluate("document.documentElement.scrollHeight")  # lays the whole page out
+        timings["layout"] = time.perf_counter() - start
         page = Page(
+            timings=timings,
             text=evaluate("document.body.innerText") or "",
             dom=evaluate("document.documentElement.outerHTML") or "",
             scripts_ran=evaluate("document.documentElement.dataset.scripts") == "ran",
         )
         page.values = {name: evaluate(expr) for name, expr in (probes or {}).items()}
         if screenshot:
-            size = pipe.send("Page.getLayoutMetrics", session=session)["cssContentSize"]
-            height = min(int(size["height"]) + 1, 16000)
-            pipe.send(
-                "Emulation.setDeviceMetricsOverride", metrics | {"height": height}, session=session
-            )
+            start = time.perf_counter()
+            if whole:
+                size = pipe.send("Page.getLayoutMetrics", session=session)["cssContentSize"]
+                height = min(int(size["height"]) + 1, 16000)
+                pipe.send(
+                    "Emulation.setDeviceMetricsOverride",
+                    metrics | {"height": height},
+                    session=session,
+                )
             shot = pipe.send(
                 "Page.captureScreenshot",
-                {"format": "png", "captureBeyondViewport": True},
+                {"format": "png", "captureBeyondViewport": whole},
                 session=session,
             )
             with open(screenshot, "wb") as fh:
                 fh.write(base64.b64decode(shot["data"]))
+            timings["screenshot"] = time.perf_counter() - start
         for ev in pipe.events:
             _collect(ev, page)
         return page
