@@ -27,7 +27,7 @@ from graphsan.report.pages.report_fold import (
 )
 from graphsan.report.pages.report_overview import overview
 from graphsan.report.pages.templating import render, replay_index
-from graphsan.report.text import provenance_line
+from graphsan.report.text import attachment_line, provenance_line
 
 # a page of thousands of distinct findings stays one that opens in seconds: every row is
 # counted, up to LISTED rows are listed in the findings table, up to DETAILED get a block of
@@ -235,6 +235,9 @@ def _source_view(
         "dropped": r.events_dropped,
         "pinned": r.pinned,
         "made": provenance_line(r.provenance, r.loaded_version, SCHEMA_VERSION),
+        "attached": attachment_line(
+            r.provenance, r.allocator_log, r.loaded_version, SCHEMA_VERSION
+        ),
         "node_lists": _node_lists(src, findings),
     }
 
