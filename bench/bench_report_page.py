@@ -14,7 +14,7 @@ Each count runs in a fresh process: the page is written once timed, then once un
 for the peak of Python memory the write takes (the report itself is built beforehand and not
 counted). `--against REV` runs the same reports through graphsan's code at git revision REV
 too (extracted to a temporary folder) and prints both side by side. `--render` then opens the
-page in headless Chromium (tests/browser.py; Debian's `chromium`) as the page tests do: the
+page in headless Chromium (bench/browser.py; Debian's `chromium`) as the page tests do: the
 seconds from navigation to the load event, then to lay the whole page out, then for a
 screenshot of the first screen (the browser's start is not counted).
 """
@@ -167,10 +167,7 @@ def child(n: int, sites: int, render: bool = False) -> dict:
 
 def rendered(path: str) -> dict:
     """Seconds headless Chromium takes to load the page, lay it out and show its first screen."""
-    import sys
-
-    sys.path.insert(0, ROOT)
-    from tests.browser import find_chromium, open_page
+    from browser import find_chromium, open_page
 
     binary = find_chromium()
     if binary is None:
