@@ -57,7 +57,7 @@ def findings(draw):
     )
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(entries(), st.lists(findings(), min_size=1, max_size=6))
 def test_the_index_finds_the_entry_the_plain_loop_finds(given_entries, given_findings):
     matcher = Matcher(given_entries)
