@@ -222,9 +222,7 @@ def main() -> None:
         print("|---:|---|---:|---:|---:|" + "---:|" * (3 if args.render else 0))
         for n in args.findings:
             for name, src, rev in revs:
-                runs = [
-                    run_child(src, n, args.sites, rev, args.render) for _ in range(args.repeat)
-                ]
+                runs = [run_child(src, n, args.sites, rev, args.render) for _ in range(args.repeat)]
                 best = min(runs, key=lambda r: r["seconds"])
                 row = (
                     f"| {n:,} | {name} | {best['bytes'] / 1e6:.2f} | {best['seconds']:.2f} | "
