@@ -1,7 +1,7 @@
 """The HTML report page at scale: its size, write time and peak memory for N synthetic findings.
 
     python bench/bench_report_page.py [--findings 200,2000,20000] [--sites 16] [--repeat 1]
-                                      [--against REV]
+                                      [--against REV] [--render]
 
 A synthetic report stands for a long `policy="record"` run: 8 captured graphs of 24 kernel nodes each
 (long templated kernel names, a node summary as the sanitizer writes it), and `--sites` stale
@@ -13,7 +13,10 @@ judged replay per finding, up to the recorder's bound of 10,000 events.
 Each count runs in a fresh process: the page is written once timed, then once under tracemalloc
 for the peak of Python memory the write takes (the report itself is built beforehand and not
 counted). `--against REV` runs the same reports through graphsan's code at git revision REV
-too (extracted to a temporary folder) and prints both side by side.
+too (extracted to a temporary folder) and prints both side by side. `--render` then opens the
+page in headless Chromium (bench/browser.py; Debian's `chromium`) as the page tests do: the
+seconds from navigation to the load event, then to lay the whole page out, then for a
+screenshot of the first screen (the browser's start is not counted).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ T0 = 1_780_000_000.0
 GRAPHS, NODES, DEPTH = 8, 24, 16
 KINDS = ("freed", "reowned", "unmapped", "pool-reuse")
 MAX_EVENTS = 10_000  # graphsan.core.timeline's bound on recorded events
+# sites repeat their graph, node, argument and kind every CYCLE sites; a site's offset grows by
+# cycle, so that every site is a distinct finding on the page however many there are
+CYCLE = 120
 
 
 def kernel_name(i: int) -> str:
@@ -108,7 +114,7 @@ def synthetic_report(n: int, sites: int = 16):
                 node=node,
                 kernel=name,
                 param=site % 3,
-                offset=8 * (site % 5),
+                offset=8 * (site % 5) + 64 * (site // CYCLE),
                 address=block + 4096,
                 nbytes=2 << 20,
                 block_address=block,
@@ -134,8 +140,9 @@ def synthetic_report(n: int, sites: int = 16):
     )
 
 
-def child(n: int, sites: int) -> dict:
-    """Write the page of `n` findings twice: timed, then under tracemalloc."""
+def child(n: int, sites: int, render: bool = False) -> dict:
+    """Write the page of `n` findings twice: timed, then under tracemalloc; `render`: open it
+    in headless Chromium too."""
     from graphsan.report.pages import write_report_outputs
 
     report = synthetic_report(n, sites)
@@ -150,14 +157,31 @@ def child(n: int, sites: int) -> dict:
     write_report_outputs([report], ["bench.json"], html=out)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    result = {"bytes": size, "seconds": seconds, "peak_bytes": peak}
+    if render:
+        result |= rendered(out)
     os.unlink(out)
     os.rmdir(os.path.dirname(out))
-    return {"bytes": size, "seconds": seconds, "peak_bytes": peak}
+    return result
 
 
-def run_child(src: str, n: int, sites: int, rev: str = "") -> dict:
+def rendered(path: str) -> dict:
+    """Seconds headless Chromium takes to load the page, lay it out and show its first screen."""
+    from browser import find_chromium, open_page
+
+    binary = find_chromium()
+    if binary is None:
+        raise SystemExit("--render: no Chromium found (apt-get install chromium)")
+    shot = path + ".png"
+    page = open_page(binary, path, shot, timeout=1800, whole=False)
+    os.unlink(shot)
+    return {f"{k}_s": v for k, v in page.timings.items()}
+
+
+def run_child(src: str, n: int, sites: int, rev: str = "", render: bool = False) -> dict:
     """One count in a fresh process with graphsan from `src`."""
     argv = [os.path.abspath(__file__), "--child", str(n), "--sites", str(sites)]
+    argv += ["--render"] if render else []
     return run_at(src, argv, rev, f"of {n} findings", timeout=3600)
 
 
@@ -179,10 +203,13 @@ def main() -> None:
     p.add_argument("--sites", type=int, default=16, help="distinct (graph, node, arg, kind)")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the fastest counts")
     p.add_argument("--against", metavar="REV", help="also run graphsan at git revision REV")
+    p.add_argument(
+        "--render", action="store_true", help="also time headless Chromium opening the page"
+    )
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
-        write_result(child(args.child, args.sites))
+        write_result(child(args.child, args.sites, args.render))
         return
     if args.sites < 1 or args.repeat < 1:
         p.error("--sites and --repeat must be at least 1")
@@ -190,17 +217,23 @@ def main() -> None:
         print(
             f"{args.sites} distinct sites, {GRAPHS} graphs of {NODES} nodes, {DEPTH}-frame stacks"
         )
-        print("| findings | revision | page MB | write s | peak MiB (tracemalloc) |")
-        print("|---:|---|---:|---:|---:|")
+        browser = " load s | layout s | screenshot s |" if args.render else ""
+        print(f"| findings | revision | page MB | write s | peak MiB (tracemalloc) |{browser}")
+        print("|---:|---|---:|---:|---:|" + "---:|" * (3 if args.render else 0))
         for n in args.findings:
             for name, src, rev in revs:
-                runs = [run_child(src, n, args.sites, rev) for _ in range(args.repeat)]
+                runs = [run_child(src, n, args.sites, rev, args.render) for _ in range(args.repeat)]
                 best = min(runs, key=lambda r: r["seconds"])
-                print(
+                row = (
                     f"| {n:,} | {name} | {best['bytes'] / 1e6:.2f} | {best['seconds']:.2f} | "
-                    f"{best['peak_bytes'] / 2**20:.0f} |",
-                    flush=True,
+                    f"{best['peak_bytes'] / 2**20:.0f} |"
                 )
+                if args.render:
+                    fastest = min(runs, key=lambda r: r["load_s"] + r["layout_s"])
+                    row += "".join(
+                        f" {fastest[k]:.2f} |" for k in ("load_s", "layout_s", "screenshot_s")
+                    )
+                print(row, flush=True)
 
 
 if __name__ == "__main__":

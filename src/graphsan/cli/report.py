@@ -199,9 +199,10 @@ def _name(rep, path: str) -> str:
 
 
 def _merged_header(reports: list, paths: list[str]) -> list[str]:
-    """Under the merged summary: each idle report, and what recorded them (once if alike)."""
+    """Under the merged summary: each idle report, what recorded them and how graphsan
+    attached (each once if alike)."""
     from graphsan.report.json_report import SCHEMA_VERSION
-    from graphsan.report.text import provenance_line, watch_line
+    from graphsan.report.text import attachment_line, provenance_line, watch_line
 
     lines = []
     for rep, path in zip(reports, paths, strict=True):
@@ -209,9 +210,18 @@ def _merged_header(reports: list, paths: list[str]) -> list[str]:
         if watch:
             lines.append(f"{_name(rep, path)}: {watch}")
     made = [provenance_line(r.provenance, r.loaded_version, SCHEMA_VERSION) for r in reports]
-    if len(set(made)) == 1:
-        return [*lines, made[0]]
-    return lines + [f"{_name(r, p)}: {m}" for r, p, m in zip(reports, paths, made, strict=True)]
+    attached = [
+        attachment_line(r.provenance, r.allocator_log, r.loaded_version, SCHEMA_VERSION)
+        for r in reports
+    ]
+    for texts in (made, attached):
+        if len(set(texts)) == 1:
+            lines += [texts[0]] if texts[0] else []
+            continue
+        for rep, path, text in zip(reports, paths, texts, strict=True):
+            if text:
+                lines.append(f"{_name(rep, path)}: {text}")
+    return lines
 
 
 def _exit_status(reports: list, args) -> int:

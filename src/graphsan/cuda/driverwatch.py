@@ -58,6 +58,11 @@ def backend() -> str:
         return "native"
 
 
+def no_block_map() -> str:
+    """Why the driver is asked: the backend keeps no block map."""
+    return f"the {backend()} allocator backend keeps no block map and reports no frees"
+
+
 @dataclass(eq=False)
 class DriverWatch:
     """The allocator watch's interface (`cuda.allocator.AllocatorWatch`) answered through the

@@ -17,7 +17,7 @@ from typing import Any
 from graphsan.core.records import Finding, GraphInfo
 from graphsan.report.output import writing
 from graphsan.report.schema import SchemaError, validate, validate_finding
-from graphsan.report.text import format_finding, provenance_line, watch_line
+from graphsan.report.text import attachment_line, format_finding, provenance_line, watch_line
 
 SCHEMA = "graphsan.report"
 # 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
@@ -29,9 +29,10 @@ SCHEMA = "graphsan.report"
 # Finding.replays; 7 added whether graphsan watched (watched, disabled_reason) and what
 # recorded the report (provenance: graphsan, torch, CUDA, driver, GPU, Python); 8 added the
 # kinds of what a graph baked at capture (mode, baked-value, superseded) and their
-# Finding.entry, captured, current and modules
-SCHEMA_VERSION = 8
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)  # older reports read with the newer fields empty
+# Finding.entry, captured, current and modules; 9 added how graphsan attached to the
+# provenance (attach, hooks, allocator, tracker: graphsan.runtime.attachment)
+SCHEMA_VERSION = 9
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # older reports read with the newer fields empty
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:
@@ -159,10 +160,14 @@ class Report:
             raise ValueError(f"{path}: not a valid graphsan report: {err}") from None
 
     def header(self) -> list[str]:
-        """The lines under the summary: whether graphsan watched, and what recorded it."""
+        """The lines under the summary: whether graphsan watched, what recorded it, and how
+        graphsan attached."""
         watch = watch_line(self.watched, self.disabled_reason)
         made = provenance_line(self.provenance, self.loaded_version, SCHEMA_VERSION)
-        return [watch, made] if watch else [made]
+        attached = attachment_line(
+            self.provenance, self.allocator_log, self.loaded_version, SCHEMA_VERSION
+        )
+        return [line for line in (watch, made, attached) if line]
 
     def render(self) -> str:
         who = f" (rank {self.rank})" if self.rank is not None else ""

@@ -267,3 +267,44 @@ def provenance_line(prov: dict, loaded: int | None, current: int) -> str:
         f"Python {prov.get('python') or '?'}",
     ]
     return "recorded with " + ", ".join(parts)
+
+
+ATTACHED_SINCE = 9  # the report schema version that records how graphsan attached
+
+
+def attachment_line(
+    prov: dict, allocator_log: str | None, loaded: int | None, current: int
+) -> str | None:
+    """How graphsan attached (`runtime.attachment`): torch's hooks or the wrapper and which
+    seams, the allocator backend, the tracker (with why, from `allocator_log`, where it fell
+    back); None for a report that records no provenance at all (`provenance_line` says so)."""
+    if not prov:
+        return None
+    if "attach" not in prov:
+        older = loaded is not None and loaded < ATTACHED_SINCE
+        return "attached: not recorded" + (
+            f" (report schema v{loaded} predates it)" if older else ""
+        )
+    allocator = f"allocator backend {prov.get('allocator') or 'unknown'}"
+    attach, seams = prov.get("attach"), list(prov.get("hooks") or ())
+    if attach is None:
+        return f"attached: no (graphsan stayed idle); {allocator}"
+    if attach == "hooks":
+        how = f"attached through torch's hooks ({', '.join(seams)})"
+    else:
+        with_ = f" (with {', '.join(seams)})" if seams else ""
+        how = f"attached by wrapping CUDAGraph's capture and replay{with_}"
+    return f"{how}; {allocator}; {_tracker_text(prov.get('tracker'), allocator_log)}"
+
+
+def _tracker_text(tracker: str | None, log: str | None) -> str:
+    """The tracker, with what the allocator log adds after its first word (why it fell back;
+    where frees come through)."""
+    detail = re.sub(r"^\w+", "", log or "")
+    if tracker == "compiled":
+        return "tracker compiled" + detail
+    if tracker == "snapshots":
+        return "tracker snapshots" + detail
+    if tracker == "driver":
+        return "no tracker: the driver is asked before each replay" + detail
+    return "tracker unknown"

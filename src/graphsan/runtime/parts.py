@@ -70,7 +70,7 @@ def build(
     elif native:
         memory = AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline, eager, driver)
     else:  # the driver sees no allocations, so no eager tensor in a graph's pool either
-        why = f"the {backend} allocator backend keeps no block map and reports no frees"
+        why = driverwatch.no_block_map()
         memory = driverwatch.DriverWatch(
             tracker, context, on_error, alloc_stacks, why, driver, timeline
         )

@@ -39,6 +39,7 @@ from graphsan.policies import POLICIES, Policy, act
 from graphsan.policies.pin import Pinner
 from graphsan.report import Report, suppressions
 from graphsan.report.suppressions import Suppression
+from graphsan.runtime import attachment
 from graphsan.runtime.capture import stream_handle
 from graphsan.runtime.parts import MemoryFactory
 from graphsan.runtime.parts import build as build_parts
@@ -210,8 +211,13 @@ class Sanitizer:
             list(self.suppressed),
             watched=watched,
             disabled_reason=reason,
-            provenance=collect(),
+            provenance=collect() | self.attachment(),
         )
+
+    def attachment(self) -> dict:
+        """How graphsan attached (`runtime.attachment`): torch's hooks or the wrapper, the
+        seams of torch it used, the allocator backend, the tracker of the allocator's events."""
+        return attachment.of(self.hooks.seams, self.memory, self.watched)
 
     # -- labels -----------------------------------------------------------------------------
     def push_label(self, label: str) -> None:

@@ -139,6 +139,7 @@ def run(name: str, dump: str | None) -> dict:
         disabled=san.disabled_reason,
         graphs=len(san.graph_stats),
         allocator_log=san.memory.event_source,
+        attachment=san.attachment(),
     )
     return result
 

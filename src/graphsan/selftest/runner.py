@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from graphsan.command_line import cannot_write, read_result
-from graphsan.report.json_report import finding_from_dict
+from graphsan.report.json_report import SCHEMA_VERSION, finding_from_dict
 from graphsan.report.output import STDOUT, writing
-from graphsan.report.text import one_line
+from graphsan.report.text import attachment_line, one_line
+from graphsan.runtime import attachment
 from graphsan.selftest import BUG, CORRECT, runs
 
 # verdicts
@@ -150,6 +151,22 @@ def summary(verdicts: list[Verdict]) -> str:
     return "\n".join(lines)
 
 
+def attached_otherwise(verdicts: list[Verdict], expected: dict) -> str | None:
+    """A line naming the runs that attached otherwise than the header said (the compiled
+    tracker finished building partway, say), with how the first of them attached; None when
+    every run that says attached as expected."""
+    other = [
+        v
+        for v in verdicts
+        if v.result.get("attachment") is not None and v.result["attachment"] != expected
+    ]
+    if not other:
+        return None
+    first = other[0].result
+    how = attachment_line(first["attachment"], first.get("allocator_log"), None, SCHEMA_VERSION)
+    return f"  {len(other)} run(s) attached otherwise, {other[0].name} first: {how}"
+
+
 def to_json(verdicts: list[Verdict], meta: dict) -> dict:
     """The results as JSON: each run's verdict and graph count; a failed run keeps its first
     findings and the end of its log."""
@@ -191,17 +208,23 @@ def run_and_report(
         return None
     t0 = time.perf_counter()
     gpu = torch.cuda.get_device_name()
+    attached, allocator_log = attachment.here()
     sys.stderr.write(
         f"graphsan selftest: {len(chosen)} runs on {gpu} (torch {torch.__version__}), "
         f"{jobs} at a time\n"
+        f"graphsan selftest: {attachment_line(attached, allocator_log, None, SCHEMA_VERSION)}\n"
     )
     verdicts = run_corpus(chosen, jobs, timeout, dump)
     took = time.perf_counter() - t0
     out = sys.stderr if json_path == STDOUT else sys.stdout  # stdout carries the JSON
     print(f"graphsan selftest: {summary(verdicts)}", file=out)
+    otherwise = attached_otherwise(verdicts, attached)
+    if otherwise:
+        print(otherwise, file=out)
     print(f"({took:.0f} s; torch {torch.__version__}, {gpu})", file=out)
     if json_path:
         meta = {"torch": torch.__version__, "gpu": gpu, "seconds": round(took, 1)}
+        meta |= {"attachment": attached, "allocator_log": allocator_log}
         try:
             write_json(json_path, to_json(verdicts, meta))
         except BrokenPipeError:  # `--json - | head`: the reader left (graphsan.cli says nothing)

@@ -4,6 +4,7 @@ memory, the graph's nodes around the offending one, and the block's life (report
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,28 +15,39 @@ from graphsan.report.pages.report_life import life
 from graphsan.report.text import BAKED_LABELS, no_free_stack, short_kernel, when
 
 NODE_WINDOW = 6  # nodes shown either side of the offending one (the rest fold away)
+# a page names few kernels many times over: each name is shortened once
+short_kernel = functools.lru_cache(maxsize=4096)(short_kernel)
 
 
-def finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict[str, Any]:
-    free_site = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
-    head, params, tail = kernel_signature(f.kernel)
+def row_view(n: int, f: Finding, seen: dict[str, Finding]) -> dict[str, Any]:
+    """What the findings table's row of `f` says (its block, `finding_view`, says more)."""
     return {
         "n": n,
         "anchor": f"finding-{n}",
         "kind": f.kind,
         "graph_id": f.graph.id,
         "label": f.graph.label,
-        "capture_site": frame_text(f.graph.capture_site[-1]) if f.graph.capture_site else "",
         "node": f.node,
         "kernel": f.kernel,
         "kernel_short": short_kernel(f.kernel),
-        "signature": {"head": head, "params": params, "tail": tail},
         "param": f.param,
         "offset": f.offset,
-        "address": f"{f.address:#x}",
         "block": f"{f.block_address:#x}",
-        "nbytes": f.nbytes,
         "size": human_bytes(f.nbytes),
+        "free_site": frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f),
+        "ranks": list(seen),
+        "baked": _baked_view(f) if f.kind.baked else None,
+    }
+
+
+def finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict[str, Any]:
+    """Everything `f`'s block on the page shows: its row's fields and the rest."""
+    head, params, tail = kernel_signature(f.kernel)
+    return row_view(n, f, seen) | {
+        "capture_site": frame_text(f.graph.capture_site[-1]) if f.graph.capture_site else "",
+        "signature": {"head": head, "params": params, "tail": tail},
+        "address": f"{f.address:#x}",
+        "nbytes": f.nbytes,
         "pool": f.pool,
         "other_nodes": f.other_nodes,
         "now": f.now,
@@ -44,16 +56,13 @@ def finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict[
         "step": f.step,
         "when": when(f.phase, f.step).strip(" ()"),
         "free_op": f.free_op,
-        "free_site": free_site,
         "alloc_site": frame_text(f.alloc_stack[-1]) if f.alloc_stack else "not recorded",
         "alloc_stack": [frame_text(x) for x in f.alloc_stack],
         "free_stack": [frame_text(x) for x in f.free_stack],
         "capture_stack": [frame_text(x) for x in f.graph.capture_site],
         "also": [_also_view(u, src, t0) for u in f.also_used_by],
-        "ranks": list(seen),
-        "nodes": _nodes_view(f, src["graphs"].get(f.graph.id)),
+        "nodes": _nodes_view(f, src),
         "life": life(f, src, t0) if not f.kind.baked else {"steps": [], "svg": None},
-        "baked": _baked_view(f) if f.kind.baked else None,
     }
 
 
@@ -91,31 +100,51 @@ def _also_view(u: OtherUse, src, t0) -> dict[str, Any]:
     }
 
 
-def _nodes_view(f: Finding, stats: dict[str, Any] | None) -> dict[str, Any]:
-    """The graph's nodes around the offending one, from the report's node summary (graphs
-    captured before report schema v3 have none: only the referencing node is known)."""
-    summary = (stats or {}).get("node_summary")
-    if not summary or not summary.get("nodes"):
-        row = {"index": f.node, "short": short_kernel(f.kernel), "full": f.kernel, "hit": True}
-        return {"known": False, "window": [row], "all": [], "total": None, "shown": 0}
-    names = summary.get("names", [])
-    rows = []
-    for i, k in enumerate(summary["nodes"]):
-        full = names[k] if 0 <= k < len(names) else "?"
-        rows.append({"index": i, "short": short_kernel(full), "full": full, "hit": i == f.node})
-    total = summary.get("total", len(rows))
+def graph_nodes(src, gid: int) -> list[dict[str, Any]] | None:
+    """The graph's listed nodes (index, short and full kernel name), from the report's node
+    summary, made once per graph however many findings name it; None where the report has no
+    summary for the graph (graphs captured before report schema v3)."""
+    cache = src.setdefault("node_rows", {})
+    if gid not in cache:
+        summary = (src["graphs"].get(gid) or {}).get("node_summary")
+        rows = None
+        if summary and summary.get("nodes"):
+            names = summary.get("names", [])
+            shorts = [short_kernel(n) for n in names]
+            rows = [
+                {"index": i, "short": shorts[k], "full": names[k]}
+                if 0 <= k < len(names)
+                else {"index": i, "short": "?", "full": "?"}
+                for i, k in enumerate(summary["nodes"])
+            ]
+        cache[gid] = rows
+    return cache[gid]
+
+
+def nodes_anchor(src, gid: int) -> str:
+    """Where the page lists a graph's nodes (once per graph, under Graphs)."""
+    return f"nodes-{src['index']}-{gid}"
+
+
+def _nodes_view(f: Finding, src) -> dict[str, Any]:
+    """The graph's nodes around the offending one (graphs captured before report schema v3
+    have no node summary: only the referencing node is known); the graph's whole list is on
+    the page once (`nodes_anchor`)."""
+    own = {"index": f.node, "short": short_kernel(f.kernel), "full": f.kernel, "hit": True}
+    rows = graph_nodes(src, f.graph.id)
+    if rows is None:
+        return {"known": False, "window": [own], "total": None, "shown": 0}
+    total = (src["graphs"].get(f.graph.id) or {}).get("node_summary", {}).get("total", len(rows))
     if f.node < len(rows):
         lo, hi = max(f.node - NODE_WINDOW, 0), min(f.node + NODE_WINDOW + 1, len(rows))
-        window = rows[lo:hi]
+        window = [r | {"hit": r["index"] == f.node} for r in rows[lo:hi]]
     else:  # beyond the summary's bound: show the node on its own after the first ones
-        window = [
-            *rows[: NODE_WINDOW * 2],
-            {"index": f.node, "short": short_kernel(f.kernel), "full": f.kernel, "hit": True},
-        ]
+        window = [*(r | {"hit": False} for r in rows[: NODE_WINDOW * 2]), own]
     return {
         "known": True,
         "window": window,
-        "all": rows,
+        # the link to the whole list, where the window leaves nodes out
+        "all_anchor": nodes_anchor(src, f.graph.id) if len(window) < len(rows) else None,
         "total": total,
         "shown": len(rows),
         "before": window[0]["index"] if window else 0,

@@ -19,6 +19,11 @@ def fold_key(f: Finding) -> tuple:
     return (f.kind, f.graph.id, f.graph.label, f.node, f.param, f.offset)
 
 
+def group_key(f: Finding) -> tuple:
+    """What rows of one group share when the page has too many to detail: kind and graph."""
+    return (f.kind, f.graph.id, f.graph.label)
+
+
 @dataclass
 class Fold:
     """The findings that share one `fold_key`, in the order the reports list them."""

@@ -158,7 +158,7 @@ def _finding_marks(marks: Marks, s, views, names, lane_y, x_of, t0: float) -> No
                 f"{where} {rel(f.found_at, t0)}"
             )
 
-        href = f"#{fv['anchor']}" if fv else None
+        href = f"#{fv['anchor']}" if fv and fv["anchor"] else None
         marks.add(x_of(f.found_at), lane_y[lane] - 9, "finding", "ev-finding", title, href)
 
 

@@ -21,10 +21,12 @@
   }
   document.getElementById("open-stacks").addEventListener("click", function () { setStacks(true); });
   document.getElementById("close-stacks").addEventListener("click", function () { setStacks(false); });
-  // a link to a finding (from the summary or the timeline) opens its stacks
+  // a link to a finding (from the summary or the timeline) opens its stacks; a link to a
+  // graph's node list opens it
   function openTarget() {
     var id = decodeURIComponent(location.hash.slice(1));
     var el = id && document.getElementById(id);
+    if (el && el.tagName === "DETAILS") { el.open = true; }
     if (el) { el.querySelectorAll("details.stack").forEach(function (d) { d.open = true; }); }
   }
   window.addEventListener("hashchange", openTarget);
