@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from graphsan.core.streams import StreamOrder
+from graphsan.core.races import Races
 from graphsan.cuda import streams
 
 
@@ -67,7 +67,7 @@ def watch(monkeypatch):
         raising=False,
     )
     errors: list = []
-    w = streams.StreamWatch(StreamOrder(), errors.append, capturing=lambda h: h == 0x1000 + 9)
+    w = streams.StreamWatch(Races(), errors.append, capturing=lambda h: h == 0x1000 + 9)
     w.start()
     w.current, w.errors = current, errors
     yield w

@@ -17,6 +17,7 @@ unordered replays only (each graph's ranges are kept sorted: one merge per pair)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,6 +105,9 @@ class Races:
 
     def __init__(self, order: StreamOrder | None = None) -> None:
         self.order = order if order is not None else StreamOrder()
+        # held by whoever changes or reads the order: replays and the program's ordering calls
+        # come from any thread
+        self.lock = threading.Lock()
         self.footprints: dict[GraphId, Footprint] = {}
         self.streams_used: set[StreamKey] = set()  # streams replays ran on
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
+from typing import Protocol
 
 from graphsan.core.records import GraphId
 
@@ -35,6 +36,18 @@ EventKey = Hashable
 Clock = dict  # StreamKey -> how many of that stream's replays are ordered before
 
 MAX_IN_FLIGHT = 256  # replays kept per stream since the host last waited for it
+
+
+class Streams(Protocol):
+    """What the device says of its streams (`cuda.streams` answers it)."""
+
+    def current(self) -> StreamKey:
+        """The stream the calling thread launches on now."""
+        ...
+
+    def busy(self, stream: StreamKey) -> bool:
+        """Whether `stream` still has work queued or running."""
+        ...
 
 
 def _join(into: Clock, other: Clock) -> None:

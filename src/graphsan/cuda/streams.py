@@ -20,14 +20,14 @@ A stream is named (device, stream id), an event by its identity until it is coll
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
 
 import torch
 
 from graphsan.core.patches import Patches
-from graphsan.core.streams import StreamKey, StreamOrder
+from graphsan.core.races import Races
+from graphsan.core.streams import StreamKey
 
 
 def stream_key(stream) -> StreamKey:
@@ -54,20 +54,19 @@ def busy(key: StreamKey) -> bool:
 
 
 class StreamWatch:
-    """Feeds `order` from the wrapped calls (see the module); `lock` guards the model, which
-    the replay path reads too. What fails in a wrapper goes to `on_error`, never to the
+    """Feeds `races.order` from the wrapped calls (see the module), holding `races.lock`, which
+    the replay path holds too. What fails in a wrapper goes to `on_error`, never to the
     program's call."""
 
     def __init__(
         self,
-        order: StreamOrder,
+        races: Races,
         on_error: Callable[[BaseException], None],
         capturing: Callable[[int], bool] = lambda handle: False,
     ) -> None:
-        self.order = order
+        self.order, self.lock = races.order, races.lock
         self.on_error = on_error
         self.capturing = capturing  # whether a watched capture runs on a stream (its handle)
-        self.lock = threading.Lock()
         self._patches = Patches()
         self._forgetting: dict[int, weakref.finalize] = {}  # events the model keeps a clock of
 
@@ -78,7 +77,7 @@ class StreamWatch:
         event_cls, stream_cls = torch.cuda.Event, torch.cuda.Stream
         orig_record, orig_wait = event_cls.record, event_cls.wait
         orig_event_sync, orig_stream_sync = event_cls.synchronize, stream_cls.synchronize
-        orig_device_sync = torch._C._cuda_synchronize
+        orig_device_sync = getattr(torch._C, "_cuda_synchronize", None)  # None: a CPU build
 
         def record(event, stream=None):
             result = orig_record(event, stream)
@@ -118,7 +117,8 @@ class StreamWatch:
         self._patches.set(event_cls, "wait", wait)
         self._patches.set(event_cls, "synchronize", event_synchronize)
         self._patches.set(stream_cls, "synchronize", stream_synchronize)
-        self._patches.set(torch._C, "_cuda_synchronize", device_synchronize)
+        if orig_device_sync is not None:
+            self._patches.set(torch._C, "_cuda_synchronize", device_synchronize)
 
     def stop(self) -> None:
         self._patches.restore()
@@ -161,3 +161,15 @@ class StreamWatch:
         with self.lock:
             self.order.forget_event(event_id)
             self._forgetting.pop(event_id, None)
+
+
+class DeviceStreams:
+    """The device's answers about its streams (`core.streams.Streams`)."""
+
+    @staticmethod
+    def current() -> StreamKey:
+        return current_stream_key()
+
+    @staticmethod
+    def busy(stream: StreamKey) -> bool:
+        return busy(stream)
