@@ -7,7 +7,15 @@
 from __future__ import annotations
 
 from graphsan.core.kinds import KINDS, Kind
-from graphsan.core.records import Finding, Frame, GraphInfo, OtherUse, display_path
+from graphsan.core.records import (
+    BakedEvidence,
+    Finding,
+    Frame,
+    GraphInfo,
+    OrderEvidence,
+    OtherUse,
+    display_path,
+)
 from graphsan.report.json_report import (
     READABLE_VERSIONS,
     SCHEMA,
@@ -23,10 +31,12 @@ __all__ = [
     "READABLE_VERSIONS",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "BakedEvidence",
     "Finding",
     "Frame",
     "GraphInfo",
     "Kind",
+    "OrderEvidence",
     "OtherUse",
     "Report",
     "StaleMemoryError",
