@@ -21,7 +21,7 @@ from graphsan.core.records import (
     Reference,
     When,
 )
-from graphsan.report import Report, finding_from_dict, finding_to_dict
+from graphsan.report import Report, StaleMemoryError, finding_from_dict, finding_to_dict
 from graphsan.report.pages.trace import _finding_args
 from graphsan.report.text import format_finding, one_line
 
@@ -251,6 +251,14 @@ def test_a_baked_finding_reads_as_a_change_not_a_free():
     assert "Adam.param_groups[0]['lr']" in one_line(lr) and "changed at" not in one_line(lr)
     superseded = format_finding(baked_finding("superseded"))
     assert "  entry: Net.lin.weight" in superseded and "re-pointed (phase" in superseded
+
+
+def test_the_error_head_counts_findings_of_every_kind():
+    err = StaleMemoryError([baked_finding("mode"), order_finding("replay-order")])
+    assert str(err).startswith(
+        "graphsan: replay stopped before launch: 2 finding(s)\n\n[rank 1] MODE: "
+    )
+    assert "stale reference" not in str(err)
 
 
 def test_the_trace_names_where_baked_state_changed_not_where_it_was_freed():

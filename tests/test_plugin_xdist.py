@@ -113,7 +113,7 @@ def test_a_test_that_swallows_a_stop_fails_under_raise_and_keeps_its_outcome_und
     result = suite.runpytest(f"--graphsan={policy}", "-rA", "-p", "no:cacheprovider")
     if policy == "raise":
         result.assert_outcomes(failed=3)  # two stopped replays, and the swallowed one
-        result.stdout.fnmatch_lines(["FAILED *test_swallowed - Failed: graphsan: 1 stale*"])
+        result.stdout.fnmatch_lines(["FAILED *test_swallowed - Failed: graphsan: 1 finding(s)*"])
     else:
         result.assert_outcomes(passed=3)
     assert result.stdout.str().count("Captured graphsan call") == 3

@@ -1,5 +1,5 @@
 """Identical findings folded into one row of the HTML report: the findings of one graph, node,
-argument and kind (a stale reference found again at every replay, or on every rank) share a row
+argument and kind (a finding made again at every replay, or on every rank) share a row
 that says how many there were, where and when; the page details the first of them."""
 
 from __future__ import annotations
