@@ -7,6 +7,7 @@ each kind's evidence says."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 
 import pytest
@@ -265,3 +266,16 @@ def test_the_trace_names_where_baked_state_changed_not_where_it_was_freed():
     assert _finding_args(baked_finding("mode"))["changed at"] == "train.py:31 in validate"
     assert "freed at" not in _finding_args(baked_finding("mode"))
     assert _finding_args(memory_finding("freed"))["freed at"] == "train.py:22 in evaluate"
+
+
+@pytest.mark.parametrize("f", every_kind(), ids=lambda f: str(f.kind))
+def test_the_selftest_verdict_reads_each_kind_from_the_childs_result(f):
+    from graphsan.command_line import read_result, write_result
+    from graphsan.selftest.child import _finding
+    from graphsan.selftest.runner import BUG, CAUGHT, judge
+
+    result = {"outcome": "stopped", "graphs": 1, "findings": [_finding(f)], "kinds": [f.kind]}
+    sent = io.StringIO()
+    write_result(result, sent)
+    verdict = judge("twin", BUG, read_result(sent.getvalue()), "", 0)
+    assert (verdict.verdict, verdict.detail) == (CAUGHT, one_line(f))
