@@ -28,8 +28,8 @@ import pytest
 from graphsan.policies import POLICIES, Policy
 
 if TYPE_CHECKING:
+    from graphsan import Sanitizer
     from graphsan.report import Report
-    from graphsan.runtime.sanitizer import Sanitizer
 
 OPTION = "--graphsan"
 # the options that only mean something with --graphsan: (dest, option)
