@@ -106,7 +106,7 @@ def child(args: argparse.Namespace) -> None:
         "segments": torch.cuda.memory_stats().get("segment.all.current", 0),
         "stages_ms": stages,
         "disabled": san.disabled_reason if san is not None else None,
-        "allocator_log": san.memory.allocator_log if san is not None else None,
+        "allocator_log": san.memory.event_source if san is not None else None,
         "walks": walks,
         "findings": len(san.findings) if san is not None else 0,
         "kernel_nodes": sum(s.get("kernels", 0) for s in san.report().graphs) if san else None,

@@ -108,8 +108,8 @@ def _view_vs_allocator(torch, addr: int) -> dict:
     import graphsan
 
     memory = graphsan.current().memory
-    out: dict = {"drains": memory.events.drains}
-    view = memory.events.views.get(torch.cuda.current_device())
+    out: dict = {"drains": memory.ledger.drains}
+    view = memory.ledger.views.get(torch.cuda.current_device())
     seg = view.segment_at(addr) if view is not None else None
     if seg is not None:
         out["view"] = {

@@ -63,7 +63,7 @@ def main() -> None:
     for n in args.objects:
         clutter = [[i] for i in range(n)]  # gc-tracked containers, like a large program's
         tracker = Tracker()
-        allocator = types.SimpleNamespace(redirect_resize=None)
+        allocator = types.SimpleNamespace()  # a memory watch that sees no resize
         pinner = Pinner(tracker, allocator, Context(), _raise, device_type="cpu")
         owners = types.SimpleNamespace(t=[])
         for gid in range(1, args.graphs + 1):

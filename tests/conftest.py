@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     # read when @triton.jit decorates, so before anything imports Triton (torch does not)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.fake_cuda import ATTACHMENTS  # noqa: E402  (after the Triton switch above)
+from tests.fake_cuda import ATTACHMENTS, started  # noqa: E402  (after the Triton switch above)
 
 
 @pytest.fixture(params=ATTACHMENTS)
@@ -19,6 +19,22 @@ def attach(request) -> str:
     """How graphsan attaches to the faked graphs (tests/fake_cuda.py `graph_class`): each test
     that takes it runs through graphsan's wrappers and through torch 2.14.1's hooks."""
     return request.param
+
+
+@pytest.fixture
+def fake_sanitizer():
+    """`fake_sanitizer(state, policy="raise", hooks=True)`: a sanitizer over the fakes of
+    tests/fake_cuda.py (`fake_cuda.started`), whose hooks go at the test's end."""
+    made = []
+
+    def start(state: dict, policy: str = "raise", hooks: bool = True):
+        san = started(state, policy, hooks)
+        made.append(san)
+        return san
+
+    yield start
+    for san in made:
+        san.hooks.uninstall()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
 """The CUDA-facing pieces of the sanitizer replaced by fakes, for CPU tests of its flow: one graph
 of one kernel whose argument points at the start of a one-segment default pool, and an allocator
-view the test sets (`state["map"]`). A test may also set the nodes the next capture walks
+view the test sets (`state["map"]`), which the sanitizer's memory watch answers with (`FakeWatch`,
+injected by `started`, or by the `fake_sanitizer` fixture of tests/conftest.py). A test may also set the nodes the next capture walks
 (`state["nodes"]`), the allocations it made (`state["carves"]`), the device memory a pointer
 table holds (`state["memory"]`), and use `graph_class` for a
 `torch.cuda.CUDAGraph` as torch 2.11 or torch 2.14.1 has it."""
@@ -16,6 +17,7 @@ from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import KernelArgs, WalkStats
 from graphsan.cuda import driver
 from graphsan.cuda.allocator import AllocatorWatch
+from graphsan.runtime.sanitizer import Sanitizer
 from tests import torch_hooks
 
 SEG = 0x7F00_0000_0000
@@ -56,9 +58,6 @@ def install(monkeypatch, kernel: str, stream: int) -> dict:
     monkeypatch.setattr(
         driver, "walk", lambda g: (state["nodes"], WalkStats(len(state["nodes"]), 1))
     )
-    monkeypatch.setattr(
-        AllocatorWatch, "capture_ended", lambda self, tag, pool: list(state["carves"])
-    )
     # device memory the sanitizer reads (pointer tables): block address -> bytes, zeros elsewhere
     state["memory"] = {}
     monkeypatch.setattr(
@@ -69,14 +68,50 @@ def install(monkeypatch, kernel: str, stream: int) -> dict:
     monkeypatch.setattr(driver, "is_mapped", lambda ptr: True)
     monkeypatch.setattr(driver, "is_host", lambda ptr: False)
     monkeypatch.setattr(driver, "address_range", lambda ptr: None)
-    monkeypatch.setattr(AllocatorWatch, "view", lambda self, device, sync=True, **kw: state["map"])
-    monkeypatch.setattr(AllocatorWatch, "sync", lambda self: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(
         torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=stream)
     )
     return state
+
+
+class FakeWatch(AllocatorWatch):
+    """The allocator watch with the allocator's answers a test sets in `state` (see `install`):
+    the view is `state["map"]`, and a capture's carves are `state["carves"]`."""
+
+    def __init__(self, state: dict, *args) -> None:
+        super().__init__(*args)
+        self.state = state
+
+    def view(self, device: int, sync: bool = True, own=(), own_pool=None):
+        return self.state["map"]
+
+    def sync(self) -> None:
+        pass
+
+    def capture_ended(self, tag: str, pool) -> list:
+        self.capture_pool = None
+        return list(self.state["carves"])
+
+
+def answer_from(state: dict, watch: AllocatorWatch, monkeypatch) -> None:
+    """A memory watch made elsewhere (by the pytest plugin's sanitizer) answers as a
+    `FakeWatch` does, for the test's time."""
+    for name in ("view", "sync", "capture_ended"):
+        fake = getattr(FakeWatch, name).__get__(watch)
+        monkeypatch.setattr(watch, name, fake)
+    monkeypatch.setattr(watch, "state", state, raising=False)
+
+
+def started(state: dict, policy: str = "raise", hooks: bool = True) -> Sanitizer:
+    """A sanitizer over the fakes of `install` (its memory watch a `FakeWatch`), marked active
+    as `start()` would (which needs CUDA), its graph hooks installed unless `hooks` is off."""
+    san = Sanitizer(policy, memory=lambda *parts: FakeWatch(state, *parts))
+    san.active = True
+    if hooks:
+        san.hooks.install()
+    return san
 
 
 def kernel(index: int, *addresses: int) -> KernelArgs:

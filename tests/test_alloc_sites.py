@@ -262,7 +262,7 @@ def test_a_site_names_the_allocating_line():
     rec = Recorder()
     line = sys._getframe().f_lineno + 1
     rec.allocs.fire_callbacks(SEG)
-    frames = rec.watch.events.frames_of(SEG)
+    frames = rec.watch.ledger.frames_of(SEG)
     # the file by its location: from the project root, whatever the folder it sits in
     assert frames[-1] == (
         "tests/test_alloc_sites.py",
@@ -270,7 +270,7 @@ def test_a_site_names_the_allocating_line():
         "test_a_site_names_the_allocating_line",
     )
     rec.watch.sites.intern_fresh()
-    assert rec.watch.events.frames_of(SEG) == frames
+    assert rec.watch.ledger.frames_of(SEG) == frames
 
 
 def test_stop_forgets_the_sites():

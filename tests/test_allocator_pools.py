@@ -55,15 +55,15 @@ def watch(monkeypatch):
     monkeypatch.setattr(allocator_log, "_set_metadata", lambda text: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     w = allocator.AllocatorWatch(Tracker(), Context(), on_error=lambda err: None)
-    w.events.views[0] = AllocatorView()
-    w.events.views[0].seed({"segments": []}, 0)
+    w.ledger.views[0] = AllocatorView()
+    w.ledger.views[0].seed({"segments": []}, 0)
     return w, fake
 
 
 @pytest.mark.parametrize("tagged", [True, False], ids=["tagged", "worker-thread"])
 def test_a_capture_segment_belongs_to_the_graph_pool_tagged_or_not(watch, tagged):
     w, fake = watch
-    tag = w.capture_started(1, STREAM)
+    tag = w.capture_started(1, STREAM, None)
     capture_tag = tag if tagged else ""
     fake["log"] = [
         # warm-up before the capture, on the same stream: the default pool's
@@ -78,7 +78,7 @@ def test_a_capture_segment_belongs_to_the_graph_pool_tagged_or_not(watch, tagged
     ]
     fake["pools"][POOL] = [_seg(SEG, POOL, [(SEG, 8192)]), _seg(FORK, POOL, [(FORK, 512)])]
     carves = w.capture_ended(tag, POOL)
-    view = w.events.views[0]
+    view = w.ledger.views[0]
     assert tuple(view.segment_at(WARM).pool) == DEFAULT_POOL
     assert tuple(view.segment_at(SEG).pool) == POOL
     assert tuple(view.segment_at(FORK).pool) == POOL
@@ -87,11 +87,11 @@ def test_a_capture_segment_belongs_to_the_graph_pool_tagged_or_not(watch, tagged
 
 def test_an_untagged_segment_absent_from_the_pool_stays_in_the_default_pool(watch):
     w, fake = watch
-    tag = w.capture_started(1, STREAM)
+    tag = w.capture_started(1, STREAM, None)
     fake["log"] = [_entry("segment_alloc", WARM, MB2, OTHER), _entry("alloc", WARM, 512, OTHER)]
     fake["pools"][POOL] = []
     assert w.capture_ended(tag, POOL) == []
-    assert tuple(w.events.views[0].segment_at(WARM).pool) == DEFAULT_POOL
+    assert tuple(w.ledger.views[0].segment_at(WARM).pool) == DEFAULT_POOL
 
 
 def test_without_a_capture_an_untagged_segment_is_the_default_pools(watch):
@@ -99,7 +99,7 @@ def test_without_a_capture_an_untagged_segment_is_the_default_pools(watch):
     fake["log"] = [_entry("segment_alloc", SEG, MB2, STREAM), _entry("alloc", SEG, 512, STREAM)]
     fake["pools"][POOL] = [_seg(SEG, POOL)]  # never asked: no capture is ending
     w.sync()
-    assert tuple(w.events.views[0].segment_at(SEG).pool) == DEFAULT_POOL
+    assert tuple(w.ledger.views[0].segment_at(SEG).pool) == DEFAULT_POOL
 
 
 def test_untagged_mapped_pages_of_the_pool_reseed_the_view(watch, monkeypatch):
@@ -116,7 +116,7 @@ def test_untagged_mapped_pages_of_the_pool_reseed_the_view(watch, monkeypatch):
         return real(pool, traces)
 
     monkeypatch.setattr(allocator_log, "_snapshot", snapshot)
-    tag = w.capture_started(1, STREAM)
+    tag = w.capture_started(1, STREAM, None)
     fake["log"] = [
         _entry("segment_map", WARM, MB2, STREAM),
         _entry("segment_map", WARM + MB2, MB2, STREAM),  # the capture's, untagged
@@ -125,14 +125,14 @@ def test_untagged_mapped_pages_of_the_pool_reseed_the_view(watch, monkeypatch):
     fake["pools"][POOL] = [_seg(WARM + MB2, POOL, [(WARM + MB2, 4096)])]
     w.capture_ended(tag, POOL)
     assert seeded
-    assert tuple(w.events.views[0].segment_at(WARM + MB2).pool) == POOL
+    assert tuple(w.ledger.views[0].segment_at(WARM + MB2).pool) == POOL
 
 
 def test_the_first_capture_keeps_its_carves_before_any_view_exists(watch):
     """The snapshot path: no view yet when the first capture ends; the drain makes one."""
     w, fake = watch
-    w.events.views.clear()
-    tag = w.capture_started(1, STREAM)
+    w.ledger.views.clear()
+    tag = w.capture_started(1, STREAM, None)
     fake["log"] = [
         _entry("segment_alloc", SEG, MB2, STREAM, tag),
         _entry("alloc", SEG, 8192, STREAM, tag),
@@ -140,4 +140,4 @@ def test_the_first_capture_keeps_its_carves_before_any_view_exists(watch):
     fake["pools"][POOL] = [_seg(SEG, POOL, [(SEG, 8192)])]
     fake["pools"][(0, 0)] = fake["pools"][POOL]  # the full snapshot that seeds the view
     assert [a for a, _, _ in w.capture_ended(tag, POOL)] == [SEG]
-    assert tuple(w.events.views[0].segment_at(SEG).pool) == POOL
+    assert tuple(w.ledger.views[0].segment_at(SEG).pool) == POOL

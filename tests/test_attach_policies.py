@@ -9,7 +9,6 @@ import pytest
 
 from graphsan.core.records import FreeEvent
 from graphsan.report import StaleMemoryError
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG, SLOT, POOL = fake_cuda.SEG, 4096, (1, 3)
@@ -18,13 +17,11 @@ POLICIES = ("raise", "pin", "warn", "record")
 
 
 @pytest.fixture(params=POLICIES)
-def san(request, monkeypatch, attach):
+def san(request, monkeypatch, attach, fake_sanitizer):
     env = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     env["map"] = fake_cuda.one_segment([(SLOT, "active_allocated")] * 4, pool=POOL)
     cls = fake_cuda.graph_class(monkeypatch, POOL, attach)
-    s = sanitizer.Sanitizer(request.param)
-    s.active = True
-    s.hooks.install()
+    s = fake_sanitizer(env, request.param)
     if s.pinner is not None:
         s.pinner.device_type = "cpu"  # nothing here has a Python owner: pin falls back to raise
 
@@ -36,8 +33,7 @@ def san(request, monkeypatch, attach):
         return g
 
     s.test_env, s.test_capture = env, capture
-    yield s
-    s.hooks.uninstall()
+    return s
 
 
 def ends_as_the_policy_says(san, g, kind, capsys):

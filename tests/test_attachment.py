@@ -33,16 +33,14 @@ def attached_report(**fields) -> Report:
 
 
 @pytest.fixture
-def started(monkeypatch, attach):
+def started(monkeypatch, attach, fake_sanitizer):
     """A sanitizer attached to faked graphs as start() attaches it, on a native allocator."""
-    fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
+    env = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     fake_cuda.graph_class(monkeypatch, (1, 3), attach)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native", raising=False)
-    san = sanitizer.Sanitizer("record")
-    san.active = san.watched = True
-    san.hooks.install()
-    yield san
-    san.hooks.uninstall()
+    san = fake_sanitizer(env, "record")
+    san.watched = True
+    return san
 
 
 @pytest.mark.parametrize(
@@ -52,7 +50,7 @@ def started(monkeypatch, attach):
 def test_the_report_records_the_attachment_backend_and_tracker(
     started, attach, tmp_path, log, reason, tracker
 ):
-    started.memory.log, started.memory.log_reason = log, reason
+    started.memory.tracelog, started.memory.tracelog_reason = log, reason
     rep = started.report()
     if attach == "torch hooks":
         assert rep.provenance["attach"] == "hooks" and rep.provenance["hooks"] == HOOKS

@@ -12,10 +12,9 @@ import torch
 from graphsan.core.allocview import AllocatorView
 from graphsan.core.eager import EagerInPools
 from graphsan.core.tracker import Tracker
-from graphsan.cuda import allocator, allocator_log
+from graphsan.cuda import allocator, allocator_log, hooks
 from graphsan.cuda.context import Context
 from graphsan.report import StaleMemoryError, format_finding
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 POOL, OTHER_POOL = (1, 3), (1, 4)
@@ -129,9 +128,9 @@ def watch(monkeypatch):
     eager = EagerInPools()
     eager.add_capture(1, 0, POOL, [(SEG, 4096, None)])
     w = allocator.AllocatorWatch(Tracker(), Context(), lambda err: None, eager=eager)
-    w.events.views[0] = AllocatorView()
+    w.ledger.views[0] = AllocatorView()
     seg = {"address": SEG, "total_size": MB2, "segment_pool_id": POOL, "blocks": []}
-    w.events.views[0].seed({"segments": [seg]}, 0)
+    w.ledger.views[0].seed({"segments": [seg]}, 0)
     w._active = True
     return w, fake, eager
 
@@ -142,7 +141,7 @@ def test_an_allocation_routed_into_the_pool_is_marked(watch):
     fake["log"] = [_entry("alloc", SEG, 1024)]
     w.route_ends(POOL)
     assert [(t.start, t.size) for t in eager.marked(1)] == [(SEG, 1024)]
-    assert w.routes == []
+    assert w.ledger.routes == []
 
 
 def test_allocations_outside_a_route_or_on_another_stream_are_not_eager(watch):
@@ -161,7 +160,7 @@ def test_allocations_outside_a_route_or_on_another_stream_are_not_eager(watch):
 def test_a_captures_tagged_allocation_inside_a_route_is_the_captures(watch):
     w, fake, eager = watch
     w.route_begins(POOL, per_thread=True)
-    tag = w.capture_started(2, STREAM)
+    tag = w.capture_started(2, STREAM, None)
     fake["log"] = [_entry("alloc", SEG, 1024, tag=tag)]
     w.sync()
     w.capture_failed(tag)
@@ -175,21 +174,18 @@ A, B = fake_cuda.SEG, fake_cuda.SEG + SLOT
 
 
 @pytest.fixture
-def san(monkeypatch, attach):
+def san(monkeypatch, attach, fake_sanitizer):
     """A sanitizer under `raise` whose one graph `g` reads A and carved B as scratch (free after
     the capture); `state["map"]` is the allocator view it sees."""
     state = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     state["map"] = fake_cuda.one_segment([(SLOT, "active_allocated"), (SLOT, "inactive")], POOL)
     cls = fake_cuda.graph_class(monkeypatch, POOL, attach)
-    s = sanitizer.Sanitizer("raise")
-    s.active = True
-    s.hooks.install()
+    s = fake_sanitizer(state, "raise")
     state["nodes"], state["carves"] = [fake_cuda.kernel(0, A, B)], [(B, SLOT, None)]
     g = cls()
     g.capture_begin(POOL)
     g.capture_end()
-    yield s, g, state
-    s.hooks.uninstall()
+    return s, g, state
 
 
 def _hold_b(state, held: bool) -> None:
@@ -209,7 +205,7 @@ def test_a_replay_over_a_held_eager_tensor_is_stopped_and_names_it(san):
     (f,) = err.value.findings
     assert f.kind == "live-output" and f.block_address == B and f.nbytes == SLOT
     assert (f.node, f.param, f.offset) == (0, 1, 0)  # the kernel's second argument, into B
-    assert f.written_by is None and "eager code allocated into the pool" in f.now
+    assert f.order.written_by is None and "eager code allocated into the pool" in f.now
     assert "in phase validation, step 4" in f.now
     text = format_finding(f)
     assert "eager code was handed the memory after the graph's capture" in text
@@ -225,7 +221,7 @@ def test_once_the_tensor_is_freed_replays_are_quiet_and_cost_no_more_asks(san):
         g.replay()
     assert g.launched == 3 and s.findings == []
     assert s.pool_orders.eager.marks == {}
-    assert not g.__dict__["_graphsan_state"].dirty
+    assert not hooks.graph_state(g).dirty
 
 
 def test_a_tensor_outside_the_graphs_carves_is_quiet(san):

@@ -183,7 +183,7 @@ def test_snapshots_refused_leave_graphsan_idle_in_one_line(cuda_here, monkeypatc
         allocator_log.AllocatorLog, "record_history", lambda self, clear=False: None
     )
     monkeypatch.setattr(
-        allocator.AllocatorWatch, "view", lambda self, device, **kw: self.events._new_view(device)
+        allocator.AllocatorWatch, "view", lambda self, device, **kw: self.ledger._new_view(device)
     )
 
     def refused(*args, **kwargs):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from graphsan.core.records import CopyArgs
+from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.report.json_report import Report
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG
@@ -29,13 +29,10 @@ def env(monkeypatch, attach):
 
 
 @pytest.fixture
-def san():
-    s = sanitizer.Sanitizer("raise")
-    s.active = True
+def san(env, fake_sanitizer):
+    s = fake_sanitizer(env, "raise")
     s.host._active = True  # start() needs CUDA; the registry does not
-    s.hooks.install()
-    yield s
-    s.hooks.uninstall()
+    return s
 
 
 def capture(env):
@@ -52,7 +49,7 @@ def pinned_free(san, address=HOST):
 def test_a_memcpy_from_freed_pinned_memory_stops_the_replay_and_names_both_sites(env, san):
     san.host.note(HOST, 4096, PIN_SITE)
     g = capture(env)
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     assert state.counts.host == 1 and HOST in state.blocks
     g.replay()  # alive: nothing to say
     pinned_free(san)
@@ -106,7 +103,7 @@ def test_the_storage_finalizer_reports_the_free_only_when_the_last_alias_dies(en
 
 
 def test_pinned_memory_not_seen_at_pin_time_is_found_among_live_tensors(env, san, monkeypatch):
-    from graphsan.cuda import driver
+    from graphsan.cuda import driver, hooks
 
     t = torch.zeros(512)
     address = t.data_ptr()
@@ -114,7 +111,7 @@ def test_pinned_memory_not_seen_at_pin_time_is_found_among_live_tensors(env, san
     monkeypatch.setattr(driver, "is_host", lambda ptr: True)
     env["nodes"] = [CopyArgs(0, "memcpy", [("dst", address + 8), ("src", SEG)])]
     g = capture(env)
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     assert state.counts.host == 1 and state.blocks[address].alloc_stack == []
     del t
     gc.collect()

@@ -10,9 +10,9 @@ import pytest
 
 from graphsan.core.records import FreeEvent, Reference
 from graphsan.core.scan import table_candidates, table_references
+from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError, format_finding
 from graphsan.report.text import one_line
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG
@@ -80,12 +80,8 @@ def env(monkeypatch, attach):
 
 
 @pytest.fixture
-def san():
-    s = sanitizer.Sanitizer("raise")
-    s.active = True
-    s.hooks.install()
-    yield s
-    s.hooks.uninstall()
+def san(env, fake_sanitizer):
+    return fake_sanitizer(env, "raise")
 
 
 def capture(env):
@@ -101,7 +97,7 @@ def free(san, ptr):
 
 def test_a_freed_buffer_named_in_a_table_stops_the_replay_and_names_the_table(env, san):
     g = capture(env)
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     assert BIG in state.blocks and TABLE in state.blocks
     assert free(san, BIG)
     env["map"] = fake_cuda.one_segment(LAYOUT[:2] + [(8192, "inactive")] + LAYOUT[3:])
@@ -122,13 +118,13 @@ def test_a_table_rewritten_before_the_free_raises_nothing(env, san):
     g.replay()
     g.replay()
     assert g.launched == 2 and san.findings == []
-    assert BIG not in g.__dict__["_graphsan_state"].blocks  # let go: not judged again
+    assert BIG not in hooks.graph_state(g).blocks  # let go: not judged again
 
 
 def test_reading_tables_can_be_turned_off(env, san):
     san.table_budget = 0
     g = capture(env)
-    assert BIG not in g.__dict__["_graphsan_state"].blocks
+    assert BIG not in hooks.graph_state(g).blocks
 
 
 def test_a_table_is_read_up_to_its_tensor_not_into_the_stale_rest_of_its_block(env, san):
@@ -137,10 +133,10 @@ def test_a_table_is_read_up_to_its_tensor_not_into_the_stale_rest_of_its_block(e
     stale = np.full(62, 0x3F80_0000_3F80_0000, dtype="<u8").tobytes()
     env["memory"][TABLE] = words(BIG, SMALL + 64) + stale
     g = capture(env)
-    assert BIG not in g.__dict__["_graphsan_state"].blocks
+    assert BIG not in hooks.graph_state(g).blocks
     env["map"].requested[TABLE] = 16
     g = capture(env)
-    assert BIG in g.__dict__["_graphsan_state"].blocks
+    assert BIG in hooks.graph_state(g).blocks
 
 
 def test_the_report_counts_the_tables_read_and_the_references_they_gave(env, san):

@@ -7,7 +7,6 @@ import pytest
 
 from graphsan.core.records import CopyArgs, KernelArgs
 from graphsan.cuda import driver
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG
@@ -21,14 +20,11 @@ def env(monkeypatch, attach):
 
 
 @pytest.fixture
-def san(monkeypatch):
-    s = sanitizer.Sanitizer("raise")
-    s.active = True
-    s.hooks.install()
+def san(monkeypatch, env, fake_sanitizer):
+    s = fake_sanitizer(env, "raise")
     monkeypatch.setattr(s.memory, "stop", lambda: None)  # start() never ran: nothing to undo
     monkeypatch.setattr(s.context, "stop", lambda: None)
-    yield s
-    s.hooks.uninstall()
+    return s
 
 
 def capture_and_replay(env, times=2):

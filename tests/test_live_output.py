@@ -14,6 +14,7 @@ from graphsan.core.pool_order import PoolOrder, first_refs_into
 from graphsan.core.pool_orders import ReplayOrders
 from graphsan.core.records import GraphInfo, Judged, Reference, When
 from graphsan.core.tracker import Tracker
+from tests.fake_memory import FakeMemory
 
 BASE, SLOT, POOL = 0x7E00_0000_0000, 4096, (1, 3)
 
@@ -172,7 +173,7 @@ def orders_1f1b():
     for gid, (carved, refs) in CAPTURES.items():
         info = GraphInfo(gid, ["fwd mb0", "fwd mb1", "bwd mb1", "bwd mb0"][gid], [], POOL, 0)
         tracker.add_graph(info, refs, view)
-        ReplayJudge(tracker, orders, None).join_order(info, carved, refs, view)
+        ReplayJudge(tracker, orders, FakeMemory()).join_order(info, carved, refs, view)
         states[gid] = tracker.graphs[gid]
     return orders, states
 
@@ -188,7 +189,8 @@ def test_the_finding_names_the_output_its_producer_the_node_and_both_replays():
     (f,) = orders.live_outputs(
         states[F1].info, overs, pool_map({0, 1, 5}), When("train", 3, judged)
     )
-    assert (f.kind, f.written_by, f.block_address, f.replays) == ("live-output", B0, at(1), (2, 3))
+    o = f.order
+    assert (f.kind, o.written_by, f.block_address, o.replays) == ("live-output", B0, at(1), (2, 3))
     assert (f.node, f.address) == (0, ref(1).address)  # forward mb1's kernel that writes there
     assert f.alloc_stack == (("train.py", 7, "site1"),)  # where backward mb0 carved its output
     assert "graph #3 'bwd mb0'" in f.now and (f.phase, f.step, f.rank) == ("train", 3, 2)

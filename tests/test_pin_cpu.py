@@ -130,34 +130,30 @@ def test_inputs_made_just_before_capture_are_pinned_at_capture_end():
     assert s["blocks"] == 1 and s["unpinnable_blocks"] == 0 and s["retained_bytes"] == 4000
 
 
-def test_an_input_young_when_the_capture_began_is_pinned_though_promoted_since(monkeypatch, attach):
+def test_an_input_young_when_the_capture_began_is_pinned_though_promoted_since(
+    monkeypatch, attach, fake_sanitizer
+):
     """Through the sanitizer's capture hooks: the capture's own work (here a full collection)
     promotes an input made just before it out of the young generations; the tensors listed
     when the capture began still count, so `del x` after the capture frees nothing."""
     import gc
     import weakref
 
-    from graphsan.runtime import sanitizer
     from tests import fake_cuda
 
     env = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     cls = fake_cuda.graph_class(monkeypatch, (1, 3), attach)
-    san = sanitizer.Sanitizer("pin")
-    san.active = True
+    san = fake_sanitizer(env, "pin")
     san.pinner.device_type = "cpu"
-    san.hooks.install()
-    try:
-        x = torch.randn(1000)
-        env["map"] = memmap_for(x)
-        env["nodes"] = [fake_cuda.kernel(0, x.data_ptr())]
-        g = cls()
-        g.capture_begin()
-        gc.collect()  # x is in the oldest generation from here on
-        assert not any(o is x for o in san.pinner.young_objects() or ())
-        g.capture_end()
-        storage = weakref.ref(x.untyped_storage())
-        del x
-        assert storage() is not None, "the graph's input must be pinned at capture end"
-        assert san.pinner.summary()["blocks"] == 1
-    finally:
-        san.hooks.uninstall()
+    x = torch.randn(1000)
+    env["map"] = memmap_for(x)
+    env["nodes"] = [fake_cuda.kernel(0, x.data_ptr())]
+    g = cls()
+    g.capture_begin()
+    gc.collect()  # x is in the oldest generation from here on
+    assert not any(o is x for o in san.pinner.young_objects() or ())
+    g.capture_end()
+    storage = weakref.ref(x.untyped_storage())
+    del x
+    assert storage() is not None, "the graph's input must be pinned at capture end"
+    assert san.pinner.summary()["blocks"] == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 
@@ -26,7 +27,7 @@ pytest_plugins = ["pytester"]
 
 def finding(rank=None, kind="unmapped", node=7):
     g = GraphInfo(3, "mamba bwd", [("train.py", 40, "capture")], (1, 0), 0)
-    return Finding(
+    return Finding.of(  # of any kind: a baked one's free stack is where it changed
         kind=kind,
         graph=g,
         node=node,
@@ -287,6 +288,65 @@ def test_pytest_plugin_help_names_every_policy(pytester):
         assert policy in help_text[start : start + 300], policy
 
 
+# what the plugin's module answers in every pytest session of the environment: its options,
+# the command line's words, and whether to set the sanitizer up and take it down
+MODULE_HOOKS = {
+    "pytest_addoption",
+    "pytest_load_initial_conftests",
+    "pytest_configure",
+    "pytest_unconfigure",
+}
+
+
+def _graphsan_hooks(pm) -> dict[str, list]:
+    """Each hook that something of graphsan's implements in this plugin manager: its objects."""
+    found: dict[str, list] = {}
+    for name in dir(pm.hook):
+        caller = getattr(pm.hook, name)
+        for impl in caller.get_hookimpls() if hasattr(caller, "get_hookimpls") else ():
+            plugin = impl.plugin
+            module = (
+                plugin.__name__ if isinstance(plugin, types.ModuleType) else type(plugin).__module__
+            )
+            if module.split(".")[0] == "graphsan":
+                found.setdefault(name, []).append(plugin)
+    return found
+
+
+class _Look:
+    """A plugin of the inner session's: what graphsan has registered as the session starts."""
+
+    def pytest_sessionstart(self, session):
+        self.config = session.config
+        self.hooks = _graphsan_hooks(session.config.pluginmanager)
+        self.named = session.config.pluginmanager.list_name_plugin()
+
+
+def test_only_a_session_with_graphsan_registers_its_plugin_and_its_end_removes_it(pytester):
+    """The plugin's module loads with every pytest session of the environment; its per-test
+    hooks must not run in one that did not ask for graphsan."""
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    look = _Look()
+    pytester.inline_run("-p", "no:cacheprovider", plugins=[look]).assertoutcome(passed=1)
+    assert set(look.hooks) <= MODULE_HOOKS, sorted(set(look.hooks) - MODULE_HOOKS)
+
+    from graphsan.cli.pytest_plugin import PLUGIN_NAME, GraphsanPlugin, plugin_of
+
+    look = _Look()
+    result = pytester.inline_run("--graphsan=record", "-p", "no:cacheprovider", plugins=[look])
+    result.assertoutcome(passed=1)
+    plugins = [(name, p) for name, p in look.named if isinstance(p, GraphsanPlugin)]
+    assert len(plugins) == 1 and plugins[0][0] == PLUGIN_NAME
+    plugin = plugins[0][1]
+    for hook in ("pytest_runtest_call", "pytest_sessionfinish", "pytest_terminal_summary"):
+        assert look.hooks[hook] == [plugin], hook
+    # the session has ended: its plugin is gone from the manager and from the stash
+    pm = look.config.pluginmanager
+    assert pm.get_plugin(PLUGIN_NAME) is None and not pm.is_registered(plugin)
+    assert plugin_of(look.config) is None
+    assert set(_graphsan_hooks(pm)) <= MODULE_HOOKS
+
+
 def test_a_long_kernel_name_prints_short_and_stays_whole_in_json():
     f = dataclasses.replace(finding(), kernel=WHERE)
     text = format_finding(f)
@@ -304,7 +364,7 @@ def test_pytest_plugin_summary_counts_real_graph_records():
     report's dicts): a suite that captured graphs once ended in an AttributeError here."""
     from types import SimpleNamespace
 
-    from graphsan.cli.pytest_plugin import pytest_terminal_summary
+    from graphsan.cli.pytest_plugin import GraphsanPlugin
     from graphsan.core.records import GraphStats, ReferenceCounts, WalkStats
 
     stats = {
@@ -327,6 +387,5 @@ def test_pytest_plugin_summary_counts_real_graph_records():
     san.graph_stats, san.findings = stats, [finding()]
     lines = []
     reporter = SimpleNamespace(write_line=lines.append)
-    config = SimpleNamespace(_graphsan=san, getoption=lambda name, default=None: default)
-    pytest_terminal_summary(reporter, 0, config)
+    GraphsanPlugin(san).pytest_terminal_summary(reporter)
     assert lines == ["graphsan: 2 graph(s), 12 node(s) watched, 1 finding(s), policy record"]

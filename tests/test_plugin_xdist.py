@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from graphsan.core.records import OrderEvidence
 from graphsan.report import GraphInfo, Report
 from graphsan.report.ranks import combine
 from tests.test_plugin_and_ranks import finding
@@ -22,13 +23,14 @@ pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# each test: a graph labelled with its worker's id captured over the faked allocator view, its
-# input freed in eval, the replay judged under the plugin's sanitizer (policy record)
+# each test: a graph labelled with its worker's id ("main" without xdist) captured over the faked
+# allocator view, its input freed in eval, the replay judged under the plugin's sanitizer
 SUITE = """
 import os
 
 import graphsan
 from graphsan.core.records import FreeEvent
+from graphsan.cuda import hooks
 from tests import fake_cuda
 
 
@@ -41,15 +43,16 @@ def stale_replay(monkeypatch):
     env = fake_cuda.install(monkeypatch, "void scale(float*)", stream=1)
     san = graphsan.current()
     monkeypatch.setattr(san, "active", True)  # start() needs CUDA; the listeners do not
+    fake_cuda.answer_from(env, san.memory, monkeypatch)  # the plugin made its memory watch
     g = FakeGraph()
-    san.push_label(os.environ["PYTEST_XDIST_WORKER"])
+    san.push_label(os.environ.get("PYTEST_XDIST_WORKER", "main"))
     san.capture_begin(g, None)
     san.after_capture_end(g, san.before_capture_end(g))
     san.pop_label()
     event = FreeEvent([("train.py", 7, "evaluate")], "eval", 5)
     assert san.tracker.on_free(fake_cuda.SEG, lambda: event)
     env["map"] = fake_cuda.one_segment([(8192, "inactive")])
-    san.before_replay(g, g.__dict__["_graphsan_state"])
+    san.before_replay(g, hooks.graph_state(g))
 
 
 def test_one(monkeypatch):
@@ -90,6 +93,33 @@ def test_xdist_workers_findings_reach_the_summary_and_the_report(suite, tmp_path
     assert sorted(f.graph.id for f in rep.findings) == [1, 2]  # apart, though both were 1
     assert sorted((g["id"], g["label"]) for g in rep.graphs) == [(1, "gw0"), (2, "gw1")]
     assert not list(tmp_path.glob("run*.json.*"))  # no worker file left beside the report
+
+
+SWALLOWED = """
+
+def test_swallowed(monkeypatch):
+    try:
+        stale_replay(monkeypatch)
+    except graphsan.StaleMemoryError:
+        pass  # the test swallows the stop: under raise the plugin still fails it
+"""
+
+
+@pytest.mark.parametrize("policy", ["raise", "record"])
+def test_a_test_that_swallows_a_stop_fails_under_raise_and_keeps_its_outcome_under_record(
+    suite, policy
+):
+    suite.makepyfile(test_inner=SUITE + SWALLOWED)
+    result = suite.runpytest(f"--graphsan={policy}", "-rA", "-p", "no:cacheprovider")
+    if policy == "raise":
+        result.assert_outcomes(failed=3)  # two stopped replays, and the swallowed one
+        result.stdout.fnmatch_lines(["FAILED *test_swallowed - Failed: graphsan: 1 finding(s)*"])
+    else:
+        result.assert_outcomes(passed=3)
+    assert result.stdout.str().count("Captured graphsan call") == 3
+    result.stdout.fnmatch_lines(
+        [f"graphsan: 3 graph(s), 3 node(s) watched, 3 finding(s), policy {policy}"]
+    )
 
 
 @pytest.mark.slow
@@ -138,8 +168,9 @@ def test_a_deeply_nested_suppression_file_is_one_usage_error(pytester):
 def test_combine_keeps_every_process_and_renumbers_graph_ids():
     a = Report([finding()], [{"id": 3, "nodes": 12}], events=[{"t": 2.0, "graph": 3}])
     second = GraphInfo(1, "other", [("train.py", 9, "capture")], (1, 0), 0)
+    order = OrderEvidence(written_by=1, carved_by=2)
     b = Report(
-        [dataclasses.replace(finding(), graph=second, written_by=1)],
+        [dataclasses.replace(finding(kind="replay-order"), graph=second, order=order)],
         [{"id": 1, "nodes": 5}],
         events=[{"t": 1.0, "graph": 1}, {"t": 3.0, "kind": "phase"}],
         events_dropped=4,
@@ -148,7 +179,8 @@ def test_combine_keeps_every_process_and_renumbers_graph_ids():
     )
     both = combine([a, b])
     assert [f.graph.id for f in both.findings] == [3, 4]
-    assert both.findings[1].written_by == 4 and both.findings[1].graph.label == "other"
+    assert both.findings[1].order == OrderEvidence(written_by=4, carved_by=5)
+    assert both.findings[1].graph.label == "other"
     assert [g["id"] for g in both.graphs] == [3, 4]
     assert [e.get("graph") for e in both.events] == [4, 3, None]  # in time order
     assert both.events_dropped == 4 and both.pinned["by_site"]["x"]["bytes"] == 64

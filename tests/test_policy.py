@@ -13,7 +13,7 @@ def pin_is_attached(san: Sanitizer) -> bool:
     p = san.pinner
     return (
         p is not None
-        and san.memory.redirect_resize == p.redirect_resize
+        and san.memory.resizes_redirected_to == p.redirect_resize
         and p._flush_quietly in san.context.on_phase_change
     )
 
@@ -37,7 +37,7 @@ def test_switching_away_from_pin_detaches_the_pinner(other):
     pinner = san.pinner
     san.policy = other
     assert san.policy == other and san.pinner is None
-    assert san.memory.redirect_resize is None
+    assert san.memory.resizes_redirected_to is None
     assert pinner._flush_quietly not in san.context.on_phase_change
     san.policy = "pin"  # and back: a fresh pinner, attached
     assert pin_is_attached(san) and san.pinner is not pinner

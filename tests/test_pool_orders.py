@@ -9,6 +9,7 @@ from graphsan.core.memory_map import MemoryMap
 from graphsan.core.pool_orders import ReplayOrders
 from graphsan.core.records import GraphInfo, Judged, Reference, When
 from graphsan.core.tracker import Tracker
+from tests.fake_memory import FakeMemory
 
 SEG, SLOT, POOL = 0x7E00_0000_0000, 4096, (1, 3)
 B, C, D, E = (SEG + i * SLOT for i in range(4))
@@ -26,7 +27,7 @@ def capture(tracker, orders, gid, reads, carves):
     refs = [Reference(0, "k", i, 0, a) for i, a in enumerate(reads)]
     view = pool_map()
     tracker.add_graph(info, refs, view)
-    ReplayJudge(tracker, orders, None).join_order(
+    ReplayJudge(tracker, orders, FakeMemory()).join_order(
         info, [(a, SLOT, f"site{gid}") for a in carves], refs, view
     )
     return tracker.graphs[gid]
@@ -56,7 +57,8 @@ def test_a_finding_names_writer_and_carver_and_a_forgotten_carver_as_gone():
     for gid in (0, 2):
         order.replayed(gid)
     (f,) = orders.judge(g1, lambda: When("eval", 7, Judged(rank=3, found_at=12.5)), view=None)
-    assert (f.kind, f.written_by, f.carved_by, f.block_address) == ("replay-order", 0, 2, C)
+    o = f.order
+    assert (f.kind, o.written_by, o.carved_by, f.block_address) == ("replay-order", 0, 2, C)
     assert (f.phase, f.step, f.rank, f.found_at) == ("eval", 7, 3, 12.5)
     assert f.alloc_stack == tuple(SITE)  # the producer's carve site, as the adapter reads it
     assert "graph #2 'g2'" in f.now

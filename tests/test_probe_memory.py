@@ -58,7 +58,7 @@ def test_the_probe_routes_through_torchs_calls_not_graphsans_wrappers(monkeypatc
 
 def test_without_the_compiled_tracker_the_probes_pool_stays_and_says_why():
     watch = AllocatorWatch(Tracker(), Context(), lambda err: None, alloc_stacks=False)
-    assert watch.log is None
+    assert watch.tracelog is None
     assert watch.release_pool((0, 3)) == (
         "the compiled tracker is not loaded: the pool's memory stays cached until the "
         "program's own empty_cache()"

@@ -13,6 +13,7 @@ from graphsan.core.pool_order import PoolOrder, first_refs_into
 from graphsan.core.pool_orders import ReplayOrders
 from graphsan.core.records import GraphInfo, Judged, When
 from graphsan.core.tracker import Tracker
+from tests.fake_memory import FakeMemory
 from tests.test_live_output import BASE, POOL, SLOT, at, carve, pool_map, ref
 
 # -- outputs the pool got back while the caller still used them -------------------------------
@@ -167,7 +168,7 @@ def test_the_finding_for_a_released_output_names_the_capture_that_held_it():
         info = GraphInfo(gid, labels[gid], [], POOL, 0)
         view = pool_map(set(slots) | {0, 2})
         tracker.add_graph(info, refs, view)
-        ReplayJudge(tracker, orders, None).join_order(info, carve(*slots), refs, view)
+        ReplayJudge(tracker, orders, FakeMemory()).join_order(info, carve(*slots), refs, view)
         if gid == RB0:
             wb = tracker.graphs[R0].blocks[at(2)]
             orders.released(wb, in_capture=False)
@@ -178,7 +179,8 @@ def test_the_finding_for_a_released_output_names_the_capture_that_held_it():
     overs = orders.overwritten(state)
     # the allocator's view says nothing: the caller's tensor owns no block there
     (f,) = orders.live_outputs(state.info, overs, pool_map(set()), When("train", 4, Judged()))
-    assert (f.kind, f.written_by, f.block_address, f.nbytes) == ("live-output", R0, at(2), SLOT)
+    assert (f.kind, f.block_address, f.nbytes) == ("live-output", at(2), SLOT)
+    assert f.order.written_by == R0
     assert "graph #1 'bwd mb0'" in f.now and "graph #0 'fwd mb0'" in f.now
     assert f.alloc_stack == (("train.py", 9, "site2"),)
 

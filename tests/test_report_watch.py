@@ -70,14 +70,14 @@ def test_an_internal_error_before_any_graph_leaves_the_report_idle(capsys):
 
 
 def test_an_internal_error_after_a_graph_is_a_partial_watch(monkeypatch, capsys):
-    fake_cuda.install(monkeypatch, "void scale(float*)", stream=1)
+    env = fake_cuda.install(monkeypatch, "void scale(float*)", stream=1)
 
     class Graph:
         def pool(self):
             return (1, 3)
 
-    san = sanitizer.Sanitizer("raise")
-    san.active = san.watched = True
+    san = fake_cuda.started(env, "raise", hooks=False)
+    san.watched = True
     g = Graph()
     san.capture_begin(g, None)
     san.after_capture_end(g, san.before_capture_end(g))

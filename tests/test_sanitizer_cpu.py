@@ -9,9 +9,8 @@ import pytest
 
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import FreeEvent, Release
-from graphsan.cuda import allocator as memory
+from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG
@@ -28,9 +27,8 @@ def env(monkeypatch):
     return fake_cuda.install(monkeypatch, "void scale(float*)", stream=1)
 
 
-def captured(policy):
-    san = sanitizer.Sanitizer(policy)
-    san.active = True  # start() needs CUDA; the listener methods do not
+def captured(env, policy):
+    san = fake_cuda.started(env, policy, hooks=False)  # the listener's methods called directly
     g = FakeGraph()
     san.capture_begin(g, None)
     san.after_capture_end(g, san.before_capture_end(g))
@@ -42,8 +40,8 @@ def free_block(san, ptr=SEG):
 
 
 def test_capture_registers_the_graph_and_its_reference(env):
-    san, g = captured("raise")
-    state = g.__dict__["_graphsan_state"]
+    san, g = captured(env, "raise")
+    state = hooks.graph_state(g)
     assert state.counts.default == 1 and not state.dirty
     (stats,) = san.report().graphs
     assert stats["nodes"] == 1 and stats["references"] == 1 and stats["pool"] == [1, 3]
@@ -55,8 +53,8 @@ def test_capture_registers_the_graph_and_its_reference(env):
 
 
 def test_raise_stops_every_later_replay_too(env):
-    san, g = captured("raise")
-    state = g.__dict__["_graphsan_state"]
+    san, g = captured(env, "raise")
+    state = hooks.graph_state(g)
     assert free_block(san)
     env["map"] = snapshot([(8192, "inactive")])
     for _ in range(2):
@@ -68,8 +66,8 @@ def test_raise_stops_every_later_replay_too(env):
 
 
 def test_warn_prints_each_finding_once_and_goes_on(env, capsys):
-    san, g = captured("warn")
-    state = g.__dict__["_graphsan_state"]
+    san, g = captured(env, "warn")
+    state = hooks.graph_state(g)
     free_block(san)
     env["map"] = snapshot([(8192, "inactive")])
     san.before_replay(g, state)
@@ -85,21 +83,21 @@ def test_warn_prints_each_finding_once_and_goes_on(env, capsys):
 
 
 def test_reset_forgets_the_graph(env):
-    san, g = captured("raise")
+    san, g = captured(env, "raise")
     san.reset(g)
     assert not free_block(san)
     assert san.tracker.graphs == {}
 
 
 def test_internal_error_disables_and_says_so(env, monkeypatch, capsys):
-    san, g = captured("raise")
-    state = g.__dict__["_graphsan_state"]
+    san, g = captured(env, "raise")
+    state = hooks.graph_state(g)
     free_block(san)
 
-    def broken(self, device, sync=True):
+    def broken(device, sync=True):
         raise RuntimeError("snapshot failed")
 
-    monkeypatch.setattr(memory.AllocatorWatch, "view", broken)
+    monkeypatch.setattr(san.memory, "view", broken)
     san.hooks.uninstall = lambda: None
     san.memory.stop = lambda: None
     san.context.stop = lambda: None
@@ -109,8 +107,8 @@ def test_internal_error_disables_and_says_so(env, monkeypatch, capsys):
 
 
 def test_an_unmapped_finding_names_the_empty_cache_call_from_its_project_root(env, tmp_path):
-    san, g = captured("raise")
-    state = g.__dict__["_graphsan_state"]
+    san, g = captured(env, "raise")
+    state = hooks.graph_state(g)
     assert free_block(san)
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "train.py").write_text("")

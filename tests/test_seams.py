@@ -17,7 +17,6 @@ from graphsan.core.records import FreeEvent
 from graphsan.cuda import driver, hooks
 from graphsan.cuda.hooks import Seams
 from graphsan.report import StaleMemoryError
-from graphsan.runtime import sanitizer
 from tests import fake_cuda
 
 SEG = fake_cuda.SEG
@@ -34,13 +33,6 @@ def env(monkeypatch):
 
     monkeypatch.setattr(driver, "capturing_graph", not_mid_capture)
     return state
-
-
-def started(policy: str):
-    san = sanitizer.Sanitizer(policy)
-    san.active = True  # start() needs CUDA; the hooks do not
-    san.hooks.install()
-    return san
 
 
 def captured(env):
@@ -66,10 +58,12 @@ def test_this_torch_is_attached_to_by_its_behaviour():
     assert Seams.detect("wrap").hooks is False
 
 
-def test_with_torch_hooks_replay_and_reset_are_hooked_not_wrapped_and_uninstall_undoes_all(env):
+def test_with_torch_hooks_replay_and_reset_are_hooked_not_wrapped_and_uninstall_undoes_all(
+    env, fake_sanitizer
+):
     cls = env["cls"]
     original = dict(vars(cls))
-    san = started("raise")
+    san = fake_sanitizer(env, "raise")
     assert san.hooks.seams.names() == [
         "capture-end hook",
         "per-graph replay hooks",
@@ -95,11 +89,13 @@ def test_with_torch_hooks_replay_and_reset_are_hooked_not_wrapped_and_uninstall_
     assert not g._replay_start_hooks and not g._replay_end_hooks
 
 
-def test_the_walk_reads_the_graph_torch_hands_over_and_a_stale_replay_never_launches(env):
-    san = started("raise")
+def test_the_walk_reads_the_graph_torch_hands_over_and_a_stale_replay_never_launches(
+    env, fake_sanitizer
+):
+    san = fake_sanitizer(env, "raise")
     try:
         g = captured(env)
-        state = g.__dict__["_graphsan_state"]
+        state = hooks.graph_state(g)
         (stats,) = san.report().graphs
         assert stats["references"] == 1
         g.replay()
@@ -131,7 +127,9 @@ def test_a_module_level_replay_hook_would_have_stopped_nothing(env):
     assert fired == [g] and g.launched == 1
 
 
-def test_a_torch_whose_graph_hooks_swallow_too_is_wrapped_and_still_stopped(env, monkeypatch):
+def test_a_torch_whose_graph_hooks_swallow_too_is_wrapped_and_still_stopped(
+    env, monkeypatch, fake_sanitizer
+):
     """A later torch that swallows per-graph hook errors as well: the behaviour check sees it,
     graphsan wraps `replay`, and a stale replay is still stopped before launch."""
     cls = env["cls"]
@@ -148,7 +146,7 @@ def test_a_torch_whose_graph_hooks_swallow_too_is_wrapped_and_still_stopped(env,
             self._replay_start_hooks = hooks_now
 
     monkeypatch.setattr(cls, "replay", replay)
-    san = started("raise")
+    san = fake_sanitizer(env, "raise")
     try:
         assert not san.hooks.seams.hooks and vars(cls)["replay"] is not replay
         monkeypatch.setattr(
@@ -174,11 +172,11 @@ def test_the_behaviour_check_is_not_tried_where_another_consumer_would_see_it(en
     assert seen == []
 
 
-def test_attach_wrap_takes_none_of_torchs_hooks(env, monkeypatch):
+def test_attach_wrap_takes_none_of_torchs_hooks(env, monkeypatch, fake_sanitizer):
     monkeypatch.setenv("GRAPHSAN_ATTACH", "wrap")
     cls = env["cls"]
     original = dict(vars(cls))
-    san = started("raise")
+    san = fake_sanitizer(env, "raise")
     try:
         assert san.hooks.seams.names() == ["retain_object"]
         assert vars(cls)["replay"] is not original["replay"]
@@ -187,17 +185,17 @@ def test_attach_wrap_takes_none_of_torchs_hooks(env, monkeypatch):
         san.hooks.uninstall()
 
 
-def test_reset_and_collection_forget_the_graph_through_its_destroy_callback(env):
-    san = started("raise")
+def test_reset_and_collection_forget_the_graph_through_its_destroy_callback(env, fake_sanitizer):
+    san = fake_sanitizer(env, "raise")
     try:
         g = captured(env)
-        gid = g.__dict__["_graphsan_state"].info.id
+        gid = hooks.graph_state(g).info.id
         assert gid in san.tracker.graphs
         g.reset()
         assert gid not in san.tracker.graphs
         g.capture_begin()
         g.capture_end()
-        gid2 = g.__dict__["_graphsan_state"].info.id
+        gid2 = hooks.graph_state(g).info.id
         assert gid2 != gid and gid2 in san.tracker.graphs
         del g
         gc.collect()
@@ -206,14 +204,14 @@ def test_reset_and_collection_forget_the_graph_through_its_destroy_callback(env)
         san.hooks.uninstall()
 
 
-def test_pin_holds_what_it_pins_through_retain_object_until_the_policy_lets_go(env):
-    san = started("pin")
+def test_pin_holds_what_it_pins_through_retain_object_until_the_policy_lets_go(env, fake_sanitizer):
+    san = fake_sanitizer(env, "pin")
     try:
         owner = torch.empty(1024)  # stands for the graph's input: the pinner finds its storage
         san.pinner.device_type = "cpu"
         env["map"] = fake_cuda.one_segment([(4096, "active_allocated"), (4096, "inactive")])
         g = captured(env)
-        state = g.__dict__["_graphsan_state"]
+        state = hooks.graph_state(g)
         (wb,) = state.blocks.values()
         wb.address = owner.untyped_storage().data_ptr()  # the block is the owner's memory
         san.pinner.flush()

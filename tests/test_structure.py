@@ -21,7 +21,6 @@ ALLOWED = {
         "graphsan.core",
         "graphsan.cuda.context",
         "graphsan.report",  # what a policy does: StaleMemoryError, a finding as text
-        "graphsan.cuda.allocator",
         "graphsan.cuda.owners",  # the tensors among all objects, as the pinner scans them
     ),
     "graphsan.cuda": (
@@ -409,4 +408,40 @@ def test_the_graph_state_check_sees_an_assignment_and_a_transition(tmp_path):
         "graphsan.cuda.watch:3 assigns .reads",
         "graphsan.cuda.watch:3 assigns .read_order",
         "graphsan.cuda.watch:4 calls .block()",
+    ]
+
+
+# the module that keeps graphsan's side object on the program's graphs (one attribute of them)
+MAY_TOUCH_A_GRAPHS_ATTRIBUTES = {"graphsan.cuda.hooks"}
+
+
+def graph_attribute_uses(src: Path = SRC) -> list[str]:
+    """Where a module outside `MAY_TOUCH_A_GRAPHS_ATTRIBUTES` reads or writes an object's own
+    attributes wholesale (`__dict__`): what graphsan keeps on a program's graph goes through
+    `cuda.hooks.side`."""
+    out = []
+    for path in sorted((src / "graphsan").rglob("*.py")):
+        name = module_name(path, src)
+        if name.startswith("graphsan.lab") or name in MAY_TOUCH_A_GRAPHS_ATTRIBUTES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            named = getattr(node, "attr", None) or getattr(node, "value", None)
+            if isinstance(node, ast.Attribute | ast.Constant) and named == "__dict__":
+                out.append(f"{name}:{node.lineno}")
+    return out
+
+
+def test_only_the_hooks_touch_what_graphsan_keeps_on_a_graph():
+    assert graph_attribute_uses() == []
+
+
+def test_the_graph_attribute_check_sees_both_spellings(tmp_path):
+    pkg = tmp_path / "graphsan" / "runtime"
+    pkg.mkdir(parents=True)
+    (pkg / "sanitizer.py").write_text(
+        "def f(g):\n    g.__dict__['_x'] = 1\n    return getattr(g, '__dict__')\n"
+    )
+    assert graph_attribute_uses(tmp_path) == [
+        "graphsan.runtime.sanitizer:2",
+        "graphsan.runtime.sanitizer:3",
     ]

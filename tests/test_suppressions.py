@@ -10,6 +10,7 @@ import json
 import pytest
 
 from graphsan.cli.main import main
+from graphsan.cuda import hooks
 from graphsan.report import Report, suppressions
 from tests.test_plugin_and_ranks import finding
 
@@ -77,7 +78,9 @@ def test_generated_entries_suppress_the_findings_they_came_from(tmp_path):
 
 def test_findings_about_baked_state_match_by_entry_and_generate_their_own(tmp_path):
     def baked(kind, **fields):
-        return dataclasses.replace(finding(kind=kind, node=-1), kernel="", alloc_stack=(), **fields)
+        f = finding(kind=kind, node=-1)
+        evidence = dataclasses.replace(f.baked, **fields)
+        return dataclasses.replace(f, kernel="", alloc_stack=(), baked=evidence)
 
     mode = baked("mode", modules=("Net.block.0.drop", "Net.block.1.drop"))
     lr = baked("baked-value", entry="Adam.param_groups[0]['lr']")
@@ -147,9 +150,9 @@ def test_a_suppressed_finding_never_stops_the_replay_and_is_counted(monkeypatch)
     from tests.test_sanitizer_cpu import captured, free_block, snapshot
 
     env = fake_cuda.install(monkeypatch, "void scale(float*)", stream=1)
-    san, g = captured("raise")
+    san, g = captured(env, "raise")
     san.suppressions = [Suppression("scale's input", kernel="*scale*", free="* in evaluate")]
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     assert free_block(san)
     env["map"] = snapshot([(8192, "inactive")])
     san.before_replay(g, state)  # no StaleMemoryError: the one finding is suppressed

@@ -8,8 +8,8 @@ import pytest
 
 from graphsan.core.records import KernelArgs
 from graphsan.core.timeline import Timeline, node_summary
+from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError
-from graphsan.runtime import sanitizer
 from tests import fake_cuda as fake_cuda_pieces
 
 T0 = 1_780_000_000.0
@@ -81,13 +81,12 @@ class FakeGraph:
 
 
 def test_the_sanitizer_times_capture_free_and_stopped_replay(fake_cuda):
-    san = sanitizer.Sanitizer("raise")
-    san.active = True
+    san = fake_cuda_pieces.started(fake_cuda, "raise", hooks=False)
     san.memory._active = True  # the allocator callbacks without torch's GPU trace
     g = FakeGraph()
     san.capture_begin(g, None)
     san.after_capture_end(g, san.before_capture_end(g))
-    state = g.__dict__["_graphsan_state"]
+    state = hooks.graph_state(g)
     (stats,) = san.report().graphs
     assert stats["captured_at"] > 0 and stats["node_summary"]["names"] == [MUL]
     san.memory._on_free(SEG + 4096)  # a block no graph uses: nothing recorded

@@ -104,7 +104,7 @@ def drive(seed: int, expandable: bool, to_entries) -> None:
             unsure: list = []
             # the watch's own pool lookup: with no capture or route known, only the records'
             # pools put the segments of streams 22 and 33 where the snapshot has them
-            view.apply(entries, functools.partial(watch.events._pool_of, unsure=unsure))
+            view.apply(entries, functools.partial(watch.ledger._pool_of, unsure=unsure))
             assert unsure == []
             same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
 
@@ -172,7 +172,7 @@ def test_sync_drains_the_tracker_reseeds_on_overflow_and_keeps_capture_allocatio
     monkeypatch.setattr(allocator_log, "_snapshot", snapshot)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     watch = new_watch()
-    log = watch.log = FakeLog()
+    log = watch.tracelog = FakeLog()
     model.log.clear()
     view = watch.view(0)  # the seed
     assert len(seeds) == 1
@@ -184,11 +184,11 @@ def test_sync_drains_the_tracker_reseeds_on_overflow_and_keeps_capture_allocatio
     live = [model.malloc(n, s) for n, s in [(512, 11), (3 << 20, 22), (100, 33)]]
     drained()
     assert watch.view(0) is view and len(seeds) == 1, "the events were applied, no snapshot"
-    assert watch.events.drains == 1
+    assert watch.ledger.drains == 1
     same_answers(view, MemoryMap.from_snapshot(model.snapshot()), rng)
 
     def capture(gid: int, overflow: bool) -> list[int]:
-        tag = watch.capture_started(gid, 22)
+        tag = watch.capture_started(gid, 22, None)
         start = len(model.log)
         carved = [model.malloc(n, 22) for n in (1000, 5 << 20)]
         for e in model.log[start:]:
@@ -216,11 +216,11 @@ def test_sync_drains_the_tracker_reseeds_on_overflow_and_keeps_capture_allocatio
 
 def test_sync_waits_while_the_current_stream_captures(monkeypatch):
     watch = new_watch()
-    log = watch.log = FakeLog()
+    log = watch.tracelog = FakeLog()
     log.batches.append(([], False))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     watch.sync()
-    assert len(log.batches) == 1 and watch.events.drains == 0
+    assert len(log.batches) == 1 and watch.ledger.drains == 0
 
 
 def _model_watch(monkeypatch) -> tuple[ModelAllocator, AllocatorWatch, FakeLog]:
@@ -230,7 +230,7 @@ def _model_watch(monkeypatch) -> tuple[ModelAllocator, AllocatorWatch, FakeLog]:
     )
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     w = new_watch()
-    log = w.log = FakeLog()
+    log = w.tracelog = FakeLog()
     return model, w, log
 
 
@@ -244,7 +244,7 @@ def test_untagged_allocations_of_a_captured_backward_are_carves_even_when_the_vi
     model.malloc(4096, 11)
     model.log.clear()
     w.view(0)
-    tag = w.capture_started(7, 22)
+    tag = w.capture_started(7, 22, None)
     carved = [model.malloc(n, 22) for n in (1000, 5 << 20)]  # untagged
     log.batches.append((list(model.log), lost))
     model.log.clear()
@@ -257,11 +257,11 @@ def test_the_first_capture_of_a_process_keeps_its_carves(monkeypatch):
     allocations still reach the replay order."""
     model, w, log = _model_watch(monkeypatch)
     model.log.clear()
-    tag = w.capture_started(7, 22)
+    tag = w.capture_started(7, 22, None)
     a = model.malloc(1000, 22)
     for e in model.log:
         e["user_metadata"] = tag
     log.batches.append((list(model.log), False))
     model.log.clear()
     assert [(x, n) for x, n, _ in w.capture_ended(tag, STREAM_POOL[22])] == [(a, 1000)]
-    assert 0 in w.events.views
+    assert 0 in w.ledger.views

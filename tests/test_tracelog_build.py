@@ -273,10 +273,10 @@ def test_an_opened_tracker_has_no_reason_so_nothing_is_announced(monkeypatch, ca
     log = FakeLog()
     monkeypatch.setattr(tracelog, "_open", lambda: log)
     watch = new_watch()
-    watch.log, watch.log_reason = tracelog.open_log()
-    assert (watch.log, watch.log_reason) == (log, None)
-    allocator._say_fallback(watch.log_reason)
-    assert capsys.readouterr().err == "" and watch.allocator_log == "tracker"
+    watch.tracelog, watch.tracelog_reason = tracelog.open_log()
+    assert (watch.tracelog, watch.tracelog_reason) == (log, None)
+    allocator._say_fallback(watch.tracelog_reason)
+    assert capsys.readouterr().err == "" and watch.event_source == "tracker"
 
 
 def test_an_unexpected_error_is_a_reason_too(monkeypatch):
@@ -292,17 +292,17 @@ def test_an_unexpected_error_is_a_reason_too(monkeypatch):
 def test_the_watch_says_where_its_events_come_from_once(monkeypatch, capsys):
     monkeypatch.setattr(allocator, "_SAID", [])
     watch = new_watch()
-    assert watch.allocator_log is None
-    watch.log_reason = "no C++ compiler ($CXX, c++ or g++)"
-    assert watch.allocator_log == "snapshot (no C++ compiler ($CXX, c++ or g++))"
+    assert watch.event_source is None
+    watch.tracelog_reason = "no C++ compiler ($CXX, c++ or g++)"
+    assert watch.event_source == "snapshot (no C++ compiler ($CXX, c++ or g++))"
     allocator._say_fallback("GRAPHSAN_TRACELOG=0")
     assert capsys.readouterr().err == "", "a fallback the user asked for is not announced"
-    allocator._say_fallback(watch.log_reason)
+    allocator._say_fallback(watch.tracelog_reason)
     allocator._say_fallback("another reason")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no C++ compiler" in err
-    watch.log = FakeLog()
-    assert watch.allocator_log == "tracker"
+    watch.tracelog = FakeLog()
+    assert watch.event_source == "tracker"
 
 
 FAKE_PYTHON = """#!{python}

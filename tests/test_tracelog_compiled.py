@@ -140,7 +140,7 @@ def traced(compiled, monkeypatch):
     if isinstance(compiled.gpu_trace, str):
         pytest.skip(compiled.gpu_trace)
     watch = AllocatorWatch(Tracker(), Context(), _raise, alloc_stacks=True)
-    watch.log = compiled
+    watch.tracelog = compiled
     watch._active = True
     monkeypatch.setattr(
         watch, "_activate_torch_trace", lambda: pytest.fail("fell back to PyTorch's trace")
@@ -173,7 +173,7 @@ def free_in_user_code(trace: GpuTrace, addr: int) -> None:
 def test_the_trace_records_each_allocations_site_in_cpp(traced):
     trace = traced.trace
     allocate_in_user_code(trace, 0x7000_0000)
-    frames = traced.events.frames_of(0x7000_0000)
+    frames = traced.ledger.frames_of(0x7000_0000)
     assert frames[-1][2] == "allocate_in_user_code"
     # the file by its location: from the project root, whatever the folder it sits in
     assert frames[-1][0] == "tests/test_tracelog_compiled.py"
@@ -246,7 +246,7 @@ def test_the_trace_falls_back_with_one_warning_when_replaced(traced):
     with pytest.warns(UserWarning, match="switched on after graphsan started"):
         traced.check_trace()
     assert traced.trace is None
-    assert traced.allocator_log.startswith("tracker, GPU trace: PyTorch's (")
+    assert traced.event_source.startswith("tracker, GPU trace: PyTorch's (")
     traced.check_trace()  # once only: no second warning
 
 
@@ -351,7 +351,7 @@ def test_a_block_freed_while_its_capture_is_added_stays_watched(traced):
 @BUILT_ONCE
 def test_a_second_sanitizer_does_not_take_the_trace_from_the_first(compiled, traced, monkeypatch):
     other = AllocatorWatch(Tracker(), Context(), _raise, alloc_stacks=True)
-    other.log = compiled
+    other.tracelog = compiled
     other._active = True
     monkeypatch.setattr(
         other, "_activate_torch_trace", lambda: pytest.fail("replaced the first one's trace")

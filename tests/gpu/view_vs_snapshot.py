@@ -86,7 +86,7 @@ for round_ in range(40):
         graphs.pop(rng.randrange(len(graphs)))
     check(f"round {round_}")
 
-views = san.memory.events.views[dev]
+views = san.memory.ledger.views[dev]
 write_result(
     {
         "checks": checks,
@@ -94,10 +94,10 @@ write_result(
         "first_bad": first_bad,
         "events": views.events,
         "seeds": views.seeds,
-        "drains": san.memory.events.drains,
+        "drains": san.memory.ledger.drains,
         "disabled": san.disabled_reason,
         "blocks": len(views),
-        "log": san.memory.allocator_log,
+        "log": san.memory.event_source,
         "history": getattr(torch._C, "_cuda_isHistoryEnabled", lambda: None)(),
     }
 )

@@ -9,8 +9,11 @@ Under pytest-xdist each worker runs its own sanitizer and hands its report to th
 (xdist's `workeroutput`) when it finishes; the controller combines them
 (`graphsan.report.ranks.combine`) into the summary and into `--graphsan-report`.
 
-The plugin loads with every pytest run of the environment, so it imports nothing heavy (torch,
-the sanitizer) unless `--graphsan` is given.
+This module loads with every pytest run of the environment (the `pytest11` entry point), so it
+only adds the options, reads the command line and imports nothing heavy (torch, the sanitizer).
+With `--graphsan`, `pytest_configure` builds a `GraphsanPlugin` (the session's sanitizer and what
+its hooks keep between them), keeps it in `config.stash` and registers it; its hooks are its
+methods, so a session without `--graphsan` runs none of them. `pytest_unconfigure` unregisters it.
 """
 
 from __future__ import annotations
@@ -18,10 +21,15 @@ from __future__ import annotations
 import copy
 import json
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 
 from graphsan.policies import POLICIES, Policy
+
+if TYPE_CHECKING:
+    from graphsan import Sanitizer
+    from graphsan.report import Report
 
 OPTION = "--graphsan"
 # the options that only mean something with --graphsan: (dest, option)
@@ -32,6 +40,7 @@ NEEDS_GRAPHSAN = (
 )
 WORKER_KEY = "graphsan_report"  # a worker's report in xdist's workeroutput (JSON text)
 WORKER_ERROR_KEY = "graphsan_report_error"  # why a worker could not hand its report over
+PLUGIN_NAME = "graphsan-session"  # the session's GraphsanPlugin, in pytest's plugin manager
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -105,12 +114,174 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args: lis
         early_config.known_args_namespace = again
 
 
-def _is_worker(config: pytest.Config) -> bool:
-    """Whether this process is a pytest-xdist worker (the controller has no workerinput)."""
-    return hasattr(config, "workerinput")
+class GraphsanPlugin:
+    """One pytest session's sanitizer and what its hooks keep between them. Registered by
+    `pytest_configure` only with `--graphsan` and unregistered by `pytest_unconfigure`, so its
+    hooks run in no other session."""
+
+    def __init__(
+        self,
+        san: Sanitizer,
+        *,
+        report: str | None = None,
+        report_path: str | None = None,
+        owned: bool = False,
+        worker: bool = False,
+    ) -> None:
+        self.san = san
+        self.report_option = report  # --graphsan-report as given: what the summary names
+        # where it goes, resolved in the folder pytest started in: a test may change folder
+        self.report_path = report if report_path is None else report_path
+        # whether this session turned the sanitizer on, so that its end turns it off
+        self.owned = owned
+        self.worker = worker  # a pytest-xdist worker: it hands its report to the controller
+        self.handed: dict[str, str] = {}  # on xdist's controller: worker id -> its report (JSON)
+        self.lost: dict[str, str] = {}  # worker id -> why its report did not come
+        self.finished: tuple[Report, list[str]] | None = None  # the report, what to say of it
+
+    def close(self) -> None:
+        """The session's end: the next in-process session finds its own source roots, and the
+        sanitizer is off again if this session turned it on."""
+        from graphsan.core.locations import set_source_root
+
+        set_source_root(None)
+        if self.owned:
+            import graphsan
+
+            graphsan.disable()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        san = self.san
+        before = len(san.findings)
+        outcome = yield
+        if len(san.findings) == before:
+            return
+        from graphsan.report import format_finding
+
+        new = san.findings[before:]
+        text = "\n\n".join(format_finding(f) for f in new)
+        item.add_report_section("call", "graphsan", text)
+        if san.policy.stops_replay and outcome.excinfo is None:
+            pytest.fail(f"graphsan: {len(new)} finding(s)\n\n{text}", pytrace=False)
+
+    @pytest.hookimpl(trylast=True)  # on xdist's controller: after the workers are all down
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """An xdist worker hands its report to the controller (xdist sends `workeroutput` after
+        this hook); the controller, or a run without xdist, writes `--graphsan-report`."""
+        if not self.worker:
+            self._finish(session)
+            return
+        output = session.config.workeroutput
+        try:
+            output[WORKER_KEY] = json.dumps(self.san.report().to_dict())
+        except Exception as err:  # the worker's tests ran: never fail them over the report
+            output[WORKER_ERROR_KEY] = f"{type(err).__name__}: {err}"
+
+    def _finish(self, session: pytest.Session) -> None:
+        """The run's report, written to --graphsan-report (the summary, later, says what became
+        of it). A report that cannot be written fails a run that passed: CI must not pass
+        without it (exit 6, graphsan's status for an output it could not write)."""
+        said: list[str] = []
+        report = self._run_report(said.append)
+        path = self.report_option
+        if path is not None:  # idle too: the report says why
+            try:
+                report.save(self.report_path)
+                said.append(f"graphsan: report written to {path}")
+            except OSError as err:  # the tests ran: say it, never end the session in a traceback
+                said.append(
+                    f"graphsan: error: could not write the report to {path} ({err.strerror or err})"
+                )
+                if session.exitstatus == 0:
+                    from graphsan.command_line import EXIT_CANNOT_WRITE
+
+                    session.exitstatus = EXIT_CANNOT_WRITE
+        self.finished = (report, said)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        """xdist's controller: a worker finished (or died); keep the report it handed over."""
+        worker = node.gateway.id
+        output = getattr(node, "workeroutput", None) or {}
+        if WORKER_KEY in output:
+            self.handed[worker] = output[WORKER_KEY]
+        else:
+            self.lost[worker] = output.get(WORKER_ERROR_KEY) or (
+                f"it ended before handing over its report ({error})" if error else "no report came"
+            )
+
+    def _run_report(self, say) -> Report:
+        """The run's report: the sanitizer's own, or under xdist every worker's combined."""
+        for worker, why in sorted(self.lost.items()):
+            say(f"graphsan: worker {worker}: {why}; its findings are not in the summary")
+        if not self.handed and not self.lost:
+            return self.san.report()
+        from graphsan.report.ranks import combine, report_from_json
+
+        reports = []
+        for worker, text in sorted(self.handed.items()):
+            try:
+                reports.append(report_from_json(text, f"worker {worker}"))
+            except ValueError as err:
+                say(f"graphsan: {err}; its findings are not in the summary")
+        return combine(reports) if reports else self.san.report()
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.worker:
+            return
+        san = self.san
+        say = terminalreporter.write_line
+        finished = self.finished
+        if finished is None:  # the session did not finish through pytest_sessionfinish
+            finished = (self._run_report(say), [])
+        report, said = finished
+        for line in said:
+            say(line)
+        if not san.active and san.disabled_reason and not (report.graphs or report.findings):
+            say(f"graphsan: idle ({san.disabled_reason}), policy {san.policy}")
+            return
+        workers = len(self.handed)
+        over = f"{workers} xdist worker(s), " if workers else ""
+        nodes = sum(g.get("nodes", 0) for g in report.graphs)
+        say(
+            f"graphsan: {over}{len(report.graphs)} graph(s), {nodes} node(s) watched, "
+            f"{len(report.findings)} finding(s), policy {san.policy}"
+        )
+        if report.suppressed:
+            from graphsan.report.suppressions import summary
+
+            say(f"graphsan: {summary(report.suppressed)}")
+
+
+PLUGIN_KEY = pytest.StashKey[GraphsanPlugin]()
+
+
+def plugin_of(config: pytest.Config) -> GraphsanPlugin | None:
+    """The session's plugin, or None where it runs without `--graphsan` (or has ended)."""
+    return config.stash.get(PLUGIN_KEY, None)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    plugin = _plugin_for(config)
+    if plugin is not None:
+        config.stash[PLUGIN_KEY] = plugin
+        config.pluginmanager.register(plugin, PLUGIN_NAME)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    plugin = plugin_of(config)
+    if plugin is None:
+        return
+    del config.stash[PLUGIN_KEY]
+    if config.pluginmanager.is_registered(plugin):  # not where `-p no:graphsan-session` kept it out
+        config.pluginmanager.unregister(plugin)
+    plugin.close()
+
+
+def _plugin_for(config: pytest.Config) -> GraphsanPlugin | None:
+    """The session's plugin, its sanitizer on, where `--graphsan` is given; None without it.
+    Options that make no sense together are one `UsageError` each, before anything starts."""
     policy = config.getoption("graphsan", None)
     if policy is None:
         for dest, option in NEEDS_GRAPHSAN:
@@ -119,7 +290,7 @@ def pytest_configure(config: pytest.Config) -> None:
                     f"{option} needs {OPTION}, which turns the sanitizer on; expected "
                     f"{OPTION}[=POLICY] as well"
                 )
-        return
+        return None
     if policy not in POLICIES:
         # `--graphsan tests_typo_dir`: argparse gave the policy a test path that does not exist
         nothing = "" if os.path.exists(policy) else " (and no file or folder has that name)"
@@ -141,6 +312,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
             raise pytest.UsageError(f"--graphsan-suppressions {deep_yaml(path)}") from None
     report = config.getoption("graphsan_report", None)
+    report_path = None
     if report is not None:
         from graphsan.command_line import CliError, check_report_file
         from graphsan.report.output import output_path
@@ -150,17 +322,22 @@ def pytest_configure(config: pytest.Config) -> None:
         except CliError as err:
             raise pytest.UsageError(str(err)) from None
         # where it goes, resolved now in the folder pytest started in: a test may change folder
-        config._graphsan_report_path = output_path(report)
+        report_path = output_path(report)
     _set_source_root(config.getoption("graphsan_source_root", None))
     import graphsan
 
     # a session inside a process that already watches (pytest's own in-process runs) leaves
     # that watch on at its end; otherwise the session's end turns off what it turned on
-    config._graphsan_owned = not graphsan._enabled
-    config._graphsan = graphsan.enable(policy=policy)
-    config._graphsan.suppressions = entries
-    config._graphsan_workers = {}  # on xdist's controller: worker id -> its report's JSON text
-    config._graphsan_lost = {}  # worker id -> why its report did not come
+    owned = not graphsan._enabled
+    san = graphsan.enable(policy=policy)
+    san.suppressions = entries
+    return GraphsanPlugin(
+        san,
+        report=report,
+        report_path=report_path,
+        owned=owned,
+        worker=hasattr(config, "workerinput"),  # xdist's controller has no workerinput
+    )
 
 
 def _set_source_root(path: str | None) -> None:
@@ -172,132 +349,3 @@ def _set_source_root(path: str | None) -> None:
     except CliError as err:
         message = str(err).replace("--source-root", "--graphsan-source-root")
         raise pytest.UsageError(message) from None
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    if getattr(config, "_graphsan", None) is not None:
-        from graphsan.core.locations import set_source_root
-
-        set_source_root(None)  # the next in-process session finds its own roots
-        if getattr(config, "_graphsan_owned", False):
-            import graphsan
-
-            graphsan.disable()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item):
-    san = getattr(item.config, "_graphsan", None)
-    before = len(san.findings) if san is not None else 0
-    outcome = yield
-    if san is None or len(san.findings) == before:
-        return
-    from graphsan.report import format_finding
-
-    new = san.findings[before:]
-    text = "\n\n".join(format_finding(f) for f in new)
-    item.add_report_section("call", "graphsan", text)
-    if san.policy.stops_replay and outcome.excinfo is None:
-        pytest.fail(f"graphsan: {len(new)} stale graph reference(s)\n\n{text}", pytrace=False)
-
-
-@pytest.hookimpl(trylast=True)  # on xdist's controller: after the workers are all down
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """An xdist worker hands its report to the controller (xdist sends `workeroutput` after
-    this hook); the controller, or a run without xdist, writes `--graphsan-report`."""
-    config = session.config
-    san = getattr(config, "_graphsan", None)
-    if san is None:
-        return
-    if not _is_worker(config):
-        _finish(session, san)
-        return
-    try:
-        config.workeroutput[WORKER_KEY] = json.dumps(san.report().to_dict())
-    except Exception as err:  # the worker's tests ran: never fail them over the report
-        config.workeroutput[WORKER_ERROR_KEY] = f"{type(err).__name__}: {err}"
-
-
-def _finish(session: pytest.Session, san) -> None:
-    """The run's report, written to --graphsan-report (the summary, later, says what became
-    of it). A report that cannot be written fails a run that passed: CI must not pass without
-    it (exit 6, graphsan's status for an output it could not write)."""
-    config = session.config
-    said: list[str] = []
-    report = _run_report(config, san, said.append)
-    path = config.getoption("graphsan_report", None)
-    if path is not None:  # idle too: the report says why
-        try:
-            report.save(getattr(config, "_graphsan_report_path", path))
-            said.append(f"graphsan: report written to {path}")
-        except OSError as err:  # the tests ran: say it, never end the session in a traceback
-            said.append(
-                f"graphsan: error: could not write the report to {path} ({err.strerror or err})"
-            )
-            if session.exitstatus == 0:
-                from graphsan.command_line import EXIT_CANNOT_WRITE
-
-                session.exitstatus = EXIT_CANNOT_WRITE
-    config._graphsan_finished = (report, said)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error) -> None:
-    """xdist's controller: a worker finished (or died); keep the report it handed over."""
-    config = node.config
-    if getattr(config, "_graphsan", None) is None:
-        return
-    worker = node.gateway.id
-    output = getattr(node, "workeroutput", None) or {}
-    if WORKER_KEY in output:
-        config._graphsan_workers[worker] = output[WORKER_KEY]
-    else:
-        config._graphsan_lost[worker] = output.get(WORKER_ERROR_KEY) or (
-            f"it ended before handing over its report ({error})" if error else "no report came"
-        )
-
-
-def _run_report(config: pytest.Config, san, say):
-    """The run's report: the sanitizer's own, or under xdist every worker's combined."""
-    handed = getattr(config, "_graphsan_workers", {})
-    lost = getattr(config, "_graphsan_lost", {})
-    for worker, why in sorted(lost.items()):
-        say(f"graphsan: worker {worker}: {why}; its findings are not in the summary")
-    if not handed and not lost:
-        return san.report()
-    from graphsan.report.ranks import combine, report_from_json
-
-    reports = []
-    for worker, text in sorted(handed.items()):
-        try:
-            reports.append(report_from_json(text, f"worker {worker}"))
-        except ValueError as err:
-            say(f"graphsan: {err}; its findings are not in the summary")
-    return combine(reports) if reports else san.report()
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    san = getattr(config, "_graphsan", None)
-    if san is None or _is_worker(config):
-        return
-    say = terminalreporter.write_line
-    finished = getattr(config, "_graphsan_finished", None)
-    if finished is None:  # the session did not finish through pytest_sessionfinish
-        finished = (_run_report(config, san, say), [])
-    report, said = finished
-    for line in said:
-        say(line)
-    if not san.active and san.disabled_reason and not (report.graphs or report.findings):
-        say(f"graphsan: idle ({san.disabled_reason}), policy {san.policy}")
-        return
-    workers = len(getattr(config, "_graphsan_workers", {}))
-    over = f"{workers} xdist worker(s), " if workers else ""
-    nodes = sum(g.get("nodes", 0) for g in report.graphs)
-    say(
-        f"graphsan: {over}{len(report.graphs)} graph(s), {nodes} node(s) watched, "
-        f"{len(report.findings)} finding(s), policy {san.policy}"
-    )
-    if report.suppressed:
-        from graphsan.report.suppressions import summary
-
-        say(f"graphsan: {summary(report.suppressed)}")

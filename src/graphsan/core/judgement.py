@@ -54,7 +54,7 @@ class ReplayJudge:
         self,
         tracker: Tracker,
         orders: ReplayOrders,
-        memory: MemorySource | None,
+        memory: MemorySource,
         phase: Callable[[], tuple[str | None, int | None]] = lambda: (None, None),
         rank: int | None = None,
         baked: BakedWatch = Unwatched(),
@@ -68,7 +68,7 @@ class ReplayJudge:
         """A graph was captured, having baked `baked` beside addresses: under a watch that finds
         frees by asking, every replay is judged."""
         state.depends_on(baked)
-        if self.memory is not None and self.memory.judges_every_replay:
+        if self.memory.judges_every_replay:
             state.mark_changed()
 
     def join_order(

@@ -55,7 +55,7 @@ def _say_fallback(reason: str | None) -> None:
 
 class AllocatorWatch:
     """Feeds allocator events into a Tracker while started. It holds the views kept from the
-    allocator's event log (`events`, an `AllocatorLog`) and the allocation sites of live blocks
+    allocator's event log (`ledger`, an `AllocatorLog`) and the allocation sites of live blocks
     (`sites`, where the compiled GPU trace does not keep them)."""
 
     def __init__(
@@ -68,7 +68,7 @@ class AllocatorWatch:
         eager: EagerInPools | None = None,
         driver: Callable[[], object] | None = None,
     ) -> None:
-        self.events = AllocatorLog(self._site_at, self.check_trace, self._eager_allocated)
+        self.ledger = AllocatorLog(self._site_at, self.check_trace, self._eager_allocated)
         self.tracker = tracker
         # the driver module (cuda.driver), loaded when first asked (it loads cuda-bindings)
         self.driver = driver
@@ -78,9 +78,10 @@ class AllocatorWatch:
         self.alloc_stacks = alloc_stacks
         self.timeline = timeline  # gets watched frees and empty_cache releases
         self.last_release: Release | None = None
-        self.capture_pool: tuple[int, int] | None = None  # set while a capture is in progress
+        # the pool a capture in progress allocates from, where known (frees name it)
+        self.capture_pool: PoolId | None = None
         # (tensor, sizes) -> tensor | None: the pin policy's way around a reallocating resize_
-        self.redirect_resize: Callable[[torch.Tensor, tuple], torch.Tensor | None] | None = None
+        self._redirect_resize: Callable[[torch.Tensor, tuple], torch.Tensor | None] | None = None
         self.sites = AllocSites()
         self._site_of = self.sites.by_address  # never rebound: the hot paths use it directly
         # the tracker's own dicts (never rebound), read by every free without two lookups
@@ -88,63 +89,62 @@ class AllocatorWatch:
         self._freed_segments = tracker.freed_segments
         self._active = False
         self._patches = Patches()  # the storage ops, empty_cache and pool routing wrapped
-        self.log_reason: str | None = None  # why not
+        self.tracelog_reason: str | None = None  # why not
         # the same library as PyTorch's GPU-trace interpreter: frees and allocations reach
         # Python only where graphsan judges them (None: PyTorch's trace and the callbacks below)
         self.trace: GpuTrace | None = None
         self.trace_reason: str | None = None  # why PyTorch's trace is used instead
         self._arriving: set[int] = set()  # the blocks the capture being added is about to watch
 
-    # -- the event log's views and the captures' carves (`events`) ---------------------------
+    # -- the ledger: the event log's views and the captures' carves ---------------------------
     @property
-    def log(self) -> tracelib.TraceLog | None:
+    def tracelog(self) -> tracelib.TraceLog | None:
         """The compiled tracker the events come from (None: memory history)."""
-        return self.events.log
+        return self.ledger.tracelog
 
-    @log.setter
-    def log(self, log: tracelib.TraceLog | None) -> None:
-        self.events.log = log
-
-    @property
-    def routes(self) -> list[list]:
-        """Eager allocations routed to a private pool now: [stream or None, pool]."""
-        return self.events.routes
+    @tracelog.setter
+    def tracelog(self, log: tracelib.TraceLog | None) -> None:
+        self.ledger.tracelog = log
 
     def view(self, device: int, sync: bool = True, own=(), own_pool=None):
-        return self.events.view(device, sync, own, own_pool)
+        return self.ledger.view(device, sync, own, own_pool)
 
     def sync(self) -> None:
-        self.events.sync()
+        self.ledger.sync()
 
-    def capture_started(self, gid: int, stream: int) -> str:
-        return self.events.capture_started(gid, stream)
+    # -- a capture (core.memory_source.CaptureMemory) ------------------------------------------
+    def capture_started(self, gid: int, stream: int, pool: PoolId | None) -> str:
+        self.capture_pool = pool
+        return self.ledger.capture_started(gid, stream)
 
     def capture_ended(self, tag: str, pool: PoolId) -> list:
-        return self.events.capture_ended(tag, pool)
+        self.capture_pool = None
+        return self.ledger.capture_ended(tag, pool)
 
     def capture_failed(self, tag: str) -> None:
-        self.events.capture_failed(tag)
+        self.capture_pool = None
+        self.ledger.capture_failed(tag)
 
     def captured_unseen(self) -> None:
-        self.events.captured_unseen()
+        self.ledger.captured_unseen()
 
     def graph_walk(self) -> GraphWalk | None:
         """The tracker library's graph walk, where the library is loaded and found the driver
         (`TraceLog.graph_walk`); None: the walk goes through cuda-bindings."""
-        if self.log is None:
+        if self.tracelog is None:
             return None
-        return self.log.graph_walk()[0]
+        return self.tracelog.graph_walk()[0]
 
     @property
-    def allocator_log(self) -> str | None:
+    def event_source(self) -> str | None:
         """Where the allocator's events come from: "tracker" (with ", GPU trace: PyTorch's
         (why)" where frees come through PyTorch's dispatch), or "snapshot (why)"; None before the
         watch starts."""
-        if self.log is not None:
+        if self.tracelog is not None:
             if self.trace is None and self.trace_reason is not None:
                 return f"tracker, GPU trace: PyTorch's ({self.trace_reason})"
             return "tracker"
-        return f"snapshot ({self.log_reason})" if self.log_reason is not None else None
+        return f"snapshot ({self.tracelog_reason})" if self.tracelog_reason is not None else None
 
     # -- what the replay judge asks (core.memory_source.MemorySource) ------------------------
     judges_every_replay = False  # frees arrive as events: a clean graph needs no look
@@ -176,18 +176,20 @@ class AllocatorWatch:
     def probe_waits(self) -> bool:
         """The start-up probe must wait: a capture graphsan watches is in progress (on any
         stream or thread), or eager allocations are routed to a graph pool."""
-        return bool(self.events.captures or self.events.routes)
+        return bool(self.ledger.captures or self.ledger.routes)
 
     def release_pool(self, pool: PoolId) -> str | None:
         """Give a private pool nothing uses any more back to the driver, that pool alone (the
         start-up probe's: its segments would otherwise stay in the program's snapshots and
         `memory_reserved()`); None, or why not."""
-        if self.log is None:
+        if self.tracelog is None:
             return (
                 "the compiled tracker is not loaded: the pool's memory stays cached until the "
                 "program's own empty_cache()"
             )
-        why = self.log.release_pool(pool, os.path.join(tracelog.torch_lib_dir(), "libc10_cuda.so"))
+        why = self.tracelog.release_pool(
+            pool, os.path.join(tracelog.torch_lib_dir(), "libc10_cuda.so")
+        )
         if why is not None:
             return why
         left = pool_segments(pool)  # the allocator skips a pool something still uses, silently
@@ -273,14 +275,14 @@ class AllocatorWatch:
     def start(self) -> None:
         if self._active:
             return
-        if self.log is None and self.log_reason is None:
-            self.log, self.log_reason = tracelog.open_log()
-            _say_fallback(self.log_reason)
-        if self.log is not None:
-            self.log.set_cap(MAX_ENTRIES)
-            self.log.enable(True)
+        if self.tracelog is None and self.tracelog_reason is None:
+            self.tracelog, self.tracelog_reason = tracelog.open_log()
+            _say_fallback(self.tracelog_reason)
+        if self.tracelog is not None:
+            self.tracelog.set_cap(MAX_ENTRIES)
+            self.tracelog.enable(True)
         else:
-            self.events.record_history(clear=True)
+            self.ledger.record_history(clear=True)
         self._active = True  # before the trace listens: its first free must not be dropped
         self._start_trace()
         storage_ops.patch_storage_ops(self._patches, self)
@@ -294,7 +296,7 @@ class AllocatorWatch:
         PyTorch's trace. The Python callbacks are registered either way: they stay silent under
         graphsan's interpreter and carry on at once if something replaces it."""
         self._register_callbacks()
-        trace = self.log.gpu_trace if self.log is not None else None
+        trace = self.tracelog.gpu_trace if self.tracelog is not None else None
         if isinstance(trace, str):
             self.trace_reason = trace
         elif trace is not None and trace.owner not in (None, self):
@@ -361,21 +363,32 @@ class AllocatorWatch:
         self._active = False  # the gpu-trace callbacks cannot be unregistered; they go idle
         self._stop_trace()
         self._patches.restore()
-        if self.log is not None:
-            self.log.enable(False)
+        if self.tracelog is not None:
+            self.tracelog.enable(False)
         else:
             with contextlib.suppress(Exception):
                 if not torch.cuda.is_current_stream_capturing():
                     torch.cuda.memory._record_memory_history(enabled=None)
-        self.events.views.clear()
+        self.ledger.views.clear()
         self.sites.clear()
 
     # -- storage ops (storage_ops.OpsListener) -----------------------------------------------
+    def redirect_resizes(
+        self, how: Callable[[torch.Tensor, tuple], torch.Tensor | None] | None
+    ) -> None:
+        """From now, `tensor.resize_(*sizes)` is done as `how(tensor, sizes)` says (a tensor,
+        or None: as asked); None: every resize as asked."""
+        self._redirect_resize = how
+
+    @property
+    def resizes_redirected_to(self) -> Callable | None:
+        return self._redirect_resize
+
     def redirected_resize(self, tensor: torch.Tensor, sizes: tuple) -> torch.Tensor | None:
         """`tensor.resize_(*sizes)` done another way (the pin policy's), or None: as asked."""
-        if self.redirect_resize is None or not self._active:
+        if self._redirect_resize is None or not self._active:
             return None
-        return self.redirect_resize(tensor, sizes)
+        return self._redirect_resize(tensor, sizes)
 
     def released(self) -> None:
         """`empty_cache()` returned cached memory to the driver."""
@@ -402,12 +415,12 @@ class AllocatorWatch:
         if self._active:
             self.sync()
             stream = None if per_thread else torch.cuda.current_stream().cuda_stream
-            self.routes.append([stream, pool])
+            self.ledger.routes.append([stream, pool])
 
     def route_ends(self, pool: PoolId) -> None:
         if self._active:
             self.sync()
-            for i in range(len(self.routes) - 1, -1, -1):
-                if self.routes[i][1] == pool:
-                    del self.routes[i]
+            for i in range(len(self.ledger.routes) - 1, -1, -1):
+                if self.ledger.routes[i][1] == pool:
+                    del self.ledger.routes[i]
                     break

@@ -115,7 +115,9 @@ class AllocatorLog:
     ) -> None:
         self.site_at, self.before_drain = site_at, before_drain
         self.eager_allocated = eager_allocated
-        self.log: tracelib.TraceLog | None = None  # the compiled tracker, when it could be used
+        self.tracelog: tracelib.TraceLog | None = (
+            None  # the compiled tracker, when it could be used
+        )
         self.views: dict[int, AllocatorView] = {}
         # streams whose new segments belong to a pool: [stream or None (every stream), pool]
         self.routes: list[list] = []
@@ -147,8 +149,8 @@ class AllocatorLog:
             # the history must not be touched mid-capture (the tracker's events simply wait)
             return
         self.before_drain()
-        if self.log is not None:
-            raw, tags, lost = self.log.drain_raw()
+        if self.tracelog is not None:
+            raw, tags, lost = self.tracelog.drain_raw()
             n = len(raw) // tracelib.RECORD.size
             # a batch this big reseeds every view, so only the captures' allocations (carves)
             # are worth converting
@@ -330,7 +332,7 @@ class AllocatorLog:
     def captured_unseen(self) -> None:
         """Captures graphsan did not hook (its own startup probe) routed segments to pools that
         snapshots' logs cannot name (the tracker's can): the next drain seeds the views afresh."""
-        if self.log is None:
+        if self.tracelog is None:
             self._reseed = True
 
     def record_history(self, clear: bool = False) -> None:

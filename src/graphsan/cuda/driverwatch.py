@@ -79,10 +79,6 @@ class DriverWatch:
     timeline: Timeline | None = None
     last_release: Release | None = field(default=None, init=False)
     capture_pool: PoolId | None = field(default=None, init=False)
-    # the allocator watch's parts that this backend gives nothing to
-    redirect_resize = None
-    log = None
-    trace = None
     # watched address -> its allocation at watch time
     ids: dict[int, Identity] = field(default_factory=dict, init=False)
     # the storages kept alive for graphs stopped before their first launch (their addresses)
@@ -93,7 +89,7 @@ class DriverWatch:
     _patches: Patches = field(default_factory=Patches, init=False)
 
     @property
-    def allocator_log(self) -> str:
+    def event_source(self) -> str:
         return f"driver ({self.why})"
 
     def graph_walk(self):
@@ -119,14 +115,16 @@ class DriverWatch:
     def site_frames(site) -> list:
         return []
 
-    def capture_started(self, gid: int, stream: int) -> str:
+    def capture_started(self, gid: int, stream: int, pool: PoolId | None) -> str:
+        self.capture_pool = pool
         return f"graphsan capture {gid}"
 
     def capture_ended(self, tag: str, pool: PoolId) -> list:
+        self.capture_pool = None
         return []  # no carves: the pool replay order needs the allocator's log
 
     def capture_failed(self, tag: str) -> None:
-        pass
+        self.capture_pool = None
 
     # -- frees, found before a replay ----------------------------------------------------------
     def _on_watch(self, addresses: list[int]) -> None:

@@ -38,15 +38,13 @@ import torch
 
 from graphsan.core.patches import Patches
 
-_ATTR = "_graphsan_state"
-_REPLAY_HOOKS = "_graphsan_replay_hooks"  # the handles of a graph's own replay hooks
-_WALKED = "_graphsan_walked"  # what the capture-end hook read, until capture_end returns
+_SIDE = "_graphsan"  # the one attribute graphsan sets on a program's graph: its `GraphSide`
 
 
 class Listener(Protocol):
-    def before_capture_begin(self, graph: torch.cuda.CUDAGraph) -> None: ...
+    def before_capture_begin(self, graph: torch.cuda.CUDAGraph) -> object: ...
     def capture_begin(
-        self, graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None
+        self, graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, early: object = None
     ) -> int | None: ...
     def before_capture_end(self, graph: torch.cuda.CUDAGraph, handle: int | None) -> object: ...
     def after_capture_end(self, graph: torch.cuda.CUDAGraph, walked: object) -> None: ...
@@ -56,12 +54,36 @@ class Listener(Protocol):
     def graph_gone(self, gid: int) -> None: ...
 
 
+@dataclass(eq=False)
+class GraphSide:
+    """What graphsan keeps on one of the program's graphs, under one attribute of it."""
+
+    state: object | None = None  # the watched graph (`core.graph_state.GraphState`)
+    pending: object | None = None  # its capture in progress (`runtime.capture.PendingCapture`)
+    walked: object | None = None  # what the capture-end hook read, until capture_end returns
+    replay_hooks: tuple = ()  # the handles of the graph's own replay hooks (torch's hooks)
+
+
+def side(graph: torch.cuda.CUDAGraph, make: bool = False) -> GraphSide | None:
+    """graphsan's side object of `graph`: None where graphsan keeps nothing on it (and
+    `make` is off), or where the graph has no attributes of its own (a base-class graph)."""
+    own = getattr(graph, "__dict__", None)
+    if own is None:
+        return None
+    found = own.get(_SIDE)
+    if found is None and make:
+        found = own[_SIDE] = GraphSide()
+    return found
+
+
 def graph_state(graph: torch.cuda.CUDAGraph):
-    return graph.__dict__.get(_ATTR)
+    """The watched graph of `graph`'s last capture, or None."""
+    found = side(graph)
+    return found.state if found is not None else None
 
 
 def set_graph_state(graph: torch.cuda.CUDAGraph, state) -> None:
-    graph.__dict__[_ATTR] = state
+    side(graph, make=True).state = state
 
 
 @dataclass(frozen=True)
@@ -181,37 +203,39 @@ class GraphHooks:
 
         @functools.wraps(orig["capture_begin"])
         def capture_begin(graph, *args, **kwargs):
-            listener.before_capture_begin(graph)  # the stream is not capturing yet
+            early = listener.before_capture_begin(graph)  # the stream is not capturing yet
             result = orig["capture_begin"](graph, *args, **kwargs)
             pool = args[0] if args else kwargs.get("pool")  # None: a fresh pool of its own
-            gid = listener.capture_begin(graph, pool)
+            gid = listener.capture_begin(graph, pool, early)
             if gid is not None:
                 self._follow(graph, gid)
             return result
 
         def on_capture_end(graph):  # torch's hook: the capture ended, its graph is still live
-            own = getattr(graph, "__dict__", None)  # None: a base-class graph (the probe's)
-            if own is None:
+            found = side(graph)  # None: a graph graphsan did not see begin (the probe's)
+            if found is None:
                 return
             try:
                 handle = graph.raw_cuda_graph()
             except Exception:  # never break the user's capture: no walk, no watched graph
                 return
-            own[_WALKED] = listener.before_capture_end(graph, handle)
+            found.walked = listener.before_capture_end(graph, handle)
 
         @functools.wraps(orig["capture_end"])
         def capture_end(graph, *args, **kwargs):
+            found = side(graph, make=True)
             if seams.capture_end is None:  # read the graph still being captured, on its stream
-                graph.__dict__[_WALKED] = listener.before_capture_end(graph, None)
+                found.walked = listener.before_capture_end(graph, None)
             try:
                 result = orig["capture_end"](graph, *args, **kwargs)
             except BaseException:
-                graph.__dict__.pop(_WALKED, None)
+                found.walked = None
                 listener.capture_failed(graph)
                 raise
-            listener.after_capture_end(graph, graph.__dict__.pop(_WALKED, None))
-            if seams.hooks and graph_state(graph) is not None:
-                self._hook_replays(graph)
+            walked, found.walked = found.walked, None
+            listener.after_capture_end(graph, walked)
+            if seams.hooks and found.state is not None:
+                self._hook_replays(graph, found)
             return result
 
         wrapped = [("capture_begin", capture_begin), ("capture_end", capture_end)]
@@ -219,7 +243,8 @@ class GraphHooks:
 
             @functools.wraps(orig["replay"])
             def replay(graph, *args, **kwargs):
-                state = graph.__dict__.get(_ATTR)
+                found = graph.__dict__.get(_SIDE)
+                state = found.state if found is not None else None
                 if state is None:
                     return orig["replay"](graph, *args, **kwargs)
                 if needs(state):
@@ -248,23 +273,23 @@ class GraphHooks:
         else:
             weakref.finalize(graph, gone)
 
-    def _hook_replays(self, graph) -> None:
+    def _hook_replays(self, graph, found: GraphSide) -> None:
         """The graph's own replay hooks (once per graph object: a re-capture keeps them)."""
-        if _REPLAY_HOOKS in graph.__dict__:
+        if found.replay_hooks:
             return
         listener, needs = self.listener, self.needs
 
         def on_replay_start(g):  # torch lets what this raises through: the launch is aborted
-            state = g.__dict__.get(_ATTR)
+            state = g.__dict__[_SIDE].state
             if state is not None and needs(state):
                 listener.before_replay(g, state)
 
         def on_replay_end(g):  # torch runs this once the replay was launched
-            state = g.__dict__.get(_ATTR)
+            state = g.__dict__[_SIDE].state
             if state is not None and state.order is not None:
                 state.order.replayed(state.info.id)
 
-        graph.__dict__[_REPLAY_HOOKS] = (
+        found.replay_hooks = (
             graph.register_replay_start_hook(on_replay_start),
             graph.register_replay_end_hook(on_replay_end),
         )
@@ -274,7 +299,10 @@ class GraphHooks:
         while self._handles:
             self._handles.pop().remove()
         for graph in list(self._hooked):
-            for handle in graph.__dict__.pop(_REPLAY_HOOKS, ()):
+            found = side(graph)
+            for handle in found.replay_hooks if found is not None else ():
                 handle.remove()
+            if found is not None:
+                found.replay_hooks = ()
         self._hooked = weakref.WeakSet()
         self._patches.restore()

@@ -26,7 +26,7 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -35,10 +35,20 @@ from graphsan.core.tracker import Tracker
 from graphsan.cuda.owners import storages_of
 
 if TYPE_CHECKING:
-    from graphsan.cuda.allocator import AllocatorWatch
     from graphsan.cuda.context import Context
 
 YOUNG_SCAN_LIMIT = 200_000  # objects; past this (gc off for long) the capture-end scan waits
+
+
+@runtime_checkable
+class Resizes(Protocol):
+    """A memory watch that sees `resize_` before it reallocates (the allocator watch; the
+    driver's sees no resize)."""
+
+    def redirect_resizes(self, how: Callable | None) -> None: ...
+
+    @property
+    def resizes_redirected_to(self) -> Callable | None: ...
 
 
 class Pinner:
@@ -47,13 +57,13 @@ class Pinner:
     def __init__(
         self,
         tracker: Tracker,
-        allocator: AllocatorWatch,
+        memory: object,
         context: Context,
         on_error: Callable[[BaseException], None],
         device_type: str = "cuda",
     ) -> None:
         self.tracker = tracker
-        self.allocator = allocator
+        self.memory = memory  # the memory watch: resizes are redirected where it sees them
         self.context = context
         self.on_error = on_error
         self.device_type = device_type  # tensors on other devices own no graph memory
@@ -103,15 +113,18 @@ class Pinner:
         )  # its first replay goes through the sanitizer, which flushes
 
     def attach(self) -> None:
-        """Redirect reallocating resizes of pinned storages, and flush at phase changes."""
-        self.allocator.redirect_resize = self.redirect_resize
+        """Redirect reallocating resizes of pinned storages (where the memory watch sees
+        resizes), and flush at phase changes."""
+        if isinstance(self.memory, Resizes):
+            self.memory.redirect_resizes(self.redirect_resize)
         if self._flush_quietly not in self.context.on_phase_change:
             self.context.on_phase_change.append(self._flush_quietly)
 
     def detach(self) -> None:
         """Stop redirecting and listening (pins already held stay until `release_all`)."""
-        if self.allocator.redirect_resize == self.redirect_resize:
-            self.allocator.redirect_resize = None
+        memory = self.memory
+        if isinstance(memory, Resizes) and memory.resizes_redirected_to == self.redirect_resize:
+            memory.redirect_resizes(None)
         if self._flush_quietly in self.context.on_phase_change:
             self.context.on_phase_change.remove(self._flush_quietly)
 

@@ -51,9 +51,9 @@ def tracker_of(memory) -> str | None:
 
     if isinstance(memory, driverwatch.DriverWatch):
         return "driver"
-    if memory.log is not None:
+    if memory.tracelog is not None:
         return "compiled"
-    return "snapshots" if memory.log_reason is not None else None
+    return "snapshots" if memory.tracelog_reason is not None else None
 
 
 def here() -> tuple[dict[str, Any], str]:

@@ -1,8 +1,11 @@
-"""The capture analysis: what a capture's end turns into, the graph's watched memory
-(`GraphState`) and what capturing it cost and found (`GraphStats`).
+"""A capture's life in graphsan, from its begin to the graph's watched memory (`GraphState`) and
+what capturing it cost and found (`GraphStats`).
 
-Just before the original `capture_end`, `walk` reads the graph still being captured
-(`cuda.driver`). After it, `ended` takes the steps in order:
+`begin` names the capture (a `PendingCapture`), tells the memory watch which pool it allocates
+from and starts recording what it runs (`cuda.baked`). Just before the original `capture_end`,
+`walk` reads the graph still being captured (`cuda.driver`). A capture that fails is
+`failed`: nothing of it is watched. Otherwise, after it, `ended` ends the recording and takes
+the steps in order:
 
 1. the allocator view is brought up to date and gives the capture's carves (`cuda.allocator`);
 2. the device addresses in the nodes' arguments are confirmed against it (`core.scan.references`;
@@ -21,6 +24,7 @@ At replay, the judge (`core.judgement`) reads again the tables that named a free
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -29,13 +33,17 @@ import torch
 from graphsan.core.argstructs import FAMILIES, NOT_CALIBRATED, Layouts
 from graphsan.core.graph_state import GraphState
 from graphsan.core.judgement import ReplayJudge
+from graphsan.core.memory_source import CaptureMemory, ProbeMemory
 from graphsan.core.records import (
     DEFAULT_POOL,
     AllocArgs,
     CopyArgs,
+    Frame,
+    GraphId,
     GraphInfo,
     GraphStats,
     KernelArgs,
+    PoolId,
     WalkStats,
 )
 from graphsan.core.scan import (
@@ -47,12 +55,11 @@ from graphsan.core.scan import (
 )
 from graphsan.core.timeline import Timeline, node_summary
 from graphsan.core.tracker import Tracker
-from graphsan.cuda.allocator import AllocatorWatch
-from graphsan.cuda.baked import BakedRecorder, Recording
-from graphsan.cuda.driverwatch import DriverWatch
+from graphsan.cuda.baked import BakedRecorder
+from graphsan.cuda.context import python_stack
 from graphsan.cuda.host import HostWatch
 
-__all__ = ["CaptureAnalysis", "Walk", "stream_handle"]
+__all__ = ["CaptureAnalysis", "PendingCapture", "Walk", "stream_handle"]
 
 
 def stream_handle() -> int | None:
@@ -61,6 +68,21 @@ def stream_handle() -> int | None:
         return int(torch.cuda.current_stream().cuda_stream)
     except Exception:
         return None
+
+
+@dataclass(frozen=True)
+class PendingCapture:
+    """A capture between its begin and its end: its graph's id and label, where it began (user
+    frames), the device, its entries' tag in the allocator's log, the pool it shares (None: a
+    pool of its own), and the pin policy's young tensors at its begin (weak references)."""
+
+    gid: GraphId
+    label: str
+    site: tuple[Frame, ...]
+    device: int
+    tag: str
+    pool: PoolId | None
+    young: tuple = ()
 
 
 @dataclass
@@ -77,7 +99,7 @@ class CaptureAnalysis:
     """Turns each capture's end into a watched graph. Reading pointer tables is bounded: blocks
     up to `table_block` bytes, `table_budget` bytes per graph (0 turns the reading off)."""
 
-    memory: AllocatorWatch | DriverWatch
+    memory: CaptureMemory
     tracker: Tracker
     host: HostWatch
     judge: ReplayJudge
@@ -100,8 +122,9 @@ class CaptureAnalysis:
             self.layouts[device] = Layouts(why=tuple((f, why) for f in FAMILIES))
             self.calibration[str(device)] = {"families": self.layouts[device].summary()}
             return
+        memory: ProbeMemory = self.memory  # a watch that lets the probe run answers it
         try:
-            if torch.cuda.is_current_stream_capturing() or self.memory.probe_waits():
+            if torch.cuda.is_current_stream_capturing() or memory.probe_waits():
                 # a capture in progress, or eager allocations routed to a graph pool (CUDA-graph
                 # trees' warm-up): the probe's memory must not land there, nor its allocations
                 # and synchronisation invalidate a capture; the next one tries
@@ -112,10 +135,10 @@ class CaptureAnalysis:
             try:
                 layouts, seconds, kept = calibrate(
                     lambda stream: self._walk_handle(driver.capturing_graph(stream))[0],
-                    self.memory.release_pool,
+                    memory.release_pool,
                 )
             finally:
-                self.memory.captured_unseen()
+                memory.captured_unseen()
         except Exception as err:
             why = f"the probe failed: {type(err).__name__}: {err}"[:200]
             layouts, seconds = Layouts(why=tuple((f, why) for f in FAMILIES)), 0.0
@@ -128,6 +151,27 @@ class CaptureAnalysis:
             # the probe's pool given back to the driver, or why its memory stayed cached
             "probe_memory": "released" if kept is None else kept,
         }
+
+    def begin(
+        self, gid: GraphId, label: str | None, pool: PoolId | None, young: tuple = ()
+    ) -> PendingCapture:
+        """A capture began on the current stream (into `pool`, where shared): its record,
+        labelled `label` or by where it began. Recording what it runs starts here."""
+        site = tuple(python_stack(limit=6))
+        if label is None:
+            label = f"{os.path.basename(site[-1][0])}:{site[-1][1]}" if site else f"graph#{gid}"
+        stream = torch.cuda.current_stream().cuda_stream
+        pool = tuple(int(x) for x in pool) if pool is not None else None
+        tag = self.memory.capture_started(gid, stream, pool)
+        pending = PendingCapture(gid, label, site, torch.cuda.current_device(), tag, pool, young)
+        self.timeline.capture_begun(gid)
+        self.recorder.begin(gid)
+        return pending
+
+    def failed(self, pending: PendingCapture) -> None:
+        """The capture failed (or graphsan stopped meanwhile): nothing of it is watched."""
+        self.recorder.end(pending.gid)
+        self.memory.capture_failed(pending.tag)
 
     def walk(self, handle: int | None = None) -> Walk:
         """Read the captured graph `handle` (live in torch's capture-end hook), or without one
@@ -161,13 +205,14 @@ class CaptureAnalysis:
         return nodes, stats
 
     def ended(
-        self, info: GraphInfo, tag: str, walk: Walk | None, recording: Recording | None = None
+        self, pending: PendingCapture, pool: PoolId, walk: Walk | None
     ) -> tuple[GraphState, GraphStats] | None:
-        """The capture tagged `tag` in the allocator's log ended (having run what `recording`
-        lists): its graph's state and stats, or None without a walk (the allocator's
-        bookkeeping of the capture is done either way)."""
+        """The capture ended into `pool`: its graph's state and stats, or None without a walk
+        (the recording and the allocator's bookkeeping of the capture end either way)."""
+        recording = self.recorder.end(pending.gid)
         t0 = time.perf_counter()
-        carved = self.memory.capture_ended(tag, info.pool)
+        info = GraphInfo(pending.gid, pending.label, pending.site, pool, pending.device)
+        carved = self.memory.capture_ended(pending.tag, pool)
         if walk is None:
             return None
         from graphsan.cuda import driver

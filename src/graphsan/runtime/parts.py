@@ -38,13 +38,20 @@ class Parts:
     recorder: BakedRecorder
 
 
+# (tracker, context, on_error, alloc_stacks, timeline, eager, driver) -> the memory watch
+MemoryFactory = Callable[..., "AllocatorWatch | driverwatch.DriverWatch"]
+
+
 def build(
     context: Context,
     timeline: Timeline,
     on_error: Callable[[BaseException], None],
     alloc_stacks: bool = True,
     rank: int | None = None,
+    memory: MemoryFactory | None = None,
 ) -> Parts:
+    """The parts; `memory` makes the memory watch (tests give a fake), else the allocator's
+    watch, or the driver's where the allocator backend keeps no block map."""
     eager = EagerInPools()
     graphs: dict = {}
     backend = driverwatch.backend()
@@ -58,7 +65,9 @@ def build(
         order_reads=pool_orders.judges,
         handed_over=pool_orders.released,
     )
-    if native:
+    if memory is not None:
+        memory = memory(tracker, context, on_error, alloc_stacks, timeline, eager, driver)
+    elif native:
         memory = AllocatorWatch(tracker, context, on_error, alloc_stacks, timeline, eager, driver)
     else:  # the driver sees no allocations, so no eager tensor in a graph's pool either
         why = driverwatch.no_block_map()

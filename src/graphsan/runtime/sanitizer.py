@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import sys
 import time
 import traceback
@@ -32,22 +31,20 @@ import torch
 
 from graphsan.command_line import rank_from_env
 from graphsan.core.pool_order import PoolOrder
-from graphsan.core.records import Finding, GraphInfo, GraphStats
+from graphsan.core.records import Finding, GraphStats
 from graphsan.core.timeline import Timeline
 from graphsan.cuda import driverwatch, hooks
-from graphsan.cuda.context import Context, python_stack
+from graphsan.cuda.context import Context
 from graphsan.policies import POLICIES, Policy, act
 from graphsan.policies.pin import Pinner
 from graphsan.report import Report, suppressions
 from graphsan.report.suppressions import Suppression
 from graphsan.runtime import attachment
 from graphsan.runtime.capture import stream_handle
+from graphsan.runtime.parts import MemoryFactory
 from graphsan.runtime.parts import build as build_parts
 
 __all__ = ["POLICIES", "Policy", "Sanitizer"]
-
-_PENDING = "_graphsan_pending"
-_YOUNG = "_graphsan_young"  # weak references to the young tensors at capture begin
 
 
 class _PartSetting:
@@ -72,7 +69,9 @@ class Sanitizer:
         policy: str | Policy = Policy.RAISE,
         context: Context | None = None,
         alloc_stacks: bool = True,
+        memory: MemoryFactory | None = None,
     ):
+        """`memory` makes the memory watch (`runtime.parts.build`; tests give a fake)."""
         policy = Policy.parse(policy)
         self.context = context or Context()
         self.findings: list[Finding] = []
@@ -85,7 +84,7 @@ class Sanitizer:
         self.report_path: str | None = None
         self.timeline = Timeline(self.rank)
         parts = build_parts(
-            self.context, self.timeline, self._internal_error, alloc_stacks, self.rank
+            self.context, self.timeline, self._internal_error, alloc_stacks, self.rank, memory
         )
         self.tracker, self.pool_orders = parts.tracker, parts.pool_orders
         self.memory, self.host, self.capture = parts.memory, parts.host, parts.capture
@@ -207,7 +206,7 @@ class Sanitizer:
             pinned,
             list(tl.events),
             tl.dropped,
-            self.memory.allocator_log,
+            self.memory.event_source,
             dict(self.capture.calibration),
             list(self.suppressed),
             watched=watched,
@@ -227,48 +226,41 @@ class Sanitizer:
     def pop_label(self) -> None:
         self._labels.pop()
 
-    # -- capture (graph hooks) ----------------------------------------------------------------
-    def before_capture_begin(self, graph) -> None:
-        """The first capture on a device: confirm the argument-struct layouts there first."""
+    # -- capture (graph hooks; the capture's life is `runtime.capture`'s) ---------------------
+    def before_capture_begin(self, graph) -> tuple:
+        """The first capture on a device: confirm the argument-struct layouts there first.
+        Returns the pin policy's young tensors of now, where the probe's objects could push
+        them out of the young generations before the capture begins."""
         if not self.active:
-            return
+            return ()
         try:
             device = torch.cuda.current_device()
+            young = ()
             if self.pinner is not None and device not in self.capture.layouts:
-                # the probe's objects can push the capture's inputs out of the young
-                # generations, where the pinner looks for them: list them first
-                graph.__dict__[_YOUNG] = self.pinner.young_tensors()
+                young = tuple(self.pinner.young_tensors())
             self.capture.prepare(device)
+            return young
         except Exception as err:
             self._internal_error(err)
+            return ()
 
-    def capture_begin(self, graph, pool) -> int | None:
+    def capture_begin(self, graph, pool, early: tuple = ()) -> int | None:
         """A capture began: its id, which the hooks report back to `graph_gone` (None: not
-        watched)."""
+        watched). `early`: what `before_capture_begin` returned."""
         try:
             old = hooks.graph_state(graph)
             if old is not None:  # re-capture of the same object: the old graph is gone
                 self._forget(old.info.id)
                 hooks.set_graph_state(graph, None)
-            gid = next(self._ids)
-            site = python_stack(limit=6)
-            if self._labels:
-                label = self._labels[-1]
-            elif site:
-                label = f"{os.path.basename(site[-1][0])}:{site[-1][1]}"
-            else:
-                label = f"graph#{gid}"
-            tag = self.memory.capture_started(gid, torch.cuda.current_stream().cuda_stream)
-            graph.__dict__[_PENDING] = (gid, label, site, torch.cuda.current_device(), tag)
+            young = tuple(early or ())
             if self.pinner is not None:
-                before = graph.__dict__.get(_YOUNG, [])
-                graph.__dict__[_YOUNG] = before + self.pinner.young_tensors()
-            self.timeline.capture_begun(gid)
+                young += tuple(self.pinner.young_tensors())
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
-            self.memory.capture_pool = tuple(int(x) for x in pool) if pool is not None else None
-            self.recorder.begin(gid)
-            return gid
+            label = self._labels[-1] if self._labels else None
+            pending = self.capture.begin(next(self._ids), label, pool, young)
+            hooks.side(graph, make=True).pending = pending
+            return pending.gid
         except Exception as err:
             self._internal_error(err)
             return None
@@ -276,17 +268,16 @@ class Sanitizer:
     def before_capture_end(self, graph, handle: int | None = None):
         """The capture is ending: walk its graph (`handle`, from torch's capture-end hook, or
         the graph still being captured on the current stream)."""
-        pending = graph.__dict__.get(_PENDING)
-        if pending is None or not self.active:
+        found = hooks.side(graph)
+        if found is None or found.pending is None or not self.active:
             return None
         try:
             # the pinner's young objects: those of now, listed before the walk and the log drain
             # allocate, and the tensors that were young when the capture began
             young = None
-            begun = graph.__dict__.pop(_YOUNG, ())
             if self.pinner is not None:
                 young = self.pinner.young_objects()
-                earlier = [t for t in (r() for r in begun) if t is not None]
+                earlier = [t for t in (r() for r in found.pending.young) if t is not None]
                 young = earlier + young if young is not None else earlier or None
             return self.capture.walk(handle), young
         except Exception as err:
@@ -294,26 +285,20 @@ class Sanitizer:
             return None
 
     def after_capture_end(self, graph, walked) -> None:
-        self.memory.capture_pool = None
-        pending = graph.__dict__.pop(_PENDING, None)
+        pending = self._take_pending(graph)
         if pending is None:
             return
-        gid, label, site, device, tag = pending
         try:
-            recording = self.recorder.end(gid)  # the capture's own hooks go, active or not
-        except Exception as err:
-            self._internal_error(err)
-            return
-        if not self.active:
-            return
-        walk, young = walked if walked is not None else (None, None)
-        try:
-            info = GraphInfo(gid, label, tuple(site), tuple(int(x) for x in graph.pool()), device)
-            captured = self.capture.ended(info, tag, walk, recording)
+            if not self.active:  # stopped meanwhile: the capture's hooks go, nothing is watched
+                self.capture.failed(pending)
+                return
+            walk, young = walked if walked is not None else (None, None)
+            pool = tuple(int(x) for x in graph.pool())
+            captured = self.capture.ended(pending, pool, walk)
             if captured is None:
                 return
             state, stats = captured
-            self.graph_stats[gid] = stats
+            self.graph_stats[pending.gid] = stats
             hooks.set_graph_state(graph, state)
             if self.pinner is not None:
                 self.pinner.pin(state, young, hooks.retainer(graph, self.hooks.seams))
@@ -322,14 +307,20 @@ class Sanitizer:
 
     def capture_failed(self, graph) -> None:
         """capture_end raised (an invalidated capture): no graph to watch."""
-        self.memory.capture_pool = None
-        pending = graph.__dict__.pop(_PENDING, None)
+        pending = self._take_pending(graph)
         if pending is not None:
             try:
-                self.recorder.end(pending[0])
-                self.memory.capture_failed(pending[4])
+                self.capture.failed(pending)
             except Exception as err:
                 self._internal_error(err)
+
+    @staticmethod
+    def _take_pending(graph):
+        found = hooks.side(graph)
+        if found is None:
+            return None
+        pending, found.pending = found.pending, None
+        return pending
 
     def reset(self, graph) -> None:
         state = hooks.graph_state(graph)
