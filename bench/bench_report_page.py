@@ -108,7 +108,7 @@ def synthetic_report(n: int, sites: int = 16):
             | {"device": 0, "stream": stream, "outcome": "findings", "findings": 1}
         )
         findings.append(
-            Finding(
+            Finding.of(  # flat, as the JSON holds it: a baked kind's free stack is its change
                 kind=KINDS[site % len(KINDS)],
                 graph=info,
                 node=node,

@@ -113,9 +113,11 @@ def test_a_model_switched_to_eval_is_named_with_where_it_switched(san):
     launched = g.launched
     (f,) = replay(san, g)
     assert f.kind is Kind.MODE
-    assert f.modules == ("Net.drop",)  # the Linear, LayerNorm and GELU replay alike in both
-    assert (f.captured, f.current) == ("train", "eval")
-    assert f.free_stack[-1][0].endswith("test_baked.py") and f.free_stack[-1][1] == line
+    assert f.baked.modules == ("Net.drop",)  # the Linear, LayerNorm and GELU replay alike in both
+    assert (f.baked.captured, f.baked.current) == ("train", "eval")
+    changed = f.baked.changed_at
+    assert changed[-1][0].endswith("test_baked.py") and changed[-1][1] == line
+    assert f.free_stack == () and f.order is None  # nothing was freed
     assert "1 module(s) captured in train mode are in eval mode now (Net.drop)" in f.now
     if san.policy.stops_replay:
         assert g.launched == launched
@@ -147,7 +149,7 @@ def test_a_submodule_switched_on_its_own_is_caught(san):
     g = san.test_capture(lambda: model(x))
     model.drop.eval()
     (f,) = replay(san, g)
-    assert (f.kind, f.modules) == (Kind.MODE, ("Net.drop",))
+    assert (f.kind, f.baked.modules) == (Kind.MODE, ("Net.drop",))
 
 
 def test_a_forward_that_reads_training_depends_on_the_mode(san):
@@ -155,7 +157,7 @@ def test_a_forward_that_reads_training_depends_on_the_mode(san):
     g = san.test_capture(lambda: model(x))
     model.eval()
     (f,) = replay(san, g)
-    assert (f.kind, f.modules) == (Kind.MODE, ("Branchy",))
+    assert (f.kind, f.baked.modules) == (Kind.MODE, ("Branchy",))
 
 
 def test_batch_norm_depends_on_the_mode_only_with_running_statistics(san):
@@ -164,7 +166,7 @@ def test_batch_norm_depends_on_the_mode_only_with_running_statistics(san):
     g = san.test_capture(lambda: (tracked(x), untracked(x)))
     tracked.eval(), untracked.eval()
     (f,) = replay(san, g)
-    assert f.modules == ("BatchNorm1d",)
+    assert f.baked.modules == ("BatchNorm1d",)
 
 
 def test_many_switched_modules_are_named_a_few_and_counted(san):
@@ -172,7 +174,7 @@ def test_many_switched_modules_are_named_a_few_and_counted(san):
     g = san.test_capture(lambda: model(x))
     model.eval()
     (f,) = replay(san, g)
-    assert len(f.modules) == 4 and "6 module(s)" in f.now and "and 2 more" in f.now
+    assert len(f.baked.modules) == 4 and "6 module(s)" in f.now and "and 2 more" in f.now
 
 
 def test_an_eager_validation_between_replays_is_quiet(san):
@@ -200,8 +202,8 @@ def test_a_module_without_a_hash_is_watched_like_any_other(san):
     g = san.test_capture(lambda: model(x), reads=[model.lin.weight])
     model.eval()
     (f,) = replay(san, g)
-    assert (f.kind, f.modules) == (Kind.MODE, ("Unhashable.drop",))
-    assert f.free_stack, "where it switched"
+    assert (f.kind, f.baked.modules) == (Kind.MODE, ("Unhashable.drop",))
+    assert f.baked.changed_at, "where it switched"
     model.train()
     model.scale = torch.ones(4)  # a buffer of the unhashable module re-registered: not read
     assert replay(san, g) == [] and san.active
@@ -242,7 +244,7 @@ def test_a_graph_per_mode_is_quiet_whichever_the_module_is_in(san):
     model.train()
     train_g.reset()
     (f,) = replay(san, eval_g)
-    assert f.kind == "mode" and (f.captured, f.current) == ("eval", "train")
+    assert f.kind == "mode" and (f.baked.captured, f.baked.current) == ("eval", "train")
 
 
 def test_capture_hooks_live_only_while_a_capture_runs(san):
@@ -283,8 +285,8 @@ def test_a_scheduler_changing_a_float_lr_is_a_baked_value(san):
     sched.step()
     (f,) = replay(san, g)
     assert f.kind is Kind.BAKED_VALUE
-    assert f.entry == "Adam.param_groups[0]['lr']"
-    assert (f.captured, f.current) == ("0.001", "0.0005")
+    assert f.baked.entry == "Adam.param_groups[0]['lr']"
+    assert (f.baked.captured, f.baked.current) == ("0.001", "0.0005")
     assert "pass it as a tensor" in f.kind.cause
 
 
@@ -293,8 +295,8 @@ def test_betas_taken_by_value_are_watched_too(san):
     g = san.test_capture(step)
     opt.param_groups[0]["betas"] = (0.8, 0.99)
     (f,) = replay(san, g)
-    assert f.entry == "AdamW.param_groups[0]['betas']"
-    assert (f.captured, f.current) == ("(0.9, 0.999)", "(0.8, 0.99)")
+    assert f.baked.entry == "AdamW.param_groups[0]['betas']"
+    assert (f.baked.captured, f.baked.current) == ("(0.9, 0.999)", "(0.8, 0.99)")
 
 
 def test_a_value_changed_and_set_back_before_the_replay_is_quiet(san):
@@ -333,7 +335,7 @@ def test_every_optimizer_steps_through_the_recorded_entry(san, name):
     g = san.test_capture(step)
     opt.param_groups[0]["lr"] = 0.02
     (f,) = replay(san, g)
-    assert f.entry == f"{name}.param_groups[0]['lr']"
+    assert f.baked.entry == f"{name}.param_groups[0]['lr']"
 
 
 # -- superseded -----------------------------------------------------------------------------------
@@ -346,9 +348,9 @@ def test_a_parameter_re_pointed_while_the_old_lives_on(san):
     line = this_line_minus(1)
     (f,) = replay(san, g)
     assert f.kind is Kind.SUPERSEDED
-    assert f.entry == "Net.lin.weight"
-    assert f.block_address == old.data_ptr() and f"{old.data_ptr():#x}" in f.captured
-    assert f.free_stack[-1][1] == line
+    assert f.baked.entry == "Net.lin.weight"
+    assert f.block_address == old.data_ptr() and f"{old.data_ptr():#x}" in f.baked.captured
+    assert f.baked.changed_at[-1][1] == line and f.free_stack == ()
     assert opt.param_groups[0]["params"][0] is old
 
 
@@ -358,7 +360,7 @@ def test_a_buffer_registered_again(san):
     g = san.test_capture(lambda: model(x), reads=[old])
     model.register_buffer("scale", torch.ones(4))
     (f,) = replay(san, g)
-    assert (f.kind, f.entry) == (Kind.SUPERSEDED, "Net.scale")
+    assert (f.kind, f.baked.entry) == (Kind.SUPERSEDED, "Net.scale")
 
 
 def test_a_tensor_lr_replaced_while_the_defaults_keep_the_old(san):
@@ -368,7 +370,7 @@ def test_a_tensor_lr_replaced_while_the_defaults_keep_the_old(san):
     opt.param_groups[0]["lr"] = torch.tensor(0.02)
     assert opt.defaults["lr"] is lr
     (f,) = replay(san, g)
-    assert (f.kind, f.entry) == (Kind.SUPERSEDED, "Adam.param_groups[0]['lr']")
+    assert (f.kind, f.baked.entry) == (Kind.SUPERSEDED, "Adam.param_groups[0]['lr']")
 
 
 def test_load_state_dict_copying_into_the_same_tensors_is_quiet(san):

@@ -205,7 +205,7 @@ def test_a_replay_over_a_held_eager_tensor_is_stopped_and_names_it(san):
     (f,) = err.value.findings
     assert f.kind == "live-output" and f.block_address == B and f.nbytes == SLOT
     assert (f.node, f.param, f.offset) == (0, 1, 0)  # the kernel's second argument, into B
-    assert f.written_by is None and "eager code allocated into the pool" in f.now
+    assert f.order.written_by is None and "eager code allocated into the pool" in f.now
     assert "in phase validation, step 4" in f.now
     text = format_finding(f)
     assert "eager code was handed the memory after the graph's capture" in text

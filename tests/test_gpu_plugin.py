@@ -68,7 +68,7 @@ def test_plugin_over_a_suite_with_graphs_under_raise(pytester):
     result.stdout.fnmatch_lines(
         [
             "*test_stale_swallowed*",
-            "*graphsan: 1 stale graph reference(s)*",
+            "*graphsan: 1 finding(s)*",
             "graphsan: 2 graph(s), * node(s) watched, 1 finding(s), policy raise",
         ]
     )

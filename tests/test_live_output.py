@@ -189,7 +189,8 @@ def test_the_finding_names_the_output_its_producer_the_node_and_both_replays():
     (f,) = orders.live_outputs(
         states[F1].info, overs, pool_map({0, 1, 5}), When("train", 3, judged)
     )
-    assert (f.kind, f.written_by, f.block_address, f.replays) == ("live-output", B0, at(1), (2, 3))
+    o = f.order
+    assert (f.kind, o.written_by, f.block_address, o.replays) == ("live-output", B0, at(1), (2, 3))
     assert (f.node, f.address) == (0, ref(1).address)  # forward mb1's kernel that writes there
     assert f.alloc_stack == (("train.py", 7, "site1"),)  # where backward mb0 carved its output
     assert "graph #3 'bwd mb0'" in f.now and (f.phase, f.step, f.rank) == ("train", 3, 2)

@@ -27,7 +27,7 @@ pytest_plugins = ["pytester"]
 
 def finding(rank=None, kind="unmapped", node=7):
     g = GraphInfo(3, "mamba bwd", [("train.py", 40, "capture")], (1, 0), 0)
-    return Finding(
+    return Finding.of(  # of any kind: a baked one's free stack is where it changed
         kind=kind,
         graph=g,
         node=node,

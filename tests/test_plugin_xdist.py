@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from graphsan.core.records import OrderEvidence
 from graphsan.report import GraphInfo, Report
 from graphsan.report.ranks import combine
 from tests.test_plugin_and_ranks import finding
@@ -112,7 +113,7 @@ def test_a_test_that_swallows_a_stop_fails_under_raise_and_keeps_its_outcome_und
     result = suite.runpytest(f"--graphsan={policy}", "-rA", "-p", "no:cacheprovider")
     if policy == "raise":
         result.assert_outcomes(failed=3)  # two stopped replays, and the swallowed one
-        result.stdout.fnmatch_lines(["FAILED *test_swallowed - Failed: graphsan: 1 stale*"])
+        result.stdout.fnmatch_lines(["FAILED *test_swallowed - Failed: graphsan: 1 finding(s)*"])
     else:
         result.assert_outcomes(passed=3)
     assert result.stdout.str().count("Captured graphsan call") == 3
@@ -167,8 +168,9 @@ def test_a_deeply_nested_suppression_file_is_one_usage_error(pytester):
 def test_combine_keeps_every_process_and_renumbers_graph_ids():
     a = Report([finding()], [{"id": 3, "nodes": 12}], events=[{"t": 2.0, "graph": 3}])
     second = GraphInfo(1, "other", [("train.py", 9, "capture")], (1, 0), 0)
+    order = OrderEvidence(written_by=1, carved_by=2)
     b = Report(
-        [dataclasses.replace(finding(), graph=second, written_by=1)],
+        [dataclasses.replace(finding(kind="replay-order"), graph=second, order=order)],
         [{"id": 1, "nodes": 5}],
         events=[{"t": 1.0, "graph": 1}, {"t": 3.0, "kind": "phase"}],
         events_dropped=4,
@@ -177,7 +179,8 @@ def test_combine_keeps_every_process_and_renumbers_graph_ids():
     )
     both = combine([a, b])
     assert [f.graph.id for f in both.findings] == [3, 4]
-    assert both.findings[1].written_by == 4 and both.findings[1].graph.label == "other"
+    assert both.findings[1].order == OrderEvidence(written_by=4, carved_by=5)
+    assert both.findings[1].graph.label == "other"
     assert [g["id"] for g in both.graphs] == [3, 4]
     assert [e.get("graph") for e in both.events] == [4, 3, None]  # in time order
     assert both.events_dropped == 4 and both.pinned["by_site"]["x"]["bytes"] == 64

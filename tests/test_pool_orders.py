@@ -57,7 +57,8 @@ def test_a_finding_names_writer_and_carver_and_a_forgotten_carver_as_gone():
     for gid in (0, 2):
         order.replayed(gid)
     (f,) = orders.judge(g1, lambda: When("eval", 7, Judged(rank=3, found_at=12.5)), view=None)
-    assert (f.kind, f.written_by, f.carved_by, f.block_address) == ("replay-order", 0, 2, C)
+    o = f.order
+    assert (f.kind, o.written_by, o.carved_by, f.block_address) == ("replay-order", 0, 2, C)
     assert (f.phase, f.step, f.rank, f.found_at) == ("eval", 7, 3, 12.5)
     assert f.alloc_stack == tuple(SITE)  # the producer's carve site, as the adapter reads it
     assert "graph #2 'g2'" in f.now

@@ -62,7 +62,7 @@ def test_out_of_order_replay_raises_before_launch_and_names_both_graphs(env, fak
     (f,) = err.value.findings
     ids = [hooks.graph_state(g).info.id for g in (g0, g1, g2)]
     assert f.kind == "replay-order" and f.graph.id == ids[1]
-    assert (f.written_by, f.carved_by) == (ids[0], ids[2])
+    assert (f.order.written_by, f.order.carved_by) == (ids[0], ids[2])
     assert f.block_address == C and f.nbytes == SLOT and f.param == 0 and f.node == 0
     text = format_finding(f)
     assert f"graph #{ids[2]}" in text and f"graph #{ids[0]}" in text and "freed" not in text
@@ -82,7 +82,7 @@ def test_warn_and_record_let_the_replay_go_on_and_the_report_round_trips(
     path = str(tmp_path / "r.json")
     san.report().save(path)
     back = Report.load(path)
-    assert back.findings == san.findings and back.findings[0].carved_by is not None
+    assert back.findings == san.findings and back.findings[0].order.carved_by is not None
 
 
 def test_a_graph_alone_in_its_pool_pays_no_tick_until_the_pool_is_shared(env, fake_sanitizer):
@@ -161,5 +161,5 @@ def test_an_output_the_pool_got_back_between_captures_is_protected(env, fake_san
     assert f1.launched == 2, "the replay that overwrites the output must not run"
     (f,) = err.value.findings
     ids = [hooks.graph_state(g).info.id for g in (f0, b0, f1)]
-    assert f.kind == "live-output" and f.graph.id == ids[2] and f.written_by == ids[0]
+    assert f.kind == "live-output" and f.graph.id == ids[2] and f.order.written_by == ids[0]
     assert f.block_address == C and f"graph #{ids[1]}" in f.now

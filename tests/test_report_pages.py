@@ -90,7 +90,7 @@ def _finding(rank, kind, graph, node, kernel, block, **kw):
         rank=rank,
     )
     base.update(kw)
-    return Finding(**base)
+    return Finding.of(**base)  # flat, as the JSON holds it: a baked one's free stack is its change
 
 
 def rank_report(rank: int | None, skew: float = 0.0) -> Report:

@@ -21,7 +21,6 @@ ALLOWED = {
         "graphsan.core",
         "graphsan.cuda.context",
         "graphsan.report",  # what a policy does: StaleMemoryError, a finding as text
-        "graphsan.cuda.allocator",
         "graphsan.cuda.owners",  # the tensors among all objects, as the pinner scans them
     ),
     "graphsan.cuda": (

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from graphsan.core import locations
 from graphsan.core.kinds import KINDS
+from graphsan.core.records import BakedEvidence
 from graphsan.report import suppressions
 from graphsan.report.suppressions import (
     Matcher,
@@ -46,14 +47,22 @@ def entries(draw) -> list[Suppression]:
 @st.composite
 def findings(draw):
     f = finding(kind=draw(st.sampled_from(KINDS)))
+    # where the memory was freed, or (baked state) where it changed: `free` matches either
+    where = tuple(draw(st.lists(frames, max_size=3)))
+    baked = None
+    if f.baked is not None:
+        baked = BakedEvidence(
+            entry=draw(st.none() | texts.map("".join)),
+            modules=tuple(draw(st.lists(texts.map("".join), max_size=2))),
+            changed_at=where,
+        )
     return dataclasses.replace(
         f,
         graph=dataclasses.replace(f.graph, label="".join(draw(texts))),
         kernel="".join(draw(texts)),
         alloc_stack=tuple(draw(st.lists(frames, max_size=3))),
-        free_stack=tuple(draw(st.lists(frames, max_size=3))),
-        entry=draw(st.none() | texts.map("".join)),
-        modules=tuple(draw(st.lists(texts.map("".join), max_size=2))),
+        free_stack=() if baked is not None else where,
+        baked=baked,
     )
 
 

@@ -78,7 +78,9 @@ def test_generated_entries_suppress_the_findings_they_came_from(tmp_path):
 
 def test_findings_about_baked_state_match_by_entry_and_generate_their_own(tmp_path):
     def baked(kind, **fields):
-        return dataclasses.replace(finding(kind=kind, node=-1), kernel="", alloc_stack=(), **fields)
+        f = finding(kind=kind, node=-1)
+        evidence = dataclasses.replace(f.baked, **fields)
+        return dataclasses.replace(f, kernel="", alloc_stack=(), baked=evidence)
 
     mode = baked("mode", modules=("Net.block.0.drop", "Net.block.1.drop"))
     lr = baked("baked-value", entry="Adam.param_groups[0]['lr']")

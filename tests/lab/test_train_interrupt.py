@@ -234,6 +234,10 @@ SCENARIOS = {  # name: (where the second signal comes, extra options)
 }
 
 
+# the four scenarios share one child process: run on one worker, it runs once
+TWO_SIGNALS_ONCE = pytest.mark.xdist_group("test_train_interrupt-two-signals")
+
+
 @pytest.fixture(scope="module")
 def two_signals(tmp_path_factory):
     """Each scenario's (exit status, error lines, --save folder), from one child process."""
@@ -254,6 +258,7 @@ def two_signals(tmp_path_factory):
     return {name: (r["rc"], r["lines"], root / name) for name, r in ended.items()}
 
 
+@TWO_SIGNALS_ONCE
 def test_a_second_signal_during_the_save_waits_for_it(two_signals):
     rc, lines, save = two_signals["in-save"]
     assert rc == 128 + signal.SIGTERM, lines
@@ -264,6 +269,7 @@ def test_a_second_signal_during_the_save_waits_for_it(two_signals):
     assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == 2
 
 
+@TWO_SIGNALS_ONCE
 def test_a_second_signal_as_the_stopped_run_ends_keeps_its_line(two_signals):
     rc, lines, save = two_signals["late"]
     assert rc == 128 + signal.SIGTERM, lines
@@ -273,6 +279,7 @@ def test_a_second_signal_as_the_stopped_run_ends_keeps_its_line(two_signals):
     assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == 2
 
 
+@TWO_SIGNALS_ONCE
 def test_a_second_signal_during_the_iteration_says_nothing_was_saved_and_where_the_last_is(
     two_signals,
 ):
@@ -286,6 +293,7 @@ def test_a_second_signal_during_the_iteration_says_nothing_was_saved_and_where_t
     assert torch.load(save / "latest.pt", weights_only=False)["iteration"] == 1
 
 
+@TWO_SIGNALS_ONCE
 def test_a_second_signal_before_any_save_says_this_run_saved_none(two_signals):
     rc, lines, save = two_signals["in-step-before-any-save"]
     assert rc == 128 + signal.SIGTERM, lines

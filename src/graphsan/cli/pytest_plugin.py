@@ -28,8 +28,8 @@ import pytest
 from graphsan.policies import POLICIES, Policy
 
 if TYPE_CHECKING:
+    from graphsan import Sanitizer
     from graphsan.report import Report
-    from graphsan.runtime.sanitizer import Sanitizer
 
 OPTION = "--graphsan"
 # the options that only mean something with --graphsan: (dest, option)
@@ -163,7 +163,7 @@ class GraphsanPlugin:
         text = "\n\n".join(format_finding(f) for f in new)
         item.add_report_section("call", "graphsan", text)
         if san.policy.stops_replay and outcome.excinfo is None:
-            pytest.fail(f"graphsan: {len(new)} stale graph reference(s)\n\n{text}", pytrace=False)
+            pytest.fail(f"graphsan: {len(new)} finding(s)\n\n{text}", pytrace=False)
 
     @pytest.hookimpl(trylast=True)  # on xdist's controller: after the workers are all down
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

@@ -177,10 +177,12 @@ def _check_recorded_root(root: str, reports: list) -> None:
     written under (some frame's file lies under it), which no longer exists on this machine."""
     if os.path.exists(root):
         raise CliError(f"--source-root {root}: is not a folder; expected the project's root folder")
+    from graphsan.report.text import where_stack
+
     prefix = os.path.abspath(root).rstrip(os.sep) + os.sep
     for rep in reports:
         for f in [*rep.findings, *(f for _, f in rep.suppressed)]:
-            for frame in (*f.alloc_stack, *f.free_stack, *f.graph.capture_site):
+            for frame in (*f.alloc_stack, *where_stack(f), *f.graph.capture_site):
                 if str(frame[0]).startswith(prefix):
                     return
         for g in rep.graphs:

@@ -23,13 +23,14 @@ finding is raised only for a module that no live graph captured in the mode it i
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from graphsan.core.kinds import Kind
-from graphsan.core.records import Finding, Frame, GraphInfo, Reference, When
+from graphsan.core.records import BakedEvidence, Finding, Frame, GraphInfo, Reference, When
 
 SHOWN_MODULES = 4  # modules a mode finding names; `now` counts them all
 NO_ARGUMENT = Reference(-1, "", "", 0, 0)  # state no kernel argument names (a mode, a value)
@@ -182,9 +183,7 @@ class Baked:
                     NO_ARGUMENT,
                     when,
                     None,
-                    entry=v.entry,
-                    captured=repr(v.value),
-                    current=repr(now),
+                    BakedEvidence(entry=v.entry, captured=repr(v.value), current=repr(now)),
                     now=f"{v.entry} is {now!r}; the graph's optimizer step took {v.value!r} "
                     "by value at capture and keeps using it",
                 )
@@ -194,7 +193,6 @@ class Baked:
             if hit is None:
                 continue
             old, now = hit
-            address = e.ref.address
             out.append(
                 _finding(
                     Kind.SUPERSEDED,
@@ -202,11 +200,8 @@ class Baked:
                     e.ref,
                     when,
                     change_of(e.owner(), e.name),
-                    entry=e.entry,
-                    nbytes=e.nbytes,
-                    block_address=address,
-                    captured=_describe(old),
-                    current=_describe(now),
+                    BakedEvidence(entry=e.entry, captured=_describe(old), current=_describe(now)),
+                    block=(e.ref.address, e.nbytes),
                     now=f"{e.entry} holds {_describe(now)}; the graph reads {_describe(old)}, "
                     "which lives on elsewhere",
                 )
@@ -236,9 +231,7 @@ class Baked:
                 NO_ARGUMENT,
                 when,
                 watch.change_of(first.module(), None),
-                modules=tuple(names[:SHOWN_MODULES]),
-                captured=was,
-                current=now,
+                BakedEvidence(captured=was, current=now, modules=tuple(names[:SHOWN_MODULES])),
                 now=f"{len(names)} module(s) captured in {was} mode are in {now} mode now "
                 f"({shown}{more}); their behaviour differs by mode",
             )
@@ -269,24 +262,13 @@ def _finding(
     ref: Reference,
     when: When,
     change: Change | None,
-    nbytes: int = 0,
-    block_address: int = 0,
-    **fields,
+    evidence: BakedEvidence,
+    block: tuple[int, int] = (0, 0),
+    now: str = "",
 ) -> Finding:
-    """A finding about baked state: where it changed (where a hook saw it) stands in the
-    free stack, phase and step; otherwise the judgement's phase and step."""
-    phase, step = (change.phase, change.step) if change is not None else (when.phase, when.step)
-    return Finding.at(
-        kind,
-        info,
-        ref,
-        nbytes=nbytes,
-        block_address=block_address,
-        pool="",
-        free_stack=change.stack if change is not None else (),
-        phase=phase,
-        step=step,
-        rank=when.judged.rank,
-        found_at=when.judged.found_at,
-        **fields,
-    )
+    """A finding about baked state: where it changed (where a hook saw it) is the evidence's
+    `changed_at`, with the change's phase and step; otherwise the judgement's phase and step."""
+    if change is not None:
+        evidence = dataclasses.replace(evidence, changed_at=change.stack)
+        when = When(change.phase, change.step, when.judged)
+    return Finding.at(kind, info, ref, when, evidence, block=block, now=now)

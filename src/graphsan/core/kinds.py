@@ -28,6 +28,12 @@ class Kind(Choice):
         return self in (Kind.MODE, Kind.BAKED_VALUE, Kind.SUPERSEDED)
 
     @property
+    def order(self) -> bool:
+        """About the replay order of graphs sharing a pool: memory another graph overwrites,
+        not memory that was freed."""
+        return self in (Kind.REPLAY_ORDER, Kind.LIVE_OUTPUT)
+
+    @property
     def cause(self) -> str:
         """The likely cause, as a person reads it; `{op}` names the storage change."""
         return _CAUSES[self]
@@ -81,7 +87,8 @@ _HOST_CAUSES = {
     Kind.REOWNED: "the pinned host memory was freed and the pinned-memory cache handed it to "
     "another tensor; the replay would copy that tensor's data (or overwrite it)",
 }
-# the cause of a live-output finding whose tensor no graph produced (`Finding.written_by` None)
+# the cause of a live-output finding whose tensor no graph produced (`OrderEvidence.written_by`
+# None)
 _EAGER_CAUSE = (
     "eager code allocated a tensor into the graph's memory pool (use_mem_pool, or PyTorch's "
     "begin-allocate-to-pool calls) and was handed memory the graph's capture used as scratch; "

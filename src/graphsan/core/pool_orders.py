@@ -25,6 +25,7 @@ from graphsan.core.records import (
     Frame,
     GraphId,
     GraphInfo,
+    OrderEvidence,
     PoolId,
     Reference,
     When,
@@ -254,17 +255,9 @@ class ReplayOrders:
             f"#{order.last.get(o.producer)}, {held}; this replay would be "
             f"#{order.clock + 1} and writes over it (this graph's last replay: {mine})"
         )
-        return self._order_finding(
-            Kind.LIVE_OUTPUT,
-            info,
-            ref,
-            block,
-            o.site,
-            now,
-            when,
-            written_by=o.producer,
-            replays=(order.last.get(o.producer, 0), order.clock + 1),
-        )
+        replays = (order.last.get(o.producer, 0), order.clock + 1)
+        evidence = OrderEvidence(written_by=o.producer, replays=replays)
+        return self._order_finding(Kind.LIVE_OUTPUT, info, ref, block, o.site, now, when, evidence)
 
     def _order_finding(
         self,
@@ -275,7 +268,7 @@ class ReplayOrders:
         site: object,
         now: str,
         when: When,
-        **fields,
+        evidence: OrderEvidence | None = None,
     ) -> Finding:
         """A finding of the pool's order: `ref` is the graph's argument, `block` (start, size)
         the range, `site` the producer's carve site."""
@@ -283,16 +276,12 @@ class ReplayOrders:
             kind,
             info,
             ref,
-            nbytes=block[1],
-            block_address=block[0],
+            when,
+            evidence,
+            block=block,
             pool=pool_name(info.pool, info.pool),
             alloc_stack=tuple(self.site_frames(site)),
-            phase=when.phase,
-            step=when.step,
             now=now,
-            rank=when.judged.rank,
-            found_at=when.judged.found_at,
-            **fields,
         )
 
     def _who(self, gid: GraphId) -> str:
@@ -313,6 +302,5 @@ class ReplayOrders:
             c.site,
             now,
             when,
-            written_by=c.producer,
-            carved_by=c.carver,
+            OrderEvidence(written_by=c.producer, carved_by=c.carver),
         )

@@ -1,12 +1,14 @@
 """The records the analysis reads and writes: graph nodes, references, frees and findings.
 
 Everything here is plain data (no CUDA, no torch). The evidence a finding carries is frozen: a
-`Finding` is built complete once (by `Tracker.judge`) and never changed after; rendering it as
+`Finding` is built complete once (by the judgement, through `Finding.at`) and never changed
+after, with its kind's own evidence typed (`OrderEvidence`, `BakedEvidence`); rendering it as
 text lives in `graphsan.report.text`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -178,12 +180,80 @@ class OtherUse:
 
 
 @dataclass(frozen=True)
+class OrderEvidence:
+    """What a finding about the replay order of a shared pool (`replay-order`, `live-output`)
+    knows beside the memory: which graph wrote the range, which carved it, the replays."""
+
+    written_by: int | None = None
+    """replay-order: the graph that last wrote the range for this one; live-output: the graph
+    whose output the replay would overwrite (None: a tensor eager code allocated into the pool)."""
+
+    carved_by: int | None = None
+    """replay-order: the graph captured later that re-carved the range and has replayed since."""
+
+    replays: tuple[int, int] | None = None
+    """live-output: the pool's replay count at the output's producer's last replay, and the
+    count this replay would have (`written_by` names the producer)."""
+
+    def __post_init__(self) -> None:
+        if self.replays is not None:
+            object.__setattr__(self, "replays", tuple(self.replays))
+
+
+@dataclass(frozen=True)
+class BakedEvidence:
+    """What a finding about state a graph baked at capture (`mode`, `baked-value`,
+    `superseded`) knows: the entry the program changed, what it was at capture and is now, the
+    modules switched, and where it changed. Nothing was freed: such a finding has no free stack."""
+
+    entry: str | None = None
+    """baked-value, superseded: the entry (`model.layers.3.mlp.weight`,
+    `optimizer.param_groups[0]['lr']`)."""
+
+    captured: str | None = None
+    """What the graph baked at capture: a mode, a value, a tensor."""
+
+    current: str | None = None
+    """What it is now."""
+
+    modules: tuple[str, ...] = ()
+    """mode: the modules switched (a few of them; the finding's `now` counts them all)."""
+
+    changed_at: Stack = ()
+    """Where the program changed it (the `.train()`/`.eval()` call, the re-registration), where
+    a hook saw it; empty for a change found by comparing values at the replay. The finding's
+    `phase` and `step` are the change's."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modules", tuple(self.modules))
+        object.__setattr__(self, "changed_at", _stack(self.changed_at))
+
+
+Evidence = OrderEvidence | BakedEvidence
+
+# the flat fields (the JSON report's) that each kind's evidence holds; a baked finding's
+# `changed_at` is its flat `free_stack`
+ORDER_FIELDS = tuple(f.name for f in dataclasses.fields(OrderEvidence))
+BAKED_FIELDS = ("entry", "captured", "current", "modules")
+
+
+@dataclass(frozen=True)
 class Finding:
-    """One graph reference into memory that is no longer what it was at capture.
+    """One graph reference into memory that is no longer what it was at capture, or state the
+    graph baked at capture that the program changed since.
 
     `node`, `kernel`, `param` and `offset` name the first node of the graph whose arguments hold
     `address` (`param` is the parameter index, `offset` the byte offset inside it; for memcpy and
     memset nodes `param` is "src"/"dst"); `other_nodes` counts further references to the same block.
+
+    Beside these common fields, a kind's own evidence is typed: `order` (an `OrderEvidence`) for
+    replay-order and live-output findings, `baked` (a `BakedEvidence`) for mode, baked-value and
+    superseded ones; each is None on every other kind, and filled in (empty) where its kind has
+    it and none is given. A baked finding's `free_stack` is empty (nothing was freed): where the
+    state changed is `baked.changed_at`.
+
+    Findings are built by `Finding.at` (the judgement's) or from their flat fields, as the JSON
+    report holds them, by `Finding.of` (`flat()` gives them back).
     """
 
     kind: Kind
@@ -198,6 +268,7 @@ class Finding:
     pool: str
     alloc_stack: Stack = ()
     free_stack: Stack = ()
+    # where the memory was freed, or the baked state changed (else the judged replay's)
     phase: str | None = None
     step: int | None = None
     free_op: str | None = None
@@ -209,14 +280,6 @@ class Finding:
     # time.time() of the watched free, and of the replay that was judged and found this
     freed_at: float | None = None
     found_at: float | None = None
-    # replay-order findings: the graph that last wrote the range for this one, and the graph
-    # captured later that re-carved it and has replayed since; live-output findings: the graph
-    # whose output the replay would overwrite
-    written_by: int | None = None
-    carved_by: int | None = None
-    # live-output findings: the pool's replay count at the output's producer's last replay, and
-    # the count this replay would have (`written_by` names the producer)
-    replays: tuple[int, int] | None = None
     # an indirect reference: `address` sits at byte `through_slot` of the block at `through`,
     # a pointer table the node's argument (`param`, `offset`) points at
     through: int | None = None
@@ -225,19 +288,26 @@ class Finding:
     # why the graph may not read this address at all: every reference to the block sits in an
     # argument struct whose layout could not be confirmed ("unconfirmed layout (...)")
     caveat: str | None = None
-    # what a graph baked at capture (mode, baked-value, superseded): the entry the program
-    # changed since (`model.layers.3.mlp.weight`, `optimizer.param_groups[0]['lr']`), what it
-    # was at capture and what it is now; for mode, the modules switched (a few of them). Where
-    # it changed is `free_stack` (with `phase` and `step`)
-    entry: str | None = None
-    captured: str | None = None
-    current: str | None = None
-    modules: tuple[str, ...] = ()
+    order: OrderEvidence | None = None
+    baked: BakedEvidence | None = None
 
     @classmethod
-    def at(cls, kind: Kind | str, graph: GraphInfo, ref: Reference, **fields) -> Finding:
-        """A finding about the memory `ref` names: the node, kernel, parameter, offset and
-        address come from the reference, the rest from `fields`."""
+    def at(
+        cls,
+        kind: Kind | str,
+        graph: GraphInfo,
+        ref: Reference,
+        when: When,
+        evidence: Evidence | None = None,
+        *,
+        block: tuple[DataPtr, int] = (0, 0),
+        pool: str = "",
+        **fields,
+    ) -> Finding:
+        """A finding about what `ref` names (its node, kernel, parameter, offset and address):
+        `when` gives the phase and step (the free's, the change's or the judged replay's) and the
+        judgement's rank and time, `evidence` the kind's own, `block` the block's (start, size);
+        the rest comes from `fields`."""
         return cls(
             kind=kind,
             graph=graph,
@@ -246,32 +316,97 @@ class Finding:
             param=ref.param,
             offset=ref.offset,
             address=ref.address,
+            nbytes=block[1],
+            block_address=block[0],
+            pool=pool,
+            phase=when.phase,
+            step=when.step,
+            rank=when.judged.rank,
+            found_at=when.judged.found_at,
+            order=evidence if isinstance(evidence, OrderEvidence) else None,
+            baked=evidence if isinstance(evidence, BakedEvidence) else None,
             **fields,
         )
 
+    @classmethod
+    def of(cls, **flat) -> Finding:
+        """A finding from its flat fields, as the JSON report holds them: `written_by`,
+        `carved_by` and `replays` are a replay-order or live-output finding's `OrderEvidence`;
+        `entry`, `captured`, `current` and `modules`, with `free_stack` (where it changed), are a
+        baked finding's `BakedEvidence`. ValueError where a kind is given another kind's
+        evidence (the message begins with the field's name)."""
+        kind = Kind(flat["kind"])
+        order = {k: flat.pop(k) for k in ORDER_FIELDS if k in flat}
+        baked = {k: flat.pop(k) for k in BAKED_FIELDS if k in flat}
+        if kind.baked:
+            baked["changed_at"] = flat.pop("free_stack", ())
+        for given, own in ((order, kind.order), (baked, kind.baked)):
+            if own:
+                continue
+            for key, value in given.items():
+                if value not in (None, (), []):
+                    raise ValueError(
+                        f"{key} is {value!r}; expected it empty in a finding of kind {kind}"
+                    )
+        return cls(
+            **flat,
+            order=OrderEvidence(**order) if kind.order else None,
+            baked=BakedEvidence(**baked) if kind.baked else None,
+        )
+
+    def flat(self) -> dict[str, object]:
+        """The finding's flat fields, as the JSON report holds them (`Finding.of` takes them
+        back): the common ones, then every kind's evidence fields (empty where the finding has
+        no such evidence); a baked finding's `free_stack` is where it changed."""
+        order, baked = self.order or OrderEvidence(), self.baked or BakedEvidence()
+        out: dict[str, object] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "through":  # the JSON report's key order: the order fields come here
+                out |= {k: getattr(order, k) for k in ORDER_FIELDS}
+            if f.name not in ("order", "baked"):
+                out[f.name] = getattr(self, f.name)
+        if self.baked is not None:
+            out["free_stack"] = baked.changed_at
+        return out | {k: getattr(baked, k) for k in BAKED_FIELDS}
+
     def __post_init__(self) -> None:
         # callers may hand lists; the evidence is kept as tuples so nobody can change it
-        object.__setattr__(self, "kind", Kind(self.kind))
+        kind = Kind(self.kind)
+        object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "alloc_stack", _stack(self.alloc_stack))
         object.__setattr__(self, "free_stack", _stack(self.free_stack))
         others = tuple(u if isinstance(u, OtherUse) else OtherUse(**u) for u in self.also_used_by)
         object.__setattr__(self, "also_used_by", others)
-        object.__setattr__(self, "modules", tuple(self.modules))
-
-    @property
-    def change_stack(self) -> Stack:
-        """For state the graph baked: where the program changed it (stored as `free_stack`)."""
-        return self.free_stack if self.kind.baked else ()
+        for name, own, evidence in (
+            ("order", kind.order, OrderEvidence),
+            ("baked", kind.baked, BakedEvidence),
+        ):
+            value = getattr(self, name)
+            if not own:
+                if value is not None:
+                    raise ValueError(
+                        f"{name} is {value!r}; expected None in a finding of kind {kind}"
+                    )
+            elif value is None:
+                object.__setattr__(self, name, evidence())
+            elif not isinstance(value, evidence):
+                raise ValueError(f"{name} is {value!r}; expected {evidence.__name__}")
+        if kind.baked and self.free_stack:
+            raise ValueError(
+                f"free_stack is {self.free_stack!r}; expected it empty in a finding of kind {kind} "
+                "(nothing was freed: where the state changed is its BakedEvidence's changed_at)"
+            )
 
     @property
     def key(self) -> tuple[int, int, str]:
         """What makes a finding the same one at a later replay: its graph, its block, and for
         what a graph baked at capture, the entry."""
-        return (self.graph.id, self.block_address, self.entry or "")
+        return (self.graph.id, self.block_address, (self.baked and self.baked.entry) or "")
 
     @property
     def likely_cause(self) -> str:
-        return likely_cause(self.kind, self.host, self.written_by, self.free_op)
+        written_by = self.order.written_by if self.order is not None else None
+        return likely_cause(self.kind, self.host, written_by, self.free_op)
 
 
 @dataclass(frozen=True)
@@ -285,7 +420,8 @@ class Judged:
 
 @dataclass(frozen=True)
 class When:
-    """When a replay is judged: the program's phase and step, and the judgement's `Judged`."""
+    """The program's phase and step a finding is about (when the replay is judged, or when the
+    memory was freed or the baked state changed), and the judgement's `Judged`."""
 
     phase: str | None = None
     step: int | None = None

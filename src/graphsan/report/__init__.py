@@ -7,7 +7,15 @@
 from __future__ import annotations
 
 from graphsan.core.kinds import KINDS, Kind
-from graphsan.core.records import Finding, Frame, GraphInfo, OtherUse, display_path
+from graphsan.core.records import (
+    BakedEvidence,
+    Finding,
+    Frame,
+    GraphInfo,
+    OrderEvidence,
+    OtherUse,
+    display_path,
+)
 from graphsan.report.json_report import (
     READABLE_VERSIONS,
     SCHEMA,
@@ -23,10 +31,12 @@ __all__ = [
     "READABLE_VERSIONS",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "BakedEvidence",
     "Finding",
     "Frame",
     "GraphInfo",
     "Kind",
+    "OrderEvidence",
     "OtherUse",
     "Report",
     "StaleMemoryError",
@@ -40,10 +50,13 @@ __all__ = [
 
 
 class StaleMemoryError(RuntimeError):
-    """A graph replay would touch memory that was freed, re-owned, moved or unmapped.
+    """A graph replay would go wrong: it would touch memory that was freed, re-owned, moved or
+    unmapped, read or overwrite another graph's data in a shared pool, or run with state it
+    baked at capture that the program changed since (a module's mode, a hyperparameter, an
+    entry re-pointed at another tensor).
 
     Raised by `CUDAGraph.replay()` *before* the graph is launched, so the CUDA context stays
-    healthy. `findings` holds the evidence; `str(err)` is a readable report.
+    healthy. `findings` holds the findings, of any kind; `str(err)` is a readable report.
     """
 
     def __init__(self, findings: list[Finding]):
@@ -52,5 +65,5 @@ class StaleMemoryError(RuntimeError):
 
     def _text(self) -> str:
         n = len(self.findings)
-        head = f"graphsan: replay stopped before launch: {n} stale reference(s)"
+        head = f"graphsan: replay stopped before launch: {n} finding(s)"
         return "\n\n".join([head, *(format_finding(f) for f in self.findings)])

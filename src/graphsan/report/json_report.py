@@ -22,30 +22,38 @@ from graphsan.report.text import attachment_line, format_finding, provenance_lin
 SCHEMA = "graphsan.report"
 # 2 added Finding.also_used_by; 3 added times: Finding.freed_at and found_at, a graph's
 # captured_at and node summary, and the process's events (see graphsan.core.timeline);
-# 4 added the replay-order kind and its Finding.written_by and carved_by, and indirect
+# 4 added the replay-order kind and its written_by and carved_by (OrderEvidence), and indirect
 # references' Finding.through and through_slot, and Finding.host (pinned host memory);
 # 5 added Finding.caveat, the report's layouts (graphsan.core.argstructs, per device) and its
 # suppressed findings (graphsan.report.suppressions); 6 added the live-output kind and its
-# Finding.replays; 7 added whether graphsan watched (watched, disabled_reason) and what
+# replays (OrderEvidence); 7 added whether graphsan watched (watched, disabled_reason) and what
 # recorded the report (provenance: graphsan, torch, CUDA, driver, GPU, Python); 8 added the
 # kinds of what a graph baked at capture (mode, baked-value, superseded) and their
-# Finding.entry, captured, current and modules; 9 added how graphsan attached to the
+# entry, captured, current and modules (BakedEvidence; where it changed is free_stack in
+# the JSON); 9 added how graphsan attached to the
 # provenance (attach, hooks, allocator, tracker: graphsan.runtime.attachment)
 SCHEMA_VERSION = 10
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)  # older reports read with the newer fields empty
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:
-    d = asdict(f)
+    """A finding as the report's JSON holds it: flat, every kind's evidence fields in every
+    finding (`Finding.flat`), and its likely cause."""
+    d = f.flat()
     d["kind"] = f.kind.value
+    d["graph"] = asdict(f.graph)
+    d["also_used_by"] = [asdict(u) for u in f.also_used_by]
     d["likely_cause"] = f.likely_cause
     return d
 
 
 def finding_from_dict(d: dict[str, Any]) -> Finding:
+    """A finding from the report's JSON (any readable version: the fields it predates take
+    their defaults), its evidence typed by kind (`Finding.of`); ValueError where a kind holds
+    another kind's evidence."""
     d = dict(d)
     d.pop("likely_cause", None)
-    g = d.pop("graph")
+    g = dict(d.pop("graph"))
     g["capture_site"] = tuple(tuple(x) for x in g.get("capture_site", []))
     if g.get("pool") is not None:
         g["pool"] = tuple(g["pool"])
@@ -54,7 +62,7 @@ def finding_from_dict(d: dict[str, Any]) -> Finding:
     if d.get("replays") is not None:
         d["replays"] = tuple(d["replays"])
     d["modules"] = tuple(d.get("modules", ()))
-    return Finding(graph=GraphInfo(**g), **d)
+    return Finding.of(graph=GraphInfo(**g), **d)
 
 
 @dataclass
@@ -294,7 +302,7 @@ def _report_from_dict(data: dict[str, Any]) -> Report:
     for i, f in enumerate(suppressed):
         validate_finding({k: v for k, v in f.items() if k != "by"}, f"suppressed[{i}]")
     return Report(
-        findings=[finding_from_dict(f) for f in data["findings"]],
+        findings=[_finding(f, f"findings[{i}]") for i, f in enumerate(data["findings"])],
         graphs=data.get("graphs", []),
         rank=data.get("rank"),
         policy=data.get("policy", "raise"),
@@ -304,11 +312,20 @@ def _report_from_dict(data: dict[str, Any]) -> Report:
         allocator_log=data.get("allocator_log"),
         layouts=data.get("layouts", {}),
         suppressed=[
-            (f["by"], finding_from_dict({k: v for k, v in f.items() if k != "by"}))
-            for f in suppressed
+            (f["by"], _finding({k: v for k, v in f.items() if k != "by"}, f"suppressed[{i}]"))
+            for i, f in enumerate(suppressed)
         ],
         watched=data.get("watched"),
         disabled_reason=data.get("disabled_reason"),
         provenance=data.get("provenance", {}),
         loaded_version=data["version"],
     )
+
+
+def _finding(d: dict[str, Any], where: str) -> Finding:
+    """`finding_from_dict`, with the field that does not fit its kind named as the schema's
+    errors name theirs."""
+    try:
+        return finding_from_dict(d)
+    except ValueError as err:
+        raise SchemaError(f"{where}.{err}") from None

@@ -15,14 +15,15 @@ import json
 from typing import Any
 
 from graphsan.core.locations import location
-from graphsan.core.records import Finding
+from graphsan.core.records import Finding, OrderEvidence
 from graphsan.report.json_report import Report
-from graphsan.report.text import format_finding
+from graphsan.report.text import format_finding, where_stack
 
 
 def finding_signature(f: Finding) -> tuple:
-    # the free site by its location: ranks on hosts with other install paths still agree
-    free = (location(f.free_stack[-1][0]), *f.free_stack[-1][1:]) if f.free_stack else None
+    # the free (or change) site by its location: ranks on hosts with other install paths agree
+    stack = where_stack(f)
+    free = (location(stack[-1][0]), *stack[-1][1:]) if stack else None
     return (f.kind, f.graph.label, f.node, f.kernel, f.param, f.offset, free, f.phase, f.step)
 
 
@@ -126,8 +127,15 @@ def _shifted(f: Finding, shift: int) -> Finding:
         f,
         graph=dataclasses.replace(f.graph, id=f.graph.id + shift),
         also_used_by=tuple(dataclasses.replace(u, graph=u.graph + shift) for u in f.also_used_by),
-        written_by=None if f.written_by is None else f.written_by + shift,
-        carved_by=None if f.carved_by is None else f.carved_by + shift,
+        order=f.order and _shifted_order(f.order, shift),
+    )
+
+
+def _shifted_order(o: OrderEvidence, shift: int) -> OrderEvidence:
+    return dataclasses.replace(
+        o,
+        written_by=None if o.written_by is None else o.written_by + shift,
+        carved_by=None if o.carved_by is None else o.carved_by + shift,
     )
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from graphsan.core.kinds import KINDS
 from graphsan.core.records import Finding, frame_text
+from graphsan.report.text import where_stack
 
 FIELDS = ("name", "kind", "kernel", "graph", "alloc", "free", "entry")
 
@@ -62,7 +63,7 @@ class Suppression:
             return False
         if self.graph is not None and not fnmatch.fnmatchcase(f.graph.label, self.graph):
             return False
-        for pattern, stack in ((self.alloc, f.alloc_stack), (self.free, f.free_stack)):
+        for pattern, stack in ((self.alloc, f.alloc_stack), (self.free, where_stack(f))):
             if pattern is not None and not any(
                 fnmatch.fnmatchcase(frame_text(fr), pattern) for fr in stack
             ):
@@ -74,8 +75,11 @@ class Suppression:
 
 def entry_names(f: Finding) -> tuple[str, ...]:
     """What an entry's `entry` pattern is matched against: the modules a mode finding names,
-    else the finding's entry."""
-    return f.modules if f.modules else (f.entry,) if f.entry else ()
+    else the finding's entry (none for a finding about memory)."""
+    b = f.baked
+    if b is None:
+        return ()
+    return b.modules if b.modules else (b.entry,) if b.entry else ()
 
 
 def load(path: str) -> list[Suppression]:
@@ -168,7 +172,7 @@ _FIELDS: dict[str, Callable[[Finding, Callable], Iterable[str]]] = {
     "kernel": lambda f, text: (f.kernel,),
     "graph": lambda f, text: (f.graph.label,),
     "alloc": lambda f, text: map(text, f.alloc_stack),
-    "free": lambda f, text: map(text, f.free_stack),
+    "free": lambda f, text: map(text, where_stack(f)),
     "entry": lambda f, text: entry_names(f),
 }
 _WILD = re.compile(r"[*?\[]")  # where a wildcard or a character class may begin
@@ -351,14 +355,16 @@ def generate(findings: list[Finding]) -> str:
     seen, lines = set(), ["# graphsan suppressions (graphsan report --gen-suppressions)"]
     for f in findings:
         alloc = f"*{_literal(frame_text(f.alloc_stack[-1]))}" if f.alloc_stack else None
-        free = f"*{_literal(frame_text(f.free_stack[-1]))}" if f.free_stack else None
-        named = f.entry or (f.modules[0] if f.modules else None)
+        stack = where_stack(f)
+        free = f"*{_literal(frame_text(stack[-1]))}" if stack else None
+        b = f.baked
+        named = b and (b.entry or (b.modules[0] if b.modules else None))
         kernel, label = f.kernel or None, f.graph.label
         entry = (str(f.kind), *(_literal(v) for v in (kernel, label)), alloc, free, _literal(named))
         if entry in seen:
             continue
         seen.add(entry)
-        where = f": {named}" if f.kind.baked else f" node {f.node}"
+        where = f": {named}" if b is not None else f" node {f.node}"
         lines.append(f"- name: {_quote(f'{f.kind} in {f.graph.label}{where}')}")
         for key, value in zip(FIELDS[1:], entry, strict=True):
             if value is not None:

@@ -8,23 +8,23 @@ from graphsan.core.kinds import Kind
 from graphsan.core.records import (
     FREED_BEFORE_CAPTURE,
     FREED_UNSEEN,
+    BakedEvidence,
     Finding,
     Frame,
+    OrderEvidence,
+    Stack,
     frame_text,
 )
 
 
 def one_line(f: Finding) -> str:
-    """The finding in one line: kind, graph, kernel, buffer, free site (for state the graph
-    baked: what it baked, what it is now, where it changed)."""
-    if f.kind.baked:
-        return _baked_line(f)
-    if f.kind is Kind.REPLAY_ORDER:
-        what = f"written by graph #{f.written_by}, overwritten by graph #{f.carved_by}"
-    elif f.kind is Kind.LIVE_OUTPUT and f.written_by is None:
-        what = "holds a tensor eager code allocated into the pool, still held by the caller"
-    elif f.kind is Kind.LIVE_OUTPUT:
-        what = f"holds graph #{f.written_by}'s output, still held by the caller"
+    """The finding in one line: kind, graph, kernel, buffer, free site (for the replay order:
+    who wrote and who overwrote; for state the graph baked: what it baked, what it is now,
+    where it changed)."""
+    if f.baked is not None:
+        return _baked_line(f, f.baked)
+    if f.order is not None:
+        what = _order_what(f.kind, f.order)
     else:
         free = frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f)
         what = f"freed at {free}"
@@ -36,21 +36,29 @@ def one_line(f: Finding) -> str:
     )
 
 
-def _baked_names(f: Finding) -> str:
+def _order_what(kind: Kind, o: OrderEvidence) -> str:
+    if kind is Kind.REPLAY_ORDER:
+        return f"written by graph #{o.written_by}, overwritten by graph #{o.carved_by}"
+    if o.written_by is None:
+        return "holds a tensor eager code allocated into the pool, still held by the caller"
+    return f"holds graph #{o.written_by}'s output, still held by the caller"
+
+
+def _baked_names(f: Finding, b: BakedEvidence) -> str:
     """What a finding about baked state names: the switched modules, or the entry."""
-    return ", ".join(f.modules) if f.kind is Kind.MODE else f.entry
+    return ", ".join(b.modules) if f.kind is Kind.MODE else b.entry
 
 
 def _rank(f: Finding) -> str:
     return f"[rank {f.rank}] " if f.rank is not None else ""
 
 
-def _baked_line(f: Finding) -> str:
-    what = _baked_names(f)
-    where = f", changed at {frame_text(f.change_stack[-1])}" if f.change_stack else ""
+def _baked_line(f: Finding, b: BakedEvidence) -> str:
+    what = _baked_names(f, b)
+    where = f", changed at {frame_text(b.changed_at[-1])}" if b.changed_at else ""
     address = f" (reads {f.block_address:#x})" if f.kind is Kind.SUPERSEDED else ""
     return (
-        f"{f.kind}: {f.graph.label} {what}{address}: {f.captured} at capture, {f.current} "
+        f"{f.kind}: {f.graph.label} {what}{address}: {b.captured} at capture, {b.current} "
         f"now{where}{when(f.phase, f.step)}"
     )
 
@@ -101,6 +109,12 @@ def when(phase: str | None, step: int | None) -> str:
 NO_FREE_FRAMES = "torch internals (no Python frames of yours: e.g. autograd's backward thread)"
 
 
+def where_stack(f: Finding) -> Stack:
+    """The last stack a finding names: where its memory was freed, or, for state the graph
+    baked, where the program changed it (`BakedEvidence.changed_at`)."""
+    return f.baked.changed_at if f.baked is not None else f.free_stack
+
+
 def no_free_stack(f: Finding) -> str:
     if f.free_op == FREED_BEFORE_CAPTURE:
         return "no free seen: the memory was already free when the capture ended"
@@ -143,8 +157,8 @@ def _argument(f: Finding) -> str:
 
 def format_finding(f: Finding) -> str:
     """A multi-line bug report for one finding."""
-    if f.kind.baked:
-        return _format_baked(f)
+    if f.baked is not None:
+        return _format_baked(f, f.baked)
     lines = [
         f"{_rank(f)}{f.kind.upper()}: {f.graph.describe()}",
         f"  node {f.node}: {_node_kernel(f.kernel)}",
@@ -156,22 +170,8 @@ def format_finding(f: Finding) -> str:
         lines.append(f"  now: {f.now}")
     lines.append("  allocated at (most recent call last):")
     lines += _stack_text(f.alloc_stack)
-    if f.kind is Kind.REPLAY_ORDER:
-        lines.append(
-            f"  order: replayed after graph #{f.carved_by} overwrote the range and before "
-            f"graph #{f.written_by} wrote it again{when(f.phase, f.step)}"
-        )
-    elif f.kind is Kind.LIVE_OUTPUT and f.written_by is None:
-        lines.append(
-            "  order: eager code was handed the memory after the graph's capture; this replay "
-            f"would write over it{when(f.phase, f.step)}"
-        )
-    elif f.kind is Kind.LIVE_OUTPUT:
-        mine, theirs = (f.replays[1], f.replays[0]) if f.replays else ("?", "?")
-        lines.append(
-            f"  order: this would be the pool's replay #{mine}; graph #{f.written_by} wrote the "
-            f"output at replay #{theirs}, after this graph last ran{when(f.phase, f.step)}"
-        )
+    if f.order is not None:
+        lines.append(_order_text(f, f.order))
     elif f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
         lines.append("  freed: before the capture ended (the graph captured memory already free)")
     elif f.free_op == FREED_UNSEEN and not f.free_stack:
@@ -204,6 +204,26 @@ def format_finding(f: Finding) -> str:
 
 MAX_ALSO = 6  # graphs listed under "also used by"; the JSON report keeps them all
 
+
+def _order_text(f: Finding, o: OrderEvidence) -> str:
+    """The line a finding about the replay order has where others say where memory was freed."""
+    if f.kind is Kind.REPLAY_ORDER:
+        return (
+            f"  order: replayed after graph #{o.carved_by} overwrote the range and before "
+            f"graph #{o.written_by} wrote it again{when(f.phase, f.step)}"
+        )
+    if o.written_by is None:
+        return (
+            "  order: eager code was handed the memory after the graph's capture; this replay "
+            f"would write over it{when(f.phase, f.step)}"
+        )
+    mine, theirs = (o.replays[1], o.replays[0]) if o.replays else ("?", "?")
+    return (
+        f"  order: this would be the pool's replay #{mine}; graph #{o.written_by} wrote the "
+        f"output at replay #{theirs}, after this graph last ran{when(f.phase, f.step)}"
+    )
+
+
 # what each kind about baked state calls what it names, and where the program changed it
 BAKED_LABELS = {
     Kind.MODE: ("modules", "switched"),
@@ -212,22 +232,22 @@ BAKED_LABELS = {
 }
 
 
-def _format_baked(f: Finding) -> str:
+def _format_baked(f: Finding, b: BakedEvidence) -> str:
     """A finding about state the graph baked at capture: what it names, the value at capture
     and now, and where the program changed it (no block or allocation: no memory was freed)."""
     noun, verb = BAKED_LABELS[f.kind]
     lines = [f"{_rank(f)}{f.kind.upper()}: {f.graph.describe()}"]
-    lines.append(f"  {noun}: {_baked_names(f)}")
+    lines.append(f"  {noun}: {_baked_names(f, b)}")
     if f.kind is Kind.SUPERSEDED:
         lines.append(f"  node {f.node}: {_node_kernel(f.kernel)}")
         lines.append(_argument(f))
-    lines.append(f"  at capture: {f.captured}")
-    lines.append(f"  now: {f.current}")
+    lines.append(f"  at capture: {b.captured}")
+    lines.append(f"  now: {b.current}")
     if f.now:
         lines.append(f"  which means: {f.now}")
-    if f.change_stack:
+    if b.changed_at:
         lines.append(f"  {verb}{when(f.phase, f.step)} at (most recent call last):")
-        lines += _stack_text(f.change_stack)
+        lines += _stack_text(b.changed_at)
     else:
         lines.append(
             f"  {verb} before this replay{when(f.phase, f.step)}: by a plain assignment no hook "

@@ -24,23 +24,12 @@ from graphsan.command_line import write_result
 
 
 def _finding(f) -> dict:
+    """A finding as the result line carries it: the report's JSON of it (the parent's verdict
+    line rebuilds the finding from it), with the graph's label and the finding's text."""
+    from graphsan.report.json_report import finding_to_dict
     from graphsan.report.text import format_finding
 
-    return {
-        "kind": str(f.kind),
-        "label": f.graph.label,
-        "node": f.node,
-        "kernel": f.kernel,
-        "param": f.param,
-        "offset": f.offset,
-        "address": f.address,
-        "block_address": f.block_address,
-        "nbytes": f.nbytes,
-        "pool": f.pool,
-        "now": f.now,
-        "caveat": getattr(f, "caveat", None),
-        "text": format_finding(f),
-    }
+    return finding_to_dict(f) | {"label": f.graph.label, "text": format_finding(f)}
 
 
 class Dump:

@@ -86,8 +86,12 @@ def _names_the_mistake(finding: dict, result: dict) -> bool:
 
 
 def _one_line(f: dict) -> str:
-    """A finding of the child's report as the text report writes it in one line."""
-    return one_line(finding_from_dict(f))
+    """A finding of the child's result (`child._finding`: the report's JSON of it, with the
+    graph's label and the text) as the text report writes it in one line."""
+    return one_line(finding_from_dict({k: v for k, v in f.items() if k not in CHILD_KEYS}))
+
+
+CHILD_KEYS = ("label", "text")  # what the child adds to a finding's JSON
 
 
 def _run_one(name: str, kind: str, timeout: float, dump_dir: str | None) -> Verdict:

@@ -32,8 +32,8 @@ def finish():
             "now": f.now,
             "through": f.through,
             "through_slot": f.through_slot,
-            "written_by": f.written_by,
-            "carved_by": f.carved_by,
+            "written_by": f.order.written_by if f.order else None,
+            "carved_by": f.order.carved_by if f.order else None,
             "host": f.host,
             "text": graphsan.report.format_finding(f),
         }

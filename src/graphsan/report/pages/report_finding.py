@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from graphsan.core.kinds import Kind
-from graphsan.core.records import Finding, OtherUse, frame_text
+from graphsan.core.records import BakedEvidence, Finding, OtherUse, frame_text
 from graphsan.report.pages.report_common import human_bytes, rel
 from graphsan.report.pages.report_life import life
-from graphsan.report.text import BAKED_LABELS, no_free_stack, short_kernel, when
+from graphsan.report.text import BAKED_LABELS, no_free_stack, short_kernel, when, where_stack
 
 NODE_WINDOW = 6  # nodes shown either side of the offending one (the rest fold away)
 # a page names few kernels many times over: each name is shortened once
@@ -34,9 +34,10 @@ def row_view(n: int, f: Finding, seen: dict[str, Finding]) -> dict[str, Any]:
         "offset": f.offset,
         "block": f"{f.block_address:#x}",
         "size": human_bytes(f.nbytes),
-        "free_site": frame_text(f.free_stack[-1]) if f.free_stack else no_free_stack(f),
+        # where the memory was freed, or the baked state changed (a group's rows list both)
+        "free_site": frame_text(where[-1]) if (where := where_stack(f)) else no_free_stack(f),
         "ranks": list(seen),
-        "baked": _baked_view(f) if f.kind.baked else None,
+        "baked": _baked_view(f, f.baked) if f.baked is not None else None,
     }
 
 
@@ -62,23 +63,24 @@ def finding_view(n: int, f: Finding, src, seen: dict[str, Finding], t0) -> dict[
         "capture_stack": [frame_text(x) for x in f.graph.capture_site],
         "also": [_also_view(u, src, t0) for u in f.also_used_by],
         "nodes": _nodes_view(f, src),
-        "life": life(f, src, t0) if not f.kind.baked else {"steps": [], "svg": None},
+        "life": life(f, src, t0) if f.baked is None else {"steps": [], "svg": None},
     }
 
 
-def _baked_view(f: Finding) -> dict[str, Any]:
+def _baked_view(f: Finding, b: BakedEvidence) -> dict[str, Any]:
     """What a finding about state the graph baked at capture shows instead of a block's life:
     what it names, the value at capture and now, where the program changed it."""
     noun, verb = BAKED_LABELS[f.kind]
-    named = ", ".join(f.modules) if f.kind is Kind.MODE else (f.entry or "")
-    site = frame_text(f.change_stack[-1]) if f.change_stack else ""
+    named = ", ".join(b.modules) if f.kind is Kind.MODE else (b.entry or "")
+    site = frame_text(b.changed_at[-1]) if b.changed_at else ""
     return {
         "noun": noun,
         "verb": verb,
         "named": named,
-        "captured": f.captured or "",
-        "current": f.current or "",
+        "captured": b.captured or "",
+        "current": b.current or "",
         "site": site,
+        "changed_at": [frame_text(x) for x in b.changed_at],
         "where": f"{verb} at {site}"
         if site
         else f"{verb} before this replay, by a plain assignment no hook sees",

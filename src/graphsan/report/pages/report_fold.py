@@ -1,5 +1,5 @@
 """Identical findings folded into one row of the HTML report: the findings of one graph, node,
-argument and kind (a stale reference found again at every replay, or on every rank) share a row
+argument and kind (a finding made again at every replay, or on every rank) share a row
 that says how many there were, where and when; the page details the first of them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from graphsan.core.records import Finding, frame_text
 from graphsan.report.pages.report_common import rel
-from graphsan.report.text import no_free_stack
+from graphsan.report.text import no_free_stack, where_stack
 
 FREE_SITES_SHOWN = 3  # distinct free sites a folded row names; the rest are counted
 
@@ -36,7 +36,8 @@ class Fold:
     last_found: float | None = None
     steps: set[int] = field(default_factory=set)
     phases: dict[str, None] = field(default_factory=dict)  # in order, without repeats
-    # innermost free frames (or, without one, what the page says instead), texts made once each
+    # innermost free frames, or change frames of baked state (without one, what the page says
+    # instead), texts made once each
     free_sites: dict[Any, None] = field(default_factory=dict)
 
     def add(self, name: str, f: Finding) -> None:
@@ -51,7 +52,8 @@ class Fold:
             self.steps.add(f.step)
         if f.phase:
             self.phases.setdefault(f.phase)
-        self.free_sites.setdefault(f.free_stack[-1] if f.free_stack else no_free_stack(f))
+        where = where_stack(f)
+        self.free_sites.setdefault(where[-1] if where else no_free_stack(f))
 
 
 def fold_findings(sources: list[dict[str, Any]]) -> list[Fold]:

@@ -52,7 +52,7 @@ def life(f: Finding, src: dict[str, Any], t0: float | None) -> dict[str, Any]:
                 "site": "",
             }
         )
-    if f.kind in ("replay-order", "live-output"):
+    if f.order is not None:
         free_what, free_site = "", ""  # nothing was freed: a graph overwrites the range
     elif f.free_op == FREED_BEFORE_CAPTURE and not f.free_stack:
         free_what, free_site = "already free when the capture ended", ""
@@ -113,7 +113,7 @@ def _now_title(f: Finding) -> str:
         "freed": "free in the allocator's cache",
         "replay-order": "overwritten by a graph captured later into the same pool",
         "live-output": "another graph's output the caller still holds"
-        if f.written_by is not None
+        if f.order is not None and f.order.written_by is not None
         else "a tensor eager code allocated into the graph's pool",
     }.get(f.kind, "now")
 

@@ -149,8 +149,8 @@ def _finding_marks(marks: Marks, s, views, names, lane_y, x_of, t0: float) -> No
             lane = names[2] if len(names) > 2 else "allocator"
 
         def title(f=f, fv=fv) -> str:
-            if f.kind.baked:
-                where = ", ".join(f.modules) if f.modules else f.entry
+            if f.baked is not None:
+                where = ", ".join(f.baked.modules) if f.baked.modules else f.baked.entry
             else:
                 where = f"node {f.node} {fv['kernel_short'] if fv else f.kernel}"
             return (

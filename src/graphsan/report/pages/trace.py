@@ -14,7 +14,7 @@ from typing import Any
 from graphsan.core.records import Finding
 from graphsan.report.json_report import Report
 from graphsan.report.pages.templating import replay_index
-from graphsan.report.text import short_kernel
+from graphsan.report.text import short_kernel, where_stack
 
 PHASE_TID, ALLOC_TID, UNKNOWN_STREAM_TID = 1, 2, 3
 FIRST_STREAM_TID = 10
@@ -147,7 +147,8 @@ def _process(report: Report, pid: int, pname: str, t0: float | None) -> list[dic
 
 
 def _finding_args(f: Finding) -> dict[str, Any]:
-    free = f.free_stack[-1] if f.free_stack else None
+    stack = where_stack(f)
+    site = f"{stack[-1][0]}:{stack[-1][1]} in {stack[-1][2]}" if stack else None
     return {
         "kind": f.kind,
         "graph": f.graph.id,
@@ -159,7 +160,8 @@ def _finding_args(f: Finding) -> dict[str, Any]:
         "block": f"{f.block_address:#x}",
         "bytes": f.nbytes,
         "pool": f.pool,
-        "freed at": f"{free[0]}:{free[1]} in {free[2]}" if free else None,
+        # baked state was not freed: where the program changed it
+        ("changed at" if f.baked is not None else "freed at"): site,
         "phase": f.phase,
         "step": f.step,
         "now": f.now,
