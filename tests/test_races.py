@@ -59,33 +59,33 @@ def test_two_streams_with_nothing_between_race_while_the_first_runs():
 def test_wait_stream_orders_the_second_after_the_first():
     races = races_of(**A_AND_B)
     races.launched(1, S1)
-    races.order.recorded("e", S1)  # s2.wait_stream(s1) records an event on s1 ...
-    races.order.waited(S2, "e")  # ... and makes s2 wait for it
+    races.ordering.recorded("e", S1)  # s2.wait_stream(s1) records an event on s1 ...
+    races.ordering.waited(S2, "e")  # ... and makes s2 wait for it
     assert races.racing(2, S2, busy(S1)) is None
 
 
 def test_an_event_recorded_before_the_replay_does_not_order_it():
     races = races_of(**A_AND_B)
-    races.order.recorded("e", S1)
+    races.ordering.recorded("e", S1)
     races.launched(1, S1)
-    races.order.waited(S2, "e")
+    races.ordering.waited(S2, "e")
     assert races.racing(2, S2, busy(S1)) is not None
 
 
 def test_an_event_never_recorded_orders_nothing():
     races = races_of(**A_AND_B)
     races.launched(1, S1)
-    races.order.waited(S2, "never")
+    races.ordering.waited(S2, "never")
     assert races.racing(2, S2, busy(S1)) is not None
 
 
 def test_ordering_is_transitive_through_a_third_stream():
     races = races_of(**A_AND_B)
     races.launched(1, S1)
-    races.order.recorded("a", S1)
-    races.order.waited(S3, "a")
-    races.order.recorded("b", S3)
-    races.order.waited(S2, "b")
+    races.ordering.recorded("a", S1)
+    races.ordering.waited(S3, "a")
+    races.ordering.recorded("b", S3)
+    races.ordering.waited(S2, "b")
     assert races.racing(2, S2, busy(S1, S3)) is None
 
 
@@ -94,12 +94,12 @@ def test_the_host_waiting_orders_every_later_launch():
         races = races_of(**A_AND_B)
         races.launched(1, S1)
         if wait == "all":
-            races.order.host_waited_for_all()
+            races.ordering.host_waited_for_all()
         elif wait == "stream":
-            races.order.host_waited_for_stream(S1)
+            races.ordering.host_waited_for_stream(S1)
         else:
-            races.order.recorded("e", S1)
-            races.order.host_waited_for_event("e")
+            races.ordering.recorded("e", S1)
+            races.ordering.host_waited_for_event("e")
         assert races.racing(2, S2, busy(S1)) is None, wait
         races.launched(1, S1)  # a later replay on the first stream is in flight again
         assert races.racing(2, S2, busy(S1)) is not None, wait

@@ -75,7 +75,7 @@ def watch(monkeypatch):
 
 
 def test_wait_stream_is_seen_through_the_calls_it_makes(watch):
-    order = watch.order
+    order = watch.ordering
     order.launched(K1, 7)
     assert list(order.unordered(K2)) == [(K1, 1, 7)]
     S2.wait_stream(S1)
@@ -85,7 +85,7 @@ def test_wait_stream_is_seen_through_the_calls_it_makes(watch):
 
 
 def test_an_event_on_the_current_stream_and_a_wait_on_the_current_stream(watch):
-    order = watch.order
+    order = watch.ordering
     order.launched(K1, 7)
     event = FakeEvent()
     event.record()  # the current stream: S1
@@ -95,7 +95,7 @@ def test_an_event_on_the_current_stream_and_a_wait_on_the_current_stream(watch):
 
 
 def test_host_waits_complete_what_they_waited_for(watch):
-    order = watch.order
+    order = watch.ordering
     # torch.cuda.synchronize() is `torch._C._cuda_synchronize()` on the current device (its
     # lazy CUDA initialisation cannot run here)
     for sync in (lambda: S1.synchronize(), lambda: torch._C._cuda_synchronize()):
@@ -111,10 +111,10 @@ def test_host_waits_complete_what_they_waited_for(watch):
 
 def test_calls_on_a_capturing_stream_order_nothing(watch):
     capturing = FakeStream(9)
-    watch.order.launched(K1, 7)
+    watch.ordering.launched(K1, 7)
     event = S1.record_event()
     event.wait(capturing)  # a wait captured into a graph: no order between replays
-    assert list(watch.order.unordered((0, 9))) == [(K1, 1, 7)]
+    assert list(watch.ordering.unordered((0, 9))) == [(K1, 1, 7)]
 
 
 def test_a_collected_event_is_forgotten(watch):
@@ -122,10 +122,10 @@ def test_a_collected_event_is_forgotten(watch):
 
     event = S1.record_event()
     key = id(event)
-    assert key in watch.order.events
+    assert key in watch.ordering.events
     del event
     gc.collect()
-    assert key not in watch.order.events
+    assert key not in watch.ordering.events
 
 
 def test_stop_puts_every_original_back(monkeypatch, watch):
@@ -140,6 +140,6 @@ def test_a_failure_of_the_model_is_graphsans_never_the_calls(watch, monkeypatch)
     def broken(*args):
         raise RuntimeError("model broke")
 
-    monkeypatch.setattr(watch.order, "recorded", broken)
+    monkeypatch.setattr(watch.ordering, "recorded", broken)
     S1.record_event()  # the program's call returns as it would
     assert [str(e) for e in watch.errors] == ["model broke"]

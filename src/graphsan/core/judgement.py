@@ -42,6 +42,7 @@ from graphsan.core.records import (
     GraphId,
     GraphInfo,
     Judged,
+    OrderEvidence,
     Reference,
     When,
     pool_name,
@@ -163,20 +164,19 @@ class ReplayJudge:
             f"orders this replay on stream {race.stream[1]:#x} after it, and both touch this "
             f"range (graph #{race.writer} writes it)"
         )
+        evidence = OrderEvidence(
+            written_by=race.other, streams=(int(race.stream[1]), int(race.other_stream[1]))
+        )
         return Finding.at(
             Kind.REPLAY_RACE,
             info,
             ref,
-            nbytes=race.end - race.start,
-            block_address=race.start,
+            when,
+            evidence,
+            block=(race.start, race.end - race.start),
             pool=pool_name(info.pool, info.pool),
             alloc_stack=tuple(self.orders.site_frames(race.site)),
-            phase=when.phase,
-            step=when.step,
             now=now,
-            rank=when.judged.rank,
-            found_at=when.judged.found_at,
-            written_by=race.other,
         )
 
     def _racing(self, state: GraphState) -> Race | None:

@@ -29,9 +29,9 @@ class Kind(Choice):
 
     @property
     def order(self) -> bool:
-        """About the replay order of graphs sharing a pool: memory another graph overwrites,
-        not memory that was freed."""
-        return self in (Kind.REPLAY_ORDER, Kind.LIVE_OUTPUT)
+        """About the order of graphs' replays (in a shared pool, or across streams): memory
+        another graph overwrites, not memory that was freed."""
+        return self in (Kind.REPLAY_ORDER, Kind.LIVE_OUTPUT, Kind.REPLAY_RACE)
 
     @property
     def cause(self) -> str:

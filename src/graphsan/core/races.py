@@ -104,7 +104,7 @@ class Races:
     """The footprints of the watched graphs and the order of their replays (see the module)."""
 
     def __init__(self, order: StreamOrder | None = None) -> None:
-        self.order = order if order is not None else StreamOrder()
+        self.ordering = order if order is not None else StreamOrder()
         # held by whoever changes or reads the order: replays and the program's ordering calls
         # come from any thread
         self.lock = threading.Lock()
@@ -122,7 +122,7 @@ class Races:
         """A watched graph's replay was launched on `stream`."""
         self.streams_used.add(stream)
         if gid in self.footprints:
-            self.order.launched(stream, gid)
+            self.ordering.launched(stream, gid)
 
     def racing(
         self, gid: GraphId, stream: StreamKey, busy: Callable[[StreamKey], bool]
@@ -136,7 +136,7 @@ class Races:
         if mine is None:
             return None
         asked: dict[StreamKey, bool] = {}
-        for other_stream, n, other in self.order.unordered(stream):
+        for other_stream, n, other in self.ordering.unordered(stream):
             theirs = self.footprints.get(other)  # `gid` itself too: on another stream it races
             if theirs is None:
                 continue
@@ -146,7 +146,7 @@ class Races:
             if other_stream not in asked:
                 asked[other_stream] = busy(other_stream)
                 if not asked[other_stream]:
-                    self.order.done(other_stream)
+                    self.ordering.done(other_stream)
             if not asked[other_stream]:
                 continue
             (start, end), mine_writes = hit

@@ -54,7 +54,7 @@ def busy(key: StreamKey) -> bool:
 
 
 class StreamWatch:
-    """Feeds `races.order` from the wrapped calls (see the module), holding `races.lock`, which
+    """Feeds `races.ordering` from the wrapped calls (see the module), holding `races.lock`, which
     the replay path holds too. What fails in a wrapper goes to `on_error`, never to the
     program's call."""
 
@@ -64,7 +64,7 @@ class StreamWatch:
         on_error: Callable[[BaseException], None],
         capturing: Callable[[int], bool] = lambda handle: False,
     ) -> None:
-        self.order, self.lock = races.order, races.lock
+        self.ordering, self.lock = races.ordering, races.lock
         self.on_error = on_error
         self.capturing = capturing  # whether a watched capture runs on a stream (its handle)
         self._patches = Patches()
@@ -91,18 +91,18 @@ class StreamWatch:
 
         def event_synchronize(event):
             result = orig_event_sync(event)
-            watch._tell(lambda: watch.order.host_waited_for_event(id(event)))
+            watch._tell(lambda: watch.ordering.host_waited_for_event(id(event)))
             return result
 
         def stream_synchronize(stream):
             result = orig_stream_sync(stream)
-            watch._tell(lambda: watch.order.host_waited_for_stream(stream_key(stream)))
+            watch._tell(lambda: watch.ordering.host_waited_for_stream(stream_key(stream)))
             return result
 
         def device_synchronize(*args, **kwargs):
             result = orig_device_sync(*args, **kwargs)
             device = torch.cuda.current_device()
-            watch._tell(lambda: watch.order.host_waited_for_all(lambda key: key[0] == device))
+            watch._tell(lambda: watch.ordering.host_waited_for_all(lambda key: key[0] == device))
             return result
 
         for fn, orig in (
@@ -148,18 +148,18 @@ class StreamWatch:
         key = self._target(stream)
         if key is None:
             return
-        self.order.recorded(id(event), key)
+        self.ordering.recorded(id(event), key)
         if id(event) not in self._forgetting:
             self._forgetting[id(event)] = weakref.finalize(event, self._forget, id(event))
 
     def _waited(self, event, stream) -> None:
         key = self._target(stream)
         if key is not None:
-            self.order.waited(key, id(event))
+            self.ordering.waited(key, id(event))
 
     def _forget(self, event_id: int) -> None:
         with self.lock:
-            self.order.forget_event(event_id)
+            self.ordering.forget_event(event_id)
             self._forgetting.pop(event_id, None)
 
 
