@@ -186,6 +186,9 @@ class ReplayJudge:
             return None
         stream = self.streams.current()
         state.replaying_on(stream)
+        used = races.streams_used
+        if len(used) < 2 and (not used or stream in used):
+            return None  # every replay so far ran on this stream: nothing to race with
         with races.lock:
             return races.racing(state.info.id, stream, self.streams.busy)
 
