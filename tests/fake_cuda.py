@@ -15,7 +15,7 @@ import torch
 
 from graphsan.core.memory_map import MemoryMap
 from graphsan.core.records import KernelArgs, WalkStats
-from graphsan.cuda import driver
+from graphsan.cuda import driver, streams
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.runtime.sanitizer import Sanitizer
 from tests import torch_hooks
@@ -73,6 +73,11 @@ def install(monkeypatch, kernel: str, stream: int) -> dict:
     monkeypatch.setattr(
         torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=stream)
     )
+    # the stream replays launch on, as the race check names it, and whether it has work
+    state["stream"] = (0, stream)
+    state["busy"] = set()
+    monkeypatch.setattr(streams, "current_stream_key", lambda: state["stream"])
+    monkeypatch.setattr(streams, "busy", lambda key: key in state["busy"])
     return state
 
 

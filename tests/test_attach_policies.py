@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from graphsan.core.records import FreeEvent
+from graphsan.cuda import hooks
 from graphsan.report import StaleMemoryError
 from tests import fake_cuda
 
@@ -82,3 +83,45 @@ def test_an_output_the_caller_holds(san, capsys):
         g.replay()
     f0.replay()
     ends_as_the_policy_says(san, f1, "live-output", capsys)
+
+
+def race_pair(san):
+    """Graph a carves b and c (its scratch c dies in its capture), graph b carves its output
+    from c: their memory overlaps, whatever stream each replays on."""
+    k = fake_cuda.kernel
+    a = san.test_capture([k(0, B, C)], [B, C])
+    san.tracker.on_free(C, lambda: FreeEvent([("graph.py", 3, "scratch")], "train", 1))
+    b = san.test_capture([k(0, C, D)], [C, D])
+    return a, b
+
+
+def test_a_replay_that_may_run_beside_another_on_a_second_stream(san, capsys):
+    env = san.test_env
+    a, b = race_pair(san)
+    env["stream"] = (0, 1)
+    a.replay()
+    env["stream"], env["busy"] = (0, 2), {(0, 1)}  # a's stream still runs it
+    ends_as_the_policy_says(san, b, "replay-race", capsys)
+    (f,) = san.findings
+    assert f.order.written_by == hooks.graph_state(a).info.id and f.order.streams == (2, 1)
+    assert (f.block_address, f.nbytes) == (C, SLOT) and "may still run" in f.now
+
+
+@pytest.mark.parametrize("how", ["same stream", "waited", "done", "host waited"])
+def test_a_replay_ordered_after_the_other_is_quiet(san, how):
+    env = san.test_env
+    order = san.judge.races.ordering
+    a, b = race_pair(san)
+    env["stream"] = (0, 1)
+    a.replay()
+    if how == "waited":  # s2.wait_stream(s1): an event recorded on s1, waited for on s2
+        order.recorded("e", (0, 1))
+        order.waited((0, 2), "e")
+    elif how == "host waited":
+        order.host_waited_for_all()
+    if how != "same stream":
+        env["stream"] = (0, 2)
+    env["busy"] = set() if how == "done" else {(0, 1)}
+    launched = b.launched
+    b.replay()
+    assert b.launched == launched + 1 and san.findings == []

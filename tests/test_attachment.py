@@ -59,7 +59,7 @@ def test_the_report_records_the_attachment_backend_and_tracker(
     assert rep.provenance["allocator"] == "native" and rep.provenance["tracker"] == tracker
     path = saved(tmp_path, rep)
     data = json.loads(Path(path).read_text())
-    assert data["version"] == 9 and data["provenance"]["tracker"] == tracker
+    assert data["version"] == 10 and data["provenance"]["tracker"] == tracker
     assert Report.load(path).provenance == rep.provenance
 
 

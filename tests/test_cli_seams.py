@@ -43,7 +43,7 @@ def test_a_version_that_is_not_an_integer_is_a_type_error(tmp_path, capsys, vers
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         f"graphsan report: error: {path}: report schema version is {shown}; expected an "
-        "integer, one of 1, 2, 3, 4, 5, 6, 7, 8, 9"
+        "integer, one of 1, 2, 3, 4, 5, 6, 7, 8, 9, 10"
     ]
 
 
@@ -54,7 +54,7 @@ def test_an_unknown_version_still_says_which_are_read(tmp_path, capsys):
     assert main(["report", str(path)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"graphsan report: error: {path}: report schema version 99 is not supported (expected "
-        "one of 1, 2, 3, 4, 5, 6, 7, 8, 9)"
+        "one of 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)"
     )
 
 

@@ -40,7 +40,8 @@ JSON_KEYS = [
     *("kind", "graph", "node", "kernel", "param", "offset", "address", "nbytes"),
     *("block_address", "pool", "alloc_stack", "free_stack", "phase", "step", "free_op", "now"),
     *("other_nodes", "rank", "also_used_by", "freed_at", "found_at", "written_by", "carved_by"),
-    *("replays", "through", "through_slot", "host", "caveat", "entry", "captured", "current"),
+    *("replays", "streams", "through", "through_slot", "host", "caveat", "entry", "captured"),
+    *("current",),
     *("modules", "likely_cause"),
 ]
 
@@ -61,11 +62,10 @@ def memory_finding(kind: str) -> Finding:
 
 
 def order_finding(kind: str, written_by: int | None = 2) -> Finding:
-    evidence = (
-        OrderEvidence(written_by=written_by, carved_by=9)
-        if kind == "replay-order"
-        else OrderEvidence(written_by=written_by, replays=(3, 5) if written_by else None)
-    )
+    evidence = {
+        "replay-order": OrderEvidence(written_by=written_by, carved_by=9),
+        "replay-race": OrderEvidence(written_by=written_by, streams=(0x10, 0x20)),
+    }.get(kind, OrderEvidence(written_by=written_by, replays=(3, 5) if written_by else None))
     return Finding.at(
         kind, GRAPH, REF, WHEN, evidence, block=BLOCK, pool="default pool", alloc_stack=ALLOC
     )
@@ -92,6 +92,7 @@ def baked_finding(kind: str, changed_at=SWITCH) -> Finding:
 def every_kind() -> list[Finding]:
     out = [memory_finding(k) for k in MEMORY]
     out += [order_finding("replay-order"), order_finding("live-output")]
+    out.append(order_finding("replay-race"))
     out.append(order_finding("live-output", written_by=None))  # eager code's tensor
     out += [baked_finding(k) for k in ("mode", "baked-value", "superseded")]
     out.append(baked_finding("baked-value", changed_at=()))  # found by comparing at the replay

@@ -97,11 +97,11 @@ def test_a_sanitizer_never_started_reports_that_it_was_not(capsys):
 def test_watched_reason_and_provenance_round_trip(tmp_path):
     path = saved(tmp_path, idle_report())
     data = json.loads(Path(path).read_text())
-    assert data["version"] == SCHEMA_VERSION == 9
+    assert data["version"] == SCHEMA_VERSION == 10
     assert data["watched"] is False and data["provenance"] == PROVENANCE
     back = Report.load(path)
     assert back.idle and back.disabled_reason == "CUDA is not available"
-    assert back.provenance == PROVENANCE and back.loaded_version == 9
+    assert back.provenance == PROVENANCE and back.loaded_version == 10
 
 
 def test_a_report_from_before_v7_is_neither_idle_nor_said_to_have_provenance(tmp_path):

@@ -63,6 +63,8 @@ class GraphState:
     launched: bool = False
     # the state it baked at capture beside addresses: modes, values, entries (core.baked)
     baked: Baked | None = None
+    # the stream its replay in progress launches on (where another graph's may race with it)
+    stream: object = None
 
     # -- transitions (the tracker's and the replay judge's) ----------------------------------
     def mark_changed(self) -> None:
@@ -80,6 +82,10 @@ class GraphState:
     def depends_on(self, baked: Baked | None) -> None:
         """What the graph baked at capture beside addresses (None or empty: nothing)."""
         self.baked = baked or None
+
+    def replaying_on(self, stream: object) -> None:
+        """Its replay about to launch runs on `stream`."""
+        self.stream = stream
 
     def went_ahead(self) -> None:
         """A replay was let through to its launch."""

@@ -30,10 +30,24 @@ from dataclasses import dataclass
 
 from graphsan.core.baked import Baked, BakedWatch, Unwatched
 from graphsan.core.graph_state import GraphState
+from graphsan.core.kinds import Kind
 from graphsan.core.memory_map import SegmentIndex
 from graphsan.core.memory_source import MemorySource
 from graphsan.core.pool_orders import Carves, ReplayOrders
-from graphsan.core.records import Finding, GraphInfo, Judged, Reference, When
+from graphsan.core.races import Footprint, Race, Races
+from graphsan.core.records import (
+    DEFAULT_POOL,
+    HOST_POOL,
+    Finding,
+    GraphId,
+    GraphInfo,
+    Judged,
+    OrderEvidence,
+    Reference,
+    When,
+    pool_name,
+)
+from graphsan.core.streams import Streams
 from graphsan.core.tracker import Tracker
 
 
@@ -58,10 +72,15 @@ class ReplayJudge:
         phase: Callable[[], tuple[str | None, int | None]] = lambda: (None, None),
         rank: int | None = None,
         baked: BakedWatch = Unwatched(),
+        races: Races | None = None,
+        streams: Streams | None = None,
     ) -> None:
         self.tracker, self.orders, self.memory = tracker, orders, memory
         self.phase, self.rank = phase, rank
         self.baked = baked  # where hooks saw baked modes and entries change
+        # the graphs' footprints and their replays' order across streams, and what the device
+        # says of its streams (None: every replay is taken to run on one stream)
+        self.races, self.streams = races, streams
 
     # -- capture ------------------------------------------------------------------------------
     def watch(self, state: GraphState, baked: Baked | None = None) -> None:
@@ -88,17 +107,90 @@ class ReplayJudge:
             if g is not None:
                 g.counted_in(joined.order)
 
+    def footprint(self, info: GraphInfo, carved: Carves) -> None:
+        """What a replay of the graph writes (its carves) and what else in graph pools it
+        touches: the memory another stream's replay may race with (default-pool memory is no
+        graph's to write)."""
+        state = self.tracker.graphs.get(info.id)
+        if self.races is None or state is None:
+            return
+        pooled = [
+            (wb.address, wb.address + wb.size)
+            for wb in state.blocks.values()
+            if wb.pool not in (DEFAULT_POOL, HOST_POOL)
+        ]
+        self.races.add(info.id, Footprint.of(list(carved), pooled))
+
+    def forget(self, gid: GraphId) -> None:
+        if self.races is not None:
+            self.races.forget(gid)
+
     # -- replay -------------------------------------------------------------------------------
-    @staticmethod
-    def needs(state: GraphState) -> bool:
+    def needs(self, state: GraphState) -> bool:
         """Whether this replay is judged: the hot path, three attribute reads when nothing is
         pending (and a look at the few param-group entries of a graph that stepped an
-        optimizer)."""
+        optimizer); for a graph whose memory another graph's replay may touch, the current
+        stream, and while replays run on more than one stream, the replays in flight there."""
+        racing = self.races is not None and self._racing(state) is not None  # notes the stream
         return (
-            state.dirty
+            racing
+            or state.dirty
             or (state.reads and not state.read_order.in_order(state.info.id))
             or (state.baked is not None and state.baked.polls and state.baked.changed())
         )
+
+    def replayed(self, state: GraphState) -> None:
+        """The graph's replay was launched: its pool's order counts it, and its stream's
+        replays in flight hold it."""
+        if state.order is not None:  # it wrote what it carved in its pool
+            state.order.replayed(state.info.id)
+        if state.stream is not None and self.races is not None:
+            with self.races.lock:
+                self.races.launched(state.info.id, state.stream)
+
+    def _race_finding(self, state: GraphState, race: Race) -> Finding:
+        """A `replay-race` finding: this graph's first reference into the shared range (its
+        own carve where it references none), the other graph and both streams."""
+        info = state.info
+        ref = next(
+            (r for refs in state.refs.values() for r in refs if race.start <= r.address < race.end),
+            Reference(-1, "", "", 0, race.start),
+        )
+        other = self.tracker.graphs.get(race.other)
+        who = f"graph #{race.other} '{other.info.label}'" if other is not None else "a graph"
+        when = self._when()
+        now = (
+            f"{who} was replayed on stream {race.other_stream[1]:#x} and may still run: nothing "
+            f"orders this replay on stream {race.stream[1]:#x} after it, and both touch this "
+            f"range (graph #{race.writer} writes it)"
+        )
+        evidence = OrderEvidence(
+            written_by=race.other, streams=(int(race.stream[1]), int(race.other_stream[1]))
+        )
+        return Finding.at(
+            Kind.REPLAY_RACE,
+            info,
+            ref,
+            when,
+            evidence,
+            block=(race.start, race.end - race.start),
+            pool=pool_name(info.pool, info.pool),
+            alloc_stack=tuple(self.orders.site_frames(race.site)),
+            now=now,
+        )
+
+    def _racing(self, state: GraphState) -> Race | None:
+        """The race of the replay about to launch, if any (see `core.races`)."""
+        races = self.races
+        if state.info.id not in races.footprints:
+            return None
+        stream = self.streams.current()
+        state.replaying_on(stream)
+        used = races.streams_used
+        if len(used) < 2 and (not used or stream in used):
+            return None  # every replay so far ran on this stream: nothing to race with
+        with races.lock:
+            return races.racing(state.info.id, stream, self.streams.busy)
 
     def verdict(self, state: GraphState) -> Verdict:
         """The findings of a replay of the graph now, before its launch."""
@@ -116,6 +208,9 @@ class ReplayJudge:
             state.judged(again=False)  # nothing the graph uses was freed: nothing to judge
         if state.baked is not None:
             findings += state.baked.findings(info, self._when(), self.baked)
+        race = self._racing(state) if self.races is not None else None
+        if race is not None:
+            findings.append(self._race_finding(state, race))
         if memory.judges_every_replay or self.orders.eager.marks.get(info.id):
             state.mark_changed()  # the next replay asks the driver or the allocator again
         return Verdict(findings, judging)

@@ -1,5 +1,5 @@
 """The kinds of finding and their likely causes, as a person reads them (pure: no CUDA, no
-torch). The first seven are about memory a graph references; `mode`, `baked-value` and
+torch). The first eight are about memory a graph references; `mode`, `baked-value` and
 `superseded` are about state a graph baked at capture that the program changed since."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ class Kind(Choice):
     POOL_REUSE = "pool-reuse"
     REPLAY_ORDER = "replay-order"
     LIVE_OUTPUT = "live-output"
+    REPLAY_RACE = "replay-race"
     MODE = "mode"
     BAKED_VALUE = "baked-value"
     SUPERSEDED = "superseded"
@@ -28,9 +29,9 @@ class Kind(Choice):
 
     @property
     def order(self) -> bool:
-        """About the replay order of graphs sharing a pool: memory another graph overwrites,
-        not memory that was freed."""
-        return self in (Kind.REPLAY_ORDER, Kind.LIVE_OUTPUT)
+        """About the order of graphs' replays (in a shared pool, or across streams): memory
+        another graph overwrites, not memory that was freed."""
+        return self in (Kind.REPLAY_ORDER, Kind.LIVE_OUTPUT, Kind.REPLAY_RACE)
 
     @property
     def cause(self) -> str:
@@ -59,6 +60,12 @@ _CAUSES = {
     "last did; the caller still holds that output and would read this graph's data there "
     "(replay in capture order, read the output first, or give the graphs separate pools; pin "
     "cannot help: this is an order, not a lifetime)",
+    Kind.REPLAY_RACE: "two graphs whose memory overlaps were replayed on two streams with "
+    "nothing ordering one after the other: they may run at the same time, one writing what the "
+    "other reads or writes (order them with `wait_stream` or an event the second stream waits "
+    "for, or give the graphs separate pools; pin cannot help). An ordering made outside Python "
+    "(NCCL, a C++ extension's cudaStreamWaitEvent) is invisible to graphsan: where one exists, "
+    "this finding is wrong and a suppression entry silences it",
     Kind.MODE: "modules whose forward the graph captured were switched between train and eval "
     "since; the graph replays what they did in the mode they had at capture (dropout, batch "
     "statistics, training-only branches): switch them back before the replay, or capture a "

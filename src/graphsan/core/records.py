@@ -181,8 +181,9 @@ class OtherUse:
 
 @dataclass(frozen=True)
 class OrderEvidence:
-    """What a finding about the replay order of a shared pool (`replay-order`, `live-output`)
-    knows beside the memory: which graph wrote the range, which carved it, the replays."""
+    """What a finding about the order of replays (`replay-order`, `live-output` in a shared
+    pool; `replay-race` across streams) knows beside the memory: which graph wrote the range,
+    which carved it, the replays, the streams."""
 
     written_by: int | None = None
     """replay-order: the graph that last wrote the range for this one; live-output: the graph
@@ -195,9 +196,15 @@ class OrderEvidence:
     """live-output: the pool's replay count at the output's producer's last replay, and the
     count this replay would have (`written_by` names the producer)."""
 
+    streams: tuple[int, int] | None = None
+    """replay-race: the stream this replay launches on and the one `written_by`'s replay runs
+    on (their stream ids, as `torch.cuda.Stream.stream_id` gives them)."""
+
     def __post_init__(self) -> None:
-        if self.replays is not None:
-            object.__setattr__(self, "replays", tuple(self.replays))
+        for name in ("replays", "streams"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,12 @@ def retainer(graph: torch.cuda.CUDAGraph, seams: Seams) -> Callable | None:
     return hold
 
 
+def _count_in_order(state) -> None:
+    """A replay that went ahead wrote what its graph carved in its pool."""
+    if state.order is not None:
+        state.order.replayed(state.info.id)
+
+
 class GraphHooks:
     """Installs and removes graphsan's hooks on `torch.cuda.CUDAGraph` (see the module)."""
 
@@ -181,9 +187,13 @@ class GraphHooks:
         listener: Listener,
         needs: Callable[[object], bool],
         seams: Seams | None = None,
+        replayed: Callable[[object], None] | None = None,
     ) -> None:
         self.listener = listener
         self.needs = needs  # whether a replay of the graph is judged (core.judgement)
+        # a watched graph's replay was launched (the pool's order and the stream's replays
+        # in flight count it: core.judgement)
+        self.replayed = replayed if replayed is not None else _count_in_order
         self.seams = seams if seams is not None else Seams.detect()
         self._patches = Patches()
         self._handles: list = []
@@ -197,7 +207,7 @@ class GraphHooks:
         if self.installed:
             return
         cls = torch.cuda.CUDAGraph
-        listener, seams, needs = self.listener, self.seams, self.needs
+        listener, seams, needs, replayed = self.listener, self.seams, self.needs, self.replayed
         names = ("capture_begin", "capture_end") + (() if seams.hooks else ("replay", "reset"))
         orig = {name: cls.__dict__[name] for name in names}
 
@@ -250,8 +260,7 @@ class GraphHooks:
                 if needs(state):
                     listener.before_replay(graph, state)
                 result = orig["replay"](graph, *args, **kwargs)
-                if state.order is not None:  # it went ahead: it wrote what it carved in its pool
-                    state.order.replayed(state.info.id)
+                replayed(state)  # it went ahead
                 return result
 
             @functools.wraps(orig["reset"])
@@ -277,7 +286,7 @@ class GraphHooks:
         """The graph's own replay hooks (once per graph object: a re-capture keeps them)."""
         if found.replay_hooks:
             return
-        listener, needs = self.listener, self.needs
+        listener, needs, replayed = self.listener, self.needs, self.replayed
 
         def on_replay_start(g):  # torch lets what this raises through: the launch is aborted
             state = g.__dict__[_SIDE].state
@@ -286,8 +295,8 @@ class GraphHooks:
 
         def on_replay_end(g):  # torch runs this once the replay was launched
             state = g.__dict__[_SIDE].state
-            if state is not None and state.order is not None:
-                state.order.replayed(state.info.id)
+            if state is not None:
+                replayed(state)
 
         found.replay_hooks = (
             graph.register_replay_start_hook(on_replay_start),

@@ -32,8 +32,19 @@ SCHEMA = "graphsan.report"
 # entry, captured, current and modules (BakedEvidence; where it changed is free_stack in
 # the JSON); 9 added how graphsan attached to the
 # provenance (attach, hooks, allocator, tracker: graphsan.runtime.attachment)
-SCHEMA_VERSION = 9
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # older reports read with the newer fields empty
+SCHEMA_VERSION = 10
+READABLE_VERSIONS = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+    8,
+    9,
+    10,
+)  # older reports read with the newer fields empty
 
 
 def finding_to_dict(f: Finding) -> dict[str, Any]:

@@ -37,6 +37,9 @@ def one_line(f: Finding) -> str:
 
 
 def _order_what(kind: Kind, o: OrderEvidence) -> str:
+    if kind is Kind.REPLAY_RACE:
+        other = f" on stream {o.streams[1]:#x}" if o.streams else ""
+        return f"may run at the same time as graph #{o.written_by}'s replay{other}"
     if kind is Kind.REPLAY_ORDER:
         return f"written by graph #{o.written_by}, overwritten by graph #{o.carved_by}"
     if o.written_by is None:
@@ -207,6 +210,12 @@ MAX_ALSO = 6  # graphs listed under "also used by"; the JSON report keeps them a
 
 def _order_text(f: Finding, o: OrderEvidence) -> str:
     """The line a finding about the replay order has where others say where memory was freed."""
+    if f.kind is Kind.REPLAY_RACE:
+        mine, theirs = (f"{s:#x}" for s in o.streams) if o.streams else ("?", "?")
+        return (
+            f"  order: on stream {mine}, with nothing ordering it after graph #{o.written_by}'s "
+            f"replay on stream {theirs}, which may still run{when(f.phase, f.step)}"
+        )
     if f.kind is Kind.REPLAY_ORDER:
         return (
             f"  order: replayed after graph #{o.carved_by} overwrote the range and before "

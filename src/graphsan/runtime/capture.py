@@ -237,6 +237,7 @@ class CaptureAnalysis:
         state = self.tracker.add_graph(info, refs, view, host=self.host.pinned.locate, own=own)
         self.judge.watch(state, self.recorder.baked(recording, state))
         self.judge.join_order(info, carved, refs, view)
+        self.judge.footprint(info, carved)
         t3 = time.perf_counter()
         stats = GraphStats(
             info.id,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from graphsan.core.eager import EagerInPools
 from graphsan.core.judgement import ReplayJudge
 from graphsan.core.pool_orders import ReplayOrders
+from graphsan.core.races import Races
 from graphsan.core.timeline import Timeline
 from graphsan.core.tracker import Tracker
 from graphsan.cuda import driverwatch
@@ -24,6 +25,7 @@ from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.baked import BakedRecorder
 from graphsan.cuda.context import Context
 from graphsan.cuda.host import HostWatch, PinnedBlocks
+from graphsan.cuda.streams import DeviceStreams, StreamWatch
 from graphsan.runtime.capture import CaptureAnalysis
 
 
@@ -36,6 +38,7 @@ class Parts:
     judge: ReplayJudge
     capture: CaptureAnalysis
     recorder: BakedRecorder
+    streams: StreamWatch  # the orderings the program gives its streams
 
 
 # (tracker, context, on_error, alloc_stacks, timeline, eager, driver) -> the memory watch
@@ -76,9 +79,22 @@ def build(
         )
     host = HostWatch(tracker, pinned, memory.free_event, on_error)
     recorder = BakedRecorder(context, tracker, on_error)
-    judge = ReplayJudge(tracker, pool_orders, memory, context.current, rank, recorder)
+    races = Races()
+    streams = StreamWatch(races, on_error, _capturing(memory))
+    judge = ReplayJudge(
+        tracker, pool_orders, memory, context.current, rank, recorder, races, DeviceStreams()
+    )
     capture = CaptureAnalysis(memory, tracker, host, judge, timeline, recorder)
-    return Parts(tracker, pool_orders, memory, host, judge, capture, recorder)
+    return Parts(tracker, pool_orders, memory, host, judge, capture, recorder, streams)
+
+
+def _capturing(memory) -> Callable[[int], bool]:
+    """Whether a capture graphsan watches runs on a stream (its handle): the allocator's
+    ledger knows each capture's stream; the driver's watch knows none."""
+    if not isinstance(memory, AllocatorWatch):
+        return lambda handle: False
+    captures = memory.ledger.captures
+    return lambda handle: any(stream == handle for stream, _ in list(captures.values()))
 
 
 def driver():

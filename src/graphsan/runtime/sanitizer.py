@@ -89,7 +89,8 @@ class Sanitizer:
         self.tracker, self.pool_orders = parts.tracker, parts.pool_orders
         self.memory, self.host, self.capture = parts.memory, parts.host, parts.capture
         self.judge, self.recorder = parts.judge, parts.recorder
-        self.hooks = hooks.GraphHooks(self, needs=self.judge.needs)
+        self.streams = parts.streams
+        self.hooks = hooks.GraphHooks(self, needs=self.judge.needs, replayed=self.judge.replayed)
         self.pinner: Pinner | None = None  # while the policy is pin
         self._policy = Policy.RAISE
         self.policy = policy
@@ -164,6 +165,7 @@ class Sanitizer:
             )
         self.host.start()
         self.recorder.start()
+        self.streams.start()
         self.hooks.install()
         if self.pinner is not None:
             self.pinner.attach()
@@ -177,6 +179,7 @@ class Sanitizer:
         if self.pinner is not None:
             self.pinner.detach()
         self.hooks.uninstall()
+        self.streams.stop()
         self.recorder.stop()
         self.host.stop()
         self.memory.stop()
@@ -335,6 +338,7 @@ class Sanitizer:
     def _forget(self, gid: int) -> None:
         try:
             self.pool_orders.forget(gid)
+            self.judge.forget(gid)
             self.tracker.forget(gid)
             self.recorder.forget(gid)
             if self.pinner is not None:

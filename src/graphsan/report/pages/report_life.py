@@ -112,6 +112,7 @@ def _now_title(f: Finding) -> str:
         "moved": "the tensor's storage moved",
         "freed": "free in the allocator's cache",
         "replay-order": "overwritten by a graph captured later into the same pool",
+        "replay-race": "touched by another graph's replay on another stream",
         "live-output": "another graph's output the caller still holds"
         if f.order is not None and f.order.written_by is not None
         else "a tensor eager code allocated into the graph's pool",

@@ -303,3 +303,52 @@ def memset_fill(case: Case) -> None:
             bufs["acc"] = torch.empty(1 << 20, device="cuda")
             case.churn()
         case.replay(g)
+
+
+@program(
+    "patterns/replays-on-two-streams",
+    pattern="two graphs of one pool, the second's output carved from the first's freed scratch, "
+    "replayed on two streams with the second waiting for the first (wait_stream), as a side "
+    "stream overlaps token dispatch with compute",
+    source=f"{NOTES}#cuda-streams (stream semantics of backward passes, wait_stream); Megatron-LM "
+    "and Transformer Engine overlap of MoE dispatch",
+    bug="the second stream does not wait for the first: the two replays may run at the same "
+    "time, the second writing into the scratch the first still computes in",
+)
+def replays_on_two_streams(case: Case) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1 << 24, device="cuda")
+    pool = torch.cuda.graph_pool_handle()
+
+    def long_chain():  # its intermediates are scratch, freed inside the capture
+        t = x
+        for _ in range(40):
+            t = t * 0.999 + 0.001
+        return t.sum()
+
+    def doubled():  # carved from the chain's freed scratch
+        return x * 2.0
+
+    with torch.no_grad():
+        want = long_chain()
+        case.warmup(long_chain)
+        case.warmup(doubled)
+        g_chain, total = case.capture(long_chain, pool=pool)
+        g_double, twice = case.capture(doubled, pool=pool)
+        first, second = torch.cuda.Stream(), torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+        for _ in range(3):
+            first.wait_stream(main)
+            with torch.cuda.stream(first):
+                case.replay(g_chain)
+            if case.broken:
+                case.expect("replay-race")
+            else:
+                second.wait_stream(first)
+            with torch.cuda.stream(second):
+                case.replay(g_double)
+            main.wait_stream(first)
+            main.wait_stream(second)
+            torch.cuda.synchronize()
+            case.close(total, want, "the chain's sum equals eager", 1e-3)
+            case.close(twice, x * 2.0, "the doubled output", 1e-6)
