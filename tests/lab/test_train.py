@@ -104,6 +104,7 @@ def test_byte_file_data(tmp_path):
         (["--precision-config", "nope"], "no such precision file"),
         (["--seq-length", "30", "--micro-batch-size", "1"], "expected a multiple of 32"),
         (["--data-path", "/nonexistent/file"], "no such file"),
+        (["--data-path", "/"], "--data-path /: a folder; expected a local text file"),
         (["--data-path", ""], "--data-path '': expected a file"),
         (["--precision-config", ""], "--precision-config '': expected a file"),
         (["--device", "cudaXYZ"], "--device cudaXYZ: expected auto, cpu, cuda or cuda:N"),

@@ -54,7 +54,14 @@ class ByteFile:
     def __init__(self, path: str | Path, seq_length: int, seed: int):
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"--data-path {path}: no such file; expected a local text file")
+            what = (
+                "a folder"
+                if path.is_dir()
+                else "not a regular file"
+                if path.exists()
+                else "no such file"
+            )
+            raise ValueError(f"--data-path {path}: {what}; expected a local text file")
         data = torch.from_numpy(np.fromfile(path, dtype=np.uint8).astype(np.int64))
         cut = int(len(data) * 0.9)
         self.parts = {"train": data[:cut], "valid": data[cut:]}
