@@ -194,7 +194,8 @@ class FakeAllocator:
     - `end` refuses a pool that is not; `release` gives a use back;
     - every allocation is a segment of its own, in the pool allocated to last (else the
       default pool, (0, 0)), and `empty_cache(pool)` frees a private pool's segments only
-      once nothing uses it and none of its blocks is alive.
+      once nothing uses it and none of its blocks is alive;
+    - a `MemPool` holds a use of its pool while it lives and empties the pool when dropped.
 
     `Graph` is `torch._C._CUDAGraph` over it: `capture_begin` registers the default generator
     (whose seed and offset holders, two blocks, are made for the first graph registered and
@@ -256,7 +257,19 @@ class FakeAllocator:
                 if not alloc.registered:
                     alloc.holders.clear()
 
-        self.Tensor, self.Graph = Tensor, Graph
+        class MemPool:
+            """`torch.cuda.MemPool`: holds a use of its pool from birth; dropped, it gives the
+            use back and empties its pool where nothing else uses it (torch's destructor)."""
+
+            def __init__(self) -> None:
+                self.id = alloc.graph_pool_handle()
+                alloc._use(alloc.uses, self.id)
+
+            def __del__(self) -> None:
+                alloc.release(0, self.id)
+                alloc.empty_cache(self.id)
+
+        self.Tensor, self.Graph, self.MemPool = Tensor, Graph, MemPool
 
     def graph_pool_handle(self) -> tuple:
         self.handles += 1
@@ -320,6 +333,7 @@ def install_allocator(monkeypatch) -> FakeAllocator:
     monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", alloc.graph_pool_handle)
+    monkeypatch.setattr(torch.cuda, "MemPool", alloc.MemPool)
     monkeypatch.setattr(torch.cuda, "default_generators", ("generator",), raising=False)
     for name, fn in (
         ("_cuda_beginAllocateCurrentThreadToPool", alloc.begin),

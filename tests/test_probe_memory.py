@@ -43,7 +43,9 @@ def test_the_probe_routes_through_torchs_calls_not_graphsans_wrappers(monkeypatc
     listener, patches = Routes(), Patches()
     storage_ops.patch_pool_routing(patches, listener)
     try:
-        route = calibrate.Route(0, (0, 9))
+        monkeypatch.setattr(torch.cuda, "MemPool", None, raising=False)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 9))
+        route = calibrate.Route(0)
         route.open()
         route.close()
     finally:
@@ -56,13 +58,34 @@ def test_the_probe_routes_through_torchs_calls_not_graphsans_wrappers(monkeypatc
     ]
 
 
-def test_without_the_compiled_tracker_the_probes_pool_stays_and_says_why():
+def test_without_the_compiled_tracker_a_pool_that_emptied_itself_is_released(monkeypatch):
+    """A dropped MemPool empties its own pool; a graph pool handle's pool stays cached
+    without the compiled library, and the watch says why."""
+    from graphsan.cuda import allocator
+
     watch = AllocatorWatch(Tracker(), Context(), lambda err: None, alloc_stacks=False)
     assert watch.tracelog is None
-    assert watch.release_pool((0, 3)) == (
+    left = {(0, 3): 0, (0, 4): 2}
+    monkeypatch.setattr(allocator, "pool_segments", lambda pool: left[tuple(pool)])
+    assert watch.release_pool((0, 3)) is None
+    assert watch.release_pool((0, 4)) == (
         "the compiled tracker is not loaded: the pool's memory stays cached until the "
         "program's own empty_cache()"
     )
+
+
+def test_the_probe_leaves_no_pool_holding_memory_without_the_compiled_library(monkeypatch):
+    """On the GPU, without the compiled tracker, the probe left 4 segments in its pool: the
+    program's snapshot and memory_stats showed them. Its pool is now a MemPool, which empties
+    itself when the probe drops it."""
+    alloc = fake_cuda.install_allocator(monkeypatch)
+    monkeypatch.setattr(calibrate, "_LAUNCHES", recorded_launches(alloc))
+    nothing_released = []
+    layouts, _, kept = calibrate.calibrate(lambda stream: [], nothing_released.append)
+    assert nothing_released and kept is None
+    assert layouts.summary() == dict.fromkeys(calibrate_families(), "confirmed"), layouts.why
+    assert alloc.pools_holding_segments() == {}, "the program's snapshot would show them"
+    assert alloc.uses == {}, "a pool the probe made is still in use"
 
 
 def recorded_launches(alloc: fake_cuda.FakeAllocator) -> tuple:

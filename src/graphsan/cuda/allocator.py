@@ -181,7 +181,10 @@ class AllocatorWatch:
     def release_pool(self, pool: PoolId) -> str | None:
         """Give a private pool nothing uses any more back to the driver, that pool alone (the
         start-up probe's: its segments would otherwise stay in the program's snapshots and
-        `memory_reserved()`); None, or why not."""
+        `memory_reserved()`); None, or why not. A pool that emptied itself (a dropped
+        `MemPool`) needs nothing more."""
+        if not pool_segments(pool):
+            return None
         if self.tracelog is None:
             return (
                 "the compiled tracker is not loaded: the pool's memory stays cached until the "

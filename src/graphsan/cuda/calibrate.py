@@ -41,9 +41,7 @@ def calibrate(
     t0 = time.perf_counter()
     probes: list[Probe] = []
     failed: dict[str, str] = {}
-    route = Route(
-        torch.cuda.current_device(), tuple(int(x) for x in torch.cuda.graph_pool_handle())
-    )
+    route = Route(torch.cuda.current_device())
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     route.open()
@@ -72,14 +70,21 @@ class Route:
     does it, through torch's own calls: graphsan's wrappers of them are passed by (they would
     count the probe's tensors as the program's).
 
-    The route holds one use of the pool, so the pool lives from `open` to `close`; `paused`
-    lets a graph capture into the pool meanwhile (the allocator refuses a capture into a pool
-    that is being allocated to) and keeps the use counts even. The probe's graphs are `kept`
-    until `close`: each holds the pool's use in the pinned host allocator, which refuses a
-    capture into a pool whose graphs were all reset."""
+    The pool is a `torch.cuda.MemPool` where torch has one: dropped at `close`, once nothing
+    uses it, it empties itself, that pool alone, with or without graphsan's compiled library
+    (where torch has none, a graph pool handle, which only that library can empty). The route
+    holds one use of the pool, so the pool lives from `open` to `close`; `paused` lets a graph
+    capture into the pool meanwhile (the allocator refuses a capture into a pool that is being
+    allocated to) and keeps the use counts even. The probe's graphs are `kept` until `close`:
+    each holds the pool's use in the pinned host allocator, which refuses a capture into a pool
+    whose graphs were all reset."""
 
-    def __init__(self, device: int, pool: PoolId) -> None:
-        self.device, self.pool = device, pool
+    def __init__(self, device: int) -> None:
+        self.device = device
+        make = getattr(torch.cuda, "MemPool", None)
+        self._owner = make() if make is not None else None
+        handle = self._owner.id if self._owner is not None else torch.cuda.graph_pool_handle()
+        self.pool: PoolId = tuple(int(x) for x in handle)
         self.broken: str | None = None  # why a capture could not begin (the probe stops)
         self.kept: list = []  # the probe's graphs, reset at `close`
         begin = torch._C._cuda_beginAllocateCurrentThreadToPool
@@ -90,11 +95,11 @@ class Route:
         self._begin(self.device, self.pool)  # a use of the pool, and the thread's route to it
 
     def close(self) -> None:
-        for graph in self.kept:
-            graph.reset()
-        self.kept.clear()  # the last graph goes: the generator's graph-safe state with it
+        while self.kept:  # no name keeps the last graph: the generator's graph-safe state,
+            self.kept.pop().reset()  # in this pool, goes with it
         self._end(self.device, self.pool)
         torch._C._cuda_releasePool(self.device, self.pool)  # the route's own use of the pool
+        self._owner = None  # the MemPool's own use goes, and its segments with it
 
     @contextlib.contextmanager
     def paused(self):
