@@ -25,7 +25,9 @@ pool's replay order, `graphsan.core.pool_order`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import types
 import weakref
@@ -74,6 +76,21 @@ def side(graph: torch.cuda.CUDAGraph, make: bool = False) -> GraphSide | None:
     if found is None and make:
         found = own[_SIDE] = GraphSide()
     return found
+
+
+@contextlib.contextmanager
+def no_collection():
+    """No garbage collection starts while graphsan works inside the program's open capture:
+    what graphsan keeps there counts towards the collector's thresholds, and a collection in a
+    capture can destroy an unreachable graph of the program, which invalidates the capture.
+    The collector is left as it was found; what was due runs at the next allocation after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def graph_state(graph: torch.cuda.CUDAGraph):
@@ -216,7 +233,8 @@ class GraphHooks:
             early = listener.before_capture_begin(graph)  # the stream is not capturing yet
             result = orig["capture_begin"](graph, *args, **kwargs)
             pool = args[0] if args else kwargs.get("pool")  # None: a fresh pool of its own
-            gid = listener.capture_begin(graph, pool, early)
+            with no_collection():
+                gid = listener.capture_begin(graph, pool, early)
             if gid is not None:
                 self._follow(graph, gid)
             return result
@@ -234,14 +252,15 @@ class GraphHooks:
         @functools.wraps(orig["capture_end"])
         def capture_end(graph, *args, **kwargs):
             found = side(graph, make=True)
-            if seams.capture_end is None:  # read the graph still being captured, on its stream
-                found.walked = listener.before_capture_end(graph, None)
-            try:
-                result = orig["capture_end"](graph, *args, **kwargs)
-            except BaseException:
-                found.walked = None
-                listener.capture_failed(graph)
-                raise
+            with no_collection():  # the walk's objects stay until the capture has ended
+                if seams.capture_end is None:  # read the graph still being captured
+                    found.walked = listener.before_capture_end(graph, None)
+                try:
+                    result = orig["capture_end"](graph, *args, **kwargs)
+                except BaseException:
+                    found.walked = None
+                    listener.capture_failed(graph)
+                    raise
             walked, found.walked = found.walked, None
             listener.after_capture_end(graph, walked)
             if seams.hooks and found.state is not None:
