@@ -75,7 +75,14 @@ class Phase(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc) -> None:
-        self.context._explicit.pop()
+        # this block's own entry, the last one it pushed: another thread's block may have
+        # opened since (phases are process-wide)
+        explicit = self.context._explicit
+        mine = (self.name, self.step)
+        for i in range(len(explicit) - 1, -1, -1):
+            if explicit[i] == mine:
+                del explicit[i]
+                break
 
     def __repr__(self) -> str:
         return f"graphsan.phase({self.name!r}, step={self.step!r})"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+import threading
 import time
 import traceback
 
@@ -95,7 +96,7 @@ class Sanitizer:
         self._policy = Policy.RAISE
         self.policy = policy
         self._ids = itertools.count(1)
-        self._labels: list[str] = []
+        self._labels = threading.local()  # .stack: `graphsan.label` blocks open on this thread
         self._reported: set[tuple[int, int, str]] = set()
         # findings matching one of these are counted in `suppressed`, never stop a replay
         self.suppressions: list[Suppression] = []
@@ -224,10 +225,21 @@ class Sanitizer:
 
     # -- labels -----------------------------------------------------------------------------
     def push_label(self, label: str) -> None:
-        self._labels.append(label)
+        """A `graphsan.label` block opened on this thread: captures begun on other threads keep
+        their own labels."""
+        stack = getattr(self._labels, "stack", None)
+        if stack is None:
+            stack = self._labels.stack = []
+        stack.append(label)
 
     def pop_label(self) -> None:
-        self._labels.pop()
+        stack = getattr(self._labels, "stack", None)
+        if stack:
+            stack.pop()
+
+    def _label(self) -> str | None:
+        stack = getattr(self._labels, "stack", None)
+        return stack[-1] if stack else None
 
     # -- capture (graph hooks; the capture's life is `runtime.capture`'s) ---------------------
     def before_capture_begin(self, graph) -> tuple:
@@ -260,7 +272,7 @@ class Sanitizer:
                 young += tuple(self.pinner.young_tensors())
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
-            label = self._labels[-1] if self._labels else None
+            label = self._label()
             pending = self.capture.begin(next(self._ids), label, pool, young)
             hooks.side(graph, make=True).pending = pending
             return pending.gid
