@@ -21,7 +21,9 @@ Prints a line per kernel (its name and how many specializations were compiled), 
 `kernels compile: ok on Triton X (...)` or `kernels compile: FAILED on Triton X: <launch>:
 <the error and the source line it points at>`, and exits 0 or 1. Another Triton is checked by
 putting it first on the path (`pip install --target DIR triton==3.6.*`, then
-`PYTHONPATH=DIR:src`), as CI does for the GPU machine's.
+`PYTHONPATH=DIR:src`), as CI does for the GPU machine's. What compiled is kept in Triton's
+cache under ~/.cache/graphsan/compile-kernels: a kernel whose source, options, target and
+Triton are unchanged is not compiled again (with `--digest`, a fresh cache of this run).
 
 The launches run lean by default: not every combination of shape, source dtype, option and path,
 but rows chosen so that every compile-time parameter of every kernel takes each value the full
@@ -387,7 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("kernels compile: FAILED: TRITON_INTERPRET is on, the kernels would be interpreted")
         return 1
-    cache = tempfile.mkdtemp(prefix="compile-kernels-")
+    if args.digest or args.lean_gaps:  # the digest reads every PTX of this run's cache only
+        cache = tempfile.mkdtemp(prefix="compile-kernels-")
+    else:
+        # Triton keys its cache on the kernel's source, the options, the target and its own
+        # version: a kernel found there compiled from the same inputs, and need not again
+        cache = os.path.join(os.path.expanduser("~"), ".cache", "graphsan", "compile-kernels")
     os.environ["TRITON_CACHE_DIR"] = cache
     os.environ.setdefault("TRITON_DISABLE_LINE_INFO", "1")
     try:
