@@ -195,7 +195,9 @@ class FakeAllocator:
     - every allocation is a segment of its own, in the pool allocated to last (else the
       default pool, (0, 0)), and `empty_cache(pool)` frees a private pool's segments only
       once nothing uses it and none of its blocks is alive;
-    - a `MemPool` holds a use of its pool while it lives and empties the pool when dropped.
+    - a `MemPool` holds a use of its pool while it lives and empties the pool when dropped;
+      dropped while anything else uses the pool, it aborts the process in some torch releases
+      (`aborted` says so).
 
     `Graph` is `torch._C._CUDAGraph` over it: `capture_begin` registers the default generator
     (whose seed and offset holders, two blocks, are made for the first graph registered and
@@ -216,6 +218,7 @@ class FakeAllocator:
         self.holders: list = []
         self.generator_capturing = False
         self.handles = 0
+        self.aborted: str | None = None  # what would have aborted the process
         alloc = self
 
         class Tensor:
@@ -265,7 +268,12 @@ class FakeAllocator:
                 self.id = alloc.graph_pool_handle()
                 alloc._use(alloc.uses, self.id)
 
+            def use_count(self) -> int:
+                return alloc.uses.get(self.id, 0)
+
             def __del__(self) -> None:
+                if self.use_count() != 1:  # torch's destructor asserts: the process aborts
+                    alloc.aborted = f"MemPool {self.id} destroyed with {self.use_count()} uses"
                 alloc.release(0, self.id)
                 alloc.empty_cache(self.id)
 

@@ -86,6 +86,7 @@ def test_the_probe_leaves_no_pool_holding_memory_without_the_compiled_library(mo
     assert layouts.summary() == dict.fromkeys(calibrate_families(), "confirmed"), layouts.why
     assert alloc.pools_holding_segments() == {}, "the program's snapshot would show them"
     assert alloc.uses == {}, "a pool the probe made is still in use"
+    assert alloc.aborted is None
 
 
 def recorded_launches(alloc: fake_cuda.FakeAllocator) -> tuple:
@@ -121,6 +122,7 @@ def test_the_probe_confirms_every_family_and_leaves_no_pool_holding_memory(monke
     assert alloc.pools_holding_segments() == {}, "the program's snapshot would show them"
     assert alloc.recording == [] and not alloc.generator_capturing
     assert alloc.uses == {}, "a pool the probe made is still in use"
+    assert alloc.aborted is None
 
 
 def test_a_capture_that_cannot_begin_stops_the_probe_and_says_why(monkeypatch):
@@ -140,6 +142,9 @@ def test_a_capture_that_cannot_begin_stops_the_probe_and_says_why(monkeypatch):
     assert all(w.startswith(first) for w in why.values()), why
     assert kept is not None and kept.endswith("segment(s) stayed: the pool is in use"), kept
     assert alloc.recording == []
+    assert alloc.aborted is None, "the probe's MemPool was dropped while its pool was in use"
+    assert calibrate._STRANDED, "the pool something still uses is kept for the process"
+    calibrate._STRANDED.clear()
 
 
 def calibrate_families() -> tuple[str, ...]:

@@ -65,6 +65,9 @@ def calibrate(
     return solve(probes, torch.__version__, failed), time.perf_counter() - t0, kept
 
 
+_STRANDED: list = []  # probe pools something still used when the probe ended (kept alive)
+
+
 class Route:
     """This thread's allocations routed to the probe's private pool, as `torch.cuda.use_mem_pool`
     does it, through torch's own calls: graphsan's wrappers of them are passed by (they would
@@ -81,8 +84,9 @@ class Route:
 
     def __init__(self, device: int) -> None:
         self.device = device
-        make = getattr(torch.cuda, "MemPool", None)
-        self._owner = make() if make is not None else None
+        self._owner = None
+        with contextlib.suppress(AttributeError, TypeError, RuntimeError):
+            self._owner = torch.cuda.MemPool()
         handle = self._owner.id if self._owner is not None else torch.cuda.graph_pool_handle()
         self.pool: PoolId = tuple(int(x) for x in handle)
         self.broken: str | None = None  # why a capture could not begin (the probe stops)
@@ -99,7 +103,12 @@ class Route:
             self.kept.pop().reset()  # in this pool, goes with it
         self._end(self.device, self.pool)
         torch._C._cuda_releasePool(self.device, self.pool)  # the route's own use of the pool
-        self._owner = None  # the MemPool's own use goes, and its segments with it
+        owner, self._owner = self._owner, None
+        if owner is not None and owner.use_count() != 1:
+            # something still uses the pool (a capture that failed to begin took a use): some
+            # torch releases assert, in the MemPool's destructor, that its own use is the last
+            _STRANDED.append(owner)
+        # else the MemPool's own use goes with it, and the pool's segments
 
     @contextlib.contextmanager
     def paused(self):
