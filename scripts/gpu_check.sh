@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: the recurring checks named as arguments, each under its own time limit so
 # one slow part cannot eat a whole call; logs under $OUT. A device call runs at most 10 minutes.
+# The whole check at once, its parts side by side in one call, logs packed into one file:
+#   OUT=$OUT bash scripts/gpu_check_whole.sh      (PEER_DIR=... adds PyTorch's graph tests)
 # What a change to the sanitizer or the lab needs, in two calls:
 #   call 1:  GPU_WORKERS=12 bash scripts/gpu_check.sh tests-parallel repro
 #            (every GPU test in 12 workers, the `slow` ones first, within TESTS_LIMIT, 480 s
