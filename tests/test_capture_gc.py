@@ -50,8 +50,8 @@ def env(monkeypatch, attach):
         driver,
         "walk",
         lambda graph: (
-            [fake_cuda.kernel(i, fake_cuda.SEG) for i in range(3000)],
-            WalkStats(3000, 1),
+            [fake_cuda.kernel(i, fake_cuda.SEG) for i in range(1000)],
+            WalkStats(1000, 1),
         ),
     )
     state["cls"], state["capturing"] = cls, capturing
@@ -66,7 +66,7 @@ def test_no_collection_starts_inside_a_capture_from_graphsans_work(env, fake_san
     gc.callbacks.append(capturing)
     try:
         gc.set_threshold(200, 2, 2)  # the walk's objects alone would start several
-        for _ in range(3):
+        for _ in range(2):
             g = env["cls"]()
             gc.collect()  # the program's own objects start none inside the capture
             g.capture_begin()
