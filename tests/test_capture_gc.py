@@ -77,3 +77,32 @@ def test_no_collection_starts_inside_a_capture_from_graphsans_work(env, fake_san
         gc.set_threshold(*thresholds)
     assert capturing.collections_during_capture == 0
     assert gc.isenabled(), "graphsan gives the collector back as it found it"
+
+
+def test_threads_inside_at_once_leave_the_collector_as_they_found_it():
+    import threading
+
+    from graphsan.cuda.hooks import no_collection
+
+    entered, leave = threading.Event(), threading.Event()
+
+    def later_and_longer():
+        with no_collection():
+            entered.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=later_and_longer)
+    with no_collection():  # this thread first: it found the collector on
+        other.start()
+        assert entered.wait(10)
+    assert not gc.isenabled(), "the first thread out gave the collector back under the other"
+    leave.set()
+    other.join(10)
+    assert gc.isenabled(), "the last thread out gives it back"
+    gc.disable()
+    try:
+        with no_collection():
+            pass
+        assert not gc.isenabled(), "a program that turned the collector off keeps it off"
+    finally:
+        gc.enable()

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import gc
 import os
+import threading
 import types
 import weakref
 from collections import OrderedDict
@@ -78,19 +79,29 @@ def side(graph: torch.cuda.CUDAGraph, make: bool = False) -> GraphSide | None:
     return found
 
 
+_PAUSE = threading.Lock()
+_paused = {"depth": 0, "was": False}  # captures on several threads share one collector
+
+
 @contextlib.contextmanager
 def no_collection():
     """No garbage collection starts while graphsan works inside the program's open capture:
     what graphsan keeps there counts towards the collector's thresholds, and a collection in a
     capture can destroy an unreachable graph of the program, which invalidates the capture.
-    The collector is left as it was found; what was due runs at the next allocation after."""
-    was = gc.isenabled()
-    gc.disable()
+    The collector is left as it was found, once the last thread inside is done; what was due
+    runs at the next allocation after."""
+    with _PAUSE:
+        if _paused["depth"] == 0:
+            _paused["was"] = gc.isenabled()
+            gc.disable()
+        _paused["depth"] += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _PAUSE:
+            _paused["depth"] -= 1
+            if _paused["depth"] == 0 and _paused["was"]:
+                gc.enable()
 
 
 def graph_state(graph: torch.cuda.CUDAGraph):
