@@ -68,6 +68,14 @@ def calibrate(
 _STRANDED: list = []  # probe pools something still used when the probe ended (kept alive)
 
 
+def _uses(pool) -> int | None:
+    """A MemPool's use count, None where torch cannot say (its pool is then kept)."""
+    try:
+        return int(pool.use_count())
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
 class Route:
     """This thread's allocations routed to the probe's private pool, as `torch.cuda.use_mem_pool`
     does it, through torch's own calls: graphsan's wrappers of them are passed by (they would
@@ -104,7 +112,7 @@ class Route:
         self._end(self.device, self.pool)
         torch._C._cuda_releasePool(self.device, self.pool)  # the route's own use of the pool
         owner, self._owner = self._owner, None
-        if owner is not None and owner.use_count() != 1:
+        if owner is not None and _uses(owner) != 1:
             # something still uses the pool (a capture that failed to begin took a use): some
             # torch releases assert, in the MemPool's destructor, that its own use is the last
             _STRANDED.append(owner)
