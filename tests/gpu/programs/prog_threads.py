@@ -42,12 +42,13 @@ def step(x):
 def worker(k: int) -> None:
     rng = random.Random(k)
     stream = torch.cuda.Stream()
+    draws = torch.Generator(device="cuda").manual_seed(k)  # not the one every capture registers
     try:
         start.wait(60)
         with torch.cuda.stream(stream):
             for r in range(ROUNDS):
                 n = rng.choice([1024, 1 << 16, 1 << 20])
-                x = torch.randn(n, device="cuda")
+                x = torch.randn(n, device="cuda", generator=draws)
                 want = float(step(x))  # also loads the kernels outside the capture
                 g = torch.cuda.CUDAGraph()
                 with graphsan.label(f"t{k}-r{r}") if san else contextlib.nullcontext():
