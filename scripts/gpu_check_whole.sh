@@ -11,10 +11,25 @@
 # the parts, 420), GPU_WORKERS (3 per attachment), SELFTEST_JOBS (3).
 set -u
 ROOT=$PWD
+if [ ! -d src/graphsan ] || [ ! -f scripts/gpu_check.sh ]; then
+  echo "gpu_check_whole.sh: run it from the project root (no src/graphsan in $PWD)" >&2
+  exit 2
+fi
+LIMIT=${WHOLE_LIMIT:-420}
+for knob in WHOLE_LIMIT GPU_WORKERS SELFTEST_JOBS; do
+  value=${!knob:-1}
+  if ! [[ $value =~ ^[1-9][0-9]*$ ]]; then
+    echo "gpu_check_whole.sh: $knob=$value: expected a positive whole number" >&2
+    exit 2
+  fi
+done
+if [ -n "${PEER_DIR:-}" ] && [ ! -f "$PEER_DIR/run.sh" ]; then
+  echo "gpu_check_whole.sh: PEER_DIR=$PEER_DIR: expected a folder holding run.sh" >&2
+  exit 2
+fi
 FINAL=${OUT:-/tmp/graphsan-out}
 WORK=$(mktemp -d)/gpu-check
 mkdir -p "$FINAL" "$WORK"
-LIMIT=${WHOLE_LIMIT:-420}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s)
 since() { echo "$1 $(( $(date +%s) - T0 ))s" >> "$WORK/times.txt"; }
