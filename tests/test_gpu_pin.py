@@ -51,7 +51,7 @@ def test_pin_reports_what_it_pinned_and_retained():
     assert pinned["blocks"] >= 1 and pinned["bytes"] >= 4 << 20
     assert pinned["retained_bytes"] >= 4 << 20  # x was deleted: only the pin keeps it
     # x was made just before the capture: the capture-end scan of young objects pinned it
-    assert pinned["young_scans"] >= 1 and pinned["objects_scanned"] > 0
+    assert pinned["young_scans"] >= 1 and pinned["tensors_scanned"] > 0
 
 
 def test_torchrun_reports_per_rank_and_merges(tmp_path):

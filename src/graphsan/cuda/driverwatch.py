@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,7 +43,7 @@ from graphsan.core.tracker import Tracker
 from graphsan.cuda import storage_ops
 from graphsan.cuda.context import Context, python_stack
 from graphsan.cuda.device_reads import read_now
-from graphsan.cuda.owners import storages_of
+from graphsan.cuda.owners import gc_tensors, storages_of
 
 Identity = tuple[int, int, int]  # an allocation's base, size and the driver's buffer id
 
@@ -168,7 +167,7 @@ class DriverWatch:
         ranges = sorted(own)
         starts = [start for start, _ in ranges]
         kept = 0
-        for _, storage in storages_of(gc.get_objects(), self.device_type):
+        for _, storage in storages_of(gc_tensors(), self.device_type):
             ptr = storage.data_ptr()
             i = bisect.bisect_right(starts, ptr) - 1
             if i < 0 or ptr >= ranges[i][0] + ranges[i][1] or ptr in self.kept:

@@ -25,11 +25,8 @@ pool's replay order, `graphsan.core.pool_order`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import os
-import threading
 import types
 import weakref
 from collections import OrderedDict
@@ -40,6 +37,7 @@ from typing import Protocol
 import torch
 
 from graphsan.core.patches import Patches
+from graphsan.cuda.owners import no_collection
 
 _SIDE = "_graphsan"  # the one attribute graphsan sets on a program's graph: its `GraphSide`
 
@@ -77,31 +75,6 @@ def side(graph: torch.cuda.CUDAGraph, make: bool = False) -> GraphSide | None:
     if found is None and make:
         found = own[_SIDE] = GraphSide()
     return found
-
-
-_PAUSE = threading.Lock()
-_paused = {"depth": 0, "was": False}  # captures on several threads share one collector
-
-
-@contextlib.contextmanager
-def no_collection():
-    """No garbage collection starts while graphsan works inside the program's open capture:
-    what graphsan keeps there counts towards the collector's thresholds, and a collection in a
-    capture can destroy an unreachable graph of the program, which invalidates the capture.
-    The collector is left as it was found, once the last thread inside is done; what was due
-    runs at the next allocation after."""
-    with _PAUSE:
-        if _paused["depth"] == 0:
-            _paused["was"] = gc.isenabled()
-            gc.disable()
-        _paused["depth"] += 1
-    try:
-        yield
-    finally:
-        with _PAUSE:
-            _paused["depth"] -= 1
-            if _paused["depth"] == 0 and _paused["was"]:
-                gc.enable()
 
 
 def graph_state(graph: torch.cuda.CUDAGraph):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import gc
 import itertools
 import threading
 import weakref
@@ -34,6 +33,7 @@ from graphsan.core.patches import Patches
 from graphsan.core.records import DataPtr, Frame, FreeEvent
 from graphsan.core.tracker import Tracker
 from graphsan.cuda.context import python_stack
+from graphsan.cuda.owners import gc_tensors
 
 
 @dataclass(frozen=True)
@@ -140,11 +140,9 @@ class HostWatch:
         missing = {a for a in addresses if self.pinned.locate(a) is None}
         if not missing:
             return
-        for obj in gc.get_objects():
+        for obj in gc_tensors():
             if not missing:
                 break
-            if type(obj) is not torch.Tensor and not isinstance(obj, torch.Tensor):
-                continue
             with contextlib.suppress(Exception):
                 if obj.device.type != "cpu":
                     continue

@@ -21,7 +21,6 @@ and what pinning retained: memory whose owners are gone and that only the pinner
 from __future__ import annotations
 
 import bisect
-import gc
 import time
 import weakref
 from collections import defaultdict
@@ -32,12 +31,12 @@ import torch
 
 from graphsan.core.graph_state import GraphState, WatchedBlock
 from graphsan.core.tracker import Tracker
-from graphsan.cuda.owners import storages_of
+from graphsan.cuda.owners import gc_tensors, storages_of
 
 if TYPE_CHECKING:
     from graphsan.cuda.context import Context
 
-YOUNG_SCAN_LIMIT = 200_000  # objects; past this (gc off for long) the capture-end scan waits
+YOUNG_SCAN_LIMIT = 200_000  # tensors; past this (gc off for long) the capture-end scan waits
 
 
 @runtime_checkable
@@ -70,10 +69,10 @@ class Pinner:
         self.pending: list[GraphState] = []
         self.held: dict[int, list[tuple[WatchedBlock, torch.UntypedStorage, list]]] = {}
         self.unpinnable: dict[int, list[WatchedBlock]] = {}
-        self.scans = 0  # full scans (all objects)
-        self.young_scans = 0  # capture-end scans of the youngest objects
+        self.scans = 0  # full scans (all tensors)
+        self.young_scans = 0  # capture-end scans of the youngest tensors
         self.scan_ms = 0.0
-        self.objects_scanned = 0
+        self.tensors_scanned = 0
         self._pinned_ptrs: dict[int, int] = defaultdict(int)  # storage data_ptr -> holders
         self._pinned: set[tuple[int, int]] = set()  # (id(watched block), graph id)
         self._retain: dict[int, Callable] = {}  # graph id -> its retain_object
@@ -82,20 +81,20 @@ class Pinner:
 
     # -- capture / replay -----------------------------------------------------------------------
     def young_objects(self) -> list | None:
-        """The garbage collector's two youngest generations (inputs made just before a capture),
-        taken before the capture's own analysis allocates enough to promote them; None when
-        there are too many to search cheaply (gc switched off for long)."""
-        objects = gc.get_objects(generation=0) + gc.get_objects(generation=1)
-        return objects if len(objects) <= YOUNG_SCAN_LIMIT else None
+        """The tensors in the garbage collector's two youngest generations (inputs made just
+        before a capture), taken before the capture's own analysis allocates enough to promote
+        them; None when there are too many to search cheaply (gc switched off for long)."""
+        tensors = gc_tensors(0, 1)
+        return tensors if len(tensors) <= YOUNG_SCAN_LIMIT else None
 
     def young_tensors(self) -> list:
         """Weak references to the tensors among the youngest objects, taken when a capture
         begins: an input made just before it can be promoted out of the young generations by
         the allocations of the capture itself."""
-        objects = gc.get_objects(generation=0) + gc.get_objects(generation=1)
-        if len(objects) > YOUNG_SCAN_LIMIT:
+        tensors = gc_tensors(0, 1)
+        if len(tensors) > YOUNG_SCAN_LIMIT:
             return []
-        return [weakref.ref(o) for o in objects if isinstance(o, torch.Tensor)]
+        return [weakref.ref(t) for t in tensors]
 
     def pin(
         self, state: GraphState, young: list | None = None, retain: Callable | None = None
@@ -152,11 +151,11 @@ class Pinner:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        self._scan(pending, gc.get_objects, final=True)
+        self._scan(pending, gc_tensors, final=True)
 
     def _scan(self, states: list[GraphState], get_objects, final: bool) -> None:
-        """Pin the blocks of `states` that objects from `get_objects()` own; with `final`, the
-        blocks no object owns become unpinnable. Objects are listed only when a block waits."""
+        """Pin the blocks of `states` that tensors from `get_objects()` own; with `final`, the
+        blocks no tensor owns become unpinnable. Tensors are listed only when a block waits."""
         t0 = time.perf_counter()
         blocks = sorted(
             (
@@ -198,7 +197,7 @@ class Pinner:
             self.scans += 1
         else:
             self.young_scans += 1
-        self.objects_scanned += len(objects)
+        self.tensors_scanned += len(objects)
         self.scan_ms += (time.perf_counter() - t0) * 1e3
 
     def release(self, gid: int) -> None:
@@ -262,5 +261,5 @@ class Pinner:
             "scans": self.scans,
             "young_scans": self.young_scans,
             "scan_ms": round(self.scan_ms, 3),
-            "objects_scanned": self.objects_scanned,
+            "tensors_scanned": self.tensors_scanned,
         }

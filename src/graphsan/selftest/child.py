@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import gc
 import gzip
 import json
 import sys
@@ -55,11 +54,11 @@ class Dump:
         capture.references = references
 
     def write(self, nodes, refs) -> None:
-        import torch
+        from graphsan.cuda.owners import gc_tensors
 
         storages = {}
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+        for obj in gc_tensors():
+            if obj.is_cuda:
                 try:
                     st = obj.untyped_storage()
                     storages[st.data_ptr()] = st.nbytes()
