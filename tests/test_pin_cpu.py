@@ -145,11 +145,17 @@ def test_an_input_young_when_the_capture_began_is_pinned_though_promoted_since(
     cls = fake_cuda.graph_class(monkeypatch, (1, 3), attach)
     san = fake_sanitizer(env, "pin")
     san.pinner.device_type = "cpu"
-    x = torch.randn(1000)
-    env["map"] = memmap_for(x)
-    env["nodes"] = [fake_cuda.kernel(0, x.data_ptr())]
-    g = cls()
-    g.capture_begin()
+    was = gc.isenabled()
+    gc.disable()  # x is young when the capture begins: no automatic collection promotes it first
+    try:
+        x = torch.randn(1000)
+        env["map"] = memmap_for(x)
+        env["nodes"] = [fake_cuda.kernel(0, x.data_ptr())]
+        g = cls()
+        g.capture_begin()
+    finally:
+        if was:
+            gc.enable()
     gc.collect()  # x is in the oldest generation from here on
     assert not any(o is x for o in san.pinner.young_objects() or ())
     g.capture_end()

@@ -34,19 +34,17 @@ def gc_instances(cls: type, *generations: int) -> list:
         raise ValueError(
             f"gc_instances: expected a class that is not tuple or a base of it, got {cls!r}"
         )
-    # each object twice in one stream: `compress` takes the first as the datum and the second,
-    # through `map(type, ...)`, as its selector; the whole pass is one call of `list`, in C,
-    # since `type.__subclasscheck__` on two classes runs no Python code
-    twice = itertools.chain.from_iterable(
-        map(
-            itertools.repeat,
-            itertools.chain.from_iterable(map(gc.get_objects, generations or (None,))),
-            itertools.repeat(2),
-        )
+    # one call of `list`, in C (`type.__subclasscheck__` on two classes runs no Python code):
+    # each of the collector's lists is split in two (`tee`, made after the list, so it is not in
+    # it), `compress` keeps an object of the first half where the second half's type passes;
+    # `halves` is read in turn by both arguments of the outer `map`
+    halves = itertools.chain.from_iterable(
+        map(itertools.tee, map(gc.get_objects, generations or (None,)))
     )
     keep = functools.partial(type.__subclasscheck__, cls)
+    selectors = map(map, itertools.repeat(keep), map(map, itertools.repeat(type), halves))
     with no_collection():
-        return list(itertools.compress(twice, map(keep, map(type, twice))))
+        return list(itertools.chain.from_iterable(map(itertools.compress, halves, selectors)))
 
 
 def gc_tensors(*generations: int) -> list:
