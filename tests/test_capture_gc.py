@@ -82,7 +82,7 @@ def test_no_collection_starts_inside_a_capture_from_graphsans_work(env, fake_san
 def test_threads_inside_at_once_leave_the_collector_as_they_found_it():
     import threading
 
-    from graphsan.cuda.hooks import no_collection
+    from graphsan.cuda.owners import no_collection
 
     entered, leave = threading.Event(), threading.Event()
 

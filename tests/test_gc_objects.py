@@ -108,13 +108,14 @@ def test_a_scan_held_inside_a_tuple_build_does_not_break_it(hold):
     assert build_tuple_while(how) == tuple(range(200))
 
 
-def test_the_collector_lists_nothing_the_tuple_build_can_trip_on():
-    """What the fix avoids, shown on plain `gc.get_objects`: the interpreter does fail the build
-    (if this starts passing, CPython builds tuples untracked and the care is no longer needed)."""
-    if sys.version_info >= (3, 14):
-        pytest.skip("the interpreter may build tuples untracked")
-    with pytest.raises(SystemError):
+def test_the_hazard_is_real_on_this_interpreter():
+    """What the scans avoid, shown on plain `gc.get_objects`: the interpreter fails the build
+    (3.10 to 3.13 do); where it builds tuples untracked, the care costs nothing and this skips."""
+    try:
         build_tuple_while(gc.get_objects)
+    except SystemError:
+        return
+    pytest.skip(f"Python {sys.version.split()[0]} builds tuple(generator) untracked")
 
 
 def test_threads_building_tuples_beside_graphsans_scans_never_fail():
