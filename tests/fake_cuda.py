@@ -128,6 +128,14 @@ def kernel(index: int, *addresses: int) -> KernelArgs:
 ATTACHMENTS = ("wrapped", "torch hooks")
 
 
+def captured(state: dict):
+    """A graph of `state["cls"]` (a `graph_class`), captured once."""
+    g = state["cls"]()
+    g.capture_begin()
+    g.capture_end()
+    return g
+
+
 def graph_class(monkeypatch, pool=(1, 3), attach: str = "wrapped") -> type:
     """A stand-in for `torch.cuda.CUDAGraph` (CPU torch cannot make one); `launched` counts the
     replays that really ran. `attach` picks the torch it stands for:

@@ -82,8 +82,8 @@ def test_no_object_of_the_program_is_asked_anything():
     san = fake_san()
     pinner = pinner_for(san)
     capture(san, pinner, 1, [t])
-    pinner.young_objects()
     pinner.young_tensors()
+    pinner.young_tensor_refs()
     pinner.flush()
     watch = HostWatch(
         types.SimpleNamespace(on_alloc=lambda a: None), PinnedBlocks(), lambda: None, print
@@ -95,15 +95,15 @@ def test_no_object_of_the_program_is_asked_anything():
 
 @pytest.mark.parametrize(
     "hold",
-    ["gc_tensors", "young generations", "pinner.young_objects", "pinner.young_tensors"],
+    ["gc_tensors", "young generations", "pinner.young_tensors", "pinner.young_tensor_refs"],
 )
 def test_a_scan_held_inside_a_tuple_build_does_not_break_it(hold):
     pinner = pinner_for(fake_san())
     how = {
         "gc_tensors": gc_tensors,
         "young generations": lambda: gc_tensors(0, 1),
-        "pinner.young_objects": pinner.young_objects,
         "pinner.young_tensors": pinner.young_tensors,
+        "pinner.young_tensor_refs": pinner.young_tensor_refs,
     }[hold]
     assert build_tuple_while(how) == tuple(range(200))
 
@@ -135,7 +135,7 @@ def test_threads_building_tuples_beside_graphsans_scans_never_fail():
 
     def scan():
         while not stop.is_set():
-            young = pinner.young_objects()
+            young = pinner.young_tensors()
             time.sleep(0)  # hold the list across a switch, as the capture walk does
             for _ in young or ():
                 pass

@@ -115,7 +115,7 @@ def test_inputs_made_just_before_capture_are_pinned_at_capture_end():
     pinner = pinner_for(san)
     x = torch.randn(1000)
     ptr = x.data_ptr()
-    young = pinner.young_objects()
+    young = pinner.young_tensors()
     assert young is not None and any(o is x for o in young)
     m = memmap_for(x)
     state = san.tracker.add_graph(
@@ -157,7 +157,7 @@ def test_an_input_young_when_the_capture_began_is_pinned_though_promoted_since(
         if was:
             gc.enable()
     gc.collect()  # x is in the oldest generation from here on
-    assert not any(o is x for o in san.pinner.young_objects() or ())
+    assert not any(o is x for o in san.pinner.young_tensors() or ())
     g.capture_end()
     storage = weakref.ref(x.untyped_storage())
     del x

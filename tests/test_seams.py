@@ -35,13 +35,6 @@ def env(monkeypatch):
     return state
 
 
-def captured(env):
-    g = env["cls"]()
-    g.capture_begin()
-    g.capture_end()
-    return g
-
-
 def stale(env, san):
     """The one watched block is freed and its memory handed back."""
     san.tracker.on_free(SEG, lambda: FreeEvent([("train.py", 7, "evaluate")], "eval", 5))
@@ -79,9 +72,9 @@ def test_with_torch_hooks_replay_and_reset_are_hooked_not_wrapped_and_uninstall_
         "replay_start": 0,  # never: torch swallows what it raises
         "replay_end": 0,
     }
-    g = captured(env)
+    g = fake_cuda.captured(env)
     assert len(g._replay_start_hooks) == len(g._replay_end_hooks) == 1
-    captured_again = captured(env)
+    captured_again = fake_cuda.captured(env)
     assert len(captured_again._replay_start_hooks) == 1
     san.hooks.uninstall()
     assert dict(vars(cls)) == original
@@ -94,7 +87,7 @@ def test_the_walk_reads_the_graph_torch_hands_over_and_a_stale_replay_never_laun
 ):
     san = fake_sanitizer(env, "raise")
     try:
-        g = captured(env)
+        g = fake_cuda.captured(env)
         state = hooks.graph_state(g)
         (stats,) = san.report().graphs
         assert stats["references"] == 1
@@ -114,7 +107,7 @@ def test_the_walk_reads_the_graph_torch_hands_over_and_a_stale_replay_never_laun
 
 def test_a_module_level_replay_hook_would_have_stopped_nothing(env):
     """Why graphsan never judges in torch's module-level replay-start hook: torch swallows it."""
-    g = captured(env)
+    g = fake_cuda.captured(env)
     fired = []
 
     def judge(graph):
@@ -152,7 +145,7 @@ def test_a_torch_whose_graph_hooks_swallow_too_is_wrapped_and_still_stopped(
         monkeypatch.setattr(
             driver, "capturing_graph", lambda stream: "graph"
         )  # wrapped: mid-capture
-        g = captured(env)
+        g = fake_cuda.captured(env)
         g.replay()
         stale(env, san)
         with pytest.raises(StaleMemoryError):
@@ -188,7 +181,7 @@ def test_attach_wrap_takes_none_of_torchs_hooks(env, monkeypatch, fake_sanitizer
 def test_reset_and_collection_forget_the_graph_through_its_destroy_callback(env, fake_sanitizer):
     san = fake_sanitizer(env, "raise")
     try:
-        g = captured(env)
+        g = fake_cuda.captured(env)
         gid = hooks.graph_state(g).info.id
         assert gid in san.tracker.graphs
         g.reset()
@@ -210,7 +203,7 @@ def test_pin_holds_what_it_pins_through_retain_object_until_the_policy_lets_go(e
         owner = torch.empty(1024)  # stands for the graph's input: the pinner finds its storage
         san.pinner.device_type = "cpu"
         env["map"] = fake_cuda.one_segment([(4096, "active_allocated"), (4096, "inactive")])
-        g = captured(env)
+        g = fake_cuda.captured(env)
         state = hooks.graph_state(g)
         (wb,) = state.blocks.values()
         wb.address = owner.untyped_storage().data_ptr()  # the block is the owner's memory

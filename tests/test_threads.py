@@ -22,13 +22,6 @@ def env(monkeypatch, attach):
     return state
 
 
-def captured(env):
-    g = env["cls"]()
-    g.capture_begin()
-    g.capture_end()
-    return g
-
-
 def test_a_label_names_only_the_graphs_of_its_own_thread(env, fake_sanitizer, monkeypatch):
     san = fake_sanitizer(env, "raise")
     monkeypatch.setattr(graphsan, "_current", san)
@@ -39,18 +32,20 @@ def test_a_label_names_only_the_graphs_of_its_own_thread(env, fake_sanitizer, mo
         with graphsan.label("loader"):
             opened.set()
             done.wait(10)
-            theirs.append(captured(env))
+            theirs.append(fake_cuda.captured(env))
 
     t = threading.Thread(target=labelled)
     t.start()
     assert opened.wait(10)
-    mine = captured(env)  # begun on this thread while the other thread's label block is open
+    mine = fake_cuda.captured(
+        env
+    )  # begun on this thread while the other thread's label block is open
     done.set()
     t.join(10)
     assert hooks.graph_state(theirs[0]).info.label == "loader"
     assert hooks.graph_state(mine).info.label != "loader"
     with graphsan.label("main"):
-        assert hooks.graph_state(captured(env)).info.label == "main"
+        assert hooks.graph_state(fake_cuda.captured(env)).info.label == "main"
 
 
 def test_a_phase_block_removes_its_own_entry_when_threads_interleave():
@@ -85,7 +80,7 @@ def test_threads_capturing_replaying_and_forgetting_at_once_keep_the_state_whole
     def work(k: int):
         barrier.wait(10)
         for r in range(40):
-            g = captured(env)
+            g = fake_cuda.captured(env)
             stale_now = freed.is_set()  # the block was freed before this graph was captured
             for _ in range(3):
                 try:
@@ -114,7 +109,7 @@ def test_threads_capturing_replaying_and_forgetting_at_once_keep_the_state_whole
     assert san.disabled_reason is None, san.disabled_reason
     assert seen["wrong"] == [], seen["wrong"][:5]
     # after the free, graphs captured over the freed block and still replayed are found
-    g = captured(env)
+    g = fake_cuda.captured(env)
     if policy == "raise" or policy == "pin":  # pin cannot pin memory freed before the capture
         with pytest.raises(StaleMemoryError):
             g.replay()

@@ -1,10 +1,11 @@
 """The pin policy: keep memory a live graph references alive for as long as the graph lives.
 
-At capture end, the youngest objects (the garbage collector's generations 0 and 1: inputs made
-just before the capture) are searched at once, cheaply, and the graph's other blocks are queued.
+At capture end, the tensors among the youngest objects (the garbage collector's generations 0
+and 1: inputs made just before the capture) are searched at once, cheaply, and the graph's other
+blocks are queued.
 Before the first replay after one or more captures, or earlier at the next `train()`/`eval()`
-switch or `graphsan.phase` (validation is where caches get cleared), one scan of all objects finds
-the tensors whose storage overlaps a queued block. The pinner holds a reference to each such
+switch or `graphsan.phase` (validation is where caches get cleared), one scan of all tensors finds
+those whose storage overlaps a queued block. The pinner holds a reference to each such
 storage: eager code can drop its own references, re-point a tensor (`.data =`, `set_`) or clear a
 cache, and the memory stays valid for the graph. One full scan serves every graph captured since
 the last one, so a program capturing hundreds of graphs pays for it once per capture phase.
@@ -80,26 +81,23 @@ class Pinner:
         self.attach()
 
     # -- capture / replay -----------------------------------------------------------------------
-    def young_objects(self) -> list | None:
+    def young_tensors(self) -> list | None:
         """The tensors in the garbage collector's two youngest generations (inputs made just
         before a capture), taken before the capture's own analysis allocates enough to promote
         them; None when there are too many to search cheaply (gc switched off for long)."""
         tensors = gc_tensors(0, 1)
         return tensors if len(tensors) <= YOUNG_SCAN_LIMIT else None
 
-    def young_tensors(self) -> list:
+    def young_tensor_refs(self) -> list:
         """Weak references to the tensors among the youngest objects, taken when a capture
         begins: an input made just before it can be promoted out of the young generations by
         the allocations of the capture itself."""
-        tensors = gc_tensors(0, 1)
-        if len(tensors) > YOUNG_SCAN_LIMIT:
-            return []
-        return [weakref.ref(t) for t in tensors]
+        return [weakref.ref(t) for t in self.young_tensors() or ()]
 
     def pin(
         self, state: GraphState, young: list | None = None, retain: Callable | None = None
     ) -> None:
-        """A graph was captured: pin what `young` objects own now, queue the rest. `retain`
+        """A graph was captured: pin what `young` tensors own now, queue the rest. `retain`
         (torch's `retain_object` for this graph, where it has one) holds each pinned storage
         for the graph as well, so that it outlives the graph's replays in flight."""
         if retain is not None:
@@ -153,8 +151,8 @@ class Pinner:
         pending, self.pending = self.pending, []
         self._scan(pending, gc_tensors, final=True)
 
-    def _scan(self, states: list[GraphState], get_objects, final: bool) -> None:
-        """Pin the blocks of `states` that tensors from `get_objects()` own; with `final`, the
+    def _scan(self, states: list[GraphState], list_tensors, final: bool) -> None:
+        """Pin the blocks of `states` that tensors from `list_tensors()` own; with `final`, the
         blocks no tensor owns become unpinnable. Tensors are listed only when a block waits."""
         t0 = time.perf_counter()
         blocks = sorted(
@@ -169,10 +167,10 @@ class Pinner:
         )
         if not blocks:
             return
-        objects = get_objects()
+        tensors = list_tensors()
         starts = [wb.address for wb, _ in blocks]
         found: dict[int, tuple[torch.UntypedStorage, list]] = {}
-        for obj, storage in storages_of(objects, self.device_type):
+        for obj, storage in storages_of(tensors, self.device_type):
             lo = storage.data_ptr()
             hi = lo + storage.nbytes()
             i = bisect.bisect_right(starts, hi - 1) - 1
@@ -197,7 +195,7 @@ class Pinner:
             self.scans += 1
         else:
             self.young_scans += 1
-        self.tensors_scanned += len(objects)
+        self.tensors_scanned += len(tensors)
         self.scan_ms += (time.perf_counter() - t0) * 1e3
 
     def release(self, gid: int) -> None:

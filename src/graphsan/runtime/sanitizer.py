@@ -252,7 +252,7 @@ class Sanitizer:
             device = torch.cuda.current_device()
             young = ()
             if self.pinner is not None and device not in self.capture.layouts:
-                young = tuple(self.pinner.young_tensors())
+                young = tuple(self.pinner.young_tensor_refs())
             self.capture.prepare(device)
             return young
         except Exception as err:
@@ -269,7 +269,7 @@ class Sanitizer:
                 hooks.set_graph_state(graph, None)
             young = tuple(early or ())
             if self.pinner is not None:
-                young += tuple(self.pinner.young_tensors())
+                young += tuple(self.pinner.young_tensor_refs())
             # the pool is known here only when shared (graph.pool() is not callable mid-capture);
             # a fresh pool cannot hold blocks of earlier graphs, so None loses nothing
             label = self._label()
@@ -287,11 +287,11 @@ class Sanitizer:
         if found is None or found.pending is None or not self.active:
             return None
         try:
-            # the pinner's young objects: those of now, listed before the walk and the log drain
+            # the pinner's young tensors: those of now, listed before the walk and the log drain
             # allocate, and the tensors that were young when the capture began
             young = None
             if self.pinner is not None:
-                young = self.pinner.young_objects()
+                young = self.pinner.young_tensors()
                 earlier = [t for t in (r() for r in found.pending.young) if t is not None]
                 young = earlier + young if young is not None else earlier or None
             return self.capture.walk(handle), young
