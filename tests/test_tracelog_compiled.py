@@ -17,29 +17,36 @@ import torch
 from graphsan.core.graph_state import GraphState, WatchedBlock
 from graphsan.core.records import DEFAULT_POOL, GraphInfo, ReferenceCounts
 from graphsan.core.tracker import Tracker
-from graphsan.cuda import tracelib, tracelog
+from graphsan.cuda import tracebuild, tracelib, tracelog
 from graphsan.cuda.allocator import AllocatorWatch
 from graphsan.cuda.context import Context
 from graphsan.cuda.gputrace import GpuTrace
 from tests import native
+from tests.once import once
 from tests.test_tracelog import drive, pool_of_entry
 
 # -- the compiled tracker -----------------------------------------------------------------------
 # The tests of the compiled library (`compiled`, `traced`) share one xdist worker (`--dist
-# loadgroup`, pyproject.toml), so that the module's build runs once, not once a worker.
+# loadgroup`, pyproject.toml), so that the module's build runs once, not once a worker (and
+# `once` builds it once where a pytest loses the group: the other workers load that build).
 BUILT_ONCE = pytest.mark.xdist_group("test_tracelog-compiled")
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def compiled(request):
     """tracelog.cpp built against this torch (linked to libc10 only, not attached)."""
+
+    def build(folder) -> str:
+        return tracelog.build_unattached(str(folder), native.COMPILE_FLAGS).path
+
     try:
-        folder = str(tmp_path_factory.mktemp("tracelog"))
-        return tracelog.build_unattached(folder, native.COMPILE_FLAGS)
+        path = once(request, "tracelog", build)
     except tracelog.BuildError as err:
         if "needs a C++ compiler" in str(err):
             pytest.skip(str(err))
         raise
+    # loaded as build_unattached loads it, where this Python cannot have the GPU trace
+    return tracelib.load(path, tracebuild.why_no_trace())
 
 
 @BUILT_ONCE

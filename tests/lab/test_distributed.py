@@ -23,6 +23,7 @@ from graphsan.lab.train.distributed import (
 )
 from graphsan.lab.train.trainer import train
 from tests.lab.distributed_program import KeepModel
+from tests.once import once
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = Path(__file__).with_name("distributed_program.py")
@@ -83,30 +84,35 @@ MATCHED = {
 RESUMED = dict(expert_model_parallel_size=2, use_distributed_optimizer=True, eval_interval=0)
 # The two-rank runs of the tests marked with this group are trained in one torchrun job
 # (`two_rank_runs`): starting a job costs more than a tiny run. The group keeps those tests on
-# one xdist worker (`--dist loadgroup`, pyproject.toml), so the job runs once.
+# one xdist worker (`--dist loadgroup`, pyproject.toml), and `once` runs the job once where a
+# pytest loses the group.
 ONE_JOB = pytest.mark.xdist_group("test_distributed-two-rank-runs")
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
+def two_rank_runs(request):
     """Each MATCHED configuration, then the resumed test's uninterrupted 4 iterations ("whole")
     and its first 2 saved ("first"), trained in turn by every rank of one job. Returns the
     job's folder and `ranks(name)`: the two ranks' results for one run (failing the test that
     asks where the job failed)."""
-    folder = tmp_path_factory.mktemp("two-rank-runs")
-    runs = {
-        name: tiny(expert_model_parallel_size=ep, use_distributed_optimizer=sharded)
-        for name, (ep, sharded) in MATCHED.items()
-    }
-    common = dict(RESUMED, capture_grads=(), save=str(folder / "ckpt"))
-    runs["whole"] = tiny(train_iters=4, **common)
-    runs["first"] = tiny(train_iters=2, save_interval=2, **common)  # saved after "whole"'s save
-    out = folder / "result"
-    proc = torchrun([str(PROGRAM), "--each", json.dumps(runs), str(out)])
+
+    def job(folder: Path) -> dict:
+        runs = {
+            name: tiny(expert_model_parallel_size=ep, use_distributed_optimizer=sharded)
+            for name, (ep, sharded) in MATCHED.items()
+        }
+        common = dict(RESUMED, capture_grads=(), save=str(folder / "ckpt"))
+        runs["whole"] = tiny(train_iters=4, **common)
+        runs["first"] = tiny(train_iters=2, save_interval=2, **common)  # saved after "whole"'s
+        proc = torchrun([str(PROGRAM), "--each", json.dumps(runs), str(folder / "result")])
+        return {"folder": str(folder), "rc": proc.returncode, "stderr": proc.stderr[-3000:]}
+
+    ran = once(request, "two-rank-runs", job)
+    folder = Path(ran["folder"])
 
     def ranks(name: str) -> list[dict]:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return [json.loads(Path(f"{out}.{name}.rank{r}.json").read_text()) for r in range(2)]
+        assert ran["rc"] == 0, ran["stderr"]
+        return [json.loads((folder / f"result.{name}.rank{r}.json").read_text()) for r in range(2)]
 
     return folder, ranks
 

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from graphsan.lab.train import cli as train_cli
 from graphsan.lab.train import trainer
 from graphsan.lab.train.interrupt import StoppedAtOnce, StopSignals
 from tests.gpu_programs import ROOT
+from tests.once import once
 
 ENV = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), PYTHONUNBUFFERED="1")
 LABELS = {
@@ -234,28 +236,33 @@ SCENARIOS = {  # name: (where the second signal comes, extra options)
 }
 
 
-# the four scenarios share one child process: run on one worker, it runs once
+# the four scenarios share one child process: run on one worker, it runs once (and `once`
+# runs it once where a pytest loses the group)
 TWO_SIGNALS_ONCE = pytest.mark.xdist_group("test_train_interrupt-two-signals")
 
 
 @pytest.fixture(scope="module")
-def two_signals(tmp_path_factory):
+def two_signals(request):
     """Each scenario's (exit status, error lines, --save folder), from one child process."""
-    root = tmp_path_factory.mktemp("two-signals")
-    runs = {
-        name: (where, train_command(root / name, "--train-iters", "5", *extra)[4:])
-        for name, (where, extra) in SCENARIOS.items()
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", TWO_SIGNALS, json.dumps(runs)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ended = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {name: (r["rc"], r["lines"], root / name) for name, r in ended.items()}
+
+    def child(root: Path) -> dict:
+        runs = {
+            name: (where, train_command(root / name, "--train-iters", "5", *extra)[4:])
+            for name, (where, extra) in SCENARIOS.items()
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", TWO_SIGNALS, json.dumps(runs)],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ended = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {name: (r["rc"], r["lines"], str(root / name)) for name, r in ended.items()}
+
+    ran = once(request, "two-signals", child)
+    return {name: (rc, lines, Path(save)) for name, (rc, lines, save) in ran.items()}
 
 
 @TWO_SIGNALS_ONCE
