@@ -139,23 +139,20 @@ def test_an_input_young_when_the_capture_began_is_pinned_though_promoted_since(
     import gc
     import weakref
 
+    from graphsan.cuda.owners import no_collection
     from tests import fake_cuda
 
     env = fake_cuda.install(monkeypatch, "void k(float*)", stream=1)
     cls = fake_cuda.graph_class(monkeypatch, (1, 3), attach)
     san = fake_sanitizer(env, "pin")
     san.pinner.device_type = "cpu"
-    was = gc.isenabled()
-    gc.disable()  # x is young when the capture begins: no automatic collection promotes it first
-    try:
+    # x is young when the capture begins: no automatic collection promotes it first
+    with no_collection():
         x = torch.randn(1000)
         env["map"] = memmap_for(x)
         env["nodes"] = [fake_cuda.kernel(0, x.data_ptr())]
         g = cls()
         g.capture_begin()
-    finally:
-        if was:
-            gc.enable()
     gc.collect()  # x is in the oldest generation from here on
     assert not any(o is x for o in san.pinner.young_tensors() or ())
     g.capture_end()

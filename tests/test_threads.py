@@ -37,9 +37,8 @@ def test_a_label_names_only_the_graphs_of_its_own_thread(env, fake_sanitizer, mo
     t = threading.Thread(target=labelled)
     t.start()
     assert opened.wait(10)
-    mine = fake_cuda.captured(
-        env
-    )  # begun on this thread while the other thread's label block is open
+    # begun on this thread while the other thread's label block is open
+    mine = fake_cuda.captured(env)
     done.set()
     t.join(10)
     assert hooks.graph_state(theirs[0]).info.label == "loader"
